@@ -1,0 +1,3 @@
+from rlhf_lightning.cli import main
+
+main()

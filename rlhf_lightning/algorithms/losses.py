@@ -1,0 +1,107 @@
+"""PPO losses and per-token quantities derived from logits."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from rlhf_lightning.algorithms.masked import masked_mean, masked_var
+
+
+def logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
+    """log softmax(logits)[label] = logits[label] - logsumexp(logits), without a ``[..., V]`` log-softmax.
+
+    Shapes: ``logits`` ``[..., V]``, ``labels`` ``[...]`` (integer) -> ``[...]``.
+    """
+    picked = torch.gather(logits, -1, labels.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of softmax(logits): H = logsumexp(z) - sum_v softmax(z)_v * z_v. Shapes: ``[..., V]`` -> ``[...]``."""
+    return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
+
+
+class PolicyLossOutput(NamedTuple):
+    """PPO clipped policy loss (differentiable) and detached diagnostics, all 0-dim tensors."""
+
+    loss: Tensor
+    clipfrac: Tensor
+    approx_kl: Tensor
+    ratio_mean: Tensor
+
+
+def policy_loss(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, clip_range: float
+) -> PolicyLossOutput:
+    """PPO-clip loss: masked mean of max(-A * ratio, -A * clamp(ratio, 1 - c, 1 + c)), ratio = pi / pi_old.
+
+    The mean runs over all valid tokens of the minibatch. clipfrac is the share of valid tokens where the
+    clipped term is the larger one (no gradient flows there); approx_kl = masked mean of (ratio - 1) - log ratio
+    (k3, non-negative). Shapes: ``[B, T]`` inputs -> 0-dim outputs.
+    """
+    if clip_range < 0:
+        raise ValueError(f"clip_range must be >= 0, got {clip_range}.")
+    valid = mask.bool()
+    # Zero the log-ratio at padding before exp: garbage there could overflow to inf, and inf in the
+    # forward pass turns the zero gradient of the masked mean into NaN (0 * inf) on the way back.
+    log_ratio = torch.where(valid, logprobs - old_logprobs, torch.zeros_like(logprobs))
+    advantages = torch.where(valid, advantages, torch.zeros_like(advantages))
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    loss = masked_mean(torch.maximum(unclipped, clipped), valid)
+    with torch.no_grad():
+        clipfrac = masked_mean((clipped > unclipped).to(ratio.dtype), valid)
+        approx_kl = masked_mean((ratio - 1.0) - log_ratio, valid)
+        ratio_mean = masked_mean(ratio, valid)
+    return PolicyLossOutput(loss, clipfrac, approx_kl, ratio_mean)
+
+
+class ValueLossOutput(NamedTuple):
+    """Value-function loss (differentiable) and the detached share of clipped tokens, both 0-dim tensors."""
+
+    loss: Tensor
+    clipfrac: Tensor
+
+
+def value_loss(
+    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip_range_value: float | None
+) -> ValueLossOutput:
+    """Value loss 0.5 * masked_mean(max((V - R)^2, (V_clip - R)^2)), V_clip = V_old + clamp(V - V_old, -c, c).
+
+    With ``clip_range_value=None`` it is the plain 0.5 * masked_mean((V - R)^2) and clipfrac is 0.
+    clipfrac is the share of valid tokens where the clipped error is the larger one.
+    Shapes: ``[B, T]`` inputs -> 0-dim outputs.
+    """
+    valid = mask.bool()
+    # Same reason as in policy_loss: keep padding finite so masked-out tokens get a zero, not NaN, gradient.
+    values = torch.where(valid, values, torch.zeros_like(values))
+    old_values = torch.where(valid, old_values, torch.zeros_like(old_values))
+    returns = torch.where(valid, returns, torch.zeros_like(returns))
+    unclipped = (values - returns) ** 2
+    if clip_range_value is None:
+        return ValueLossOutput(0.5 * masked_mean(unclipped, valid), values.new_zeros(()))
+    if clip_range_value < 0:
+        raise ValueError(f"clip_range_value must be >= 0 or None, got {clip_range_value}.")
+    clipped_values = old_values + torch.clamp(values - old_values, -clip_range_value, clip_range_value)
+    clipped = (clipped_values - returns) ** 2
+    loss = 0.5 * masked_mean(torch.maximum(unclipped, clipped), valid)
+    with torch.no_grad():
+        clipfrac = masked_mean((clipped > unclipped).to(values.dtype), valid)
+    return ValueLossOutput(loss, clipfrac)
+
+
+@torch.no_grad()
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
+    """Share of the returns' variance the value head explains: 1 - var(R - V) / var(R), over valid tokens.
+
+    Uses unbiased masked variances. When var(R) == 0 the ratio is undefined and 0 is returned instead of
+    NaN/inf. A diagnostic, so no gradient. Shapes: ``[B, T]`` inputs -> 0-dim output.
+    """
+    var_returns = masked_var(returns, mask)
+    var_residual = masked_var(returns - values, mask)
+    safe_var_returns = torch.where(var_returns > 0, var_returns, torch.ones_like(var_returns))
+    return torch.where(var_returns > 0, 1.0 - var_residual / safe_var_returns, torch.zeros_like(var_returns))

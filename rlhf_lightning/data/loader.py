@@ -1,0 +1,104 @@
+"""A training loader that Lightning can checkpoint mid-epoch and resume exactly."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class ResumableLoader:
+    """Shuffled batches, deterministic from ``(seed, epoch)``, that resume mid-epoch from a checkpoint.
+
+    Lightning stores ``state_dict()`` in its checkpoints and hands it back on resume, and it does not prefetch
+    from loaders with a length, so the state counts exactly the batches already trained on. Under DDP each rank
+    takes its own shard of every epoch's permutation (the tail that does not divide evenly is dropped, so all
+    ranks run the same number of steps). Not a ``DataLoader`` subclass, so Lightning leaves the sharding to us.
+
+    Args:
+        dataset: any indexable collection of examples.
+        batch_size: examples per batch on each rank.
+        collate_fn: turns a list of examples into a batch.
+        shuffle: reshuffle every epoch.
+        drop_last: drop the last, smaller batch of each epoch.
+        seed: seed of the shuffling.
+        num_workers: worker processes for collation.
+    """
+
+    def __init__(
+        self,
+        dataset: Sequence[Any],
+        batch_size: int,
+        collate_fn: Callable[[list[Any]], Any],
+        shuffle: bool = True,
+        drop_last: bool = True,
+        seed: int = 0,
+        num_workers: int = 0,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.collate_fn = collate_fn
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.seed = seed
+        self.num_workers = num_workers
+        self.epoch = 0
+        self.batches_done = 0
+        if len(self) == 0:
+            raise ValueError(
+                f"{len(dataset)} examples make no batch of {batch_size} per rank; lower the batch size"
+            )
+
+    def _epoch_batches(self) -> list[list[int]]:
+        rank, world = _rank_and_world()
+        n = len(self.dataset)
+        if self.shuffle:
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+        else:
+            order = list(range(n))
+        mine = order[: n // world * world][rank::world]
+        batches = [mine[i : i + self.batch_size] for i in range(0, len(mine), self.batch_size)]
+        if self.drop_last and batches and len(batches[-1]) < self.batch_size:
+            batches.pop()
+        return batches
+
+    def __len__(self) -> int:
+        _, world = _rank_and_world()
+        per_rank = len(self.dataset) // world
+        return per_rank // self.batch_size if self.drop_last else -(-per_rank // self.batch_size)
+
+    def __iter__(self) -> Iterator[Any]:
+        batches = self._epoch_batches()
+        if self.batches_done >= len(batches):  # resumed from a checkpoint taken at the end of an epoch
+            self.epoch, self.batches_done = self.epoch + 1, 0
+            batches = self._epoch_batches()
+        loader = DataLoader(
+            self.dataset,
+            batch_sampler=batches[self.batches_done :],
+            collate_fn=self.collate_fn,
+            num_workers=self.num_workers,
+        )
+        for batch in loader:
+            # Counted before the yield: a checkpoint taken while this batch trains must not replay it.
+            self.batches_done += 1
+            yield batch
+        self.epoch, self.batches_done = self.epoch + 1, 0
+
+    def state_dict(self) -> dict[str, int]:
+        """Where the loader is: the epoch and the batches of it already handed out."""
+        return {"epoch": self.epoch, "batches_done": self.batches_done, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue from ``state`` on the next ``iter()``."""
+        self.epoch, self.batches_done = state["epoch"], state["batches_done"]

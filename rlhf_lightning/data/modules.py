@@ -1,0 +1,265 @@
+"""LightningDataModules of the three stages: SFT demonstrations, preference pairs and prompts for RL.
+
+Each reads rows from ``dataset`` (the embedded ``synthetic`` task, a JSONL/JSON/Parquet file, a folder or a
+``datasets`` hub id), checks and tokenizes every row once in ``setup``, and serves resumable training batches.
+The tokenizer is the LightningModule's, so model and data can never disagree on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from functools import partial
+from typing import Any, ClassVar, Literal
+
+import lightning as L
+from torch.utils.data import DataLoader
+from transformers import PreTrainedTokenizerBase
+
+from rlhf_lightning.data.collate import (
+    EncodedPair,
+    EncodedPrompt,
+    EncodedSFT,
+    collate_pairs,
+    collate_prompts,
+    collate_sft,
+)
+from rlhf_lightning.data.formats import parse_preference, parse_prompt, parse_sft
+from rlhf_lightning.data.loader import ResumableLoader
+from rlhf_lightning.data.sources import DataFormatError, Record, read_records
+from rlhf_lightning.data.tokenize import encode_completion, encode_prompt
+
+log = logging.getLogger(__name__)
+
+SYNTHETIC = "synthetic"
+
+
+class StageDataModule(L.LightningDataModule):
+    """What the stage data modules share: where rows come from, the validation split, batching.
+
+    Args:
+        dataset: ``synthetic`` (the embedded task, generated from ``seed``), a ``.jsonl``/``.json``/``.parquet``
+            file, a folder saved by ``datasets``, or a ``datasets`` hub id.
+        split: split to read from a ``datasets`` folder or hub id.
+        val_dataset: where validation rows come from (same forms); null holds out ``val_fraction`` of
+            ``dataset``.
+        val_split: split of ``val_dataset`` to read.
+        val_fraction: share of ``dataset`` held out for validation when ``val_dataset`` is null (0 = none).
+        synthetic_rows: rows generated when ``dataset`` is ``synthetic``.
+        batch_size: examples per training batch on each device.
+        val_batch_size: examples per validation batch; null = ``batch_size``.
+        max_length: longest example in tokens.
+        on_too_long: ``skip`` drops longer examples with a logged count and the first few rows; ``error`` stops
+            at the first one.
+        num_workers: DataLoader worker processes.
+        seed: seed of the synthetic rows, the validation hold-out and the shuffling.
+    """
+
+    kind: ClassVar[str]
+
+    def __init__(
+        self,
+        dataset: str = SYNTHETIC,
+        split: str = "train",
+        val_dataset: str | None = None,
+        val_split: str = "test",
+        val_fraction: float = 0.05,
+        synthetic_rows: int = 10_000,
+        batch_size: int = 32,
+        val_batch_size: int | None = None,
+        max_length: int = 512,
+        on_too_long: Literal["skip", "error"] = "skip",
+        num_workers: int = 0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if not 0.0 <= val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        self.dataset = dataset
+        self.split = split
+        self.val_dataset = val_dataset
+        self.val_split = val_split
+        self.val_fraction = val_fraction
+        self.synthetic_rows = synthetic_rows
+        self.batch_size = batch_size
+        self.val_batch_size = val_batch_size or batch_size
+        self.max_length = max_length
+        self.on_too_long = on_too_long
+        self.num_workers = num_workers
+        self.seed = seed
+        self.tokenizer: PreTrainedTokenizerBase | None = None
+        self.train_set: list[Any] | None = None
+        self.val_set: list[Any] = []
+
+    # ---- what subclasses define ---------------------------------------------------------------------------
+
+    def synthetic(self, n: int) -> list[dict]:
+        """``n`` rows of the embedded task in this stage's format."""
+        raise NotImplementedError
+
+    def encode(self, record: Record) -> Any:
+        """Parse and tokenize one row; raise ``DataFormatError`` naming ``record.where`` if it is malformed."""
+        raise NotImplementedError
+
+    def length(self, example: Any) -> int:
+        """Length in tokens that ``max_length`` limits."""
+        raise NotImplementedError
+
+    def collate(self, examples: list[Any]) -> dict:
+        raise NotImplementedError
+
+    # ---- Lightning hooks --------------------------------------------------------------------------------
+
+    def setup(self, stage: str) -> None:
+        if self.train_set is not None:
+            return
+        if self.tokenizer is None:
+            self.tokenizer = self.trainer.lightning_module.tokenizer
+        records = self._read(self.dataset, self.split)
+        if self.val_dataset is not None:
+            val_records = self._read(self.val_dataset, self.val_split)
+        else:
+            records, val_records = self._hold_out(records)
+        self.train_set = self._encode_all(records, self.dataset)
+        self.val_set = self._encode_all(val_records, self.val_dataset or self.dataset) if val_records else []
+
+    def train_dataloader(self) -> ResumableLoader:
+        return ResumableLoader(
+            self.train_set, self.batch_size, self.collate, shuffle=True, seed=self.seed, num_workers=self.num_workers
+        )
+
+    def val_dataloader(self) -> DataLoader | list:
+        if not self.val_set:
+            return []
+        return DataLoader(
+            self.val_set, batch_size=self.val_batch_size, collate_fn=self.collate, num_workers=self.num_workers
+        )
+
+    # ---- helpers ----------------------------------------------------------------------------------------
+
+    def _read(self, dataset: str, split: str) -> list[Record]:
+        if dataset == SYNTHETIC:
+            rows = self.synthetic(self.synthetic_rows)
+            return [Record(f"synthetic[{self.kind}] row {i + 1}", row) for i, row in enumerate(rows)]
+        return read_records(dataset, split)
+
+    def _hold_out(self, records: list[Record]) -> tuple[list[Record], list[Record]]:
+        n_val = int(len(records) * self.val_fraction)
+        if n_val == 0:
+            return records, []
+        order = list(range(len(records)))
+        random.Random(self.seed).shuffle(order)
+        val = set(order[:n_val])
+        return [r for i, r in enumerate(records) if i not in val], [r for i, r in enumerate(records) if i in val]
+
+    def _encode_all(self, records: list[Record], source: str) -> list[Any]:
+        examples, too_long = [], []
+        for record in records:
+            example = self.encode(record)
+            if self.length(example) > self.max_length:
+                if self.on_too_long == "error":
+                    raise DataFormatError(
+                        f"{record.where}: {self.length(example)} tokens, over max_length={self.max_length} "
+                        "(raise max_length, or set on_too_long: skip)"
+                    )
+                too_long.append(record.where)
+                continue
+            examples.append(example)
+        if too_long:
+            log.warning(
+                "%s: skipped %d of %d examples longer than max_length=%d tokens (first: %s)",
+                source, len(too_long), len(records), self.max_length, ", ".join(too_long[:3]),
+            )
+        if not examples:
+            raise DataFormatError(f"{source}: no usable examples (all {len(records)} longer than max_length?)")
+        return examples
+
+
+class SFTDataModule(StageDataModule):
+    """Demonstrations for supervised fine-tuning.
+
+    Rows are ``prompt``/``completion`` (text, or message lists), ``text`` (loss on every token) or ``messages``
+    (loss on the last assistant message). The completion is closed with EOS.
+    """
+
+    kind = "sft"
+
+    def synthetic(self, n: int) -> list[dict]:
+        from rlhf_lightning.tasks.synthetic import SyntheticTask
+
+        return SyntheticTask(seed=self.seed).sft_rows(n)
+
+    def encode(self, record: Record) -> EncodedSFT:
+        example = parse_sft(record)
+        prompt_ids = encode_prompt(self.tokenizer, example.prompt, record.where)
+        completion_ids = encode_completion(self.tokenizer, example.prompt, example.completion, prompt_ids,
+                                           record.where)
+        return EncodedSFT(prompt_ids + completion_ids, len(prompt_ids))
+
+    def length(self, example: EncodedSFT) -> int:
+        return len(example.input_ids)
+
+    def collate(self, examples: list[EncodedSFT]) -> dict:
+        return collate_sft(examples, self.tokenizer.pad_token_id)
+
+
+class PreferenceDataModule(StageDataModule):
+    """Preference pairs for a Bradley-Terry reward model.
+
+    Rows are ``prompt``/``chosen``/``rejected`` (text, or message lists), or only ``chosen``/``rejected`` holding
+    whole transcripts (Anthropic HH style; the shared beginning becomes the prompt). An optional ``margin``
+    column asks for ``r_chosen - r_rejected`` to exceed it; optional ``gold_chosen``/``gold_rejected`` (true
+    scores, as the synthetic task has) add accuracy against the gold order to validation.
+    """
+
+    kind = "preferences"
+
+    def synthetic(self, n: int) -> list[dict]:
+        from rlhf_lightning.tasks.synthetic import SyntheticTask
+
+        return SyntheticTask(seed=self.seed).preference_rows(n)
+
+    def encode(self, record: Record) -> EncodedPair:
+        example = parse_preference(record)
+        prompt_ids = encode_prompt(self.tokenizer, example.prompt, record.where)
+        encode = partial(encode_completion, self.tokenizer, example.prompt, prompt_ids=prompt_ids,
+                         where=record.where)
+        return EncodedPair(
+            prompt_ids + encode(completion=example.chosen),
+            prompt_ids + encode(completion=example.rejected),
+            example.margin,
+            example.gold_chosen,
+            example.gold_rejected,
+        )
+
+    def length(self, example: EncodedPair) -> int:
+        return max(len(example.chosen_ids), len(example.rejected_ids))
+
+    def collate(self, examples: list[EncodedPair]) -> dict:
+        return collate_pairs(examples, self.tokenizer.pad_token_id)
+
+
+class PromptDataModule(StageDataModule):
+    """Prompts for reinforcement learning: a ``prompt`` column of text or messages (the assistant turn is
+    opened by the chat template). ``batch_size`` is the number of prompts per rollout on each device, and
+    ``max_length`` limits the prompt alone."""
+
+    kind = "prompts"
+
+    def synthetic(self, n: int) -> list[dict]:
+        from rlhf_lightning.tasks.synthetic import SyntheticTask
+
+        return SyntheticTask(seed=self.seed).prompt_rows(n)
+
+    def encode(self, record: Record) -> EncodedPrompt:
+        example = parse_prompt(record)
+        ids = encode_prompt(self.tokenizer, example.prompt, record.where)
+        if not ids:
+            raise DataFormatError(f"{record.where}: the prompt has no tokens; generation needs at least one")
+        return EncodedPrompt(ids, self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def length(self, example: EncodedPrompt) -> int:
+        return len(example.input_ids)
+
+    def collate(self, examples: list[EncodedPrompt]) -> dict:
+        return collate_prompts(examples, self.tokenizer.pad_token_id)

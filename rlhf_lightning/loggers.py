@@ -1,0 +1,63 @@
+"""W&B logging that works on a laptop with no account: offline unless an API key is configured."""
+
+from __future__ import annotations
+
+import netrc
+import os
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from lightning.pytorch.loggers import WandbLogger as LightningWandbLogger
+
+DEFAULT_HOST = "api.wandb.ai"
+
+
+def wandb_api_key_configured() -> bool:
+    """Whether W&B can authenticate: ``WANDB_API_KEY``, an identity token file, or a ``.netrc`` entry for the
+    W&B host (``WANDB_BASE_URL`` for a self-hosted server), as ``wandb login`` writes."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", f"https://{DEFAULT_HOST}")).hostname or DEFAULT_HOST
+    path = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    try:
+        return path.is_file() and netrc.netrc(str(path)).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+class WandbLogger(LightningWandbLogger):
+    """Lightning's ``WandbLogger``, offline automatically when no W&B API key is configured.
+
+    An offline run is written under ``save_dir/wandb`` and can be uploaded later with ``wandb sync``.
+    ``WANDB_MODE=disabled`` in the environment turns W&B off entirely.
+
+    Args:
+        project: W&B project.
+        name: run name; null lets W&B choose.
+        save_dir: folder that receives the ``wandb`` run folder.
+        offline: force offline (true) or online (false); null = offline unless an API key is configured.
+        log_model: upload checkpoints as W&B artifacts (online only).
+        tags: W&B tags of the run.
+        group: W&B group of the run (e.g. one per pipeline).
+    """
+
+    def __init__(
+        self,
+        project: str = "rlhf-lightning",
+        name: str | None = None,
+        save_dir: str = "outputs",
+        offline: bool | None = None,
+        log_model: bool = False,
+        tags: list[str] | None = None,
+        group: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if offline is None:
+            offline = not wandb_api_key_configured()
+        Path(save_dir).mkdir(parents=True, exist_ok=True)
+        super().__init__(
+            project=project, name=name, save_dir=save_dir, offline=offline, log_model=log_model and not offline,
+            tags=tags, group=group, **kwargs,
+        )
+        self._wandb_init.pop("anonymous", None)  # deprecated in wandb, which warns about it on every run

@@ -1,0 +1,48 @@
+"""torchmetrics metrics that aggregate correctly over batches and devices."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torchmetrics import Metric
+
+
+class PairwiseAccuracy(Metric):
+    """Fraction of pairs whose preferred item scores higher; a tie counts as half right."""
+
+    full_state_update = False
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.add_state("correct", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("total", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, preferred: Tensor, other: Tensor) -> None:
+        self.correct += (preferred > other).sum() + 0.5 * (preferred == other).sum()
+        self.total += preferred.numel()
+
+    def compute(self) -> Tensor:
+        return (self.correct / self.total.clamp(min=1)).float()
+
+
+class MeanStd(Metric):
+    """Mean and (unbiased) standard deviation of every value seen."""
+
+    full_state_update = False
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        for name in ("count", "total", "total_squares"):
+            self.add_state(name, default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, values: Tensor) -> None:
+        values = values.detach().double()
+        self.count += values.numel()
+        self.total += values.sum()
+        self.total_squares += (values**2).sum()
+
+    def compute(self) -> tuple[Tensor, Tensor]:
+        count = self.count.clamp(min=1)
+        mean = self.total / count
+        variance = (self.total_squares - count * mean**2) / (count - 1).clamp(min=1)
+        return mean.float(), variance.clamp(min=0).sqrt().float()

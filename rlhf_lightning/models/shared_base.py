@@ -1,0 +1,249 @@
+"""One frozen causal LM seen through named LoRA adapters: the heart of the project.
+
+Every role is a view of the same base weights::
+
+    policy    = adapter "policy"                 (trainable)
+    reference = the base with adapters disabled  (frozen)
+    critic    = adapter "critic" + value head    (trainable)
+    reward    = adapter "reward" + score head    (frozen during PPO)
+
+so the base weights are in memory once, whatever the number of roles.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from peft import PeftModel, get_peft_model
+from torch import Tensor, nn
+from transformers import PreTrainedModel
+
+from rlhf_lightning.models.heads import ScalarHead
+from rlhf_lightning.models.spec import LoraSpec
+
+REFERENCE = None  # the role name of the plain base model
+
+
+def adapter_of(parameter_name: str) -> str | None:
+    """The adapter a peft parameter belongs to (``...lora_A.policy.weight`` -> ``policy``), or None for the base."""
+    parts = parameter_name.split(".")
+    for part, following in zip(parts, parts[1:], strict=False):
+        if part.startswith("lora_"):
+            return following
+    return None
+
+
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """Positions counted over real tokens only, so a left-padded prompt starts at position 0."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+class SharedBase(nn.Module):
+    """A frozen causal LM with named LoRA adapters and scalar heads, each role a view of the same weights.
+
+    ``with base.role("policy"): ...`` runs the block through the policy adapter alone; ``base.role(None)`` runs
+    the plain base model (the reference). Heads live in ``heads`` under the name of their adapter.
+
+    Args:
+        model: the Hugging Face causal LM. Its weights are frozen here unless ``train_base`` is set.
+        train_base: fine-tune the base weights too (full fine-tuning instead of adapters).
+    """
+
+    def __init__(self, model: PreTrainedModel, train_base: bool = False) -> None:
+        super().__init__()
+        self.model: PreTrainedModel | PeftModel = model
+        self.heads = nn.ModuleDict()
+        self.train_base = train_base
+        self.trainable_adapters: set[str] = set()
+        self._requires_grad: list[tuple[nn.Parameter, bool]] = []
+        self._update_requires_grad()
+
+    # ---- structure -------------------------------------------------------------------------------------
+
+    @property
+    def hf_model(self) -> PreTrainedModel:
+        """The underlying transformers model (with adapter layers injected, if any)."""
+        return self.model.get_base_model() if isinstance(self.model, PeftModel) else self.model
+
+    @property
+    def hidden_size(self) -> int:
+        return self.hf_model.get_input_embeddings().embedding_dim
+
+    @property
+    def adapters(self) -> list[str]:
+        """Names of the adapters on the base."""
+        return list(self.model.peft_config) if isinstance(self.model, PeftModel) else []
+
+    def add_adapter(self, name: str, lora: LoraSpec, trainable: bool = True) -> None:
+        """Add a fresh LoRA adapter ``name``. Its output starts at zero: the role equals the base model."""
+        if name in self.adapters:
+            raise ValueError(f"adapter {name!r} already exists")
+        if isinstance(self.model, PeftModel):
+            self.model.add_adapter(name, lora.to_peft())
+        else:
+            self.model = get_peft_model(self.model, lora.to_peft(), adapter_name=name)
+        if trainable:
+            self.trainable_adapters.add(name)
+        self._update_requires_grad()
+
+    def load_adapter(self, directory: str | Path, name: str, trainable: bool = False) -> None:
+        """Load an adapter saved by :meth:`save_adapter` (peft format), and its head if one is beside it."""
+        directory = str(directory)
+        if not (Path(directory) / "adapter_config.json").exists():
+            raise FileNotFoundError(f"{directory}/adapter_config.json not found: not a peft adapter folder")
+        if isinstance(self.model, PeftModel):
+            self.model.load_adapter(directory, adapter_name=name, is_trainable=trainable)
+        else:
+            self.model = PeftModel.from_pretrained(self.model, directory, adapter_name=name, is_trainable=trainable)
+        if trainable:
+            self.trainable_adapters.add(name)
+        if ScalarHead.exists(directory):
+            self.heads[name] = ScalarHead.load(directory, expected_hidden_size=self.hidden_size)
+            self.heads[name].requires_grad_(trainable)
+        self._update_requires_grad()
+
+    def add_head(self, name: str) -> ScalarHead:
+        """A fresh scalar head for role ``name`` (trainable)."""
+        self.heads[name] = ScalarHead(self.hidden_size).to(self.hf_model.device)
+        return self.heads[name]
+
+    def copy_adapter(self, source: str, target: str) -> None:
+        """Copy adapter ``source``'s weights and head into adapter ``target`` (same LoRA shape required)."""
+        parameters = dict(self.model.named_parameters())
+        copied = 0
+        with torch.no_grad():
+            for name, parameter in parameters.items():
+                if adapter_of(name) == target:
+                    source_name = name.replace(f".{target}.", f".{source}.")
+                    if source_name not in parameters or parameters[source_name].shape != parameter.shape:
+                        raise ValueError(
+                            f"cannot copy adapter {source!r} into {target!r}: {source_name} is missing or has "
+                            "another shape; give both the same LoRA rank and target modules"
+                        )
+                    parameter.copy_(parameters[source_name])
+                    copied += 1
+            if source in self.heads and target in self.heads:
+                self.heads[target].load_state_dict(self.heads[source].state_dict())
+        if copied == 0:
+            raise ValueError(f"adapter {target!r} has no parameters to copy into")
+
+    def save_adapter(self, name: str, directory: str | Path) -> Path:
+        """Write adapter ``name`` in peft format (readable by ``PeftModel.from_pretrained``) plus its head.
+
+        Returns the folder holding the adapter: ``directory/name``.
+        """
+        directory = Path(directory)
+        self.model.save_pretrained(str(directory), selected_adapters=[name])
+        # peft writes every adapter but "default" into a sub-folder named after it.
+        adapter_dir = directory if name == "default" else directory / name
+        if name in self.heads:
+            self.heads[name].save(adapter_dir)
+        return adapter_dir
+
+    def merged_state_dict(self, adapter: str | None) -> dict[str, Tensor]:
+        """Weights of a plain transformers model equal to the base with ``adapter`` folded in.
+
+        Non-destructive: the base is not touched (merging in place and unmerging would leave rounding drift in
+        weights the reference relies on). ``None`` gives the base alone.
+        """
+        modules = dict(self.hf_model.named_modules())
+        state = {}
+        for key, value in self.hf_model.state_dict().items():
+            if adapter_of(key) is not None:
+                continue
+            if ".base_layer." in key:
+                module_name, _, parameter_name = key.partition(".base_layer.")
+                layer = modules[module_name]
+                if parameter_name == "weight" and adapter is not None and adapter in getattr(layer, "lora_A", {}):
+                    value = value + layer.get_delta_weight(adapter).to(value.dtype)
+                key = f"{module_name}.{parameter_name}"
+            state[key] = value
+        return state
+
+    def save_merged(self, adapter: str | None, directory: str | Path, tokenizer=None) -> Path:
+        """Write a standalone transformers model (``from_pretrained``-able) with ``adapter`` merged in."""
+        directory = Path(directory)
+        if isinstance(self.model, PeftModel):
+            self.hf_model.save_pretrained(directory, state_dict=self.merged_state_dict(adapter))
+        else:
+            self.hf_model.save_pretrained(directory)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(directory)
+        return directory
+
+    def base_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """The base model's own parameters (not adapters, not heads)."""
+        for name, parameter in self.model.named_parameters():
+            if adapter_of(name) is None:
+                yield name, parameter
+
+    # ---- roles ------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def role(self, adapter: str | None) -> Iterator[None]:
+        """Run the block with only ``adapter`` active; ``None`` runs the plain base model (the reference)."""
+        if not isinstance(self.model, PeftModel):
+            if adapter is not None:
+                raise ValueError(f"no adapter {adapter!r}: the base has no adapters")
+            yield
+            return
+        if adapter is None:
+            with self.model.disable_adapter():
+                yield
+            return
+        if adapter not in self.model.peft_config:
+            raise ValueError(f"no adapter {adapter!r}; the base has {self.adapters}")
+        previous = self.model.active_adapter
+        self._activate(adapter)
+        try:
+            yield
+        finally:
+            self._activate(previous)
+
+    def _activate(self, adapter: str) -> None:
+        if self.model.active_adapter != adapter:
+            self.model.set_adapter(adapter)
+            # peft makes the active adapter trainable and the others frozen; trainability is ours to decide.
+            self._apply_requires_grad()
+
+    def _update_requires_grad(self) -> None:
+        flags = []
+        for name, parameter in self.model.named_parameters():
+            adapter = adapter_of(name)
+            flags.append((parameter, self.train_base if adapter is None else adapter in self.trainable_adapters))
+        self._requires_grad = flags
+        self._apply_requires_grad()
+
+    def _apply_requires_grad(self) -> None:
+        for parameter, flag in self._requires_grad:
+            parameter.requires_grad_(flag)
+
+    # ---- forward passes ---------------------------------------------------------------------------------
+
+    def hidden_states(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """Last hidden states ``[B, T, H]`` of the active role, through the decoder only (no LM head).
+
+        Skipping the LM head lets callers apply it to the positions they need, which for a large vocabulary is
+        most of the memory of a forward pass.
+        """
+        output = self.hf_model.get_decoder()(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+            use_cache=False,
+        )
+        return output.last_hidden_state
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.hf_model.get_output_embeddings()
+
+    def score(self, role: str, input_ids: Tensor, attention_mask: Tensor, last_index: Tensor) -> Tensor:
+        """The scalar head of ``role`` applied at token ``last_index[b]`` of each row: ``[B]``."""
+        with self.role(role):
+            hidden = self.hidden_states(input_ids, attention_mask)
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        return self.heads[role](hidden[rows, last_index])

@@ -1,0 +1,80 @@
+"""Configuration of a base model and of LoRA adapters, as typed dataclasses the CLI turns into options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+@dataclass
+class BaseModelSpec:
+    """Where a causal language model and its tokenizer come from, and how to load them.
+
+    Args:
+        name_or_path: Hugging Face hub id or local folder of a saved causal LM (``from_pretrained``). Leave it
+            null to build a fresh, randomly initialised model from ``architecture``.
+        architecture: Hugging Face config fields of a fresh model, e.g. ``{model_type: gpt2, n_layer: 4}``;
+            used only when ``name_or_path`` is null. ``vocab_size`` and the special token ids come from the
+            tokenizer.
+        tokenizer: hub id or folder of the tokenizer, or ``synthetic`` for the embedded task's word-level
+            tokenizer; null means the same place as ``name_or_path``.
+        revision: hub revision (branch, tag or commit) of the model and tokenizer.
+        trust_remote_code: run Python code shipped with a hub model. Off unless you trust its author.
+        dtype: dtype of the loaded weights; ``auto`` keeps the checkpoint's. Training precision is the
+            Trainer's ``precision`` setting.
+        attn_implementation: attention kernel (``sdpa``, ``eager``, ``flash_attention_2``); null lets
+            transformers choose.
+        chat_template: Jinja chat template used instead of the tokenizer's own for conversational data.
+        gradient_checkpointing: recompute activations in the backward pass: less memory, about a third more
+            compute.
+    """
+
+    name_or_path: str | None = None
+    architecture: dict[str, Any] | None = None
+    tokenizer: str | None = None
+    revision: str | None = None
+    trust_remote_code: bool = False
+    dtype: Dtype = "float32"
+    attn_implementation: str | None = None
+    chat_template: str | None = None
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class LoraSpec:
+    """A LoRA adapter (peft's ``LoraConfig``).
+
+    Args:
+        r: rank of the low-rank update.
+        alpha: scaling numerator; the update is scaled by ``alpha / r`` (``alpha / sqrt(r)`` with rslora).
+        dropout: dropout on the adapter's input. RL roles force it to 0 so that rollout and update passes agree.
+        target_modules: names of the modules to adapt, or ``all-linear`` for every linear layer but the output
+            head.
+        use_rslora: rank-stabilised scaling ``alpha / sqrt(r)``.
+        bias: which biases to train: ``none``, ``all`` or ``lora_only``. Only ``none`` keeps "adapters
+            disabled" exactly equal to the base model, which the reference role relies on.
+    """
+
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: str | list[str] = "all-linear"
+    use_rslora: bool = False
+    bias: Literal["none", "all", "lora_only"] = "none"
+
+    def to_peft(self, inference_mode: bool = False):
+        """The equivalent ``peft.LoraConfig``."""
+        from peft import LoraConfig
+
+        return LoraConfig(
+            r=self.r,
+            lora_alpha=self.alpha,
+            lora_dropout=self.dropout,
+            target_modules=self.target_modules,
+            use_rslora=self.use_rslora,
+            bias=self.bias,
+            inference_mode=inference_mode,
+            task_type="CAUSAL_LM",
+        )

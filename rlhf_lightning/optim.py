@@ -1,0 +1,54 @@
+"""The optimizer and learning-rate schedule shared by the stages."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Literal
+
+import torch
+from torch import nn
+
+Schedule = Literal["constant", "linear", "cosine"]
+
+
+def adamw(
+    parameter_groups: Iterable[dict], weight_decay: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8
+) -> torch.optim.AdamW:
+    """AdamW over trainable parameters only, with weight decay kept off biases and norms.
+
+    ``parameter_groups`` are dicts with ``params`` (modules or parameters) and ``lr``; frozen parameters are
+    left out, so optimizer state exists for adapters and heads only.
+    """
+    groups = []
+    for group in parameter_groups:
+        decay, no_decay = [], []
+        for parameter in _parameters(group["params"]):
+            if parameter.requires_grad:
+                (no_decay if parameter.ndim < 2 else decay).append(parameter)
+        groups.append({**group, "params": decay, "weight_decay": weight_decay})
+        groups.append({**group, "params": no_decay, "weight_decay": 0.0})
+    groups = [group for group in groups if group["params"]]
+    if not groups:
+        raise ValueError("nothing to optimise: no parameter requires grad")
+    return torch.optim.AdamW(groups, betas=betas, eps=eps)
+
+
+def _parameters(params: nn.Module | Iterable[nn.Parameter]) -> list[nn.Parameter]:
+    return list(params.parameters()) if isinstance(params, nn.Module) else list(params)
+
+
+def lr_lambda(schedule: Schedule, warmup_steps: int, total_steps: int):
+    """Multiplier of the base learning rate at each step: linear warm-up, then constant/linear/cosine decay."""
+
+    def multiplier(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        if schedule == "constant" or total_steps <= warmup_steps:
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
+        if schedule == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return multiplier

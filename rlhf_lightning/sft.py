@@ -1,0 +1,92 @@
+"""Supervised fine-tuning: next-token loss on completion tokens only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torchmetrics import MeanMetric
+
+from rlhf_lightning.data.collate import IGNORE_INDEX
+from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
+from rlhf_lightning.optim import Schedule
+from rlhf_lightning.stage import StageModule
+
+SFT_ADAPTER = "sft"
+
+
+class SFT(StageModule):
+    """Supervised fine-tuning of a causal LM on demonstrations; prompt tokens carry no loss.
+
+    At the end of ``fit`` the model is written to ``export_dir`` as a plain transformers model (a LoRA adapter
+    merged in) with its tokenizer, ready to be the frozen base of the reward and PPO stages.
+
+    Args:
+        base: the model to fine-tune (a fresh one from ``architecture`` pretrains from scratch).
+        lora: train a LoRA adapter instead of all weights; null = full fine-tuning.
+        lr: peak learning rate.
+        weight_decay: AdamW weight decay (not applied to biases and norms).
+        warmup_steps: optimizer steps of linear warm-up.
+        lr_schedule: decay after warm-up: ``constant``, ``linear`` or ``cosine`` (to 0 at the last step).
+        export_dir: folder for the final model and tokenizer; null = do not export.
+    """
+
+    def __init__(
+        self,
+        base: BaseModelSpec,
+        lora: LoraSpec | None = None,
+        lr: float = 1e-4,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        lr_schedule: Schedule = "constant",
+        export_dir: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = self.load_base(base, train_base=lora is None)
+        if lora is not None:
+            self.model.add_adapter(SFT_ADAPTER, lora)
+        self.adapter = SFT_ADAPTER if lora is not None else None
+        self.val_loss = MeanMetric()
+
+    def loss(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """Mean next-token cross-entropy over completion tokens, and the number of those tokens."""
+        with self.model.role(self.adapter):
+            hidden = self.model.hidden_states(batch["input_ids"], batch["attention_mask"])
+        labels = batch["labels"][:, 1:]
+        logits = self.model.lm_head(hidden[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
+        return loss, (labels != IGNORE_INDEX).sum()
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss, tokens = self.loss(batch)
+        self.log("sft/loss", loss, prog_bar=True)
+        self.log("sft/tokens", tokens.float(), reduce_fx="sum")
+        self.log("sft/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+        return loss
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        loss, tokens = self.loss(batch)
+        self.val_loss.update(loss, weight=tokens)
+
+    def on_validation_epoch_end(self) -> None:
+        loss = self.val_loss.compute()  # token-weighted over the whole validation set, all ranks
+        self.val_loss.reset()
+        self.log("sft/val/loss", loss)
+        self.log("sft/val/perplexity", torch.exp(loss.clamp(max=50.0)))
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        return self.configure_adamw([{"params": self.model, "lr": hp.lr}], hp.weight_decay, hp.warmup_steps,
+                                    hp.lr_schedule)
+
+    def on_fit_end(self) -> None:
+        if self.hparams.export_dir and self.trainer.is_global_zero:
+            self.export(self.hparams.export_dir)
+
+    def export(self, directory: str | Path) -> Path:
+        """Write the fine-tuned model (adapter merged) and tokenizer as a transformers folder."""
+        with torch.no_grad():
+            return self.model.save_merged(self.adapter, directory, self.tokenizer)
