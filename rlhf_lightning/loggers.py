@@ -61,3 +61,12 @@ class WandbLogger(LightningWandbLogger):
             tags=tags, group=group, **kwargs,
         )
         self._wandb_init.pop("anonymous", None)  # deprecated in wandb, which warns about it on every run
+
+    def finalize(self, status: str) -> None:
+        """Finish the W&B run when the Trainer is done, so its data is complete on disk before the next run in
+        the same process (a sweep trial, a study, a test). A later use of this logger resumes the same run."""
+        super().finalize(status)
+        if self._experiment is not None:
+            self._wandb_init.update(id=self._experiment.id, resume="allow")
+            self._experiment.finish(exit_code=0 if status == "success" else 1)
+            self._experiment = None

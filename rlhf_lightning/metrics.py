@@ -46,3 +46,11 @@ class MeanStd(Metric):
         mean = self.total / count
         variance = (self.total_squares - count * mean**2) / (count - 1).clamp(min=1)
         return mean.float(), variance.clamp(min=0).sqrt().float()
+
+
+def reset_metrics(*metrics: Metric) -> None:
+    """Reset metrics to fresh, normal tensors even inside ``torch.inference_mode`` (where Lightning runs
+    ``validate``): states created there could not be updated later under plain ``no_grad`` during ``fit``."""
+    with torch.inference_mode(False):
+        for metric in metrics:
+            metric.reset()

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from rlhf_lightning.algorithms.preference import bradley_terry_loss
-from rlhf_lightning.metrics import MeanStd, PairwiseAccuracy
+from rlhf_lightning.metrics import MeanStd, PairwiseAccuracy, reset_metrics
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
 from rlhf_lightning.optim import Schedule
 from rlhf_lightning.stage import StageModule
@@ -117,8 +117,7 @@ class RewardModel(StageModule):
         if self.val_gold_accuracy.update_count > 0:
             metrics["rm/val/gold_accuracy"] = self.val_gold_accuracy.compute()
         self.log_dict(metrics, prog_bar=True)
-        for metric in (self.val_loss, self.val_accuracy, self.val_margin, self.val_rewards, self.val_gold_accuracy):
-            metric.reset()
+        reset_metrics(self.val_loss, self.val_accuracy, self.val_margin, self.val_rewards, self.val_gold_accuracy)
 
     def configure_optimizers(self):
         hp = self.hparams

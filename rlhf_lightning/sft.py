@@ -10,6 +10,7 @@ from torch import Tensor
 from torchmetrics import MeanMetric
 
 from rlhf_lightning.data.collate import IGNORE_INDEX
+from rlhf_lightning.metrics import reset_metrics
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
 from rlhf_lightning.optim import Schedule
 from rlhf_lightning.stage import StageModule
@@ -73,7 +74,7 @@ class SFT(StageModule):
 
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()  # token-weighted over the whole validation set, all ranks
-        self.val_loss.reset()
+        reset_metrics(self.val_loss)
         self.log("sft/val/loss", loss)
         self.log("sft/val/perplexity", torch.exp(loss.clamp(max=50.0)))
 

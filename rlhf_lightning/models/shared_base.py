@@ -20,6 +20,7 @@ import torch
 from peft import PeftModel, get_peft_model
 from torch import Tensor, nn
 from transformers import PreTrainedModel
+from transformers.pytorch_utils import Conv1D
 
 from rlhf_lightning.models.heads import ScalarHead
 from rlhf_lightning.models.spec import LoraSpec
@@ -81,10 +82,12 @@ class SharedBase(nn.Module):
         """Add a fresh LoRA adapter ``name``. Its output starts at zero: the role equals the base model."""
         if name in self.adapters:
             raise ValueError(f"adapter {name!r} already exists")
+        # GPT-2-style Conv1D layers store weights transposed; telling peft avoids a warning per adapter.
+        config = lora.to_peft(fan_in_fan_out=any(isinstance(m, Conv1D) for m in self.hf_model.modules()))
         if isinstance(self.model, PeftModel):
-            self.model.add_adapter(name, lora.to_peft())
+            self.model.add_adapter(name, config)
         else:
-            self.model = get_peft_model(self.model, lora.to_peft(), adapter_name=name)
+            self.model = get_peft_model(self.model, config, adapter_name=name)
         if trainable:
             self.trainable_adapters.add(name)
         self._update_requires_grad()
@@ -191,8 +194,13 @@ class SharedBase(nn.Module):
             yield
             return
         if adapter is None:
-            with self.model.disable_adapter():
-                yield
+            # peft freezes adapters when disabling them and re-enables only the active one afterwards.
+            try:
+                with self.model.disable_adapter():
+                    self._apply_requires_grad()
+                    yield
+            finally:
+                self._apply_requires_grad()
             return
         if adapter not in self.model.peft_config:
             raise ValueError(f"no adapter {adapter!r}; the base has {self.adapters}")

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch
+
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 
@@ -64,8 +66,9 @@ class LoraSpec:
     use_rslora: bool = False
     bias: Literal["none", "all", "lora_only"] = "none"
 
-    def to_peft(self, inference_mode: bool = False):
-        """The equivalent ``peft.LoraConfig``."""
+    def to_peft(self, fan_in_fan_out: bool = False):
+        """The equivalent ``peft.LoraConfig``; ``fan_in_fan_out`` for layers that store weights transposed
+        (GPT-2's ``Conv1D``)."""
         from peft import LoraConfig
 
         return LoraConfig(
@@ -75,6 +78,11 @@ class LoraSpec:
             target_modules=self.target_modules,
             use_rslora=self.use_rslora,
             bias=self.bias,
-            inference_mode=inference_mode,
+            fan_in_fan_out=fan_in_fan_out,
             task_type="CAUSAL_LM",
         )
+
+
+# Checkpoints store these in their hyper-parameters; let `torch.load(weights_only=True)` (the default used when
+# Lightning resumes) accept them.
+torch.serialization.add_safe_globals([BaseModelSpec, LoraSpec])

@@ -1,0 +1,53 @@
+"""Shared fixtures: offline W&B and hub, and a tiny GPT-2 built locally with the synthetic tokenizer."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer
+from rlhf_lightning.models.spec import BaseModelSpec
+
+# Set before anything imports wandb or the hub clients: tests never touch the network.
+os.environ.update(
+    WANDB_MODE="offline",
+    WANDB_SILENT="true",
+    WANDB_DISABLE_GIT="true",
+    WANDB_DISABLE_CODE="true",
+    HF_HUB_OFFLINE="1",
+    HF_DATASETS_OFFLINE="1",
+    TRANSFORMERS_OFFLINE="1",
+    TOKENIZERS_PARALLELISM="false",
+    NETRC=os.devnull,
+)
+os.environ.pop("WANDB_API_KEY", None)
+
+TINY_ARCHITECTURE = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "n_positions": 64}
+
+
+def tiny_spec(**overrides) -> BaseModelSpec:
+    """A fresh 2-layer GPT-2 with the synthetic tokenizer."""
+    return BaseModelSpec(architecture=dict(TINY_ARCHITECTURE), tokenizer="synthetic", **overrides)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny randomly initialised GPT-2 and its tokenizer saved with ``save_pretrained`` (loaded back through
+    the real ``from_pretrained`` path by the tests)."""
+    directory = tmp_path_factory.mktemp("tiny-gpt2")
+    torch.manual_seed(0)
+    spec = tiny_spec()
+    tokenizer = load_tokenizer(spec)
+    model = load_causal_lm(spec, tokenizer)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cwd(tmp_path, monkeypatch):
+    """Run every test in its own folder so run artefacts (outputs/, wandb/) never land in the repo."""
+    monkeypatch.chdir(tmp_path)
