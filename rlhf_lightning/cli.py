@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 import lightning as L
@@ -39,8 +40,17 @@ class RLHFCLI(LightningCLI):
 
 
 def main(args: Sequence[str] | None = None) -> None:
-    """Entry point of ``python -m rlhf_lightning`` and the ``rlhf-lightning`` script."""
-    RLHFCLI(args=None if args is None else list(args))
+    """Entry point of ``python -m rlhf_lightning`` and the ``rlhf-lightning`` script.
+
+    ``fit``, ``validate``, ``test`` and ``predict`` go to LightningCLI; ``merge`` folds an adapter into its base.
+    """
+    argv = list(sys.argv[1:] if args is None else args)
+    if argv[:1] == ["merge"]:
+        from rlhf_lightning.merge import main as merge_main
+
+        merge_main(argv[1:])
+        return
+    RLHFCLI(args=None if args is None else argv)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Literal
 
 import torch
@@ -38,15 +38,24 @@ def _parameters(params: nn.Module | Iterable[nn.Parameter]) -> list[nn.Parameter
     return list(params.parameters()) if isinstance(params, nn.Module) else list(params)
 
 
-def lr_lambda(schedule: Schedule, warmup_steps: int, total_steps: int):
-    """Multiplier of the base learning rate at each step: linear warm-up, then constant/linear/cosine decay."""
+def lr_lambda(schedule: Schedule, warmup_steps: int, total_steps: int | Callable[[], int]):
+    """Multiplier of the base learning rate at each step: linear warm-up, then constant/linear/cosine decay.
+
+    ``total_steps`` may be a function, called only once a decaying schedule first needs it (after warm-up).
+    """
+    resolved: list[int] = []
+
+    def total() -> int:
+        if not resolved:
+            resolved.append(total_steps() if callable(total_steps) else total_steps)
+        return resolved[0]
 
     def multiplier(step: int) -> float:
         if step < warmup_steps:
             return (step + 1) / (warmup_steps + 1)
-        if schedule == "constant" or total_steps <= warmup_steps:
+        if schedule == "constant" or step == warmup_steps or total() <= warmup_steps:
             return 1.0
-        progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
+        progress = min(1.0, (step - warmup_steps) / (total() - warmup_steps))
         if schedule == "linear":
             return 1.0 - progress
         return 0.5 * (1.0 + math.cos(math.pi * progress))

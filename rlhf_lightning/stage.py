@@ -37,9 +37,14 @@ class StageModule(L.LightningModule):
         self, parameter_groups: list[dict], weight_decay: float, warmup_steps: int, schedule: Schedule,
         total_steps: int | None = None,
     ) -> dict[str, Any]:
-        """AdamW with a warm-up/decay schedule stepped every optimizer step."""
+        """AdamW with a warm-up/decay schedule; ``total_steps`` defaults to the Trainer's estimate."""
         optimizer = adamw(parameter_groups, weight_decay)
-        total = total_steps if total_steps is not None else int(self.trainer.estimated_stepping_batches)
+
+        # Asked lazily: reading `estimated_stepping_batches` here would build the train loader before a
+        # checkpoint's loader state is restored, and the resumed run would replay the epoch from its start.
+        def total() -> int:
+            return total_steps if total_steps is not None else int(self.trainer.estimated_stepping_batches)
+
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(schedule, warmup_steps, total))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

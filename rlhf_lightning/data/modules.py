@@ -240,16 +240,48 @@ class PreferenceDataModule(StageDataModule):
 
 
 class PromptDataModule(StageDataModule):
-    """Prompts for reinforcement learning: a ``prompt`` column of text or messages (the assistant turn is
-    opened by the chat template). ``batch_size`` is the number of prompts per rollout on each device, and
-    ``max_length`` limits the prompt alone."""
+    """Prompts for reinforcement learning, and optionally pretraining text for the PPO-ptx loss.
+
+    Rows have a ``prompt`` column of text or messages (the chat template opens the assistant turn).
+    ``batch_size`` is the number of prompts per rollout on each device, and ``max_length`` limits the prompt.
+    Training batches are ``{"prompts": ..., "ptx": ...}`` (``ptx`` only when ``ptx_dataset`` is set).
+
+    Args:
+        ptx_dataset: SFT-format data (``text``, ``prompt``/``completion`` or ``messages``) for the pretraining
+            term; ``synthetic`` uses the embedded task's demonstrations; null = none.
+        ptx_batch_size: pretraining examples per PPO iteration.
+        ptx_max_length: longest pretraining example, in tokens.
+    """
 
     kind = "prompts"
+
+    def __init__(
+        self,
+        *args: Any,
+        ptx_dataset: str | None = None,
+        ptx_batch_size: int = 8,
+        ptx_max_length: int = 512,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.ptx = None
+        if ptx_dataset is not None:
+            self.ptx = SFTDataModule(
+                dataset=ptx_dataset, val_fraction=0.0, synthetic_rows=self.synthetic_rows,
+                batch_size=ptx_batch_size, max_length=ptx_max_length, on_too_long=self.on_too_long,
+                num_workers=self.num_workers, seed=self.seed,
+            )
 
     def synthetic(self, n: int) -> list[dict]:
         from rlhf_lightning.tasks.synthetic import SyntheticTask
 
         return SyntheticTask(seed=self.seed).prompt_rows(n)
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        if self.ptx is not None and self.ptx.train_set is None:
+            self.ptx.tokenizer = self.tokenizer
+            self.ptx.setup(stage)
 
     def encode(self, record: Record) -> EncodedPrompt:
         example = parse_prompt(record)
@@ -263,3 +295,10 @@ class PromptDataModule(StageDataModule):
 
     def collate(self, examples: list[EncodedPrompt]) -> dict:
         return collate_prompts(examples, self.tokenizer.pad_token_id)
+
+    def train_dataloader(self) -> dict[str, ResumableLoader]:
+        # A dict of loaders: Lightning combines them, cycling the shorter one.
+        loaders = {"prompts": super().train_dataloader()}
+        if self.ptx is not None:
+            loaders["ptx"] = self.ptx.train_dataloader()
+        return loaders

@@ -244,6 +244,23 @@ class SyntheticLanguage:
             sentences += 1
         return " ".join(words)
 
+    def corrupt(self, response: str, rng: random.Random) -> str:
+        """One or two slips of a careless writer: a word dropped, a stray word inserted, two words swapped, or
+        the last sentence left unfinished."""
+        words = response.split()
+        for _ in range(rng.choice((1, 2))):
+            slip = rng.randrange(4)
+            position = rng.randrange(len(words))
+            if slip == 0 and len(words) > 1:
+                del words[position]
+            elif slip == 1:
+                words.insert(position, rng.choice(WORDS))
+            elif slip == 2 and position + 1 < len(words):
+                words[position], words[position + 1] = words[position + 1], words[position]
+            elif words[-1] == STOP:
+                words.pop()
+        return " ".join(words)
+
 
 @dataclass(frozen=True)
 class SyntheticTask:
@@ -252,11 +269,15 @@ class SyntheticTask:
     Args:
         seed: seed for every row generated.
         label_accuracy: fraction of preference labels that agree with the gold order (Bradley-Terry noise).
+        corruption_prob: chance that a response of a preference pair has a slip (see
+            :meth:`SyntheticLanguage.corrupt`), so that raters also compare broken text, as they do when rating
+            samples of imperfect models.
         language: the generator's probabilities.
     """
 
     seed: int = 0
     label_accuracy: float = 0.85
+    corruption_prob: float = 0.25
     language: SyntheticLanguage = SyntheticLanguage()
 
     def _rng(self, stream: str) -> random.Random:
@@ -288,7 +309,7 @@ class SyntheticTask:
         pairs = []
         while len(pairs) < n:
             prompt = self.language.prompt(rng)
-            first, second = self.language.response(rng), self.language.response(rng)
+            first, second = self._rated_response(rng), self._rated_response(rng)
             gold_first, gold_second = gold_reward(prompt, first), gold_reward(prompt, second)
             if gold_first != gold_second:
                 pairs.append((prompt, first, second, gold_first, gold_second))
@@ -310,6 +331,10 @@ class SyntheticTask:
                 }
             )
         return rows
+
+    def _rated_response(self, rng: random.Random) -> str:
+        response = self.language.response(rng)
+        return self.language.corrupt(response, rng) if rng.random() < self.corruption_prob else response
 
 
 def _sigmoid(x: float) -> float:

@@ -1,0 +1,40 @@
+"""``python -m rlhf_lightning merge``: fold a LoRA adapter into its base and write a standalone model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer
+from rlhf_lightning.models.shared_base import SharedBase
+from rlhf_lightning.models.spec import BaseModelSpec
+
+
+def merge_adapter(adapter: str | Path, out: str | Path, base: str | None = None) -> Path:
+    """Write ``base`` with the adapter in ``adapter`` merged in, plus the tokenizer, as a transformers folder.
+
+    ``base`` defaults to the base model recorded in the adapter's ``adapter_config.json``.
+    """
+    adapter = Path(adapter)
+    config_path = adapter / "adapter_config.json"
+    if not config_path.exists():
+        raise FileNotFoundError(f"{config_path} not found: {adapter} is not a peft adapter folder")
+    base = base or json.loads(config_path.read_text()).get("base_model_name_or_path")
+    if not base:
+        raise ValueError(f"{config_path} does not name its base model; pass --base")
+    spec = BaseModelSpec(name_or_path=base)
+    tokenizer = load_tokenizer(spec)
+    shared = SharedBase(load_causal_lm(spec, tokenizer))
+    shared.load_adapter(adapter, "merged")
+    return shared.save_merged("merged", out, tokenizer)
+
+
+def main(args: Sequence[str]) -> None:
+    parser = argparse.ArgumentParser(prog="python -m rlhf_lightning merge", description=__doc__)
+    parser.add_argument("--adapter", required=True, help="peft adapter folder, e.g. outputs/ppo/adapters/policy")
+    parser.add_argument("--out", required=True, help="folder for the merged transformers model")
+    parser.add_argument("--base", default=None, help="base model (default: the adapter's recorded base)")
+    options = parser.parse_args(list(args))
+    print(merge_adapter(options.adapter, options.out, options.base))

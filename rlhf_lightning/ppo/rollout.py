@@ -1,0 +1,83 @@
+"""What a PPO rollout produces, and the pure functions that shape it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Rollout:
+    """A batch of sampled responses and everything scored on them, ready for the PPO epochs.
+
+    ``B`` sequences of ``P`` (left-padded) prompt tokens followed by ``R`` (right-padded) response tokens.
+    Per-token tensors are ``[B, R]`` and aligned with the response tokens.
+    """
+
+    input_ids: Tensor  # [B, P + R] prompt and response tokens
+    attention_mask: Tensor  # [B, P + R] 1 on real tokens
+    response_mask: Tensor  # [B, R] bool: response tokens up to and including the stop token
+    logprobs: Tensor  # [B, R] log-probs of the sampled tokens under the policy at sampling time
+    ref_logprobs: Tensor  # [B, R] ... under the reference (adapters disabled)
+    values: Tensor  # [B, R] critic's value of the state before each response token
+    scores: Tensor  # [B] reward-model scores, as used in the reward (after normalisation and clipping)
+    advantages: Tensor | None = None  # [B, R]
+    returns: Tensor | None = None  # [B, R]
+
+    @property
+    def prompt_length(self) -> int:
+        return self.input_ids.shape[1] - self.response_mask.shape[1]
+
+    @property
+    def responses(self) -> Tensor:
+        return self.input_ids[:, self.prompt_length :]
+
+    def select(self, rows: Tensor) -> Rollout:
+        """The rollout restricted to ``rows`` (a minibatch)."""
+        return Rollout(**{f.name: None if (v := getattr(self, f.name)) is None else v[rows] for f in fields(self)})
+
+
+def truncate_after_stop(responses: Tensor, stop_token_id: int | None, pad_token_id: int) -> tuple[Tensor, Tensor]:
+    """Cut every response after its first stop token: ``(responses with pad after the stop, mask [B, R])``.
+
+    The stop token itself stays in the response (it is an action the policy took, and the reward model reads its
+    score there). Without a stop token every sampled token counts.
+    """
+    length = responses.shape[1]
+    positions = torch.arange(length, device=responses.device)
+    if stop_token_id is None:
+        mask = torch.ones_like(responses, dtype=torch.bool)
+    else:
+        is_stop = responses == stop_token_id
+        first_stop = torch.where(is_stop.any(-1), is_stop.int().argmax(-1), length)
+        mask = positions[None, :] <= first_stop[:, None]
+    return responses.masked_fill(~mask, pad_token_id), mask
+
+
+def stopped(responses: Tensor, response_mask: Tensor, stop_token_id: int | None) -> Tensor:
+    """``[B]`` bool: the response ended with the stop token (rather than running out of tokens)."""
+    if stop_token_id is None:
+        return torch.zeros(responses.shape[0], dtype=torch.bool, device=responses.device)
+    last = response_mask.sum(-1) - 1
+    return responses[torch.arange(responses.shape[0], device=responses.device), last] == stop_token_id
+
+
+def last_token_index(attention_mask: Tensor) -> Tensor:
+    """``[B]`` index of the last real token of each row (prompt left-padded, response right-padded)."""
+    length = attention_mask.shape[1]
+    positions = torch.arange(length, device=attention_mask.device).expand_as(attention_mask)
+    return torch.where(attention_mask.bool(), positions, -1).max(-1).values
+
+
+def token_rewards(
+    scores: Tensor, kl: Tensor, response_mask: Tensor, kl_coef: float
+) -> Tensor:
+    """Per-token rewards ``[B, R]``: ``-kl_coef * kl_t`` on every response token, plus the sequence score at
+    its last token (InstructGPT / Ziegler et al.)."""
+    rewards = torch.where(response_mask, -kl_coef * kl, torch.zeros_like(kl))
+    last = response_mask.sum(-1) - 1
+    rows = torch.arange(scores.shape[0], device=scores.device)
+    rewards[rows, last] += scores
+    return rewards

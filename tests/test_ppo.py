@@ -1,0 +1,267 @@
+"""PPO on a tiny GPT-2: one shared base, a fresh policy equals the reference, gradients reach exactly the right
+adapters, checkpoints resume exactly, and every term is logged."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlhf_lightning import PPO, AdapterReward, FunctionReward, PromptDataModule
+from rlhf_lightning.callbacks import IterationCheckpoint
+from rlhf_lightning.merge import merge_adapter
+from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer
+from rlhf_lightning.models.shared_base import SharedBase, adapter_of, position_ids_from_mask
+from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
+from rlhf_lightning.tasks.synthetic import gold_rewards
+
+REPO = Path(__file__).resolve().parents[1]
+LORA = LoraSpec(r=4, alpha=8)
+
+
+@pytest.fixture(scope="session")
+def reward_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """A reward adapter with a random (non-zero) update and head on the tiny base, as the reward stage saves."""
+    torch.manual_seed(3)
+    spec = BaseModelSpec(name_or_path=str(tiny_model_dir))
+    base = SharedBase(load_causal_lm(spec, load_tokenizer(spec)))
+    base.add_adapter("reward", LORA)
+    base.add_head("reward")
+    with torch.no_grad():
+        for name, parameter in base.model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.3)
+    out = base.save_adapter("reward", tmp_path_factory.mktemp("reward-adapters"))
+    (out / "reward_stats.json").write_text(json.dumps({"mean": 0.5, "std": 2.0, "count": 10}))
+    return out
+
+
+def make_ppo(tiny_model_dir, reward_dir, **kwargs) -> PPO:
+    torch.manual_seed(0)
+    defaults = dict(policy_lora=LORA, critic_lora=LORA, max_new_tokens=6, ppo_epochs=2, num_minibatches=2,
+                    policy_lr=1e-2, critic_lr=1e-2, gold_reward=gold_rewards)
+    return PPO(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), reward=AdapterReward(str(reward_dir)),
+               **{**defaults, **kwargs})
+
+
+def prompts(module: PPO, n: int = 8, **kwargs) -> PromptDataModule:
+    data = PromptDataModule(dataset="synthetic", synthetic_rows=n, batch_size=kwargs.pop("batch_size", 8),
+                            val_fraction=0.0, **kwargs)
+    data.tokenizer = module.tokenizer
+    data.setup("fit")
+    return data
+
+
+def first_batch(module: PPO) -> dict:
+    return next(iter(prompts(module).train_dataloader()["prompts"]))
+
+
+def _perturb(module: PPO, *adapters: str) -> None:
+    with torch.no_grad():
+        for name, parameter in module.model.model.named_parameters():
+            if adapter_of(name) in adapters and "lora_B" in name:
+                parameter.normal_(0, 0.3)
+
+
+def test_fresh_policy_is_the_reference_kl_zero_and_ratio_one(tiny_model_dir, reward_dir):
+    module = make_ppo(tiny_model_dir, reward_dir)
+    rollout, stats = module.rollout(first_batch(module))
+    assert torch.equal(rollout.logprobs, rollout.ref_logprobs)
+    assert stats["objective/kl"].item() == 0.0
+    terms = module.losses(rollout.select(torch.randperm(8)[:4]), None)
+    assert terms["policy/ratio"].item() == pytest.approx(1.0, abs=1e-6)
+    assert terms["policy/approx_kl"].item() == pytest.approx(0.0, abs=1e-7)
+    assert terms["policy/clipfrac"].item() == 0.0
+
+
+def test_every_role_reads_the_same_base_weights_and_the_process_holds_one_copy(tiny_model_dir, reward_dir):
+    module = make_ppo(tiny_model_dir, reward_dir)
+    seen: dict[str, set[int]] = {}
+    current = {"role": None}
+    handles = [
+        layer.register_forward_pre_hook(
+            lambda mod, args: seen.setdefault(current["role"], set()).add(mod.weight.data_ptr()))
+        for name, layer in module.model.hf_model.named_modules() if name.endswith("base_layer")
+    ]
+    batch = first_batch(module)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    for role in ("policy", None, "critic", "reward"):
+        current["role"] = role
+        with module.model.role(role):
+            module.model.hidden_states(ids, mask)
+    for handle in handles:
+        handle.remove()
+    assert len(seen) == 4 and len({frozenset(pointers) for pointers in seen.values()}) == 1
+
+    # One copy: the storages reachable from the module hold the base once, plus adapters and heads.
+    base_numel = sum(p.numel() for _, p in module.model.base_parameters())
+    storages = {}
+    for tensor in [*module.parameters(), *module.buffers()]:
+        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes() // tensor.element_size()
+    adapter_numel = sum(p.numel() for n, p in module.model.model.named_parameters() if adapter_of(n))
+    head_numel = sum(p.numel() for p in module.model.heads.parameters())
+    assert sum(storages.values()) <= base_numel + adapter_numel + head_numel + 4096  # + small buffers
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert base_numel == sum(p.numel() for p in reference.parameters())
+
+
+def test_policy_loss_reaches_only_the_policy_and_value_loss_only_the_critic(tiny_model_dir, reward_dir):
+    module = make_ppo(tiny_model_dir, reward_dir, num_minibatches=1)
+    _perturb(module, "policy", "critic")  # non-zero B, so that A gets gradient too
+    rollout, _ = module.rollout(first_batch(module))
+    terms = module.losses(rollout, None)
+    trainable = {name: p for name, p in module.named_parameters() if p.requires_grad}
+    policy_params = {n for n in trainable if adapter_of(n) == "policy"}
+    critic_params = {n for n in trainable if adapter_of(n) == "critic" or n.startswith("model.heads.critic")}
+    assert set(trainable) == policy_params | critic_params  # the reward adapter and head are frozen
+
+    def reached(loss) -> set[str]:
+        grads = torch.autograd.grad(loss, list(trainable.values()), allow_unused=True, retain_graph=True)
+        return {name for name, grad in zip(trainable, grads, strict=True) if grad is not None and grad.abs().sum() > 0}
+
+    assert reached(terms["loss/policy"]) == policy_params
+    assert reached(terms["loss/value"]) == critic_params
+    assert reached(terms["loss/total"]) == policy_params | critic_params
+
+
+class Recorder(L.Callback):
+    """Every iteration's logged ppo/* values (timings excluded: they are not deterministic)."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.rows.append({k: float(v) for k, v in trainer.callback_metrics.items()
+                          if k.startswith("ppo/") and "/time/" not in k and "throughput" not in k})
+
+
+def _fit(module, data, tmp_path, iterations, ckpt_path=None, **trainer_kwargs):
+    recorder = Recorder()
+    trainer = L.Trainer(
+        max_epochs=1, limit_train_batches=iterations, limit_val_batches=0, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, log_every_n_steps=1,
+        callbacks=[recorder, IterationCheckpoint(dirpath=tmp_path, every_n_iterations=2, save_top_k=-1,
+                                                 enable_version_counter=False)],
+        **trainer_kwargs,
+    )
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    return trainer, recorder.rows
+
+
+def test_training_updates_adapters_never_the_base_and_logs_every_term(tiny_model_dir, reward_dir, tmp_path):
+    module = make_ppo(tiny_model_dir, reward_dir, ent_coef=0.01, ptx_coef=0.1, kl_target=1.0)
+    base_before = {n: p.clone() for n, p in module.model.base_parameters()}
+    policy_before = {n: p.clone() for n, p in module.model.model.named_parameters() if adapter_of(n) == "policy"}
+    data = prompts(module, n=32, ptx_dataset="synthetic", ptx_batch_size=4)
+    trainer, rows = _fit(module, data, tmp_path, iterations=3)
+    for name, parameter in module.model.base_parameters():
+        assert torch.equal(parameter, base_before[name]), name
+    assert any(not torch.equal(p, policy_before[n]) for n, p in module.model.model.named_parameters()
+               if adapter_of(n) == "policy")
+    assert trainer.global_step == 3 * 2 * 2  # iterations x ppo_epochs x num_minibatches
+    expected = {
+        "ppo/loss/policy", "ppo/loss/value", "ppo/loss/entropy", "ppo/loss/ptx", "ppo/loss/total",
+        "ppo/policy/approx_kl", "ppo/policy/clipfrac", "ppo/policy/ratio", "ppo/policy/entropy",
+        "ppo/policy/epochs", "ppo/policy/early_stopped", "ppo/value/clipfrac", "ppo/value/explained_variance",
+        "ppo/value/mean", "ppo/objective/kl", "ppo/objective/kl_penalty", "ppo/objective/kl_coef",
+        "ppo/objective/score", "ppo/objective/score_std", "ppo/objective/rlhf_reward", "ppo/objective/gold",
+        "ppo/response/length", "ppo/response/eos_frac", "ppo/lr/policy", "ppo/lr/critic", "ppo/grad_norm",
+        "ppo/iteration",
+    }
+    assert expected <= set(rows[-1]), expected - set(rows[-1])
+    assert {"ppo/time/rollout", "ppo/time/update", "ppo/time/iteration",
+            "ppo/throughput/tokens_per_second"} <= set(trainer.callback_metrics)
+    assert [row["ppo/iteration"] for row in rows] == [1.0, 2.0, 3.0]
+    assert rows[-1]["ppo/objective/kl_coef"] != 0.05  # the adaptive controller moved
+
+
+def test_resume_reproduces_the_next_iterations_exactly(tiny_model_dir, reward_dir, tmp_path):
+    kwargs = dict(kl_target=0.5)  # the adaptive controller's state must travel too
+    module = make_ppo(tiny_model_dir, reward_dir, **kwargs)
+    _, uninterrupted = _fit(module, prompts(module, n=48), tmp_path / "full", iterations=4)
+    checkpoint = tmp_path / "full" / "epoch=0-step=8.ckpt"  # after iteration 2 of 4 (2 epochs x 2 minibatches each)
+    saved = torch.load(checkpoint, weights_only=False)
+    assert all(adapter_of(k) in ("policy", "critic") or k.startswith("model.heads.critic")
+               for k in saved["state_dict"])
+    assert "kl_controller" in saved and saved["optimizer_states"]
+
+    resumed_module = make_ppo(tiny_model_dir, reward_dir, **kwargs)
+    _, resumed = _fit(resumed_module, prompts(resumed_module, n=48), tmp_path / "resumed", iterations=4,
+                      ckpt_path=str(checkpoint))
+    assert len(resumed) == 2
+    assert resumed == uninterrupted[2:]
+
+
+def test_export_and_merge_give_the_policy(tiny_model_dir, reward_dir, tmp_path):
+    module = make_ppo(tiny_model_dir, reward_dir)
+    _perturb(module, "policy")
+    paths = module.export(tmp_path / "adapters")
+    assert (paths["critic"] / "head.safetensors").exists()
+    merged = merge_adapter(paths["policy"], tmp_path / "merged", base=str(tiny_model_dir))
+    batch = first_batch(module)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    with module.model.role("policy"):
+        expected = module.model.lm_head(module.model.hidden_states(ids, mask))
+    logits = AutoModelForCausalLM.from_pretrained(merged)(
+        input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)).logits
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_scores_are_normalised_penalised_and_clipped(tiny_model_dir, reward_dir):
+    module = make_ppo(tiny_model_dir, reward_dir, reward_normalize=True, missing_eos_penalty=1.0, reward_clip=1.2)
+    scores = module.process_scores(torch.tensor([0.5, 4.5, -5.5, 2.5]), torch.tensor([True, True, True, False]))
+    # (s - 0.5) / 2, minus 1 where the response never stopped, clipped to +-1.2
+    torch.testing.assert_close(scores, torch.tensor([0.0, 1.2, -1.2, 0.0]))
+
+
+def test_function_reward_scores_texts_and_config_errors_are_clear(tiny_model_dir, reward_dir):
+    torch.manual_seed(0)
+    module = PPO(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), reward=FunctionReward(gold_rewards),
+                 policy_lora=LORA, critic_lora=LORA, max_new_tokens=6, gold_reward=gold_rewards)
+    rollout, stats = module.rollout(first_batch(module))
+    torch.testing.assert_close(stats["objective/score"], stats["objective/gold"])  # the same function
+    with pytest.raises(ValueError, match="critic_from_reward needs an AdapterReward"):
+        PPO(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), reward=FunctionReward(gold_rewards),
+            critic_from_reward=True)
+    with pytest.raises(FileNotFoundError, match="run the reward stage first"):
+        PPO(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), reward=AdapterReward("missing/reward"))
+    with pytest.raises(ValueError, match="must split into num_minibatches=3"):
+        make_ppo(tiny_model_dir, reward_dir, num_minibatches=3)._minibatch_sizes(8)
+
+
+def test_critic_can_start_from_the_reward_model(tiny_model_dir, reward_dir):
+    module = make_ppo(tiny_model_dir, reward_dir, critic_from_reward=True)
+    batch = first_batch(module)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    last = torch.full((ids.shape[0],), ids.shape[1] - 1)
+    assert torch.equal(module.model.score("critic", ids, mask, last), module.model.score("reward", ids, mask, last))
+
+
+@pytest.mark.slow
+def test_ppo_runs_under_ddp_on_two_cpu_processes(tiny_model_dir, reward_dir, tmp_path):
+    command = [
+        sys.executable, "-m", "rlhf_lightning", "fit", "--config", str(REPO / "configs" / "ppo.yaml"),
+        f"--model.init_args.base.name_or_path={tiny_model_dir}",
+        f"--model.init_args.reward.init_args.path={reward_dir}",
+        "--model.init_args.policy_lora={r: 4, alpha: 8}", "--model.init_args.critic_lora={r: 4, alpha: 8}",
+        "--model.init_args.max_new_tokens=6", "--model.init_args.kl_target=1.0",
+        "--model.init_args.target_kl=0.02",  # early stop must be decided alike on both ranks
+        f"--model.init_args.export_dir={tmp_path / 'adapters'}",
+        "--data.init_args.synthetic_rows=64", "--data.init_args.batch_size=8", "--data.init_args.val_fraction=0.25",
+        "--data.init_args.val_batch_size=8",
+        "--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.strategy=ddp", "--trainer.max_epochs=1",
+        "--trainer.limit_train_batches=2", "--trainer.val_check_interval=2", "--trainer.logger=false",
+        "--trainer.callbacks=[]", "--trainer.enable_progress_bar=false",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "distributed_backend=gloo" in result.stderr
+    assert (tmp_path / "adapters" / "policy" / "adapter_model.safetensors").exists()

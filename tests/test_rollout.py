@@ -1,0 +1,46 @@
+"""The pure functions that shape a rollout, checked by hand."""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf_lightning.ppo.rollout import Rollout, last_token_index, stopped, token_rewards, truncate_after_stop
+
+STOP, PAD = 1, 0
+
+
+def test_truncate_after_the_first_stop_token_keeps_it():
+    responses = torch.tensor([[5, 1, 7, 1], [5, 6, 7, 8], [1, 9, 9, 9]])
+    cut, mask = truncate_after_stop(responses, STOP, PAD)
+    assert cut.tolist() == [[5, 1, 0, 0], [5, 6, 7, 8], [1, 0, 0, 0]]
+    assert mask.tolist() == [[True, True, False, False], [True] * 4, [True, False, False, False]]
+    assert stopped(cut, mask, STOP).tolist() == [True, False, True]
+    # without a stop token every token counts and nothing "stopped"
+    cut, mask = truncate_after_stop(responses, None, PAD)
+    assert mask.all() and torch.equal(cut, responses)
+    assert stopped(cut, mask, None).tolist() == [False, False, False]
+
+
+def test_last_token_index_with_left_padded_prompts_and_right_padded_responses():
+    attention = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 1, 1, 1], [0, 0, 1, 0, 0]])
+    assert last_token_index(attention).tolist() == [3, 4, 2]
+
+
+def test_token_rewards_put_the_score_on_the_last_response_token():
+    kl = torch.tensor([[0.1, 0.2, 0.3], [0.5, 9.0, 9.0]])
+    mask = torch.tensor([[True, True, True], [True, False, False]])
+    rewards = token_rewards(torch.tensor([1.0, -2.0]), kl, mask, kl_coef=0.5)
+    expected = torch.tensor([[-0.05, -0.1, -0.15 + 1.0], [-0.25 - 2.0, 0.0, 0.0]])
+    torch.testing.assert_close(rewards, expected)
+
+
+def test_rollout_select_takes_rows_of_every_field():
+    rollout = Rollout(
+        input_ids=torch.arange(12).view(3, 4), attention_mask=torch.ones(3, 4), response_mask=torch.ones(3, 2),
+        logprobs=torch.zeros(3, 2), ref_logprobs=torch.zeros(3, 2), values=torch.arange(6.0).view(3, 2),
+        scores=torch.tensor([1.0, 2.0, 3.0]),
+    )
+    part = rollout.select(torch.tensor([2, 0]))
+    assert part.scores.tolist() == [3.0, 1.0] and part.values.tolist() == [[4.0, 5.0], [0.0, 1.0]]
+    assert part.advantages is None and part.prompt_length == 2
+    assert part.responses.tolist() == [[10, 11], [2, 3]]
