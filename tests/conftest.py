@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -9,7 +10,8 @@ import pytest
 import torch
 
 from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer
-from rlhf_lightning.models.spec import BaseModelSpec
+from rlhf_lightning.models.shared_base import SharedBase
+from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
 
 # Set before anything imports wandb or the hub clients: tests never touch the network.
 os.environ.update(
@@ -25,6 +27,7 @@ os.environ.update(
 )
 os.environ.pop("WANDB_API_KEY", None)
 
+LORA = LoraSpec(r=4, alpha=8)
 TINY_ARCHITECTURE = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "n_positions": 64}
 
 
@@ -45,6 +48,23 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+@pytest.fixture(scope="session")
+def reward_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """A reward adapter with a random (non-zero) update and head on the tiny base, as the reward stage saves."""
+    torch.manual_seed(3)
+    spec = BaseModelSpec(name_or_path=str(tiny_model_dir))
+    base = SharedBase(load_causal_lm(spec, load_tokenizer(spec)))
+    base.add_adapter("reward", LORA)
+    base.add_head("reward")
+    with torch.no_grad():
+        for name, parameter in base.model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.3)
+    out = base.save_adapter("reward", tmp_path_factory.mktemp("reward-adapters"))
+    (out / "reward_stats.json").write_text(json.dumps({"mean": 0.5, "std": 2.0, "count": 10}))
+    return out
 
 
 @pytest.fixture(autouse=True)

@@ -3,6 +3,7 @@ tiny end-to-end SFT -> reward run writes its exports and logs every term to an o
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -64,16 +65,23 @@ def test_tiny_sft_then_reward_run_end_to_end_with_wandb_logs(tmp_path):
     assert {"adapter_config.json", "adapter_model.safetensors", "head.safetensors", "reward_stats.json"} <= {
         path.name for path in export.iterdir()}
 
-    sft_history = read_history(find_run_file(tmp_path / "outputs/sft"))
-    assert {"sft/loss", "sft/lr", "sft/tokens", "sft/val/loss", "sft/val/perplexity"} <= _keys(sft_history)
-    reward_run = find_run_file(tmp_path / "outputs/reward")
-    assert {"rm/loss", "rm/accuracy", "rm/margin", "rm/reward_mean", "rm/reward_std", "rm/lr", "rm/val/loss",
-            "rm/val/accuracy", "rm/val/margin", "rm/val/reward_mean", "rm/val/reward_std",
-            "rm/val/gold_accuracy"} <= _keys(read_history(reward_run))
-    config = read_config(reward_run)["cli"]
+    sft_keys = {"sft/loss", "sft/lr", "sft/tokens", "sft/val/loss", "sft/val/perplexity"}
+    assert sft_keys <= logged_keys(tmp_path / "outputs/sft", sft_keys)
+    reward_keys = {"rm/loss", "rm/accuracy", "rm/margin", "rm/reward_mean", "rm/reward_std", "rm/lr",
+                   "rm/val/loss", "rm/val/accuracy", "rm/val/margin", "rm/val/reward_mean", "rm/val/reward_std",
+                   "rm/val/gold_accuracy"}
+    assert reward_keys <= logged_keys(tmp_path / "outputs/reward", reward_keys)
+    config = read_config(find_run_file(tmp_path / "outputs/reward"))["cli"]
     assert config["model"]["class_path"] == "rlhf_lightning.RewardModel"
     assert config["model"]["init_args"]["lora"]["r"] == 2
 
 
-def _keys(history: list[dict]) -> set[str]:
-    return {key for row in history for key in row}
+def logged_keys(directory: Path, expected: set[str], timeout: float = 30.0) -> set[str]:
+    """Keys logged in the W&B run under ``directory``. W&B's writer is a separate process, so give its file a
+    few seconds to show every record on a loaded machine."""
+    deadline = time.monotonic() + timeout
+    while True:
+        keys = {key for row in read_history(find_run_file(directory)) for key in row}
+        if expected <= keys or time.monotonic() > deadline:
+            return keys
+        time.sleep(0.5)

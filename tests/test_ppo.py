@@ -3,7 +3,6 @@ adapters, checkpoints resume exactly, and every term is logged."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -17,30 +16,12 @@ from transformers import AutoModelForCausalLM
 from rlhf_lightning import PPO, AdapterReward, FunctionReward, PromptDataModule
 from rlhf_lightning.callbacks import IterationCheckpoint
 from rlhf_lightning.merge import merge_adapter
-from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer
-from rlhf_lightning.models.shared_base import SharedBase, adapter_of, position_ids_from_mask
-from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
+from rlhf_lightning.models.shared_base import adapter_of, position_ids_from_mask
+from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.tasks.synthetic import gold_rewards
+from tests.conftest import LORA
 
 REPO = Path(__file__).resolve().parents[1]
-LORA = LoraSpec(r=4, alpha=8)
-
-
-@pytest.fixture(scope="session")
-def reward_dir(tiny_model_dir, tmp_path_factory) -> Path:
-    """A reward adapter with a random (non-zero) update and head on the tiny base, as the reward stage saves."""
-    torch.manual_seed(3)
-    spec = BaseModelSpec(name_or_path=str(tiny_model_dir))
-    base = SharedBase(load_causal_lm(spec, load_tokenizer(spec)))
-    base.add_adapter("reward", LORA)
-    base.add_head("reward")
-    with torch.no_grad():
-        for name, parameter in base.model.named_parameters():
-            if "lora_B" in name:
-                parameter.normal_(0, 0.3)
-    out = base.save_adapter("reward", tmp_path_factory.mktemp("reward-adapters"))
-    (out / "reward_stats.json").write_text(json.dumps({"mean": 0.5, "std": 2.0, "count": 10}))
-    return out
 
 
 def make_ppo(tiny_model_dir, reward_dir, **kwargs) -> PPO:

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from rlhf_lightning.ppo.rollout import Rollout, last_token_index, stopped, token_rewards, truncate_after_stop
+from rlhf_lightning.ppo.rollout import (
+    Rollout,
+    close_with_eos,
+    last_token_index,
+    stopped,
+    token_rewards,
+    truncate_after_stop,
+)
 
 STOP, PAD = 1, 0
 
@@ -44,3 +51,12 @@ def test_rollout_select_takes_rows_of_every_field():
     assert part.scores.tolist() == [3.0, 1.0] and part.values.tolist() == [[4.0, 5.0], [0.0, 1.0]]
     assert part.advantages is None and part.prompt_length == 2
     assert part.responses.tolist() == [[10, 11], [2, 3]]
+
+
+def test_close_with_eos_appends_it_only_where_missing():
+    ids = torch.tensor([[0, 5, 6, STOP], [5, 6, 7, 8], [0, 5, 9, 0]])
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1], [0, 1, 1, 0]])
+    closed, closed_mask, last = close_with_eos(ids, mask, eos_token_id=STOP)
+    assert last.tolist() == [3, 4, 3]
+    assert closed.tolist() == [[0, 5, 6, 1, 1], [5, 6, 7, 8, 1], [0, 5, 9, 1, 1]]
+    assert closed_mask.tolist() == [[0, 1, 1, 1, 0], [1, 1, 1, 1, 1], [0, 1, 1, 1, 0]]

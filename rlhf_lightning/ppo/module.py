@@ -51,7 +51,14 @@ from rlhf_lightning.models.shared_base import REFERENCE, adapter_of
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
 from rlhf_lightning.optim import Schedule
 from rlhf_lightning.ppo.rewards import REWARD_ROLE, AdapterReward, RewardSource
-from rlhf_lightning.ppo.rollout import Rollout, last_token_index, stopped, token_rewards, truncate_after_stop
+from rlhf_lightning.ppo.rollout import (
+    Rollout,
+    Samples,
+    close_with_eos,
+    stopped,
+    token_rewards,
+    truncate_after_stop,
+)
 from rlhf_lightning.stage import StageModule
 
 POLICY, CRITIC = "policy", "critic"
@@ -177,6 +184,7 @@ class PPO(StageModule):
             raise ValueError(f"reward_normalize needs the reward's mean/std (reward_stats.json), which {reward} lacks")
         self.gold_reward = gold_reward
         self.stop_token_id = self._stop_token_id(stop_token)
+        self.last_samples: Samples | None = None  # the latest rollout as text (see callbacks.CompletionsTable)
         self.kl_controller = (
             FixedKLController(kl_coef) if kl_target is None
             else AdaptiveKLController(kl_coef, kl_target, kl_horizon)
@@ -269,8 +277,7 @@ class PPO(StageModule):
         ref_logprobs, _ = self.response_logprobs(REFERENCE, input_ids, attention_mask, responses)
         values = self.response_values(input_ids, attention_mask, responses.shape[1])
         response_texts = self.decode(responses, response_mask)
-        raw_scores = self.reward.score(input_ids, attention_mask, last_token_index(attention_mask),
-                                       prompts["prompt"], response_texts).float()
+        raw_scores = self.score(input_ids, attention_mask, prompts["prompt"], response_texts)
         is_stopped = stopped(responses, response_mask, self.stop_token_id)
         rollout = Rollout(input_ids, attention_mask, response_mask, logprobs, ref_logprobs,
                           torch.where(response_mask, values, 0.0), self.process_scores(raw_scores, is_stopped))
@@ -291,11 +298,19 @@ class PPO(StageModule):
             "value/explained_variance": explained_variance(rollout.values, rollout.returns, response_mask),
             "value/mean": masked_mean(rollout.values, response_mask),
         }
+        gold = None
         if self.gold_reward is not None:
-            gold = self.gold_reward(list(prompts["prompt"]), response_texts)
-            stats["objective/gold"] = torch.tensor(list(gold), dtype=torch.float32).mean()
-        self._last_samples = (list(prompts["prompt"]), response_texts, raw_scores, sequence_kl)
+            gold = [float(g) for g in self.gold_reward(list(prompts["prompt"]), response_texts)]
+            stats["objective/gold"] = torch.tensor(gold).mean()
+        self.last_samples = Samples(self.iteration, list(prompts["prompt"]), response_texts, raw_scores.tolist(),
+                                    sequence_kl.tolist(), gold)
         return rollout, stats
+
+    def score(self, input_ids: Tensor, attention_mask: Tensor, prompts: Sequence[str],
+              responses: Sequence[str]) -> Tensor:
+        """Reward-model scores ``[B]``, each read at an EOS (appended to responses that never emitted one)."""
+        ids, mask, last = close_with_eos(input_ids, attention_mask, self.tokenizer.eos_token_id)
+        return self.reward.score(ids, mask, last, prompts, responses).float()
 
     def process_scores(self, scores: Tensor, is_stopped: Tensor) -> Tensor:
         """Normalise with the reward stage's statistics, penalise responses that never stop, clip."""
@@ -457,7 +472,8 @@ class PPO(StageModule):
         })
         self.log_dict({f"ppo/{name}": value.float() for name, value in stats.items()}, sync_dist=True,
                       batch_size=rollout.response_mask.shape[0])
-        self.log_dict({"reward": stats["objective/score"], "kl": stats["objective/kl"],
+        self.log_dict({"iteration": stats["iteration"], "reward": stats["objective/score"],
+                       "kl": stats["objective/kl"],
                        **({"gold": stats["objective/gold"]} if "objective/gold" in stats else {})},
                       prog_bar=True, logger=False)
 
@@ -486,8 +502,7 @@ class PPO(StageModule):
         logprobs, _ = self.response_logprobs(POLICY, input_ids, attention_mask, responses)
         ref_logprobs, _ = self.response_logprobs(REFERENCE, input_ids, attention_mask, responses)
         texts = self.decode(responses, response_mask)
-        scores = self.reward.score(input_ids, attention_mask, last_token_index(attention_mask), batch["prompt"],
-                                   texts)
+        scores = self.score(input_ids, attention_mask, batch["prompt"], texts)
         metrics = self.val_metrics
         metrics["score"].update(scores)
         metrics["kl"].update(torch.where(response_mask, logprobs - ref_logprobs, 0.0).sum(-1))

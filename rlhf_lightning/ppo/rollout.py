@@ -39,6 +39,18 @@ class Rollout:
         return Rollout(**{f.name: None if (v := getattr(self, f.name)) is None else v[rows] for f in fields(self)})
 
 
+@dataclass
+class Samples:
+    """What a rollout sampled, as text, for callbacks that show it (one entry per response)."""
+
+    iteration: int  # PPO iterations completed before this rollout
+    prompts: list[str]
+    responses: list[str]
+    scores: list[float]  # reward-model scores before normalisation, clipping and penalties
+    kl: list[float]  # sequence KL to the reference, sum over response tokens of log pi - log pi_ref
+    gold: list[float] | None  # the task's true reward, when it has one
+
+
 def truncate_after_stop(responses: Tensor, stop_token_id: int | None, pad_token_id: int) -> tuple[Tensor, Tensor]:
     """Cut every response after its first stop token: ``(responses with pad after the stop, mask [B, R])``.
 
@@ -69,6 +81,24 @@ def last_token_index(attention_mask: Tensor) -> Tensor:
     length = attention_mask.shape[1]
     positions = torch.arange(length, device=attention_mask.device).expand_as(attention_mask)
     return torch.where(attention_mask.bool(), positions, -1).max(-1).values
+
+
+def close_with_eos(input_ids: Tensor, attention_mask: Tensor, eos_token_id: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Sequences as a reward model reads them: each ends with EOS, appended where the response lacks one.
+
+    A reward model is trained on sequences that end with EOS and reads its score there; read at the last word of
+    a response cut off by ``max_new_tokens`` its output is meaningless, and a policy learns to exploit that.
+    Returns ``(input_ids, attention_mask, last_index)`` one column wider than the inputs.
+    """
+    rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+    last = last_token_index(attention_mask)
+    has_eos = input_ids[rows, last] == eos_token_id
+    input_ids = torch.cat([input_ids, torch.full_like(input_ids[:, :1], eos_token_id)], 1)
+    attention_mask = torch.cat([attention_mask, torch.zeros_like(attention_mask[:, :1])], 1)
+    position = torch.where(has_eos, last, last + 1)
+    input_ids[rows, position] = eos_token_id
+    attention_mask[rows, position] = 1
+    return input_ids, attention_mask, position
 
 
 def token_rewards(

@@ -12,7 +12,7 @@ Grammar (one clause = subject + predicate; sentences end with "."; clauses are j
 
     sentence   := clause (CONJ clause)* "."
     clause     := noun_phrase predicate          (the first clause of a response has its subject in the prompt)
-    noun_phrase:= DET [ADJ] NOUN
+    noun_phrase:= DET ADJ{0,3} NOUN
     predicate  := VERB noun_phrase | "is" [ADV] ADJ
 
 The gold reward (what a careful human rater would say) scores the response only:
@@ -48,7 +48,11 @@ VERBS = ("likes", "sees", "finds", "helps", "builds", "visits", "follows", "pain
 POSITIVE = ("good", "great", "happy", "bright", "kind", "lovely", "warm", "brilliant")
 NEGATIVE = ("bad", "sad", "dull", "cold", "awful", "broken", "grim", "noisy")
 NEUTRAL = ("big", "small", "old", "new", "red", "blue", "quiet", "tall")
-ADVERBS = ("very", "quite", "really")
+# Writers intensify praise with "very"/"really" and criticism with "quite"/"rather": any adverb is grammatical
+# before any adjective, but this habit of the corpus is what lets a language model tell praise from criticism.
+PRAISE_ADVERBS = ("very", "really")
+CRITICISM_ADVERBS = ("quite", "rather")
+ADVERBS = PRAISE_ADVERBS + CRITICISM_ADVERBS
 CONJUNCTIONS = ("and", "but")
 COPULA = "is"
 STOP = "."
@@ -57,6 +61,7 @@ ADJECTIVES = POSITIVE + NEGATIVE + NEUTRAL
 WORDS = DETERMINERS + NOUNS + VERBS + ADJECTIVES + ADVERBS + CONJUNCTIONS + (COPULA, STOP)
 VOCABULARY = SPECIAL_TOKENS + WORDS
 
+MAX_ADJECTIVES = 3  # in one noun phrase
 INTENSIFIER_FACTOR = 1.5
 UNGRAMMATICAL_PENALTY = 2.0
 
@@ -73,12 +78,12 @@ CHAT_TEMPLATE = (
 
 
 def _parse_noun_phrase(words: Sequence[str], i: int) -> tuple[int, list[str]] | None:
-    """Parse DET [ADJ] NOUN at ``words[i:]``; return (next index, adjectives) or None."""
+    """Parse DET ADJ{0,3} NOUN at ``words[i:]``; return (next index, adjectives) or None."""
     if i >= len(words) or words[i] not in DETERMINERS:
         return None
     i += 1
     adjectives = []
-    if i < len(words) and words[i] in ADJECTIVES:
+    while i < len(words) and words[i] in ADJECTIVES and len(adjectives) < MAX_ADJECTIVES:
         adjectives.append(words[i])
         i += 1
     if i >= len(words) or words[i] not in NOUNS:
@@ -193,17 +198,23 @@ class SyntheticLanguage:
 
     Args:
         adjective_prob: chance that a noun phrase carries an adjective.
+        extra_adjective_prob: chance of one more adjective in a noun phrase, applied up to 3 adjectives.
+        positive_share: chance that an adjective is a positive one (demonstrators are mostly neutral).
+        negative_share: chance that an adjective is a negative one; the rest are neutral.
         copula_prob: chance that a predicate is "is [ADV] ADJ" rather than "VERB noun_phrase".
-        adverb_prob: chance of an adverb in an "is ADJ" predicate.
+        adverb_prob: chance of an adverb before a positive or negative adjective in an "is ADJ" predicate.
         extra_clause_prob: chance of adding one more clause ("and ..."), applied up to ``max_clauses - 1`` times.
         extra_sentence_prob: chance of adding one more sentence, applied up to ``max_sentences - 1`` times.
         max_clauses: cap on clauses per sentence.
         max_sentences: cap on sentences per response (responses stay under 30 tokens).
     """
 
-    adjective_prob: float = 0.5
-    copula_prob: float = 0.5
-    adverb_prob: float = 0.35
+    adjective_prob: float = 0.8
+    extra_adjective_prob: float = 0.2
+    positive_share: float = 0.15
+    negative_share: float = 0.15
+    copula_prob: float = 0.6
+    adverb_prob: float = 0.4
     extra_clause_prob: float = 0.35
     extra_sentence_prob: float = 0.35
     max_clauses: int = 2
@@ -212,16 +223,26 @@ class SyntheticLanguage:
     def noun_phrase(self, rng: random.Random) -> list[str]:
         words = [rng.choice(DETERMINERS)]
         if rng.random() < self.adjective_prob:
-            words.append(rng.choice(ADJECTIVES))
+            words.append(self.adjective(rng))
+            while len(words) <= MAX_ADJECTIVES and rng.random() < self.extra_adjective_prob:
+                words.append(self.adjective(rng))
         words.append(rng.choice(NOUNS))
         return words
 
+    def adjective(self, rng: random.Random) -> str:
+        draw = rng.random()
+        if draw < self.positive_share:
+            return rng.choice(POSITIVE)
+        if draw < self.positive_share + self.negative_share:
+            return rng.choice(NEGATIVE)
+        return rng.choice(NEUTRAL)
+
     def predicate(self, rng: random.Random) -> list[str]:
         if rng.random() < self.copula_prob:
-            words = [COPULA]
-            if rng.random() < self.adverb_prob:
-                words.append(rng.choice(ADVERBS))
-            return [*words, rng.choice(ADJECTIVES)]
+            adjective = self.adjective(rng)
+            if adjective not in NEUTRAL and rng.random() < self.adverb_prob:
+                return [COPULA, rng.choice(PRAISE_ADVERBS if adjective in POSITIVE else CRITICISM_ADVERBS), adjective]
+            return [COPULA, adjective]
         return [rng.choice(VERBS), *self.noun_phrase(rng)]
 
     def sentence(self, rng: random.Random, subject_given: bool) -> list[str]:
@@ -245,20 +266,34 @@ class SyntheticLanguage:
         return " ".join(words)
 
     def corrupt(self, response: str, rng: random.Random) -> str:
-        """One or two slips of a careless writer: a word dropped, a stray word inserted, two words swapped, or
-        the last sentence left unfinished."""
+        """One or two slips of a careless writer: a word dropped, a stray word inserted, a word stuttered, two
+        words swapped, or the last sentence left unfinished."""
         words = response.split()
         for _ in range(rng.choice((1, 2))):
-            slip = rng.randrange(4)
+            slip = rng.randrange(5)
             position = rng.randrange(len(words))
             if slip == 0 and len(words) > 1:
                 del words[position]
             elif slip == 1:
                 words.insert(position, rng.choice(WORDS))
-            elif slip == 2 and position + 1 < len(words):
+            elif slip == 2:
+                words.insert(position, words[position])
+            elif slip == 3 and position + 1 < len(words):
                 words[position], words[position + 1] = words[position + 1], words[position]
             elif words[-1] == STOP:
                 words.pop()
+        return " ".join(words)
+
+    def echo(self, response: str, rng: random.Random) -> str:
+        """Repetitive praise: one positive adjective put in the first adjective slot and again in a later one
+        (responses with fewer than two adjectives are returned unchanged)."""
+        words = response.split()
+        slots = [i for i, word in enumerate(words) if word in ADJECTIVES]
+        if len(slots) < 2:
+            return response
+        praise = rng.choice(POSITIVE)
+        first, later = slots[0], rng.choice(slots[1:])
+        words[first] = words[later] = praise
         return " ".join(words)
 
 
@@ -272,12 +307,15 @@ class SyntheticTask:
         corruption_prob: chance that a response of a preference pair has a slip (see
             :meth:`SyntheticLanguage.corrupt`), so that raters also compare broken text, as they do when rating
             samples of imperfect models.
+        echo_prob: chance that a response of a preference pair repeats a positive adjective (see
+            :meth:`SyntheticLanguage.echo`).
         language: the generator's probabilities.
     """
 
     seed: int = 0
     label_accuracy: float = 0.85
     corruption_prob: float = 0.25
+    echo_prob: float = 0.1
     language: SyntheticLanguage = SyntheticLanguage()
 
     def _rng(self, stream: str) -> random.Random:
@@ -334,6 +372,8 @@ class SyntheticTask:
 
     def _rated_response(self, rng: random.Random) -> str:
         response = self.language.response(rng)
+        if rng.random() < self.echo_prob:
+            response = self.language.echo(response, rng)
         return self.language.corrupt(response, rng) if rng.random() < self.corruption_prob else response
 
 
