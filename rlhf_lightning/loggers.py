@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import configparser
+import contextlib
 import netrc
 import os
 from pathlib import Path
@@ -13,15 +15,30 @@ from lightning.pytorch.loggers import WandbLogger as LightningWandbLogger
 DEFAULT_HOST = "api.wandb.ai"
 
 
+def wandb_host() -> str:
+    """The W&B server's host: ``WANDB_BASE_URL``, else the ``base_url`` that ``wandb login --host`` stored in
+    W&B's settings file, else the public cloud."""
+    url = os.environ.get("WANDB_BASE_URL")
+    if not url:
+        config_dir = Path(os.environ.get("WANDB_CONFIG_DIR", Path.home() / ".config" / "wandb"))
+        settings = configparser.ConfigParser()
+        with contextlib.suppress(configparser.Error):  # a broken settings file is W&B's to report
+            settings.read(config_dir / "settings")
+        url = settings.get("default", "base_url", fallback=f"https://{DEFAULT_HOST}")
+    return urlparse(url).hostname or DEFAULT_HOST
+
+
 def wandb_api_key_configured() -> bool:
     """Whether W&B can authenticate: ``WANDB_API_KEY``, an identity token file, or a ``.netrc`` entry for the
-    W&B host (``WANDB_BASE_URL`` for a self-hosted server), as ``wandb login`` writes."""
+    W&B host (see :func:`wandb_host`), as ``wandb login`` writes. A run started by a sweep agent counts too:
+    the agent could only reach its sweep with working credentials."""
     if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
         return True
-    host = urlparse(os.environ.get("WANDB_BASE_URL", f"https://{DEFAULT_HOST}")).hostname or DEFAULT_HOST
+    if os.environ.get("WANDB_SWEEP_ID") and os.environ.get("WANDB_MODE") not in ("offline", "disabled"):
+        return True
     path = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
     try:
-        return path.is_file() and netrc.netrc(str(path)).authenticators(host) is not None
+        return path.is_file() and netrc.netrc(str(path)).authenticators(wandb_host()) is not None
     except (OSError, netrc.NetrcParseError):
         return False
 
