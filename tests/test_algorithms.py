@@ -395,3 +395,27 @@ def test_explained_variance():
     close(explained_variance(returns.clone(), returns, mask), 1.0)
     flat = torch.tensor([[2.0, 2.0, 2.0], [2.0, PAD, PAD]])
     close(explained_variance(values, flat, mask), 0.0)  # var(R) == 0: defined as 0, not NaN or -inf
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_fused_head_logprobs_match_logits_path_values_and_gradients(temperature):
+    from rlhf_lightning.algorithms import entropy_from_logits, logprobs_from_hidden, logprobs_from_logits
+
+    torch.manual_seed(0)
+    hidden = torch.randn(3, 5, 8, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(11, 8, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 11, (3, 5))
+    logprobs, entropy = logprobs_from_hidden(hidden, weight, labels, temperature, with_entropy=True)
+    logits = hidden @ weight.t() / temperature
+    expected = logprobs_from_logits(logits, labels)
+    torch.testing.assert_close(logprobs, expected)
+    torch.testing.assert_close(entropy, entropy_from_logits(logits))
+    assert not entropy.requires_grad  # a statistic
+    upstream = torch.randn(3, 5, dtype=torch.float64)
+    got = torch.autograd.grad((logprobs * upstream).sum(), [hidden, weight], retain_graph=True)
+    want = torch.autograd.grad((expected * upstream).sum(), [hidden, weight])
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+    again = torch.autograd.grad((logprobs * upstream).sum(), [hidden, weight])  # a retained graph still works
+    for g, w in zip(again, want, strict=True):
+        torch.testing.assert_close(g, w)

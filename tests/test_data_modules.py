@@ -128,7 +128,7 @@ def test_empty_file_is_a_clear_error(tmp_path):
 
 def test_prompts_are_left_padded_with_their_texts():
     module = _module(PromptDataModule, "synthetic", synthetic_rows=16, batch_size=4)
-    batch = next(iter(module.train_dataloader()))["prompts"]
+    batch = next(iter(module.train_dataloader()["prompts"]))
     assert (batch["attention_mask"][:, -1] == 1).all()  # left padding: every prompt ends at the last column
     for ids, mask, text in zip(batch["input_ids"], batch["attention_mask"], batch["prompt"], strict=True):
         assert module.tokenizer.decode(ids[mask.bool()]) == text

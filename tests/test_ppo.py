@@ -246,3 +246,37 @@ def test_ppo_runs_under_ddp_on_two_cpu_processes(tiny_model_dir, reward_dir, tmp
     assert result.returncode == 0, result.stderr[-3000:]
     assert "distributed_backend=gloo" in result.stderr
     assert (tmp_path / "adapters" / "policy" / "adapter_model.safetensors").exists()
+
+
+@pytest.mark.parametrize("options", [
+    {"backward": "joint"},  # one backward for both losses, as under DDP
+    {"reuse_first_pass": False},  # a separate scoring pass for the old log-probs and values
+    {"backward": "joint", "reuse_first_pass": False},
+    {"logprob_chunk": 2},  # log-probs in chunks, logits recomputed in the backward
+])
+def test_speed_and_memory_options_leave_the_numbers_unchanged(tiny_model_dir, reward_dir, tmp_path, options):
+    """The default (separate backward on one device, old log-probs and values from the first update pass) and
+    every alternative reach the same metrics and adapter weights."""
+    runs = []
+    for kwargs in ({}, options):
+        module = make_ppo(tiny_model_dir, reward_dir, num_minibatches=1, ent_coef=0.01, **kwargs)
+        _, rows = _fit(module, prompts(module, n=16), tmp_path / str(len(runs)), iterations=2)
+        trained = {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
+        runs.append((rows, trained, module.last_samples))
+    (rows, trained, samples), (other_rows, other_trained, other_samples) = runs
+    assert rows[-1].keys() == other_rows[-1].keys()
+    for row, other in zip(rows, other_rows, strict=True):
+        for name in row:
+            assert row[name] == pytest.approx(other[name], rel=1e-4, abs=1e-5), name
+    for name, parameter in trained.items():
+        torch.testing.assert_close(parameter, other_trained[name], rtol=1e-4, atol=1e-5)
+    assert samples.responses == other_samples.responses and samples.iteration == other_samples.iteration == 1
+
+
+def test_first_update_pass_scores_the_rollout_and_backward_choice(tiny_model_dir, reward_dir):
+    module = make_ppo(tiny_model_dir, reward_dir, num_minibatches=1)
+    assert module._reuses_first_pass(8) and not module.joint_backward  # one device: separate backward
+    assert not make_ppo(tiny_model_dir, reward_dir)._reuses_first_pass(8)  # two minibatches
+    assert make_ppo(tiny_model_dir, reward_dir, backward="joint").joint_backward
+    with pytest.raises(ValueError, match="backward must be"):
+        make_ppo(tiny_model_dir, reward_dir, backward="twice")

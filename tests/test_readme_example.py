@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from rlhf_lightning.cli import RLHFCLI
 from tests.test_ppo import LORA, first_batch, make_ppo
@@ -49,4 +50,5 @@ def test_the_cli_accepts_the_subclass_with_its_new_argument(readme_example, tiny
     ], run=False)
     assert type(cli.model).__name__ == "LengthPenalizedPPO"
     assert cli.model.token_cost == 0.02
-    assert cli.model.hparams.kl_coef == 0.05  # the config's other arguments still apply
+    config = yaml.safe_load((REPO / "configs" / "ppo.yaml").read_text())["model"]["init_args"]
+    assert cli.model.hparams.kl_coef == config["kl_coef"]  # the config's other arguments still apply

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rlhf_lightning.algorithms.advantages import gae
+from rlhf_lightning.algorithms.head import logprobs_from_hidden
 from rlhf_lightning.algorithms.kl import AdaptiveKLController, FixedKLController, KLEstimator, kl_penalty
 from rlhf_lightning.algorithms.losses import (
     PolicyLossOutput,
@@ -27,6 +28,7 @@ __all__ = [
     "explained_variance",
     "gae",
     "kl_penalty",
+    "logprobs_from_hidden",
     "logprobs_from_logits",
     "masked_mean",
     "masked_sum",

@@ -3,10 +3,13 @@
 One ``training_step`` is one PPO iteration on a batch of prompts, readable top to bottom:
 
 1. rollout (eval mode, no grad): sample responses from the policy adapter, cut them after the stop token, then
-   score them once: old log-probs, reference log-probs, values, reward;
+   score them once: old log-probs, reference log-probs, values, reward (when the first update micro-batch is the
+   whole rollout, its own forward pass gives the old log-probs, and values too with a joint backward: the policy
+   has not changed yet, so the numbers are the same and a scoring pass is saved);
 2. per-token rewards (``-kl_coef * KL_t`` on every token, the score at the last one), GAE, returns, whitening;
 3. ``ppo_epochs`` passes over shuffled minibatches: clipped policy loss + clipped value loss (- entropy bonus,
-   + pretraining loss), one backward, gradient clipping, optimizer step.
+   + pretraining loss), backward (one for both losses, or policy then critic so that their graphs are never held
+   together), gradient clipping, optimizer step.
 
 The math lives in :mod:`rlhf_lightning.algorithms`; the methods below only orchestrate it. Subclasses change
 the algorithm by overriding :meth:`shape_rewards`, :meth:`estimate_advantages` or :meth:`losses`.
@@ -23,11 +26,12 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 from torchmetrics import MeanMetric
 from transformers import GenerationConfig
 
@@ -39,6 +43,7 @@ from rlhf_lightning.algorithms import (
     explained_variance,
     gae,
     kl_penalty,
+    logprobs_from_hidden,
     logprobs_from_logits,
     masked_mean,
     masked_whiten,
@@ -52,6 +57,7 @@ from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
 from rlhf_lightning.optim import Schedule
 from rlhf_lightning.ppo.rewards import REWARD_ROLE, AdapterReward, RewardSource
 from rlhf_lightning.ppo.rollout import (
+    Draft,
     Rollout,
     Samples,
     close_with_eos,
@@ -113,8 +119,15 @@ class PPO(StageModule):
         weight_decay: AdamW weight decay.
         warmup_iterations: iterations of linear learning-rate warm-up.
         lr_schedule: decay after warm-up over the run's iterations: ``constant``, ``linear`` or ``cosine``.
-        logprob_chunk: compute log-probs over this many response positions at a time (less peak memory for
-            large vocabularies); null = all at once.
+        logprob_chunk: compute log-probs over this many response positions at a time, recomputing each chunk's
+            logits in the backward pass instead of keeping them (less peak memory for large vocabularies, one more
+            LM-head pass); null = all at once.
+        backward: ``separate`` backpropagates the policy loss before the critic's forward pass, so the two graphs
+            are never held together (less peak memory, same gradients); ``joint`` runs one backward for both, which
+            DDP's reducer needs; ``auto`` = separate on one device, joint when distributed.
+        reuse_first_pass: when the first update micro-batch is the whole rollout (one minibatch, no accumulation),
+            take the old log-probs (and, with a joint backward, the values) from its forward pass instead of a
+            separate scoring pass: the same numbers, one or two fewer forward passes per iteration.
         seed: rollout sampling seed; iteration i on rank r samples with a seed drawn from (seed, i, r), so a
             resumed run samples exactly what the uninterrupted one would have.
         gold_reward: ``fn(prompts, responses) -> scores`` of the true reward when known (the synthetic task's
@@ -161,6 +174,8 @@ class PPO(StageModule):
         warmup_iterations: int = 0,
         lr_schedule: Schedule = "constant",
         logprob_chunk: int | None = None,
+        backward: Literal["auto", "joint", "separate"] = "auto",
+        reuse_first_pass: bool = True,
         seed: int = 0,
         gold_reward: Callable[[Sequence[str], Sequence[str]], Sequence[float]] | None = None,
         export_dir: str | None = None,
@@ -170,6 +185,8 @@ class PPO(StageModule):
         self.automatic_optimization = False
         if temperature <= 0:
             raise ValueError(f"temperature must be positive, got {temperature}")
+        if backward not in ("auto", "joint", "separate"):
+            raise ValueError(f"backward must be auto, joint or separate, got {backward!r}")
         self.model = self.load_base(base)
         self.model.add_adapter(POLICY, policy_lora)
         self.model.add_adapter(CRITIC, critic_lora)
@@ -242,22 +259,54 @@ class PPO(StageModule):
         return hidden[:, -response_length - 1 : -1]
 
     def response_logprobs(self, role: str | None, input_ids: Tensor, attention_mask: Tensor, responses: Tensor,
-                          with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+                          with_entropy: bool = False, entropy_grad: bool = True) -> tuple[Tensor, Tensor | None]:
         """``(log-probs [B, R], entropy [B, R] or None)`` of ``responses`` under ``role`` at the sampling
         temperature.
 
         The LM head runs only on response positions, optionally ``logprob_chunk`` positions at a time, so the
-        full ``[B, T, V]`` logits never exist at once.
+        full ``[B, T, V]`` logits never exist at once; with a chunk size, each chunk's logits are recomputed in
+        the backward pass rather than kept for it. ``entropy_grad=False`` computes the entropy as a detached
+        statistic, so its ``[B, R, V]`` softmax is not kept for a backward.
         """
         hidden = self.response_logits(role, input_ids, attention_mask, responses.shape[1])
         chunk = self.hparams.logprob_chunk or responses.shape[1]
+        recompute = self.hparams.logprob_chunk is not None and torch.is_grad_enabled() and hidden.requires_grad
+        # The fused head keeps one [B, R, V] tensor for the backward; an entropy bonus needs the plain path.
+        fused = self._fused_head() and not (with_entropy and entropy_grad and torch.is_grad_enabled())
+        compute = self._fused_chunk if fused else self._chunk_logprobs
         logprobs, entropies = [], []
         for start in range(0, responses.shape[1], chunk):
-            logits = self.model.lm_head(hidden[:, start : start + chunk]).float() / self.hparams.temperature
-            logprobs.append(logprobs_from_logits(logits, responses[:, start : start + chunk]))
-            if with_entropy:
-                entropies.append(entropy_from_logits(logits))
+            piece, labels = hidden[:, start : start + chunk], responses[:, start : start + chunk]
+            if recompute:
+                logprob, entropy = checkpoint(compute, piece, labels, with_entropy, entropy_grad, use_reentrant=False)
+            else:
+                logprob, entropy = compute(piece, labels, with_entropy, entropy_grad)
+            logprobs.append(logprob)
+            entropies.append(entropy)
         return torch.cat(logprobs, 1), torch.cat(entropies, 1) if with_entropy else None
+
+    def _fused_head(self) -> bool:
+        head = self.model.lm_head
+        return isinstance(head, torch.nn.Linear) and head.bias is None
+
+    def _fused_chunk(self, hidden: Tensor, labels: Tensor, with_entropy: bool,
+                     entropy_grad: bool) -> tuple[Tensor, Tensor | None]:
+        return logprobs_from_hidden(hidden, self.model.lm_head.weight, labels, self.hparams.temperature,
+                                    with_entropy)
+
+    def _chunk_logprobs(self, hidden: Tensor, labels: Tensor, with_entropy: bool,
+                        entropy_grad: bool) -> tuple[Tensor, Tensor | None]:
+        logits = self._chunk_logits(hidden)
+        entropy = None
+        if with_entropy:
+            with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+                entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
+        return logprobs_from_logits(logits, labels), entropy
+
+    def _chunk_logits(self, hidden: Tensor) -> Tensor:
+        # Contiguous first: matmul does not fold a strided slice that requires grad into one 2-D product and
+        # takes a slower batched path instead.
+        return self.model.lm_head(hidden.contiguous()).float() / self.hparams.temperature
 
     def response_values(self, input_ids: Tensor, attention_mask: Tensor, response_length: int) -> Tensor:
         """Critic values ``[B, R]`` of the states before each response token."""
@@ -271,16 +320,38 @@ class PPO(StageModule):
     @torch.no_grad()
     def rollout(self, prompts: dict[str, Any]) -> tuple[Rollout, dict[str, Tensor]]:
         """Sample and score a batch of responses; return the rollout (advantages included) and its statistics."""
+        return self.complete_rollout(self.sample_and_score(prompts))
+
+    @torch.no_grad()
+    def sample_and_score(self, prompts: dict[str, Any], policy: bool = True, critic: bool = True) -> Draft:
+        """Sample responses and run the scoring passes: reference log-probs and reward always, the policy's
+        log-probs and the critic's values unless left to the first update pass (``policy``/``critic`` False)."""
         input_ids, attention_mask, response_mask = self.generate(prompts["input_ids"], prompts["attention_mask"])
         responses = input_ids[:, prompts["input_ids"].shape[1]:]
-        logprobs, entropy = self.response_logprobs(POLICY, input_ids, attention_mask, responses, with_entropy=True)
+        logprobs = entropy = values = None
+        if policy:
+            logprobs, entropy = self.response_logprobs(POLICY, input_ids, attention_mask, responses,
+                                                       with_entropy=True)
         ref_logprobs, _ = self.response_logprobs(REFERENCE, input_ids, attention_mask, responses)
-        values = self.response_values(input_ids, attention_mask, responses.shape[1])
+        if critic:
+            values = self.masked_values(input_ids, attention_mask, response_mask)
         response_texts = self.decode(responses, response_mask)
         raw_scores = self.score(input_ids, attention_mask, prompts["prompt"], response_texts)
         is_stopped = stopped(responses, response_mask, self.stop_token_id)
-        rollout = Rollout(input_ids, attention_mask, response_mask, logprobs, ref_logprobs,
-                          torch.where(response_mask, values, 0.0), self.process_scores(raw_scores, is_stopped))
+        rollout = Rollout(input_ids, attention_mask, response_mask, logprobs, ref_logprobs, values,
+                          self.process_scores(raw_scores, is_stopped))
+        return Draft(rollout, entropy, raw_scores, is_stopped, list(prompts["prompt"]), response_texts)
+
+    def masked_values(self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor) -> Tensor:
+        """Critic values ``[B, R]``, 0 after each response's end (what the rollout stores)."""
+        return torch.where(response_mask, self.response_values(input_ids, attention_mask, response_mask.shape[1]),
+                           0.0)
+
+    @torch.no_grad()
+    def complete_rollout(self, draft: Draft) -> tuple[Rollout, dict[str, Tensor]]:
+        """Rewards, advantages and statistics of a scored draft (its log-probs and values filled in)."""
+        rollout, response_mask = draft.rollout, draft.rollout.response_mask
+        logprobs, ref_logprobs, raw_scores = rollout.logprobs, rollout.ref_logprobs, draft.raw_scores
         rewards, kl = self.shape_rewards(rollout)
         rollout.advantages, rollout.returns = self.estimate_advantages(rollout, rewards)
 
@@ -292,17 +363,17 @@ class PPO(StageModule):
             "objective/kl_penalty": (torch.where(response_mask, kl, 0.0)).sum(-1).mean(),
             "objective/kl_coef": torch.tensor(self.kl_controller.value),
             "objective/rlhf_reward": (torch.where(response_mask, rewards, 0.0)).sum(-1).mean(),
-            "policy/entropy": masked_mean(entropy, response_mask),
+            "policy/entropy": masked_mean(draft.entropy, response_mask),
             "response/length": response_mask.sum(-1).float().mean(),
-            "response/eos_frac": is_stopped.float().mean(),
+            "response/eos_frac": draft.is_stopped.float().mean(),
             "value/explained_variance": explained_variance(rollout.values, rollout.returns, response_mask),
             "value/mean": masked_mean(rollout.values, response_mask),
         }
         gold = None
         if self.gold_reward is not None:
-            gold = [float(g) for g in self.gold_reward(list(prompts["prompt"]), response_texts)]
+            gold = [float(g) for g in self.gold_reward(draft.prompts, draft.responses)]
             stats["objective/gold"] = torch.tensor(gold).mean()
-        self.last_samples = Samples(self.iteration, list(prompts["prompt"]), response_texts, raw_scores.tolist(),
+        self.last_samples = Samples(self.iteration, draft.prompts, draft.responses, raw_scores.tolist(),
                                     sequence_kl.tolist(), gold)
         return rollout, stats
 
@@ -347,25 +418,33 @@ class PPO(StageModule):
     def losses(self, minibatch: Rollout, ptx: dict[str, Tensor] | None) -> dict[str, Tensor]:
         """All loss terms of one micro-batch; ``total`` is what is backpropagated.
 
-        The policy and critic passes both feed one backward, so every trainable parameter gets its gradient
-        in the same pass (which DDP's gradient reducer needs).
+        With a joint backward the policy and critic passes both feed one backward, so every trainable parameter
+        gets its gradient in the same pass (which DDP's gradient reducer needs). A subclass that overrides this
+        method always gets the joint backward.
+        """
+        policy_total, terms = self.policy_losses(minibatch, ptx)
+        critic_total, critic_terms = self.critic_losses(minibatch)
+        return {**terms, **critic_terms, "loss/total": policy_total + critic_total}
+
+    def policy_losses(self, minibatch: Rollout, ptx: dict[str, Tensor] | None, logprobs: Tensor | None = None,
+                      entropy: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+        """``(policy part of the total loss, its terms)``: clipped policy loss, - entropy bonus, + PPO-ptx.
+
+        ``logprobs``/``entropy`` are the policy pass's outputs when already computed on ``minibatch``.
         """
         hp = self.hparams
         mask = minibatch.response_mask
-        logprobs, entropy = self.response_logprobs(POLICY, minibatch.input_ids, minibatch.attention_mask,
-                                                   minibatch.responses, with_entropy=bool(hp.ent_coef))
+        if logprobs is None:
+            logprobs, entropy = self.response_logprobs(POLICY, minibatch.input_ids, minibatch.attention_mask,
+                                                       minibatch.responses, with_entropy=bool(hp.ent_coef))
         policy = policy_loss(logprobs, minibatch.logprobs, minibatch.advantages, mask, hp.clip_range)
-        values = self.response_values(minibatch.input_ids, minibatch.attention_mask, mask.shape[1])
-        value = value_loss(values, minibatch.values, minibatch.returns, mask, hp.clip_range_value)
         terms = {
             "loss/policy": policy.loss,
-            "loss/value": value.loss,
             "policy/approx_kl": policy.approx_kl,
             "policy/clipfrac": policy.clipfrac,
             "policy/ratio": policy.ratio_mean,
-            "value/clipfrac": value.clipfrac,
         }
-        total = policy.loss + hp.vf_coef * value.loss
+        total = policy.loss
         if hp.ent_coef:
             mean_entropy = masked_mean(entropy, mask)
             total = total - hp.ent_coef * mean_entropy
@@ -373,23 +452,37 @@ class PPO(StageModule):
         if hp.ptx_coef and ptx is not None:
             terms["loss/ptx"] = self.ptx_loss(ptx)
             total = total + hp.ptx_coef * terms["loss/ptx"]
-        terms["loss/total"] = total
-        return terms
+        return total, terms
+
+    def critic_losses(self, minibatch: Rollout, values: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+        """``(critic part of the total loss, its terms)``: ``vf_coef`` x clipped value loss."""
+        hp = self.hparams
+        mask = minibatch.response_mask
+        if values is None:
+            values = self.response_values(minibatch.input_ids, minibatch.attention_mask, mask.shape[1])
+        value = value_loss(values, minibatch.values, minibatch.returns, mask, hp.clip_range_value)
+        return hp.vf_coef * value.loss, {"loss/value": value.loss, "value/clipfrac": value.clipfrac}
 
     def ptx_loss(self, batch: dict[str, Tensor]) -> Tensor:
         """Next-token loss of the policy on pretraining/SFT text (the PPO-ptx term of InstructGPT)."""
         with self.model.role(POLICY):
             hidden = self.model.hidden_states(batch["input_ids"], batch["attention_mask"])
-        logits = self.model.lm_head(hidden[:, :-1]).float()
+        logits = self.model.lm_head(hidden[:, :-1].contiguous()).float()  # contiguous: see _chunk_logits
         return F.cross_entropy(logits.flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=IGNORE_INDEX)
 
-    def update(self, rollout: Rollout, ptx: dict[str, Tensor] | None) -> dict[str, Tensor]:
-        """``ppo_epochs`` passes of minibatch updates; returns the mean of every term over the micro-batches."""
+    def update(self, rollout: Rollout, ptx: dict[str, Tensor] | None,
+               draft: Draft | None = None) -> dict[str, Tensor]:
+        """``ppo_epochs`` passes of minibatch updates; returns the mean of every term over the micro-batches.
+
+        With ``draft`` (a rollout whose policy log-probs, and maybe values, are still missing), the first
+        micro-batch's forward pass provides them; the completed rollout's statistics join the returned ones.
+        """
         hp = self.hparams
         optimizer = self.optimizers()
         batch_size = rollout.response_mask.shape[0]
         minibatch_size, micro_size = self._minibatch_sizes(batch_size)
         sums: dict[str, Tensor] = defaultdict(lambda: torch.zeros((), device=self.device))
+        rollout_stats: dict[str, Tensor] = {}
         micro_count, epochs_run, early_stopped = 0, 0, False
         for _ in range(hp.ppo_epochs):
             epochs_run += 1
@@ -397,8 +490,11 @@ class PPO(StageModule):
             for minibatch in order.split(minibatch_size):
                 minibatch_kl = torch.zeros((), device=self.device)
                 for index, micro in enumerate(minibatch.split(micro_size)):
-                    terms = self.losses(rollout.select(micro), ptx if index == 0 else None)
-                    self.manual_backward(terms["loss/total"] / hp.gradient_accumulation)
+                    if draft is not None:
+                        terms, rollout, rollout_stats = self._first_pass_step(draft, micro, ptx)
+                        draft = None
+                    else:
+                        terms = self._micro_step(rollout.select(micro), ptx if index == 0 else None)
                     for name, value in terms.items():
                         sums[name] += value.detach()
                     minibatch_kl += terms["policy/approx_kl"].detach() / hp.gradient_accumulation
@@ -418,7 +514,69 @@ class PPO(StageModule):
         stats = {name: total / micro_count for name, total in sums.items()}
         stats["policy/epochs"] = torch.tensor(float(epochs_run))
         stats["policy/early_stopped"] = torch.tensor(float(early_stopped))
-        return stats
+        return {**rollout_stats, **stats}
+
+    @property
+    def joint_backward(self) -> bool:
+        """One backward for the policy and critic losses (see the ``backward`` argument)."""
+        if self.hparams.backward == "auto":
+            distributed = self._trainer is not None and self.trainer.world_size > 1
+            return distributed or type(self).losses is not PPO.losses
+        return self.hparams.backward == "joint" or type(self).losses is not PPO.losses
+
+    def _micro_step(self, micro: Rollout, ptx: dict[str, Tensor] | None, logprobs: Tensor | None = None,
+                    entropy: Tensor | None = None, values: Tensor | None = None) -> dict[str, Tensor]:
+        """Losses and backward of one micro-batch (the policy's and critic's passes given, when already run)."""
+        scale = 1.0 / self.hparams.gradient_accumulation
+        if self.joint_backward:
+            if logprobs is None and values is None:
+                terms = self.losses(micro, ptx)
+            else:
+                policy_total, terms = self.policy_losses(micro, ptx, logprobs, entropy)
+                critic_total, critic_terms = self.critic_losses(micro, values)
+                terms = {**terms, **critic_terms, "loss/total": policy_total + critic_total}
+            self.manual_backward(terms["loss/total"] * scale)
+            return terms
+        # The policy graph is freed by its backward before the critic's forward pass builds the next one.
+        policy_total, terms = self.policy_losses(micro, ptx, logprobs, entropy)
+        self.manual_backward(policy_total * scale)
+        critic_total, critic_terms = self.critic_losses(micro, values)
+        self.manual_backward(critic_total * scale)
+        return {**terms, **critic_terms, "loss/total": policy_total.detach() + critic_total.detach()}
+
+    def _first_pass_step(self, draft: Draft, rows: Tensor,
+                         ptx: dict[str, Tensor] | None) -> tuple[dict[str, Tensor], Rollout, dict[str, Tensor]]:
+        """The first micro-batch (the whole rollout, in the order ``rows``) when its forward passes also score it.
+
+        Before any optimizer step the policy (and critic) are those of sampling time, so the pass's outputs,
+        detached, are exactly the rollout's old log-probs (and values); the rollout is completed with them
+        (rewards, advantages) and the same outputs then feed the losses.
+        """
+        hp = self.hparams
+        rollout = draft.rollout
+        micro = rollout.select(rows)
+        mask = micro.response_mask
+        logprobs, entropy = self.response_logprobs(POLICY, micro.input_ids, micro.attention_mask, micro.responses,
+                                                   with_entropy=True, entropy_grad=bool(hp.ent_coef))
+        values = None
+        if rollout.values is None:
+            values = self.response_values(micro.input_ids, micro.attention_mask, mask.shape[1])
+        with torch.no_grad():
+            inverse = torch.empty_like(rows)
+            inverse[rows] = torch.arange(rows.numel(), device=rows.device)
+            rollout.logprobs = logprobs.detach()[inverse]
+            draft.entropy = entropy.detach()[inverse]
+            if values is not None:
+                rollout.values = torch.where(mask, values.detach(), 0.0)[inverse]
+        rollout, rollout_stats = self.complete_rollout(draft)
+        micro = rollout.select(rows)
+        return self._micro_step(micro, ptx, logprobs, entropy, values), rollout, rollout_stats
+
+    def _reuses_first_pass(self, batch_size: int) -> bool:
+        """Whether the first update micro-batch is the whole rollout, so its passes can score it."""
+        hp = self.hparams
+        return (hp.reuse_first_pass and hp.num_minibatches == 1 and hp.gradient_accumulation == 1
+                and type(self).losses is PPO.losses and self._minibatch_sizes(batch_size)[1] == batch_size)
 
     def _minibatch_sizes(self, batch_size: int) -> tuple[int, int]:
         hp = self.hparams
@@ -443,15 +601,22 @@ class PPO(StageModule):
 
     @property
     def iteration(self) -> int:
-        """PPO iterations completed before the current one (training batches, across epochs)."""
-        return self.trainer.fit_loop.epoch_loop.total_batch_idx
+        """PPO iterations completed before the current one (training batches, across epochs); 0 outside a fit."""
+        return 0 if self._trainer is None else self.trainer.fit_loop.epoch_loop.total_batch_idx
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         start = time.perf_counter()
         torch.manual_seed(derive_seed(self.hparams.seed, "train", self.iteration, self.global_rank))
-        rollout, stats = self.rollout(batch["prompts"])
-        rollout_seconds = time.perf_counter() - start
-        stats.update(self.update(rollout, batch.get("ptx")))
+        if self._reuses_first_pass(batch["prompts"]["input_ids"].shape[0]):
+            # The first update pass scores the policy (and with a joint backward the critic) for the rollout.
+            draft = self.sample_and_score(batch["prompts"], policy=False, critic=not self.joint_backward)
+            rollout_seconds = time.perf_counter() - start
+            stats = self.update(draft.rollout, batch.get("ptx"), draft=draft)
+            rollout = draft.rollout
+        else:
+            rollout, stats = self.rollout(batch["prompts"])
+            rollout_seconds = time.perf_counter() - start
+            stats.update(self.update(rollout, batch.get("ptx")))
         scheduler = self.lr_schedulers()
         if scheduler is not None:
             scheduler.step()

@@ -19,9 +19,11 @@ class Rollout:
     input_ids: Tensor  # [B, P + R] prompt and response tokens
     attention_mask: Tensor  # [B, P + R] 1 on real tokens
     response_mask: Tensor  # [B, R] bool: response tokens up to and including the stop token
-    logprobs: Tensor  # [B, R] log-probs of the sampled tokens under the policy at sampling time
+    # [B, R] log-probs of the sampled tokens under the policy at sampling time (None in a Draft whose first update
+    # pass will provide them)
+    logprobs: Tensor | None
     ref_logprobs: Tensor  # [B, R] ... under the reference (adapters disabled)
-    values: Tensor  # [B, R] critic's value of the state before each response token
+    values: Tensor | None  # [B, R] critic's value of the state before each response token (None: as logprobs)
     scores: Tensor  # [B] reward-model scores, as used in the reward (after normalisation and clipping)
     advantages: Tensor | None = None  # [B, R]
     returns: Tensor | None = None  # [B, R]
@@ -37,6 +39,18 @@ class Rollout:
     def select(self, rows: Tensor) -> Rollout:
         """The rollout restricted to ``rows`` (a minibatch)."""
         return Rollout(**{f.name: None if (v := getattr(self, f.name)) is None else v[rows] for f in fields(self)})
+
+
+@dataclass
+class Draft:
+    """A rollout that is sampled and scored, before rewards and advantages; what the statistics need besides."""
+
+    rollout: Rollout  # logprobs and values may still be None (left to the first update pass)
+    entropy: Tensor | None  # [B, R] policy entropy at each response position (a statistic)
+    raw_scores: Tensor  # [B] reward-model scores before normalisation, clipping and penalties
+    is_stopped: Tensor  # [B] bool: the response ended with the stop token
+    prompts: list[str]
+    responses: list[str]
 
 
 @dataclass

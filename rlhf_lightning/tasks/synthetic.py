@@ -206,7 +206,7 @@ class SyntheticLanguage:
         extra_clause_prob: chance of adding one more clause ("and ..."), applied up to ``max_clauses - 1`` times.
         extra_sentence_prob: chance of adding one more sentence, applied up to ``max_sentences - 1`` times.
         max_clauses: cap on clauses per sentence.
-        max_sentences: cap on sentences per response (responses stay under 30 tokens).
+        max_sentences: cap on sentences per response (fewer than 1% of responses reach 32 tokens).
     """
 
     adjective_prob: float = 0.8

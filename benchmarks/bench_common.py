@@ -1,0 +1,253 @@
+"""What every side of the PPO benchmark shares: settings, the model folder, prompts, memory and FLOP counting.
+
+The parent process writes one folder (a random GPT-2-shaped model, a 50,257-token tokenizer, a reward adapter);
+each side then runs in a fresh child process that loads it, so no side inherits another's memory or caches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Offline everywhere: nothing may come from a model hub.
+os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="disabled",
+                  TOKENIZERS_PARALLELISM="false")
+
+import torch  # noqa: E402
+
+PRESETS: dict[str, dict[str, int]] = {
+    "small": {"n_layer": 6, "n_embd": 384, "n_head": 6},
+    "gpt2": {"n_layer": 12, "n_embd": 768, "n_head": 12},
+}
+GPT2_VOCAB = 50_257  # GPT-2's vocabulary, its last id being <|endoftext|>; a pad token is added on top
+EOS = "<|endoftext|>"
+RESULT_PREFIX = "BENCH_RESULT "
+
+
+@dataclass
+class Settings:
+    """One benchmark configuration; the same for every side."""
+
+    preset: str = "small"
+    prompts: int = 16
+    prompt_length: int = 32
+    response_length: int = 64
+    ppo_epochs: int = 4
+    num_minibatches: int = 1
+    precision: str = "32"  # Lightning's spelling: "32" or "bf16-mixed"
+    iterations: int = 2  # measured iterations per child process, after the warm-up
+    warmup: int = 1
+    repeats: int = 2  # A B A B rounds
+    lora_r: int = 16
+    lora_alpha: float = 32.0
+    lr: float = 1e-5
+    device: str = "cpu"
+    threads: int = 0  # torch threads; 0 = torch's default
+    seed: int = 0
+    mmap_threshold: int = 0  # glibc MALLOC_MMAP_THRESHOLD_ for every side; 0 = default
+    workdir: str = ""
+    ppo_options: dict[str, Any] = dataclasses.field(default_factory=dict)  # extra PPO init args (ours only)
+
+    @property
+    def architecture(self) -> dict[str, int]:
+        return PRESETS[self.preset]
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Settings:
+        return cls(**json.loads(text))
+
+
+# ---- the shared model folder ----------------------------------------------------------------------------
+
+
+def build_tokenizer():
+    """A word-level tokenizer with GPT-2's 50,257 ids (``t0`` ... plus ``<|endoftext|>``) and a pad token, built
+    locally: random token ids cost the same as real text once they are ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(GPT2_VOCAB - 1)}
+    vocab[EOS] = GPT2_VOCAB - 1
+    core = Tokenizer(models.WordLevel(vocab, unk_token=EOS))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token=EOS, bos_token=EOS, unk_token=EOS,
+                                        pad_token="<|pad|>")
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def model_dir(settings: Settings) -> Path:
+    return Path(settings.workdir) / "model"
+
+
+def reward_dir(settings: Settings) -> Path:
+    return Path(settings.workdir) / "adapters" / "reward"
+
+
+def prepare_workdir(settings: Settings) -> None:
+    """Write the random base model, its tokenizer and a random reward adapter (with head) under ``workdir``."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from rlhf_lightning.models.loading import load_causal_lm
+    from rlhf_lightning.models.shared_base import SharedBase
+    from rlhf_lightning.models.spec import BaseModelSpec
+
+    torch.manual_seed(settings.seed)
+    tokenizer = build_tokenizer()
+    config = GPT2Config(vocab_size=len(tokenizer), n_positions=1024, bos_token_id=tokenizer.eos_token_id,
+                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                        **settings.architecture)
+    GPT2LMHeadModel(config).save_pretrained(model_dir(settings))
+    tokenizer.save_pretrained(model_dir(settings))
+    # The reward model of our side: an adapter with a non-zero update and a head on the same base.
+    spec = BaseModelSpec(name_or_path=str(model_dir(settings)))
+    base = SharedBase(load_causal_lm(spec, tokenizer))
+    base.add_adapter("reward", lora_spec(settings))
+    base.add_head("reward")
+    with torch.no_grad():
+        for name, parameter in base.model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.02)
+    base.save_adapter("reward", Path(settings.workdir) / "adapters")
+
+
+def lora_spec(settings: Settings):
+    from rlhf_lightning.models.spec import LoraSpec
+
+    return LoraSpec(r=settings.lora_r, alpha=settings.lora_alpha, target_modules="all-linear")
+
+
+def prompt_ids(settings: Settings, count: int) -> torch.Tensor:
+    """``[count, prompt_length]`` random token ids, the same on every side (no EOS, no pad: no padding)."""
+    generator = torch.Generator().manual_seed(settings.seed + 1)
+    return torch.randint(0, GPT2_VOCAB - 1, (count, settings.prompt_length), generator=generator)
+
+
+def total_prompts(settings: Settings) -> int:
+    return settings.prompts * (settings.warmup + settings.iterations)
+
+
+def configure_threads(settings: Settings) -> None:
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+
+
+# ---- measurements ---------------------------------------------------------------------------------------
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (Linux reports kilobytes)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def peak_cuda_bytes() -> int | None:
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+
+
+def weights_bytes(settings: Settings) -> int:
+    """Bytes of one copy of the base weights in the benchmark's dtype (fp32 storage in both precisions)."""
+    return sum(p.numel() * p.element_size() for p in load_base_model(settings).parameters())
+
+
+def load_base_model(settings: Settings):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir(settings))
+
+
+def report(payload: dict[str, Any]) -> None:
+    """Hand a child's result to the parent: one line on stdout."""
+    payload = {**payload, "peak_rss": peak_rss_bytes(), "peak_cuda": peak_cuda_bytes()}
+    print(RESULT_PREFIX + json.dumps(payload), flush=True)
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+class Stopwatch:
+    """Wall-clock seconds of named pieces, synchronising the device so asynchronous kernels are counted."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.seconds: dict[str, float] = {}
+
+    def now(self) -> float:
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
+
+def matmul_flops_per_second(device: str, dtype: torch.dtype = torch.float32, size: int = 2048,
+                            seconds: float = 2.0) -> float:
+    """Measured throughput of a large square matmul: what this machine's matmul units give at best."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    watch = Stopwatch(device)
+    for _ in range(2):
+        a @ b
+    count, start = 0, watch.now()
+    while watch.now() - start < seconds:
+        a @ b
+        count += 1
+    return 2 * size**3 * count / (watch.now() - start)
+
+
+def iteration_flops(settings: Settings) -> dict[str, float]:
+    """Analytic FLOPs of one of our PPO iterations, by pass.
+
+    A forward pass costs ``2 * N_dec`` per token through the decoder (N_dec: parameters of the transformer blocks,
+    embeddings excluded) plus attention ``4 * n_layer * d * ctx`` per token (QK^T and AV over the ``ctx``
+    positions it attends to), plus the LM head ``2 * V * d`` per position where log-probs are needed (response
+    positions only). LoRA adds ``2 * r * (in + out)`` per adapted matrix and token. With the base frozen, a
+    backward computes only activation gradients and the small LoRA weight gradients: about one forward.
+    Generation runs the prompt once and then one token per step with a KV cache.
+    """
+    arch = settings.architecture
+    layers, d = arch["n_layer"], arch["n_embd"]
+    vocab = GPT2_VOCAB + 1
+    batch, prompt, response = settings.prompts, settings.prompt_length, settings.response_length
+    n_dec = layers * 12 * d * d  # attention 4 d^2 + MLP 8 d^2 per block
+    # LoRA parameters: r * (in + out) for c_attn (d->3d), attn c_proj (d->d), c_fc (d->4d), mlp c_proj (4d->d)
+    lora = layers * settings.lora_r * 16 * d
+    tokens = prompt + response
+
+    def decoder(tokens_per_row: int, ctx: float, adapters: bool) -> float:
+        return batch * tokens_per_row * (2 * n_dec + 4 * layers * d * ctx + (2 * lora if adapters else 0))
+
+    lm_head = 2 * vocab * d * batch * response
+    average_ctx = (tokens + 1) / 2  # causal: position i attends to i + 1 positions
+    full = decoder(tokens, average_ctx, adapters=True)
+    generate = (decoder(prompt, (prompt + 1) / 2, True)
+                + sum(decoder(1, prompt + step + 1, True) for step in range(response - 1))
+                + 2 * vocab * d * batch * response)
+    rollout = {
+        "generate": generate,
+        "reference": full + lm_head,
+        "critic": full,
+        "reward": full,
+    }
+    update = {"policy_forward": full + lm_head, "policy_backward": full + lm_head,
+              "critic_forward": full, "critic_backward": full}
+    flops = {f"rollout/{k}": v for k, v in rollout.items()}
+    flops.update({f"update/{k}": settings.ppo_epochs * v for k, v in update.items()})
+    flops["total"] = sum(flops.values())
+    return flops
+
+
+def python_executable() -> str:
+    return sys.executable

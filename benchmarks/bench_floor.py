@@ -1,0 +1,135 @@
+"""The floor: the bare pieces of work a PPO iteration on these shapes cannot avoid, with no framework around them.
+
+Each piece runs alone in a fresh process (so its peak memory is its own):
+
+- ``generate``: one sampled ``generate`` with a KV cache for the batch, through the plain base (what a policy
+  with its LoRA merged costs);
+- ``score``: the no-grad passes before the update: reference log-probs (LM head on response positions only),
+  the critic's values and the reward model's score (each a LoRA adapter on the base); the old log-probs are
+  taken to come free with sampling;
+- ``policy_update`` and ``critic_update``: ``ppo_epochs`` x (forward + backward + AdamW step) through the base
+  with the policy's LoRA (and the LM head on response positions) or the critic's LoRA and value head.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+from bench_common import (
+    Settings,
+    Stopwatch,
+    configure_threads,
+    load_base_model,
+    lora_spec,
+    prompt_ids,
+    report,
+)
+
+PIECES = ("generate", "score", "policy_update", "critic_update")
+
+
+def _autocast(settings: Settings):
+    if settings.precision == "bf16-mixed":
+        return torch.autocast(settings.device.split(":")[0], dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _peft_model(settings: Settings, model):
+    from peft import get_peft_model
+
+    config = lora_spec(settings).to_peft(fan_in_fan_out=True)
+    peft_model = get_peft_model(model, config, adapter_name="policy")
+    for name in ("critic", "reward"):
+        peft_model.add_adapter(name, lora_spec(settings).to_peft(fan_in_fan_out=True))
+    return peft_model
+
+
+def _sequences(settings: Settings) -> torch.Tensor:
+    prompts = prompt_ids(settings, settings.prompts)
+    responses = torch.randint(0, 50_000, (settings.prompts, settings.response_length),
+                              generator=torch.Generator().manual_seed(settings.seed + 2))
+    return torch.cat([prompts, responses], 1).to(settings.device)
+
+
+def _piece(settings: Settings, name: str) -> Callable[[], None]:
+    """Build the models of piece ``name`` and return a function doing its work once."""
+    model = load_base_model(settings).to(settings.device)
+    model.requires_grad_(False)
+    hidden = model.config.n_embd
+    response = settings.response_length
+    sequences = _sequences(settings)
+    mask = torch.ones_like(sequences)
+    labels = sequences[:, -response:]
+
+    def logprobs(decoder_out: torch.Tensor) -> torch.Tensor:
+        logits = model.lm_head(decoder_out[:, -response - 1: -1]).float()
+        return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+
+    if name == "generate":
+        from transformers import GenerationConfig
+
+        config = GenerationConfig(do_sample=True, max_new_tokens=response, min_new_tokens=0, top_k=0,
+                                  top_p=1.0, temperature=1.0, eos_token_id=[], pad_token_id=model.config.pad_token_id)
+        prompts = sequences[:, : settings.prompt_length]
+
+        @torch.no_grad()
+        def work() -> None:
+            with _autocast(settings):
+                model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), generation_config=config)
+
+        return work
+    peft_model = _peft_model(settings, model)
+    decoder = peft_model.get_base_model().transformer
+    heads = {role: torch.nn.Linear(hidden, 1).to(settings.device) for role in ("critic", "reward")}
+
+    if name == "score":
+        @torch.no_grad()
+        def work() -> None:
+            with _autocast(settings):
+                with peft_model.disable_adapter():
+                    logprobs(decoder(input_ids=sequences, attention_mask=mask).last_hidden_state)
+                for role in ("critic", "reward"):
+                    peft_model.set_adapter(role)
+                    out = decoder(input_ids=sequences, attention_mask=mask).last_hidden_state
+                    heads[role](out[:, -response - 1:].float())
+
+        return work
+    role = "policy" if name == "policy_update" else "critic"
+    peft_model.set_adapter(role)
+    trainable = [p for n, p in peft_model.named_parameters() if f".{role}." in n and "lora_" in n]
+    for parameter in trainable:
+        parameter.requires_grad_(True)
+    if role == "critic":
+        trainable += list(heads["critic"].parameters())
+    optimizer = torch.optim.AdamW(trainable, lr=settings.lr)
+    target = torch.randn(settings.prompts, response, device=settings.device)
+
+    def work() -> None:
+        for _ in range(settings.ppo_epochs):
+            with _autocast(settings):
+                out = decoder(input_ids=sequences, attention_mask=mask).last_hidden_state
+                if role == "policy":
+                    loss = -(logprobs(out) * target).mean()
+                else:
+                    loss = (heads["critic"](out[:, -response - 1: -1].float()).squeeze(-1) - target).square().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    return work
+
+
+def run(settings: Settings, name: str) -> None:
+    configure_threads(settings)
+    torch.manual_seed(settings.seed)
+    work = _piece(settings, name)
+    watch = Stopwatch(settings.device)
+    rows = []
+    for index in range(settings.warmup + settings.iterations):
+        start = watch.now()
+        work()
+        if index >= settings.warmup:
+            rows.append({"seconds": watch.now() - start})
+    report({"side": f"floor/{name}", "iterations": rows})

@@ -1,0 +1,139 @@
+"""Our side: ``rlhf_lightning.PPO`` driven by a real ``lightning.Trainer``, exactly as users run it (manual
+optimization; logger, checkpointing and progress bar off). All four roles share one base: the policy and critic
+adapters, the reference (adapters off) and the reward model (the ``reward`` adapter, ``AdapterReward``)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from bench_common import (
+    Settings,
+    Stopwatch,
+    configure_threads,
+    lora_spec,
+    model_dir,
+    prompt_ids,
+    report,
+    reward_dir,
+    total_prompts,
+)
+
+
+class PhaseTimer:
+    """Wall-clock time of each piece of our iteration, by wrapping the module's own methods (no code change)."""
+
+    def __init__(self, module, device: str) -> None:
+        self.watch = Stopwatch(device)
+        self.module = module
+        for method, rollout_name, update_name in (
+            ("generate", "rollout/generate", "rollout/generate"),
+            ("response_logprobs", "rollout/logprobs (policy, reference)", "update/policy forward"),
+            ("response_values", "rollout/values (critic)", "update/critic forward"),
+            ("score", "rollout/reward", "rollout/reward"),
+            ("manual_backward", "update/backward", "update/backward"),
+        ):
+            self._wrap(method, rollout_name, update_name)
+
+    def _wrap(self, method: str, rollout_name: str, update_name: str) -> None:
+        original = getattr(self.module, method)
+
+        @functools.wraps(original)
+        def timed(*args, **kwargs):
+            start = self.watch.now()
+            result = original(*args, **kwargs)
+            self.watch.add(update_name if torch.is_grad_enabled() else rollout_name, self.watch.now() - start)
+            return result
+
+        setattr(self.module, method, timed)
+
+    def attach_optimizer(self, optimizer) -> None:
+        state = {}
+        optimizer.register_step_pre_hook(lambda *_: state.__setitem__("start", self.watch.now()))
+        optimizer.register_step_post_hook(
+            lambda *_: self.watch.add("update/optimizer step", self.watch.now() - state["start"]))
+
+    def take(self) -> dict[str, float]:
+        seconds, self.watch.seconds = self.watch.seconds, {}
+        return seconds
+
+
+def make_callback(timer: PhaseTimer, settings: Settings, profile: bool):
+    import lightning as L
+
+    class IterationTimer(L.Callback):
+        """Seconds between the ends of consecutive iterations (everything the loop does counts), and the split."""
+
+        def __init__(self) -> None:
+            self.rows: list[dict[str, Any]] = []
+            self.profiler = None
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            timer.attach_optimizer(trainer.optimizers[0].optimizer
+                                   if hasattr(trainer.optimizers[0], "optimizer") else trainer.optimizers[0])
+            self.last = timer.watch.now()
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            if profile and batch_idx == settings.warmup + settings.iterations - 1:
+                self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+                self.profiler.__enter__()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            now = timer.watch.now()
+            metrics = trainer.callback_metrics
+            self.rows.append({
+                "seconds": now - self.last,
+                "rollout": float(metrics["ppo/time/rollout"]),
+                "tokens": float(metrics["ppo/response/length"]) * settings.prompts,
+                "phases": timer.take(),
+            })
+            self.last = now
+            if self.profiler is not None:
+                self.profiler.__exit__(None, None, None)
+                print(self.profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
+                self.profiler = None
+
+    return IterationTimer()
+
+
+def prompt_loader(settings: Settings, tokenizer):
+    ids = prompt_ids(settings, total_prompts(settings))
+    texts = tokenizer.batch_decode(ids)
+
+    def collate(rows: list[int]) -> dict[str, Any]:
+        index = torch.tensor(rows)
+        return {"prompts": {"input_ids": ids[index], "attention_mask": torch.ones_like(ids[index]),
+                            "prompt": [texts[i] for i in rows]}}
+
+    return torch.utils.data.DataLoader(list(range(len(ids))), batch_size=settings.prompts, collate_fn=collate)
+
+
+def run(settings: Settings, profile: bool = False) -> None:
+    import lightning as L
+
+    from rlhf_lightning import PPO, AdapterReward
+    from rlhf_lightning.models.spec import BaseModelSpec
+
+    configure_threads(settings)
+    torch.manual_seed(settings.seed)
+    module = PPO(
+        base=BaseModelSpec(name_or_path=str(model_dir(settings))),
+        reward=AdapterReward(str(reward_dir(settings))),
+        policy_lora=lora_spec(settings), critic_lora=lora_spec(settings),
+        max_new_tokens=settings.response_length, temperature=1.0, stop_token=None,
+        ppo_epochs=settings.ppo_epochs, num_minibatches=settings.num_minibatches,
+        policy_lr=settings.lr, critic_lr=settings.lr,
+        **settings.ppo_options,
+    )
+    timer = PhaseTimer(module, settings.device)
+    callback = make_callback(timer, settings, profile)
+    trainer = L.Trainer(
+        accelerator="gpu" if settings.device.startswith("cuda") else "cpu", devices=1,
+        precision=settings.precision, max_epochs=1, limit_train_batches=settings.warmup + settings.iterations,
+        limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
+    )
+    trainer.fit(module, train_dataloaders=prompt_loader(settings, module.tokenizer))
+    rows = callback.rows[settings.warmup:]
+    report({"side": "ours", "iterations": rows})

@@ -1,0 +1,236 @@
+"""PPO side by side: rlhf_lightning against TRL 1.12.0's PPOTrainer (as shipped, and with LoRA) and against the
+floor (the bare pieces no framework can avoid), on the same random GPT-2-shaped model, prompts and settings.
+
+    pip install -e '.[bench]'
+    python benchmarks/ppo_vs_trl.py --preset small
+    python benchmarks/ppo_vs_trl.py --preset gpt2 --iterations 2 --repeats 2 --profile
+
+Every side runs in its own fresh process, alternating (ours, TRL, TRL+LoRA, floor pieces) x ``--repeats``, each
+after ``--warmup`` iterations. Reported per side: median seconds per PPO iteration (rollout + update), its split,
+generated tokens per second, peak resident memory (and the size of one copy of the weights beside it). The last
+line printed is one JSON object with the ratios (ours / theirs, ours / floor) and the settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from bench_common import (
+    PRESETS,
+    RESULT_PREFIX,
+    Settings,
+    configure_threads,
+    iteration_flops,
+    matmul_flops_per_second,
+    median,
+    prepare_workdir,
+    weights_bytes,
+)
+
+SIDES = ("ours", "trl", "trl_lora")
+GIB = 2**30
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
+    parser.add_argument("--prompts", type=int, default=16, help="prompts per PPO iteration")
+    parser.add_argument("--prompt-length", type=int, default=32)
+    parser.add_argument("--response-length", type=int, default=64)
+    parser.add_argument("--ppo-epochs", type=int, default=4)
+    parser.add_argument("--minibatches", type=int, default=1)
+    parser.add_argument("--precision", choices=("32", "bf16-mixed"), default="32")
+    parser.add_argument("--iterations", type=int, default=2, help="measured iterations per process")
+    parser.add_argument("--warmup", type=int, default=1, help="unmeasured iterations first, per process")
+    parser.add_argument("--repeats", type=int, default=2, help="alternating rounds of fresh processes")
+    parser.add_argument("--lora-r", type=int, default=16)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads per process; 0 = torch's default")
+    parser.add_argument("--mmap-threshold", type=int, default=0,
+                        help="set glibc's MALLOC_MMAP_THRESHOLD_ (bytes) in every side's process, e.g. 1048576: "
+                             "large tensors are then returned to the OS when freed instead of fragmenting the "
+                             "heap; 0 = the allocator's default")
+    parser.add_argument("--sides", default="ours,trl,trl_lora,floor", help="comma-separated subset to run")
+    parser.add_argument("--ppo-options", default="{}",
+                        help="JSON of extra rlhf_lightning.PPO arguments for our side, e.g. "
+                             "'{\"logprob_chunk\": 16}'")
+    parser.add_argument("--profile", action="store_true",
+                        help="print torch.profiler's top operators of one of our iterations")
+    parser.add_argument("--workdir", default=None, help="folder for the model and logs (default: a temp dir)")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--settings", default=None, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def run_child(side: str, settings: Settings, profile: bool) -> dict[str, Any]:
+    """Run one side in a fresh Python process and return its result."""
+    command = [sys.executable, str(Path(__file__).resolve()), "--child", side, "--settings", settings.to_json()]
+    if profile:
+        command.append("--profile")
+    log = Path(settings.workdir) / "logs" / f"{side.replace('/', '_')}.log"
+    log.parent.mkdir(exist_ok=True)
+    env = dict(os.environ)
+    if settings.mmap_threshold:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(settings.mmap_threshold)
+    result = subprocess.run(command, capture_output=True, text=True, env=env)
+    with log.open("a") as handle:
+        handle.write(result.stdout + result.stderr)
+    if result.returncode != 0:
+        raise RuntimeError(f"{side} failed (exit {result.returncode}); see {log}:\n{result.stderr[-3000:]}")
+    if profile:
+        print(result.stdout.split(RESULT_PREFIX)[0], flush=True)
+    line = next(line for line in reversed(result.stdout.splitlines()) if line.startswith(RESULT_PREFIX))
+    return json.loads(line[len(RESULT_PREFIX):])
+
+
+def child_main(side: str, settings: Settings, profile: bool) -> None:
+    if side == "ours":
+        import bench_ours
+
+        bench_ours.run(settings, profile)
+    elif side in ("trl", "trl_lora"):
+        import bench_trl
+
+        bench_trl.run(settings, lora=side == "trl_lora")
+    else:
+        import bench_floor
+
+        bench_floor.run(settings, side.split("/", 1)[1])
+
+
+def summarise(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
+    """Per side: median iteration seconds, rollout/update split, tokens/s and peak memory over all processes."""
+    summary = {}
+    for side, runs in results.items():
+        rows = [row for run in runs for row in run["iterations"]]
+        seconds = median([row["seconds"] for row in rows])
+        entry = {"seconds": seconds, "peak_rss": max(run["peak_rss"] for run in runs)}
+        if runs[0].get("peak_cuda") is not None:
+            entry["peak_cuda"] = max(run["peak_cuda"] for run in runs)
+        if "rollout" in rows[0]:
+            entry["rollout"] = median([row["rollout"] for row in rows])
+            entry["update"] = median([row["seconds"] - row["rollout"] for row in rows])
+            entry["tokens_per_second"] = median([row["tokens"] for row in rows]) / seconds
+        if "phases" in rows[0]:
+            names = {name for row in rows for name in row["phases"]}
+            entry["phases"] = {name: median([row["phases"].get(name, 0.0) for row in rows]) for name in sorted(names)}
+        summary[side] = entry
+    return summary
+
+
+def print_table(summary: dict[str, dict[str, float]], weights: int, floor: dict[str, float]) -> None:
+    memory_key = "peak_cuda" if "peak_cuda" in summary.get("ours", {}) else "peak_rss"
+    print(f"\none copy of the weights: {weights / GIB:.2f} GiB; peak memory = {memory_key}")
+    print(f"{'side':<10} {'s/iter':>8} {'rollout':>8} {'update':>8} {'tok/s':>8} {'peak GiB':>9} {'x weights':>9}")
+    for side in SIDES:
+        if side in summary:
+            s = summary[side]
+            print(f"{side:<10} {s['seconds']:>8.2f} {s['rollout']:>8.2f} {s['update']:>8.2f} "
+                  f"{s['tokens_per_second']:>8.1f} {s[memory_key] / GIB:>9.2f} {s[memory_key] / weights:>9.1f}")
+    if floor:
+        print(f"{'floor':<10} {floor['seconds']:>8.2f} {'':>8} {'':>8} {'':>8} {floor['peak'] / GIB:>9.2f} "
+              f"{floor['peak'] / weights:>9.1f}")
+        for name, seconds in floor["pieces"].items():
+            print(f"  {name:<16} {seconds:>8.2f} s")
+
+
+def print_phases(ours: dict[str, Any], flops: dict[str, float], matmul: float) -> None:
+    print("\nwhere our iteration goes (median seconds per piece):")
+    for name, seconds in ours.get("phases", {}).items():
+        print(f"  {name:<38} {seconds:>7.2f}")
+    accounted = sum(ours.get("phases", {}).values())
+    print(f"  {'other (GAE, losses, clipping, loop)':<38} {ours['seconds'] - accounted:>7.2f}")
+    print(f"\nanalytic FLOPs per iteration: {flops['total'] / 1e12:.2f} TFLOP "
+          f"(generate {flops['rollout/generate'] / 1e9:.0f} G, scoring "
+          f"{sum(v for k, v in flops.items() if k.startswith('rollout/') and k != 'rollout/generate') / 1e9:.0f} G, "
+          f"update {sum(v for k, v in flops.items() if k.startswith('update/')) / 1e9:.0f} G)")
+    print(f"measured matmul throughput: {matmul / 1e9:.1f} GFLOP/s; achieved: "
+          f"{flops['total'] / ours['seconds'] / 1e9:.1f} GFLOP/s = {flops['total'] / ours['seconds'] / matmul:.1%}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.child:
+        child_main(args.child, Settings.from_json(args.settings), args.profile)
+        return
+    workdir = args.workdir or tempfile.mkdtemp(prefix="ppo-bench-")
+    settings = Settings(
+        preset=args.preset, prompts=args.prompts, prompt_length=args.prompt_length,
+        response_length=args.response_length, ppo_epochs=args.ppo_epochs, num_minibatches=args.minibatches,
+        precision=args.precision, iterations=args.iterations, warmup=args.warmup, repeats=args.repeats,
+        lora_r=args.lora_r, lora_alpha=2.0 * args.lora_r, device=args.device, threads=args.threads,
+        workdir=workdir, ppo_options=json.loads(args.ppo_options), mmap_threshold=args.mmap_threshold,
+    )
+    import bench_floor
+
+    sides = args.sides.split(",")
+    order = [side for side in SIDES if side in sides]
+    if "floor" in sides:
+        order += [f"floor/{piece}" for piece in bench_floor.PIECES]
+    print(f"workdir {workdir}; settings {settings.to_json()}", flush=True)
+    prepare_workdir(settings)
+    weights = weights_bytes(settings)
+    configure_threads(settings)  # the children's thread count, so the matmul peak is theirs
+    matmul = matmul_flops_per_second(args.device)
+    results: dict[str, list[dict[str, Any]]] = {side: [] for side in order}
+    for round_index in range(settings.repeats):
+        for side in order:
+            result = run_child(side, settings, args.profile and side == "ours" and round_index == 0)
+            results[side].append(result)
+            seconds = [f"{row['seconds']:.2f}" for row in result["iterations"]]
+            print(f"round {round_index + 1}: {side:<22} s/iter {seconds} peak {result['peak_rss'] / GIB:.2f} GiB",
+                  flush=True)
+    summary = summarise(results)
+    floor = {}
+    if "floor" in sides:
+        pieces = {name.split("/", 1)[1]: summary.pop(name) for name in list(summary) if name.startswith("floor/")}
+        memory_key = "peak_cuda" if args.device.startswith("cuda") else "peak_rss"
+        floor = {"seconds": sum(p["seconds"] for p in pieces.values()),
+                 "peak": max(p[memory_key] for p in pieces.values()),
+                 "pieces": {name: p["seconds"] for name, p in pieces.items()}}
+    flops = iteration_flops(settings)
+    print_table(summary, weights, floor)
+    if "ours" in summary:
+        print_phases(summary["ours"], flops, matmul)
+    print(json.dumps(final_json(summary, floor, settings, weights, flops, matmul, args.device)))
+
+
+def final_json(summary, floor, settings: Settings, weights: int, flops, matmul: float, device: str) -> dict:
+    memory_key = "peak_cuda" if device.startswith("cuda") else "peak_rss"
+
+    def ratio(ours_key: str, other: dict | None, other_key: str) -> float | None:
+        if "ours" not in summary or not other:
+            return None
+        return round(summary["ours"][ours_key] / other[other_key], 3)
+
+    ours = summary.get("ours", {})
+    return {
+        "time_ratio": ratio("seconds", summary.get("trl"), "seconds"),
+        "memory_ratio": ratio(memory_key, summary.get("trl"), memory_key),
+        "time_ratio_lora": ratio("seconds", summary.get("trl_lora"), "seconds"),
+        "memory_ratio_lora": ratio(memory_key, summary.get("trl_lora"), memory_key),
+        "floor_time_ratio": ratio("seconds", floor, "seconds"),
+        "floor_memory_ratio": ratio(memory_key, floor, "peak"),
+        "seconds": {side: round(s["seconds"], 3) for side, s in summary.items()} | (
+            {"floor": round(floor["seconds"], 3)} if floor else {}),
+        "peak_gib": {side: round(s[memory_key] / GIB, 3) for side, s in summary.items()} | (
+            {"floor": round(floor["peak"] / GIB, 3)} if floor else {}),
+        "weights_gib": round(weights / GIB, 3),
+        "ours_tokens_per_second": round(ours["tokens_per_second"], 1) if ours else None,
+        "flops_per_iteration": flops["total"],
+        "matmul_flops_per_second": matmul,
+        "achieved_fraction": round(flops["total"] / ours["seconds"] / matmul, 3) if ours else None,
+        "settings": {k: v for k, v in json.loads(settings.to_json()).items() if k != "workdir"},
+    }
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""The completions table reaches the W&B run with the rollout's text and numbers, and the progress bar shows
+the PPO iteration, reward, KL and gold while training."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import lightning as L
+import pytest
+from lightning.pytorch.loggers import CSVLogger
+
+from rlhf_lightning.callbacks import CompletionsTable
+from rlhf_lightning.loggers import WandbLogger
+from rlhf_lightning.wandb_offline import find_run_file, read_history
+from tests.test_ppo import make_ppo, prompts
+
+ITERATIONS = 3
+
+
+class SamplesKeeper(L.Callback):
+    """Keeps a copy of every rollout's samples, to compare with what the table holds."""
+
+    def __init__(self) -> None:
+        self.samples = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.samples.append(pl_module.last_samples)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tiny_model_dir, reward_dir, tmp_path_factory):
+    """Three PPO iterations with an offline W&B logger, a table every 2 iterations and the progress bar on."""
+    directory = tmp_path_factory.mktemp("completions")
+    module = make_ppo(tiny_model_dir, reward_dir)
+    keeper = SamplesKeeper()
+    logger = WandbLogger(save_dir=str(directory), offline=True, name="completions-test")
+    trainer = L.Trainer(
+        max_epochs=1, limit_train_batches=ITERATIONS, limit_val_batches=0, logger=logger,
+        enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0, log_every_n_steps=1,
+        callbacks=[CompletionsTable(every_n_iterations=2, max_rows=3), keeper], default_root_dir=directory,
+    )
+    trainer.fit(module, datamodule=prompts(module, n=32))
+    return directory, trainer, keeper.samples
+
+
+def _table_files(directory: Path, expected: int, timeout: float = 30.0) -> list[Path]:
+    """The logged tables' files; W&B's writer is another process, so give it a moment on a loaded machine."""
+    deadline = time.monotonic() + timeout
+    while True:
+        files = sorted(directory.rglob("*.table.json"), key=lambda path: path.stat().st_mtime)
+        if len(files) >= expected or time.monotonic() > deadline:
+            return files
+        time.sleep(0.5)
+
+
+def test_the_table_is_logged_every_n_iterations_with_the_rollouts_rows(tiny_run):
+    directory, _, samples = tiny_run
+    files = _table_files(directory, expected=2)
+    assert len(files) == 2  # rollouts drawn at iterations 0 and 2 of 0, 1, 2
+    for path, drawn in zip(files, (samples[0], samples[2]), strict=True):
+        table = json.loads(path.read_text())
+        assert table["columns"] == ["iteration", "prompt", "response", "score", "gold", "kl"]
+        assert len(table["data"]) == 3
+        for i, (iteration, prompt, response, score, gold, kl) in enumerate(table["data"]):
+            assert iteration == drawn.iteration
+            assert (prompt, response) == (drawn.prompts[i], drawn.responses[i])
+            assert score == pytest.approx(drawn.scores[i], abs=1e-4)
+            assert gold == pytest.approx(drawn.gold[i])
+            assert kl == pytest.approx(drawn.kl[i], abs=1e-4)
+    assert samples[0].kl == [0.0] * len(samples[0].kl)  # iteration 0 samples the SFT policy itself
+
+    # The run's history points at those files (W&B stores the table reference as nested keys).
+    logged = [row for row in read_history(find_run_file(directory)) if "ppo/completions/_type" in row]
+    assert [row["ppo/completions/_type"] for row in logged] == ["table-file"] * 2
+    assert all(row["ppo/completions/nrows"] == 3 and row["ppo/completions/ncols"] == 6 for row in logged)
+    assert [Path(row["ppo/completions/path"]).name for row in logged] == [path.name for path in files]
+
+
+def test_without_a_wandb_logger_the_table_is_skipped(tiny_run, tmp_path):
+    _, _, samples = tiny_run
+    module = SimpleNamespace(last_samples=samples[0])
+    for loggers in ([], [CSVLogger(tmp_path)]):
+        trainer = SimpleNamespace(loggers=loggers, is_global_zero=True, global_step=0)
+        CompletionsTable(every_n_iterations=1).on_train_batch_end(trainer, module, None, None, 0)
+    assert not list(tmp_path.rglob("*.table.json")) and not list(tmp_path.rglob("*.wandb"))
+
+
+def test_the_progress_bar_shows_iteration_reward_kl_and_gold(tiny_run):
+    _, trainer, samples = tiny_run
+    shown = trainer.progress_bar_metrics
+    assert {"iteration", "reward", "kl", "gold"} <= set(shown)
+    assert shown["iteration"] == ITERATIONS
+    last = samples[-1]
+    assert shown["reward"] == pytest.approx(sum(last.scores) / len(last.scores), abs=1e-5)
+    assert shown["gold"] == pytest.approx(sum(last.gold) / len(last.gold), abs=1e-5)
+    assert shown["kl"] == pytest.approx(sum(last.kl) / len(last.kl), abs=1e-5)
