@@ -161,9 +161,15 @@ def weights_bytes(settings: Settings) -> int:
 
 
 def load_base_model(settings: Settings):
+    """The floor's base: the plain transformers model with the fused GELU kernel, the fastest pieces we know."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir(settings))
+    from rlhf_lightning.models.loading import disable_dropout, fuse_tanh_gelu
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir(settings))
+    disable_dropout(model)
+    fuse_tanh_gelu(model)
+    return model
 
 
 def report(payload: dict[str, Any]) -> None:

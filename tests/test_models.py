@@ -7,9 +7,16 @@ import torch
 from peft import PeftModel
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers.activations import GELUTanh, NewGELUActivation
 
 from rlhf_lightning.models.heads import ScalarHead
-from rlhf_lightning.models.loading import PAD_TOKEN, disable_dropout, load_causal_lm, load_tokenizer
+from rlhf_lightning.models.loading import (
+    PAD_TOKEN,
+    disable_dropout,
+    fuse_tanh_gelu,
+    load_causal_lm,
+    load_tokenizer,
+)
 from rlhf_lightning.models.shared_base import SharedBase, adapter_of, position_ids_from_mask
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
 from tests.conftest import TINY_ARCHITECTURE, tiny_spec
@@ -52,6 +59,19 @@ def test_from_pretrained_folder_loads_the_saved_weights(tiny_model_dir):
     reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     for (name, a), (_, b) in zip(model.state_dict().items(), reference.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_fused_gelu_replaces_the_python_formula_with_the_same_function(tiny_model_dir):
+    spec = BaseModelSpec(name_or_path=str(tiny_model_dir))
+    tokenizer = load_tokenizer(spec)
+    fused = load_causal_lm(spec, tokenizer)
+    python = load_causal_lm(BaseModelSpec(name_or_path=str(tiny_model_dir), fused_activations=False), tokenizer)
+    assert fused.config.activation_function == "gelu_new"  # the saved config is left as it was
+    assert [type(block.mlp.act) for block in fused.transformer.h] == [GELUTanh] * TINY_ARCHITECTURE["n_layer"]
+    assert all(type(block.mlp.act) is NewGELUActivation for block in python.transformer.h)
+    ids = torch.randint(7, 60, (2, 10))
+    torch.testing.assert_close(fused(ids).logits, python(ids).logits, rtol=1e-5, atol=1e-5)
+    assert fuse_tanh_gelu(python) == TINY_ARCHITECTURE["n_layer"] and fuse_tanh_gelu(python) == 0
 
 
 def test_dropout_is_disabled_everywhere():

@@ -13,6 +13,7 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.activations import GELUTanh, NewGELUActivation
 
 from rlhf_lightning.models.spec import BaseModelSpec
 
@@ -87,6 +88,8 @@ def load_causal_lm(spec: BaseModelSpec, tokenizer: PreTrainedTokenizerBase) -> P
         config.pad_token_id = tokenizer.pad_token_id
         config.eos_token_id = tokenizer.eos_token_id
     disable_dropout(model)
+    if spec.fused_activations:
+        fuse_tanh_gelu(model)
     if spec.gradient_checkpointing:
         # Non-reentrant checkpointing works with a frozen base whose inputs do not require grad.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -114,6 +117,23 @@ def fresh_config(spec: BaseModelSpec, tokenizer: PreTrainedTokenizerBase):
 
 
 _DROPOUT_ATTRIBUTES = ("attention_dropout", "dropout", "dropout_p", "attn_dropout_p")
+
+
+def fuse_tanh_gelu(model: nn.Module) -> int:
+    """Replace transformers' Python tanh-GELU modules (``gelu_new``) in ``model`` by the fused ``GELUTanh``.
+
+    The Python formula runs six element-wise kernels over the MLP's widest activation and keeps their outputs
+    for the backward; the fused kernel computes the same function in one pass and keeps only its input. The
+    saved config is unchanged, so an exported model reloads with its original activation. Returns the number
+    of modules replaced.
+    """
+    replaced = 0
+    for module in model.modules():
+        for name, child in module.named_children():
+            if type(child) is NewGELUActivation:
+                setattr(module, name, GELUTanh())
+                replaced += 1
+    return replaced
 
 
 def disable_dropout(model: nn.Module) -> None:

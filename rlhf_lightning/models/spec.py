@@ -31,6 +31,9 @@ class BaseModelSpec:
         chat_template: Jinja chat template used instead of the tokenizer's own for conversational data.
         gradient_checkpointing: recompute activations in the backward pass: less memory, about a third more
             compute.
+        fused_activations: compute the tanh-approximated GELU (GPT-2's ``gelu_new``) with torch's fused kernel
+            instead of transformers' Python formula: the same function to float rounding, faster, and it keeps
+            only its input for the backward instead of four ``[tokens, 4 x hidden]`` tensors per layer.
     """
 
     name_or_path: str | None = None
@@ -42,6 +45,7 @@ class BaseModelSpec:
     attn_implementation: str | None = None
     chat_template: str | None = None
     gradient_checkpointing: bool = False
+    fused_activations: bool = True
 
 
 @dataclass
