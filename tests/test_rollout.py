@@ -8,6 +8,7 @@ from rlhf_lightning.ppo.rollout import (
     Rollout,
     close_with_eos,
     last_token_index,
+    sequence_kl,
     stopped,
     token_rewards,
     truncate_after_stop,
@@ -60,3 +61,11 @@ def test_close_with_eos_appends_it_only_where_missing():
     assert last.tolist() == [3, 4, 3]
     assert closed.tolist() == [[0, 5, 6, 1, 1], [5, 6, 7, 8, 1], [0, 5, 9, 1, 1]]
     assert closed_mask.tolist() == [[0, 1, 1, 1, 0], [1, 1, 1, 1, 1], [0, 1, 1, 1, 0]]
+
+
+def test_sequence_kl_sums_the_log_ratio_over_response_tokens_only():
+    logprobs = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, -9.0]])
+    ref_logprobs = torch.tensor([[-1.5, -1.0, -3.0], [-1.0, -0.25, 0.0]])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    # row 0: 0.5 - 1.0 + 0 ; row 1: 0.5 - 0.25, the padded position ignored
+    torch.testing.assert_close(sequence_kl(logprobs, ref_logprobs, mask), torch.tensor([-0.5, 0.25]))

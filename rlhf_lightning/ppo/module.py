@@ -61,6 +61,7 @@ from rlhf_lightning.ppo.rollout import (
     Rollout,
     Samples,
     close_with_eos,
+    sequence_kl,
     stopped,
     token_rewards,
     truncate_after_stop,
@@ -251,7 +252,7 @@ class PPO(StageModule):
         return (torch.cat([input_ids, responses], 1), torch.cat([attention_mask, response_mask.long()], 1),
                 response_mask)
 
-    def response_logits(self, role: str | None, input_ids: Tensor, attention_mask: Tensor,
+    def response_hidden_states(self, role: str | None, input_ids: Tensor, attention_mask: Tensor,
                         response_length: int) -> Tensor:
         """Hidden states of ``role`` at the positions that predict the response tokens: ``[B, R, H]``."""
         with self.model.role(role):
@@ -268,7 +269,7 @@ class PPO(StageModule):
         the backward pass rather than kept for it. ``entropy_grad=False`` computes the entropy as a detached
         statistic, so its ``[B, R, V]`` softmax is not kept for a backward.
         """
-        hidden = self.response_logits(role, input_ids, attention_mask, responses.shape[1])
+        hidden = self.response_hidden_states(role, input_ids, attention_mask, responses.shape[1])
         chunk = self.hparams.logprob_chunk or responses.shape[1]
         recompute = self.hparams.logprob_chunk is not None and torch.is_grad_enabled() and hidden.requires_grad
         # The fused head keeps one [B, R, V] tensor for the backward; an entropy bonus needs the plain path.
@@ -310,7 +311,7 @@ class PPO(StageModule):
 
     def response_values(self, input_ids: Tensor, attention_mask: Tensor, response_length: int) -> Tensor:
         """Critic values ``[B, R]`` of the states before each response token."""
-        hidden = self.response_logits(CRITIC, input_ids, attention_mask, response_length)
+        hidden = self.response_hidden_states(CRITIC, input_ids, attention_mask, response_length)
         return self.model.heads[CRITIC](hidden)
 
     def decode(self, ids: Tensor, mask: Tensor) -> list[str]:
@@ -355,11 +356,11 @@ class PPO(StageModule):
         rewards, kl = self.shape_rewards(rollout)
         rollout.advantages, rollout.returns = self.estimate_advantages(rollout, rewards)
 
-        sequence_kl = (torch.where(response_mask, logprobs - ref_logprobs, 0.0)).sum(-1)
+        kl_per_sequence = sequence_kl(logprobs, ref_logprobs, response_mask)
         stats = {
             "objective/score": raw_scores.mean(),
             "objective/score_std": raw_scores.std() if raw_scores.numel() > 1 else torch.zeros(()),
-            "objective/kl": sequence_kl.mean(),
+            "objective/kl": kl_per_sequence.mean(),
             "objective/kl_penalty": (torch.where(response_mask, kl, 0.0)).sum(-1).mean(),
             "objective/kl_coef": torch.tensor(self.kl_controller.value),
             "objective/rlhf_reward": (torch.where(response_mask, rewards, 0.0)).sum(-1).mean(),
@@ -374,7 +375,7 @@ class PPO(StageModule):
             gold = [float(g) for g in self.gold_reward(draft.prompts, draft.responses)]
             stats["objective/gold"] = torch.tensor(gold).mean()
         self.last_samples = Samples(self.iteration, draft.prompts, draft.responses, raw_scores.tolist(),
-                                    sequence_kl.tolist(), gold)
+                                    kl_per_sequence.tolist(), gold)
         return rollout, stats
 
     def score(self, input_ids: Tensor, attention_mask: Tensor, prompts: Sequence[str],
@@ -670,7 +671,7 @@ class PPO(StageModule):
         scores = self.score(input_ids, attention_mask, batch["prompt"], texts)
         metrics = self.val_metrics
         metrics["score"].update(scores)
-        metrics["kl"].update(torch.where(response_mask, logprobs - ref_logprobs, 0.0).sum(-1))
+        metrics["kl"].update(sequence_kl(logprobs, ref_logprobs, response_mask))
         metrics["length"].update(response_mask.sum(-1).float())
         metrics["eos_frac"].update(stopped(responses, response_mask, self.stop_token_id).float())
         if self.gold_reward is not None:

@@ -53,6 +53,11 @@ class Draft:
     responses: list[str]
 
 
+def sequence_kl(logprobs: Tensor, ref_logprobs: Tensor, response_mask: Tensor) -> Tensor:
+    """KL of each response to the reference, ``[B]``: the sum of ``log pi - log pi_ref`` over its tokens."""
+    return torch.where(response_mask, logprobs - ref_logprobs, 0.0).sum(-1)
+
+
 @dataclass
 class Samples:
     """What a rollout sampled, as text, for callbacks that show it (one entry per response)."""
