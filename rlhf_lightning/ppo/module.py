@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 from torchmetrics import MeanMetric
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessorList
 
 from rlhf_lightning.algorithms import (
     AdaptiveKLController,
@@ -66,6 +66,7 @@ from rlhf_lightning.ppo.rollout import (
     token_rewards,
     truncate_after_stop,
 )
+from rlhf_lightning.ppo.sampling import sampling_processors
 from rlhf_lightning.stage import StageModule
 
 POLICY, CRITIC = "policy", "critic"
@@ -93,6 +94,9 @@ class PPO(StageModule):
         temperature: sampling temperature; log-probs are computed from logits divided by it too.
         top_k: sample among the k most likely tokens; 0 = off (log-probs ignore this filter).
         top_p: nucleus-sampling threshold; 1.0 = off (log-probs ignore this filter).
+        kv_cache: KV cache of generation: ``static`` allocates it once for prompt + ``max_new_tokens`` (no
+            reallocation per token: faster, notably on CPU); ``dynamic`` grows it token by token (transformers'
+            default, for models without static-cache support).
         stop_token: token that ends a response: ``eos`` (the tokenizer's), another token, or null (never stop).
         missing_eos_penalty: subtracted from the score of a response that never emits the stop token; null = off.
         kl_coef: coefficient of the per-token KL penalty (the initial one when ``kl_target`` is set).
@@ -147,6 +151,7 @@ class PPO(StageModule):
         temperature: float = 1.0,
         top_k: int = 0,
         top_p: float = 1.0,
+        kv_cache: Literal["static", "dynamic"] = "static",
         stop_token: str | None = "eos",
         missing_eos_penalty: float | None = None,
         kl_coef: float = 0.05,
@@ -186,6 +191,8 @@ class PPO(StageModule):
         self.automatic_optimization = False
         if temperature <= 0:
             raise ValueError(f"temperature must be positive, got {temperature}")
+        if kv_cache not in ("static", "dynamic"):
+            raise ValueError(f"kv_cache must be static or dynamic, got {kv_cache!r}")
         if backward not in ("auto", "joint", "separate"):
             raise ValueError(f"backward must be auto, joint or separate, got {backward!r}")
         self.model = self.load_base(base)
@@ -224,28 +231,39 @@ class PPO(StageModule):
 
     @property
     def generation_config(self) -> GenerationConfig:
-        hp = self.hparams
+        """How :meth:`sample_sequences` calls ``generate``; the sampling itself is :meth:`sampling_processors`."""
         # Every logits processor is set explicitly: a model's own generation_config.json must not change the
-        # sampling distribution behind the log-probs' back.
+        # sampling distribution behind the log-probs' back. Greedy over the sampler's one-hot output = sampling.
         return GenerationConfig(
-            do_sample=True, temperature=hp.temperature, top_k=hp.top_k, top_p=hp.top_p,
-            max_new_tokens=hp.max_new_tokens, min_new_tokens=0, repetition_penalty=1.0, no_repeat_ngram_size=0,
-            eos_token_id=[] if self.stop_token_id is None else self.stop_token_id,
-            pad_token_id=self.tokenizer.pad_token_id, use_cache=True,
+            do_sample=False, max_new_tokens=self.hparams.max_new_tokens, min_new_tokens=0, repetition_penalty=1.0,
+            no_repeat_ngram_size=0, eos_token_id=[] if self.stop_token_id is None else self.stop_token_id,
+            pad_token_id=self.tokenizer.pad_token_id, use_cache=True, cache_implementation=self.hparams.kv_cache,
         )
+
+    def sampling_processors(self) -> LogitsProcessorList:
+        """Temperature, top-k and top-p (transformers' warpers), then our inverse-CDF sampler."""
+        hp = self.hparams
+        return sampling_processors(hp.temperature, hp.top_k, hp.top_p)
 
     # ---- 1. rollout ---------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def generate(self, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Sample responses from the policy: ``(prompt+response ids, attention mask, response mask [B, R])``."""
+    def sample_sequences(self, role: str | None, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """Prompts followed by ``max_new_tokens`` sampled from ``role`` (eval mode, KV cache): ``[B, P + N]``."""
         was_training = self.model.training
         self.model.eval()
-        with self.model.role(POLICY):
-            sequences = self.model.hf_model.generate(
-                input_ids=input_ids, attention_mask=attention_mask, generation_config=self.generation_config
-            )
-        self.model.train(was_training)
+        try:
+            with self.model.role(role):
+                return self.model.hf_model.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                                    generation_config=self.generation_config,
+                                                    logits_processor=self.sampling_processors())
+        finally:
+            self.model.train(was_training)
+
+    @torch.no_grad()
+    def generate(self, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Sample responses from the policy: ``(prompt+response ids, attention mask, response mask [B, R])``."""
+        sequences = self.sample_sequences(POLICY, input_ids, attention_mask)
         responses, response_mask = truncate_after_stop(
             sequences[:, input_ids.shape[1]:], self.stop_token_id, self.tokenizer.pad_token_id
         )

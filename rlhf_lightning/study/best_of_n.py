@@ -111,9 +111,7 @@ def sample_reference(module: Any, batches: Iterable[dict[str, Any]], samples_per
             ids = batch["input_ids"][rows].to(module.device).repeat_interleave(samples_per_prompt, 0)
             mask = batch["attention_mask"][rows].to(module.device).repeat_interleave(samples_per_prompt, 0)
             prompts = [p for p in batch["prompt"][rows] for _ in range(samples_per_prompt)]
-            with module.model.role(REFERENCE):
-                sequences = module.model.hf_model.generate(input_ids=ids, attention_mask=mask,
-                                                           generation_config=module.generation_config)
+            sequences = module.sample_sequences(REFERENCE, ids, mask)
             responses, response_mask = truncate_after_stop(sequences[:, ids.shape[1]:], module.stop_token_id,
                                                            module.tokenizer.pad_token_id)
             texts = module.decode(responses, response_mask)
