@@ -3,12 +3,15 @@
 Each piece runs alone in a fresh process (so its peak memory is its own):
 
 - ``generate``: one sampled ``generate`` with a KV cache for the batch, through the plain base (what a policy
-  with its LoRA merged costs);
+  with its LoRA merged costs), with the fastest settings we know: a static cache and our inverse-CDF sampler;
 - ``score``: the no-grad passes before the update: reference log-probs (LM head on response positions only),
   the critic's values and the reward model's score (each a LoRA adapter on the base); the old log-probs are
   taken to come free with sampling;
 - ``policy_update`` and ``critic_update``: ``ppo_epochs`` x (forward + backward + AdamW step) through the base
   with the policy's LoRA (and the LM head on response positions) or the critic's LoRA and value head.
+
+LoRA layers use our fused forward (``rlhf_lightning.models.fused_lora``) and GPT-2's GELU the fused kernel, as on
+our side: the floor is the bare work done the fastest way we know, not peft's or transformers' defaults.
 """
 
 from __future__ import annotations
@@ -39,10 +42,13 @@ def _autocast(settings: Settings):
 def _peft_model(settings: Settings, model):
     from peft import get_peft_model
 
+    from rlhf_lightning.models.fused_lora import fuse_lora_layers
+
     config = lora_spec(settings).to_peft(fan_in_fan_out=True)
     peft_model = get_peft_model(model, config, adapter_name="policy")
     for name in ("critic", "reward"):
         peft_model.add_adapter(name, lora_spec(settings).to_peft(fan_in_fan_out=True))
+    fuse_lora_layers(peft_model)
     return peft_model
 
 
@@ -70,14 +76,17 @@ def _piece(settings: Settings, name: str) -> Callable[[], None]:
     if name == "generate":
         from transformers import GenerationConfig
 
-        config = GenerationConfig(do_sample=True, max_new_tokens=response, min_new_tokens=0, top_k=0,
-                                  top_p=1.0, temperature=1.0, eos_token_id=[], pad_token_id=model.config.pad_token_id)
+        from rlhf_lightning.ppo.sampling import sampling_processors
+
+        config = GenerationConfig(do_sample=False, max_new_tokens=response, min_new_tokens=0, eos_token_id=[],
+                                  pad_token_id=model.config.pad_token_id, cache_implementation="static")
         prompts = sequences[:, : settings.prompt_length]
 
         @torch.no_grad()
         def work() -> None:
             with _autocast(settings):
-                model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), generation_config=config)
+                model.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), generation_config=config,
+                               logits_processor=sampling_processors())
 
         return work
     peft_model = _peft_model(settings, model)

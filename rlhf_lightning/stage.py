@@ -31,7 +31,7 @@ class StageModule(L.LightningModule):
         self.tokenizer = load_tokenizer(spec)
         model = load_causal_lm(spec, self.tokenizer)
         model.train()  # from_pretrained returns eval mode; with dropout off the two modes compute the same
-        return SharedBase(model, train_base=train_base)
+        return SharedBase(model, train_base=train_base, fused_lora=spec.fused_lora)
 
     def configure_adamw(
         self, parameter_groups: list[dict], weight_decay: float, warmup_steps: int, schedule: Schedule,

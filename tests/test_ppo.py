@@ -66,11 +66,13 @@ def test_every_role_reads_the_same_base_weights_and_the_process_holds_one_copy(t
     module = make_ppo(tiny_model_dir, reward_dir)
     seen: dict[str, set[int]] = {}
     current = {"role": None}
+    # Hooks on the LoRA layers (the fused forward reads base_layer.weight without calling base_layer).
     handles = [
         layer.register_forward_pre_hook(
-            lambda mod, args: seen.setdefault(current["role"], set()).add(mod.weight.data_ptr()))
-        for name, layer in module.model.hf_model.named_modules() if name.endswith("base_layer")
+            lambda mod, args: seen.setdefault(current["role"], set()).add(mod.base_layer.weight.data_ptr()))
+        for layer in module.model.hf_model.modules() if hasattr(layer, "base_layer")
     ]
+    assert len(handles) == 4 * 2  # every linear layer of the 2-layer GPT-2
     batch = first_batch(module)
     ids, mask = batch["input_ids"], batch["attention_mask"]
     for role in ("policy", None, "critic", "reward"):

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 from transformers.pytorch_utils import Conv1D
 
+from rlhf_lightning.models.fused_lora import fuse_lora_layers
 from rlhf_lightning.models.heads import ScalarHead
 from rlhf_lightning.models.spec import LoraSpec
 
@@ -51,13 +52,16 @@ class SharedBase(nn.Module):
     Args:
         model: the Hugging Face causal LM. Its weights are frozen here unless ``train_base`` is set.
         train_base: fine-tune the base weights too (full fine-tuning instead of adapters).
+        fused_lora: run LoRA layers through :mod:`rlhf_lightning.models.fused_lora` (the same numbers, fewer
+            passes over activations); off = peft's own forward.
     """
 
-    def __init__(self, model: PreTrainedModel, train_base: bool = False) -> None:
+    def __init__(self, model: PreTrainedModel, train_base: bool = False, fused_lora: bool = True) -> None:
         super().__init__()
         self.model: PreTrainedModel | PeftModel = model
         self.heads = nn.ModuleDict()
         self.train_base = train_base
+        self.fused_lora = fused_lora
         self.trainable_adapters: set[str] = set()
         self._requires_grad: list[tuple[nn.Parameter, bool]] = []
         self._update_requires_grad()
@@ -218,6 +222,9 @@ class SharedBase(nn.Module):
             self._apply_requires_grad()
 
     def _update_requires_grad(self) -> None:
+        # Called after every adapter change: layers peft has just injected get the fused forward too.
+        if self.fused_lora:
+            fuse_lora_layers(self.model)
         flags = []
         for name, parameter in self.model.named_parameters():
             adapter = adapter_of(name)

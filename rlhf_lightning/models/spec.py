@@ -34,6 +34,9 @@ class BaseModelSpec:
         fused_activations: compute the tanh-approximated GELU (GPT-2's ``gelu_new``) with torch's fused kernel
             instead of transformers' Python formula: the same function to float rounding, faster, and it keeps
             only its input for the backward instead of four ``[tokens, 4 x hidden]`` tensors per layer.
+        fused_lora: add each LoRA adapter's low-rank update inside the base layer's matmul, forward and backward
+            (``rlhf_lightning.models.fused_lora``), instead of peft's separate scaling and addition passes over
+            the activations: the same numbers to float rounding, faster; off = peft's own forward.
     """
 
     name_or_path: str | None = None
@@ -46,6 +49,7 @@ class BaseModelSpec:
     chat_template: str | None = None
     gradient_checkpointing: bool = False
     fused_activations: bool = True
+    fused_lora: bool = True
 
 
 @dataclass
