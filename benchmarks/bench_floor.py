@@ -79,7 +79,8 @@ def _piece(settings: Settings, name: str) -> Callable[[], None]:
         from rlhf_lightning.ppo.sampling import sampling_processors
 
         config = GenerationConfig(do_sample=False, max_new_tokens=response, min_new_tokens=0, eos_token_id=[],
-                                  pad_token_id=model.config.pad_token_id, cache_implementation="static")
+                                  pad_token_id=model.config.pad_token_id, cache_implementation="static",
+                                  disable_compile=True)
         prompts = sequences[:, : settings.prompt_length]
 
         @torch.no_grad()

@@ -234,10 +234,13 @@ class PPO(StageModule):
         """How :meth:`sample_sequences` calls ``generate``; the sampling itself is :meth:`sampling_processors`."""
         # Every logits processor is set explicitly: a model's own generation_config.json must not change the
         # sampling distribution behind the log-probs' back. Greedy over the sampler's one-hot output = sampling.
+        # disable_compile: with a static cache on a GPU, transformers would otherwise torch.compile the forward
+        # pass on its own (and recompile for every new prompt length).
         return GenerationConfig(
             do_sample=False, max_new_tokens=self.hparams.max_new_tokens, min_new_tokens=0, repetition_penalty=1.0,
             no_repeat_ngram_size=0, eos_token_id=[] if self.stop_token_id is None else self.stop_token_id,
             pad_token_id=self.tokenizer.pad_token_id, use_cache=True, cache_implementation=self.hparams.kv_cache,
+            disable_compile=True,
         )
 
     def sampling_processors(self) -> LogitsProcessorList:
@@ -249,7 +252,8 @@ class PPO(StageModule):
 
     @torch.no_grad()
     def sample_sequences(self, role: str | None, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        """Prompts followed by ``max_new_tokens`` sampled from ``role`` (eval mode, KV cache): ``[B, P + N]``."""
+        """Prompts followed by up to ``max_new_tokens`` sampled from ``role`` (eval mode, KV cache; fewer once every
+        row has stopped): ``[B, P + N]``."""
         was_training = self.model.training
         self.model.eval()
         try:
