@@ -64,7 +64,7 @@ class SharedBase(nn.Module):
         self.fused_lora = fused_lora
         self.trainable_adapters: set[str] = set()
         self._requires_grad: list[tuple[nn.Parameter, bool]] = []
-        self._update_requires_grad()
+        self._adapters_changed()
 
     # ---- structure -------------------------------------------------------------------------------------
 
@@ -94,7 +94,7 @@ class SharedBase(nn.Module):
             self.model = get_peft_model(self.model, config, adapter_name=name)
         if trainable:
             self.trainable_adapters.add(name)
-        self._update_requires_grad()
+        self._adapters_changed()
 
     def load_adapter(self, directory: str | Path, name: str, trainable: bool = False) -> None:
         """Load an adapter saved by :meth:`save_adapter` (peft format), and its head if one is beside it."""
@@ -110,7 +110,7 @@ class SharedBase(nn.Module):
         if ScalarHead.exists(directory):
             self.heads[name] = ScalarHead.load(directory, expected_hidden_size=self.hidden_size)
             self.heads[name].requires_grad_(trainable)
-        self._update_requires_grad()
+        self._adapters_changed()
 
     def add_head(self, name: str) -> ScalarHead:
         """A fresh scalar head for role ``name`` (trainable)."""
@@ -221,10 +221,13 @@ class SharedBase(nn.Module):
             # peft makes the active adapter trainable and the others frozen; trainability is ours to decide.
             self._apply_requires_grad()
 
-    def _update_requires_grad(self) -> None:
-        # Called after every adapter change: layers peft has just injected get the fused forward too.
+    def _adapters_changed(self) -> None:
+        """After peft has injected or loaded adapter layers: fuse the new layers, then set trainability."""
         if self.fused_lora:
             fuse_lora_layers(self.model)
+        self._update_requires_grad()
+
+    def _update_requires_grad(self) -> None:
         flags = []
         for name, parameter in self.model.named_parameters():
             adapter = adapter_of(name)
