@@ -275,7 +275,7 @@ class PPO(StageModule):
                 response_mask)
 
     def response_hidden_states(self, role: str | None, input_ids: Tensor, attention_mask: Tensor,
-                        response_length: int) -> Tensor:
+                               response_length: int) -> Tensor:
         """Hidden states of ``role`` at the positions that predict the response tokens: ``[B, R, H]``."""
         with self.model.role(role):
             hidden = self.model.hidden_states(input_ids, attention_mask)

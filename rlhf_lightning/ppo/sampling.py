@@ -28,8 +28,10 @@ class InverseCDFSampler(LogitsProcessor):
     """
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
-        # float64: the running sum over a large vocabulary keeps every token's share exact to ~1e-16.
-        cdf = torch.softmax(scores.double(), dim=-1).cumsum_(-1)
+        # float64: the running sum over a large vocabulary keeps every token's share exact to ~1e-16 (Apple's MPS
+        # has no float64; float32's error there is ~1e-7 per share).
+        dtype = torch.float32 if scores.device.type == "mps" else torch.float64
+        cdf = torch.softmax(scores.to(dtype), dim=-1).cumsum_(-1)
         total = cdf[:, -1:].contiguous()
         bad = ~torch.isfinite(total.squeeze(-1))
         if bad.any():
