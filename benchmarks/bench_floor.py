@@ -76,7 +76,7 @@ def _piece(settings: Settings, name: str) -> Callable[[], None]:
     if name == "generate":
         from transformers import GenerationConfig
 
-        from rlhf_lightning.ppo.sampling import sampling_processors
+        from rlhf_lightning.rollout.sampling import sampling_processors
 
         config = GenerationConfig(do_sample=False, max_new_tokens=response, min_new_tokens=0, eos_token_id=[],
                                   pad_token_id=model.config.pad_token_id, cache_implementation="static",

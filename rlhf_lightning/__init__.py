@@ -1,18 +1,27 @@
 """rlhf_lightning: RLHF on PyTorch Lightning with one frozen base model shared by every role."""
 
 from rlhf_lightning.data.modules import PreferenceDataModule, PromptDataModule, SFTDataModule
-from rlhf_lightning.ppo import PPO, AdapterReward, FunctionReward, ModelReward, RewardSource
+from rlhf_lightning.dpo import DPO
+from rlhf_lightning.grpo import GRPO
+from rlhf_lightning.ppo import PPO
+from rlhf_lightning.reinforce_pp import REINFORCEPlusPlus
 from rlhf_lightning.reward_model import RewardModel
+from rlhf_lightning.rloo import RLOO
+from rlhf_lightning.rollout.rewards import AdapterReward, FunctionReward, ModelReward, RewardSource
 from rlhf_lightning.sft import SFT
 
 __all__ = [
+    "DPO",
+    "GRPO",
     "PPO",
+    "RLOO",
     "SFT",
     "AdapterReward",
     "FunctionReward",
     "ModelReward",
     "PreferenceDataModule",
     "PromptDataModule",
+    "REINFORCEPlusPlus",
     "RewardModel",
     "RewardSource",
     "SFTDataModule",

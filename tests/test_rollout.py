@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 import torch
 
-from rlhf_lightning.ppo.rollout import (
-    Rollout,
-    close_with_eos,
-    last_token_index,
-    sequence_kl,
-    stopped,
-    token_rewards,
-    truncate_after_stop,
-)
+from rlhf_lightning.algorithms import token_rewards
+from rlhf_lightning.rollout.experience import Experience, sequence_kl
+from rlhf_lightning.rollout.generate import stopped, truncate_after_stop
+from rlhf_lightning.rollout.rewards import close_with_eos, last_token_index
 
 STOP, PAD = 1, 0
 
@@ -42,16 +40,22 @@ def test_token_rewards_put_the_score_on_the_last_response_token():
     torch.testing.assert_close(rewards, expected)
 
 
-def test_rollout_select_takes_rows_of_every_field():
-    rollout = Rollout(
-        input_ids=torch.arange(12).view(3, 4), attention_mask=torch.ones(3, 4), response_mask=torch.ones(3, 2),
-        logprobs=torch.zeros(3, 2), ref_logprobs=torch.zeros(3, 2), values=torch.arange(6.0).view(3, 2),
-        scores=torch.tensor([1.0, 2.0, 3.0]),
+def test_experience_select_takes_rows_of_every_field_and_is_immutable():
+    experience = Experience(
+        input_ids=torch.arange(12).view(3, 4), attention_mask=torch.ones(3, 4),
+        response_mask=torch.tensor([[True, True], [True, False], [True, True]]),
+        scores=torch.tensor([1.0, 2.0, 3.0]), logprobs=torch.zeros(3, 2), ref_logprobs=torch.zeros(3, 2),
+        values=torch.arange(6.0).view(3, 2), group_size=3,
     )
-    part = rollout.select(torch.tensor([2, 0]))
+    part = experience.select(torch.tensor([2, 0]))
     assert part.scores.tolist() == [3.0, 1.0] and part.values.tolist() == [[4.0, 5.0], [0.0, 1.0]]
-    assert part.advantages is None and part.prompt_length == 2
+    assert part.advantages is None and part.prompt_length == 2 and part.group_size == 3
     assert part.responses.tolist() == [[10, 11], [2, 3]]
+    assert part.full_response_mask.tolist() == [[False, False, True, True], [False, False, True, True]]
+    with_advantages = experience.with_advantages(torch.ones(3, 2))
+    assert experience.advantages is None and with_advantages.advantages.sum() == 6  # a new object
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        experience.scores = torch.zeros(3)
 
 
 def test_close_with_eos_appends_it_only_where_missing():

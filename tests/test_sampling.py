@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from rlhf_lightning.ppo.sampling import InverseCDFSampler, sampling_processors
+from rlhf_lightning.rollout.sampling import InverseCDFSampler, sampling_processors
 from tests.test_ppo import first_batch, make_ppo
 
 PROBS = torch.tensor([0.1, 0.2, 0.0, 0.3, 0.4])

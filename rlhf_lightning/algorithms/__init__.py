@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from rlhf_lightning.algorithms.advantages import gae
 from rlhf_lightning.algorithms.head import logprobs_from_hidden
-from rlhf_lightning.algorithms.kl import AdaptiveKLController, FixedKLController, KLEstimator, kl_penalty
+from rlhf_lightning.algorithms.kl import (
+    AdaptiveKLController,
+    FixedKLController,
+    KLEstimator,
+    kl_penalty,
+    token_rewards,
+)
 from rlhf_lightning.algorithms.losses import (
     PolicyLossOutput,
     ValueLossOutput,
@@ -12,6 +18,7 @@ from rlhf_lightning.algorithms.losses import (
     explained_variance,
     logprobs_from_logits,
     policy_loss,
+    value_errors,
     value_loss,
 )
 from rlhf_lightning.algorithms.masked import masked_mean, masked_sum, masked_var, masked_whiten
@@ -35,5 +42,7 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "policy_loss",
+    "token_rewards",
+    "value_errors",
     "value_loss",
 ]

@@ -81,3 +81,14 @@ class AdaptiveKLController:
     def load_state_dict(self, state: Mapping[str, float]) -> None:
         """Restore the coefficient saved by :meth:`state_dict`; target and horizon come from the config."""
         self.value = _check_coef(state["value"])
+
+
+def token_rewards(scores: Tensor, kl: Tensor, response_mask: Tensor, kl_coef: float) -> Tensor:
+    """Per-token rewards ``[B, R]``: ``-kl_coef * kl_t`` on every response token, plus the sequence score at its
+    last token (InstructGPT / Ziegler et al.). Shapes: ``scores`` ``[B]``, ``kl`` and ``response_mask`` ``[B, R]``
+    (right-padded)."""
+    rewards = torch.where(response_mask, -kl_coef * kl, torch.zeros_like(kl))
+    last = (response_mask.sum(-1) - 1).clamp(min=0)
+    rows = torch.arange(scores.shape[0], device=scores.device)
+    rewards[rows, last] += scores
+    return rewards

@@ -67,14 +67,13 @@ class ValueLossOutput(NamedTuple):
     clipfrac: Tensor
 
 
-def value_loss(
+def value_errors(
     values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip_range_value: float | None
-) -> ValueLossOutput:
-    """Value loss 0.5 * masked_mean(max((V - R)^2, (V_clip - R)^2)), V_clip = V_old + clamp(V - V_old, -c, c).
+) -> tuple[Tensor, Tensor]:
+    """Per-token value loss ``0.5 * max((V - R)^2, (V_clip - R)^2)``, V_clip = V_old + clamp(V - V_old, -c, c),
+    and where the clipped error is the larger one: ``([B, T], [B, T] bool)``, 0 / False at padding.
 
-    With ``clip_range_value=None`` it is the plain 0.5 * masked_mean((V - R)^2) and clipfrac is 0.
-    clipfrac is the share of valid tokens where the clipped error is the larger one.
-    Shapes: ``[B, T]`` inputs -> 0-dim outputs.
+    With ``clip_range_value=None`` it is the plain ``0.5 * (V - R)^2`` and nothing is clipped.
     """
     valid = mask.bool()
     # Same reason as in policy_loss: keep padding finite so masked-out tokens get a zero, not NaN, gradient.
@@ -83,15 +82,24 @@ def value_loss(
     returns = torch.where(valid, returns, torch.zeros_like(returns))
     unclipped = (values - returns) ** 2
     if clip_range_value is None:
-        return ValueLossOutput(0.5 * masked_mean(unclipped, valid), values.new_zeros(()))
+        return 0.5 * unclipped, torch.zeros_like(valid)
     if clip_range_value < 0:
         raise ValueError(f"clip_range_value must be >= 0 or None, got {clip_range_value}.")
     clipped_values = old_values + torch.clamp(values - old_values, -clip_range_value, clip_range_value)
     clipped = (clipped_values - returns) ** 2
-    loss = 0.5 * masked_mean(torch.maximum(unclipped, clipped), valid)
+    return 0.5 * torch.maximum(unclipped, clipped), (clipped > unclipped) & valid
+
+
+def value_loss(
+    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip_range_value: float | None
+) -> ValueLossOutput:
+    """Value loss: the masked mean of :func:`value_errors` over the valid tokens, and the share of them where
+    the clipped error is the larger one (0 when unclipped). Shapes: ``[B, T]`` inputs -> 0-dim outputs.
+    """
+    errors, clipped = value_errors(values, old_values, returns, mask, clip_range_value)
     with torch.no_grad():
-        clipfrac = masked_mean((clipped > unclipped).to(values.dtype), valid)
-    return ValueLossOutput(loss, clipfrac)
+        clipfrac = masked_mean(clipped.to(errors.dtype), mask)
+    return ValueLossOutput(masked_mean(errors, mask), clipfrac)
 
 
 @torch.no_grad()

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -21,21 +21,28 @@ class EncodedSFT:
 
 @dataclass(frozen=True)
 class EncodedPair:
-    """A preference pair as two full token sequences (prompt + completion each)."""
+    """A preference pair as two full token sequences (prompt + completion each) sharing their first
+    ``prompt_length`` tokens; ``index`` is the pair's position in its dataset (-1 = not numbered), which keys
+    values computed once per pair, such as DPO's precomputed reference log-probs."""
 
     chosen_ids: list[int]
     rejected_ids: list[int]
+    prompt_length: int
     margin: float = 0.0
     gold_chosen: float | None = None
     gold_rejected: float | None = None
+    index: int = -1
 
 
 @dataclass(frozen=True)
 class EncodedPrompt:
-    """A prompt for generation, with its text for text-based rewards and logging."""
+    """A prompt for generation, with its text for logging, and the prompt and other columns as the dataset holds
+    them, for reward functions."""
 
     input_ids: list[int]
     text: str
+    raw: Any = None  # the prompt column: text, or a list of messages
+    columns: dict[str, Any] = field(default_factory=dict)  # the row's other columns
 
 
 def pad(sequences: list[list[int]], pad_id: int, side: Literal["left", "right"]) -> tuple[Tensor, Tensor]:
@@ -60,17 +67,30 @@ def collate_sft(examples: list[EncodedSFT], pad_id: int) -> dict[str, Tensor]:
 
 
 def collate_pairs(examples: list[EncodedPair], pad_id: int) -> dict[str, Tensor]:
-    """Chosen then rejected sequences stacked into one batch of ``2B`` rows, for a single forward pass.
+    """Chosen then rejected sequences stacked into one batch of ``2B`` right-padded rows, for a single forward pass.
 
-    ``last_index`` points at each row's last real token (its EOS), where the reward is read.
-    Gold scores are included when every example has them.
+    - ``input_ids``, ``attention_mask`` ``[2B, T]``; ``last_index`` ``[2B]``: each row's last real token (its
+      EOS), where a reward model reads its score;
+    - ``response_mask`` ``[2B, T]`` (bool): the completion tokens, EOS included, prompt and padding not (from
+      column 1 at the earliest: the first token of a sequence has no prediction);
+    - ``prompt_input_ids``, ``prompt_attention_mask`` ``[B, P]``: the prompts alone, left-padded, for sampling;
+    - ``index`` ``[B]``: each pair's position in its dataset; ``margin`` ``[B]``;
+    - ``gold_chosen``, ``gold_rejected`` ``[B]`` when every example has gold scores.
     """
     sequences = [example.chosen_ids for example in examples] + [example.rejected_ids for example in examples]
     ids, mask = pad(sequences, pad_id, side="right")
+    prompt_lengths = torch.tensor([max(example.prompt_length, 1) for example in examples]).repeat(2)
+    columns = torch.arange(ids.shape[1])
+    prompt_ids, prompt_mask = pad([example.chosen_ids[: example.prompt_length] for example in examples], pad_id,
+                                  side="left")
     batch = {
         "input_ids": ids,
         "attention_mask": mask,
         "last_index": mask.sum(-1) - 1,
+        "response_mask": (columns >= prompt_lengths[:, None]) & mask.bool(),
+        "prompt_input_ids": prompt_ids,
+        "prompt_attention_mask": prompt_mask,
+        "index": torch.tensor([example.index for example in examples], dtype=torch.long),
         "margin": torch.tensor([example.margin for example in examples], dtype=torch.float32),
     }
     if all(example.gold_chosen is not None and example.gold_rejected is not None for example in examples):
@@ -80,6 +100,10 @@ def collate_pairs(examples: list[EncodedPair], pad_id: int) -> dict[str, Tensor]
 
 
 def collate_prompts(examples: list[EncodedPrompt], pad_id: int) -> dict[str, Tensor | list[str]]:
-    """Left-padded prompts (generation appends on the right) and their texts."""
+    """Left-padded prompts (generation appends on the right), their texts, the raw prompts and the other columns
+    (one list per column; a column missing from a row holds None there)."""
     ids, mask = pad([example.input_ids for example in examples], pad_id, side="left")
-    return {"input_ids": ids, "attention_mask": mask, "prompt": [example.text for example in examples]}
+    names = sorted({name for example in examples for name in example.columns})
+    return {"input_ids": ids, "attention_mask": mask, "prompt": [example.text for example in examples],
+            "raw_prompt": [example.text if example.raw is None else example.raw for example in examples],
+            "columns": {name: [example.columns.get(name) for example in examples] for name in names}}

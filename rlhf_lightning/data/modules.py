@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import random
+from dataclasses import replace
 from functools import partial
 from typing import Any, ClassVar, Literal
 
@@ -204,12 +205,14 @@ class SFTDataModule(StageDataModule):
 
 
 class PreferenceDataModule(StageDataModule):
-    """Preference pairs for a Bradley-Terry reward model.
+    """Preference pairs, for a Bradley-Terry reward model or DPO.
 
     Rows are ``prompt``/``chosen``/``rejected`` (text, or message lists), or only ``chosen``/``rejected`` holding
     whole transcripts (Anthropic HH style; the shared beginning becomes the prompt). An optional ``margin``
     column asks for ``r_chosen - r_rejected`` to exceed it; optional ``gold_chosen``/``gold_rejected`` (true
-    scores, as the synthetic task has) add accuracy against the gold order to validation.
+    scores, as the synthetic task has) add accuracy against the gold order to validation. Batches also carry
+    the response mask and the left-padded prompts (see :func:`collate_pairs`); pairs are numbered by their
+    position in the training and validation sets.
     """
 
     kind = "preferences"
@@ -219,17 +222,23 @@ class PreferenceDataModule(StageDataModule):
 
         return SyntheticTask(seed=self.seed).preference_rows(n)
 
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        self.train_set = [replace(pair, index=i) for i, pair in enumerate(self.train_set)]
+        self.val_set = [replace(pair, index=i) for i, pair in enumerate(self.val_set)]
+
     def encode(self, record: Record) -> EncodedPair:
         example = parse_preference(record)
         prompt_ids = encode_prompt(self.tokenizer, example.prompt, record.where)
         encode = partial(encode_completion, self.tokenizer, example.prompt, prompt_ids=prompt_ids,
                          where=record.where)
         return EncodedPair(
-            prompt_ids + encode(completion=example.chosen),
-            prompt_ids + encode(completion=example.rejected),
-            example.margin,
-            example.gold_chosen,
-            example.gold_rejected,
+            chosen_ids=prompt_ids + encode(completion=example.chosen),
+            rejected_ids=prompt_ids + encode(completion=example.rejected),
+            prompt_length=len(prompt_ids),
+            margin=example.margin,
+            gold_chosen=example.gold_chosen,
+            gold_rejected=example.gold_rejected,
         )
 
     def length(self, example: EncodedPair) -> int:
@@ -288,7 +297,8 @@ class PromptDataModule(StageDataModule):
         ids = encode_prompt(self.tokenizer, example.prompt, record.where)
         if not ids:
             raise DataFormatError(f"{record.where}: the prompt has no tokens; generation needs at least one")
-        return EncodedPrompt(ids, self.tokenizer.decode(ids, skip_special_tokens=True))
+        columns = {name: value for name, value in record.fields.items() if name != "prompt"}
+        return EncodedPrompt(ids, self.tokenizer.decode(ids, skip_special_tokens=True), example.prompt, columns)
 
     def length(self, example: EncodedPrompt) -> int:
         return len(example.input_ids)

@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 from rlhf_lightning.models.shared_base import REFERENCE
-from rlhf_lightning.ppo.rollout import truncate_after_stop
 from rlhf_lightning.study.gao import best_of_n_kl
 
 
@@ -111,12 +110,10 @@ def sample_reference(module: Any, batches: Iterable[dict[str, Any]], samples_per
             ids = batch["input_ids"][rows].to(module.device).repeat_interleave(samples_per_prompt, 0)
             mask = batch["attention_mask"][rows].to(module.device).repeat_interleave(samples_per_prompt, 0)
             prompts = [p for p in batch["prompt"][rows] for _ in range(samples_per_prompt)]
-            sequences = module.sample_sequences(REFERENCE, ids, mask)
-            responses, response_mask = truncate_after_stop(sequences[:, ids.shape[1]:], module.stop_token_id,
-                                                           module.tokenizer.pad_token_id)
-            texts = module.decode(responses, response_mask)
-            scores = module.score(torch.cat([ids, responses], 1), torch.cat([mask, response_mask.long()], 1),
-                                  prompts, texts)
+            sequences, attention_mask, response_mask = module.generate(ids, mask, role=REFERENCE)
+            texts = module.decode(sequences[:, ids.shape[1]:], response_mask)
+            scores = module.combined_score(module.score_responses(sequences, attention_mask, response_mask, texts,
+                                                                  prompts))
             proxy.append(scores.reshape(-1, samples_per_prompt).cpu().numpy())
             golds = np.asarray(module.gold_reward(prompts, texts), dtype=float)
             gold.append(golds.reshape(-1, samples_per_prompt))

@@ -182,9 +182,10 @@ def _adjective_value(adjective: str, used_positive: set[str]) -> float:
     return 0.0
 
 
-def gold_rewards(prompts: Sequence[str], responses: Sequence[str]) -> list[float]:
-    """Batched :func:`gold_reward`, in the ``fn(prompts, responses) -> scores`` form used for Python rewards."""
-    return [gold_reward(prompt, response) for prompt, response in zip(prompts, responses, strict=True)]
+def gold_rewards(prompts: Sequence[str], completions: Sequence[str], **_: object) -> list[float]:
+    """Batched :func:`gold_reward`: ``gold_rewards(prompts, responses)``, or as a reward function with TRL's
+    signature (``completions`` by keyword, other columns ignored)."""
+    return [gold_reward(prompt, response) for prompt, response in zip(prompts, completions, strict=True)]
 
 
 # --------------------------------------------------------------------------------------------------------

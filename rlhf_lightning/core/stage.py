@@ -35,10 +35,10 @@ class StageModule(L.LightningModule):
 
     def configure_adamw(
         self, parameter_groups: list[dict], weight_decay: float, warmup_steps: int, schedule: Schedule,
-        total_steps: int | None = None,
+        total_steps: int | None = None, eps: float = 1e-8,
     ) -> dict[str, Any]:
         """AdamW with a warm-up/decay schedule; ``total_steps`` defaults to the Trainer's estimate."""
-        optimizer = adamw(parameter_groups, weight_decay)
+        optimizer = adamw(parameter_groups, weight_decay, eps=eps)
 
         # Asked lazily: reading `estimated_stepping_batches` here would build the train loader before a
         # checkpoint's loader state is restored, and the resumed run would replay the epoch from its start.

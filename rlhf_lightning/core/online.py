@@ -1,0 +1,556 @@
+"""On-policy RL of a causal LM on one frozen base: the loop that PPO, GRPO, RLOO and REINFORCE++ share.
+
+One ``training_step`` is one iteration on a batch of prompts, four steps read top to bottom:
+
+1. **sample** ``samples_per_prompt`` responses per prompt from the policy and **make experience** once (eval
+   mode, no grad): old log-probs (when the update makes more than one optimizer step), reference log-probs
+   (when a KL term needs them), values (algorithms with a critic), scores from the reward sources;
+2. :meth:`estimate_advantages`: the algorithm (GAE, group baselines, return-to-go...);
+3. :meth:`update`: ``epochs`` passes over shuffled minibatches of micro-batches: clipped surrogate (token or
+   sequence ratio, clip-higher), KL in the loss when the algorithm puts it there, entropy bonus, PPO-ptx,
+   the critic's loss when there is one; gradient clipping, optimizer step, optional target-KL stop.
+
+Experience is never modified during the update. The loss of an optimizer step is normalised over the whole
+step (every micro-batch and rank), so micro-batches of unequal token counts weigh what they would in one batch.
+
+Manual optimization: ``trainer.global_step`` counts optimizer steps (iterations x epochs x num_minibatches, fewer
+when ``target_kl`` stops the epochs early). Metrics are logged per iteration (training batch); bound a run with
+``trainer.max_epochs`` over the prompt set or ``trainer.limit_train_batches``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from rlhf_lightning.algorithms import (
+    AdaptiveKLController,
+    FixedKLController,
+    KLEstimator,
+    kl_penalty,
+    masked_mean,
+)
+from rlhf_lightning.algorithms.surrogate import LossAggregation, aggregate_loss, clipped_surrogate, loss_normaliser
+from rlhf_lightning.core.policy import POLICY, PolicyModule, derive_seed
+from rlhf_lightning.data.collate import IGNORE_INDEX
+from rlhf_lightning.models.shared_base import REFERENCE
+from rlhf_lightning.optim import Schedule
+from rlhf_lightning.rollout.experience import Experience, Samples, sequence_kl
+from rlhf_lightning.rollout.generate import stopped
+from rlhf_lightning.rollout.rewards import RewardInputs, RewardSource, close_with_eos, combine_scores
+
+Stats = dict[str, Tensor]
+
+
+class OnlineRL(PolicyModule):
+    """The on-policy loop shared by PPO, GRPO, RLOO and REINFORCE++; subclasses choose the advantages.
+
+    Args:
+        reward: how responses are scored: ``AdapterReward`` (the reward stage's adapter on this base),
+            ``ModelReward`` (a separate model), ``FunctionReward`` (a Python function with TRL's signature),
+            or a list of them, summed with ``reward_weights``.
+        reward_weights: weight of each reward source; null = 1 each.
+        samples_per_prompt: responses sampled per prompt (the group size of group baselines).
+        missing_eos_penalty: subtracted from the score of a response that never emits the stop token; null = off.
+        mask_truncated_completions: responses that never stop carry no loss (DAPO): a cut-off answer is no
+            evidence for or against its tokens.
+        reward_normalize: standardise each reward model's scores with its validation mean and std (saved by the
+            reward stage).
+        reward_clip: clip scores to [-reward_clip, reward_clip]; null = off.
+        kl_coef: coefficient of the KL penalty to the reference (the initial one when ``kl_target`` is set);
+            0 with no ``kl_target`` = no reference pass at all.
+        kl_estimator: per-token KL estimator: ``k1`` (log-ratio), ``k2`` or ``k3`` (Schulman).
+        kl_in: where the KL penalty goes: ``reward`` (shaped into the rewards before the advantages) or
+            ``loss`` (a per-token term of the loss, GRPO's way).
+        kl_ratio_weighting: with ``kl_in: loss``, weight each token's KL term by the importance ratio (TRL
+            1.16's bias correction: the tokens were sampled from the old policy).
+        kl_target: target KL per sequence (nats) of the adaptive controller; null = fixed ``kl_coef``.
+        kl_horizon: horizon of the adaptive controller, in samples.
+        epochs: passes over each rollout batch.
+        num_minibatches: minibatches, hence optimizer steps, per pass.
+        gradient_accumulation: micro-batches per minibatch (less memory; same result).
+        clip_range_low: epsilon of the clipped objective below 1 (and above, unless ``clip_range_high``).
+        clip_range_high: epsilon above 1 (DAPO's clip-higher, e.g. 0.28); null = ``clip_range_low``.
+        ratio_level: ``token`` ratios (PPO, GRPO) or one ``sequence`` ratio per response, the geometric mean of
+            its token ratios (GSPO).
+        loss_aggregation: ``token_mean`` over every token of the optimizer step (DAPO, verl, OpenRLHF);
+            ``sequence_mean`` of per-response token means (the original GRPO); ``constant``: token sum divided
+            by responses x ``max_new_tokens`` (Dr. GRPO).
+        ent_coef: weight of the entropy bonus.
+        ptx_coef: weight of the pretraining loss (PPO-ptx) on the data module's ``ptx`` batches; 0 = off.
+        target_kl: stop an iteration's epochs once a minibatch's approximate KL exceeds this; null = never.
+        max_grad_norm: clip the gradient norm to this; null = off.
+        policy_lr: learning rate of the policy adapter.
+        adam_eps: Adam's epsilon (lm-human-preferences used 1e-5).
+        weight_decay: AdamW weight decay.
+        warmup_iterations: iterations of linear learning-rate warm-up.
+        lr_schedule: decay after warm-up over the run's iterations: ``constant``, ``linear`` or ``cosine``.
+    """
+
+    metric_prefix = "online"
+    # Losses normalised over the whole optimizer step: their micro-batch parts add up to the step's loss.
+    STEP_LOSSES = frozenset({"loss/policy", "loss/value", "loss/total"})
+    validation_metrics = ("score", "kl", "length", "eos_frac", "gold")
+
+    def __init__(
+        self,
+        *args: Any,
+        reward: RewardSource | list[RewardSource],
+        reward_weights: list[float] | None = None,
+        samples_per_prompt: int = 1,
+        missing_eos_penalty: float | None = None,
+        mask_truncated_completions: bool = False,
+        reward_normalize: bool = False,
+        reward_clip: float | None = None,
+        kl_coef: float = 0.05,
+        kl_estimator: KLEstimator = "k1",
+        kl_in: Literal["reward", "loss"] = "reward",
+        kl_ratio_weighting: bool = True,
+        kl_target: float | None = None,
+        kl_horizon: int = 10_000,
+        epochs: int = 1,
+        num_minibatches: int = 1,
+        gradient_accumulation: int = 1,
+        clip_range_low: float = 0.2,
+        clip_range_high: float | None = None,
+        ratio_level: Literal["token", "sequence"] = "token",
+        loss_aggregation: LossAggregation = "token_mean",
+        ent_coef: float = 0.0,
+        ptx_coef: float = 0.0,
+        target_kl: float | None = None,
+        max_grad_norm: float | None = 1.0,
+        policy_lr: float = 1e-4,
+        adam_eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        warmup_iterations: int = 0,
+        lr_schedule: Schedule = "constant",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        # Under LightningCLI the saved hyper-parameters are the config's, which lack arguments that a subclass
+        # sets under another name (PPO's ppo_epochs is epochs here): record this level's own values.
+        self.hparams.update({name: value for name, value in locals().items()
+                             if name not in ("self", "args", "kwargs", "reward", "__class__")})
+        self.automatic_optimization = False
+        self._check_arguments()
+        self.rewards = list(reward) if isinstance(reward, list | tuple) else [reward]
+        self.reward_weights = [1.0] * len(self.rewards) if reward_weights is None else list(reward_weights)
+        if len(self.reward_weights) != len(self.rewards):
+            raise ValueError(f"reward_weights has {len(self.reward_weights)} entries for {len(self.rewards)} "
+                             "reward sources")
+        for source in self.rewards:
+            source.setup(self.model, self.tokenizer)
+        if reward_normalize and any(source.statistics is None for source in self.rewards):
+            lacking = [str(source.name) for source in self.rewards if source.statistics is None]
+            raise ValueError(f"reward_normalize needs each reward source's mean/std (reward_stats.json), which "
+                             f"{lacking} lack")
+        self.kl_controller = (FixedKLController(kl_coef) if kl_target is None
+                              else AdaptiveKLController(kl_coef, kl_target, kl_horizon))
+        self.last_samples: Samples | None = None  # the latest rollout as text (see callbacks.CompletionsTable)
+        self.model.train()  # peft loads adapters in eval mode; with dropout off both modes compute the same
+
+    def _check_arguments(self) -> None:
+        hp = self.hparams
+        if hp.top_k or hp.top_p < 1.0:
+            raise ValueError(
+                "top_k/top_p: the losses and the KL use log-probs of the full distribution (at the temperature), "
+                "so sampling from a truncated one would make every ratio and KL wrong; set top_k: 0, top_p: 1.0"
+            )
+        counts = {"samples_per_prompt": hp.samples_per_prompt, "epochs": hp.epochs,
+                  "num_minibatches": hp.num_minibatches, "gradient_accumulation": hp.gradient_accumulation}
+        for name, value in counts.items():
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if hp.kl_in not in ("reward", "loss"):
+            raise ValueError(f"kl_in must be reward or loss, got {hp.kl_in!r}")
+        if hp.clip_range_low < 0 or (hp.clip_range_high is not None and hp.clip_range_high < 0):
+            raise ValueError(f"clip ranges must be >= 0, got {hp.clip_range_low}, {hp.clip_range_high}")
+        if hp.policy_lr <= 0:
+            raise ValueError(f"policy_lr must be > 0, got {hp.policy_lr}")
+
+    # ---- the iteration ------------------------------------------------------------------------------------
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        start = time.perf_counter()
+        torch.manual_seed(derive_seed(self.hparams.seed, "train", self.iteration, self.global_rank))
+        experience, stats = self.make_experience(batch["prompts"])
+        experience, advantage_stats = self.estimate_advantages(experience)
+        rollout_seconds = time.perf_counter() - start
+        update_stats = self.update(experience, batch.get("ptx"))
+        self.end_iteration(experience, {**stats, **advantage_stats, **update_stats}, start, rollout_seconds)
+
+    @torch.no_grad()
+    def rollout(self, prompts: dict[str, Any]) -> tuple[Experience, Stats]:
+        """Steps 1 and 2 on a batch of prompts: the experience with its advantages, and its statistics."""
+        experience, stats = self.make_experience(prompts)
+        experience, advantage_stats = self.estimate_advantages(experience)
+        return experience, {**stats, **advantage_stats}
+
+    # ---- 1. experience ------------------------------------------------------------------------------------
+
+    @property
+    def steps_per_rollout(self) -> int:
+        """Optimizer steps made on one rollout (before any target-KL stop)."""
+        return self.hparams.epochs * self.hparams.num_minibatches
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether any KL term (or the adaptive controller) needs the reference log-probs."""
+        return self.kl_controller.value > 0 or self.hparams.kl_target is not None
+
+    @torch.no_grad()
+    def make_experience(self, prompts: dict[str, Any]) -> tuple[Experience, Stats]:
+        """Sample ``samples_per_prompt`` responses per prompt and run every scoring pass once."""
+        group = self.hparams.samples_per_prompt
+        prompt_ids = prompts["input_ids"].repeat_interleave(group, 0)
+        input_ids, attention_mask, response_mask = self.generate(
+            prompt_ids, prompts["attention_mask"].repeat_interleave(group, 0))
+        responses = input_ids[:, prompt_ids.shape[1]:]
+        logprobs = entropy = ref_logprobs = None
+        kl_in_reward = self.needs_reference and self.hparams.kl_in == "reward"
+        if self.steps_per_rollout > 1 or kl_in_reward:
+            logprobs, entropy = self.response_logprobs(POLICY, input_ids, attention_mask, response_mask,
+                                                       with_entropy=True)
+        if self.needs_reference:
+            ref_logprobs, _ = self.response_logprobs(REFERENCE, input_ids, attention_mask, response_mask)
+        values = self.rollout_values(input_ids, attention_mask, response_mask)
+        texts = [text for text in prompts["prompt"] for _ in range(group)]
+        completions = self.decode(responses, response_mask)
+        source_scores = self.score_responses(
+            input_ids, attention_mask, response_mask, completions,
+            prompts=[p for p in prompts.get("raw_prompt", prompts["prompt"]) for _ in range(group)],
+            columns={name: [v for v in column for _ in range(group)]
+                     for name, column in prompts.get("columns", {}).items()})
+        raw_scores = self.combined_score(source_scores)
+        is_stopped = stopped(responses, response_mask, self.sampling.stop_token_id)
+        experience = Experience(input_ids, attention_mask, response_mask,
+                                self.process_scores(source_scores, is_stopped), logprobs, ref_logprobs, values,
+                                group_size=group)
+        stats = self.experience_stats(experience, source_scores, raw_scores, is_stopped, entropy)
+        gold = None
+        if self.gold_reward is not None:
+            gold = [float(g) for g in self.gold_reward(texts, completions)]
+            stats["objective/gold"] = torch.tensor(gold).mean()
+        kl = ([0.0] * len(completions) if logprobs is None or ref_logprobs is None
+              else sequence_kl(logprobs, ref_logprobs, response_mask).tolist())
+        self.last_samples = Samples(self.iteration, texts, completions, raw_scores.tolist(), kl, gold)
+        return experience, stats
+
+    def rollout_values(self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor) -> Tensor | None:
+        """Critic values ``[B, R]`` for the experience; None without a critic (see PPO)."""
+        return None
+
+    def score_responses(self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor,
+                        completions: list[str], prompts: Sequence[Any],
+                        columns: dict[str, list] | None = None) -> Tensor:
+        """Scores ``[B, S]`` of sampled responses by every reward source (NaN where a source does not apply).
+
+        ``prompts`` are the prompts as the dataset holds them (text or messages), ``columns`` its other columns.
+        """
+        responses = input_ids[:, input_ids.shape[1] - response_mask.shape[1]:]
+        inputs = RewardInputs(
+            *close_with_eos(input_ids, attention_mask, self.tokenizer.eos_token_id), prompts=list(prompts),
+            completions=completions,
+            completion_ids=[row[keep].tolist() for row, keep in zip(responses, response_mask, strict=True)],
+            columns=dict(columns or {}))
+        return self.score(inputs)
+
+    def score(self, inputs: RewardInputs) -> Tensor:
+        """Scores ``[B, S]`` of every reward source (NaN where a source does not apply)."""
+        return torch.stack([source.score(inputs).float() for source in self.rewards], -1)
+
+    def combined_score(self, source_scores: Tensor) -> Tensor:
+        """The weighted sum ``[B]`` of the sources' scores ``[B, S]`` (before normalisation and penalties)."""
+        return combine_scores(source_scores, self.reward_weights, [source.name for source in self.rewards])
+
+    def process_scores(self, source_scores: Tensor, is_stopped: Tensor) -> Tensor:
+        """Sequence rewards ``[B]``: each source normalised (``reward_normalize``), weighted and summed, then a
+        penalty for responses that never stop, then clipping."""
+        hp = self.hparams
+        if hp.reward_normalize:
+            mean = source_scores.new_tensor([source.statistics[0] for source in self.rewards])
+            std = source_scores.new_tensor([max(source.statistics[1], 1e-8) for source in self.rewards])
+            source_scores = (source_scores - mean) / std
+        scores = self.combined_score(source_scores)
+        if hp.missing_eos_penalty is not None:
+            scores = scores - hp.missing_eos_penalty * (~is_stopped).float()
+        if hp.reward_clip is not None:
+            scores = scores.clamp(-hp.reward_clip, hp.reward_clip)
+        return scores
+
+    def experience_stats(self, experience: Experience, source_scores: Tensor, raw_scores: Tensor,
+                         is_stopped: Tensor, entropy: Tensor | None) -> Stats:
+        """What the rollout shows: scores (per source too), KL, lengths, stop rate, entropy."""
+        mask = experience.response_mask
+        stats = {
+            "objective/score": raw_scores.mean(),
+            "objective/score_std": raw_scores.std() if raw_scores.numel() > 1 else torch.zeros(()),
+            "objective/kl_coef": torch.tensor(self.kl_controller.value),
+            "response/length": mask.sum(-1).float().mean(),
+            "response/eos_frac": is_stopped.float().mean(),
+        }
+        if len(self.rewards) > 1:
+            for index, source in enumerate(self.rewards):
+                column = source_scores[:, index]
+                applicable = column[~column.isnan()]
+                stats[f"objective/score/{source.name}"] = applicable.mean() if applicable.numel() else column.new_zeros(())
+                stats[f"objective/score/{source.name}_std"] = (applicable.std() if applicable.numel() > 1
+                                                               else column.new_zeros(()))
+        if experience.logprobs is not None and experience.ref_logprobs is not None:
+            stats["objective/kl"] = sequence_kl(experience.logprobs, experience.ref_logprobs, mask).mean()
+        if entropy is not None:
+            stats["policy/entropy"] = masked_mean(entropy, mask)
+        return stats
+
+    def token_kl(self, experience: Experience) -> Tensor:
+        """Per-token KL estimate ``[B, R]`` of the rollout's policy to the reference (``kl_estimator``)."""
+        return kl_penalty(experience.logprobs, experience.ref_logprobs, self.hparams.kl_estimator)
+
+    @property
+    def reward_kl_coef(self) -> float:
+        """The KL coefficient applied in the reward (0 when the KL goes into the loss)."""
+        return self.kl_controller.value if self.hparams.kl_in == "reward" else 0.0
+
+    # ---- 2. advantages ------------------------------------------------------------------------------------
+
+    def estimate_advantages(self, experience: Experience) -> tuple[Experience, Stats]:
+        """The experience with its advantages (and returns, with a critic), and statistics. The algorithm."""
+        raise NotImplementedError
+
+    # ---- 3. update ----------------------------------------------------------------------------------------
+
+    def update(self, experience: Experience, ptx: dict[str, Tensor] | None) -> Stats:
+        """``epochs`` passes of minibatch updates. Returns each loss (``STEP_LOSSES``) as the mean over optimizer
+        steps of what the step backpropagated, every other term as its mean over the micro-batches."""
+        hp = self.hparams
+        optimizer = self.optimizers()
+        minibatch_size, micro_size = self.minibatch_sizes(experience.response_mask.shape[0])
+        sums: Stats = defaultdict(lambda: torch.zeros((), device=self.device))
+        counts: dict[str, int] = defaultdict(int)
+        steps, epochs_run, early_stopped = 0, 0, False
+        while epochs_run < hp.epochs and not early_stopped:
+            epochs_run += 1
+            order = torch.randperm(experience.response_mask.shape[0], device=self.device)
+            for minibatch in order.split(minibatch_size):
+                micros = [experience.select(rows) for rows in minibatch.split(micro_size)]
+                normalisers = self.step_normalisers(micros)
+                minibatch_kl = torch.zeros((), device=self.device)
+                for index, micro in enumerate(micros):
+                    terms = self.micro_step(micro, normalisers, ptx if index == 0 else None)
+                    for name, value in terms.items():
+                        sums[name] += value.detach()
+                        counts[name] += name not in self.STEP_LOSSES
+                    minibatch_kl += terms["policy/approx_kl"].detach() / len(micros)
+                steps += 1
+                sums["grad_norm"] += self._gradient_norm()
+                if hp.max_grad_norm is not None:
+                    self.clip_gradients(optimizer, gradient_clip_val=hp.max_grad_norm,
+                                        gradient_clip_algorithm="norm")
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                # Every rank must take the same decision, or DDP would wait for a backward that never comes.
+                if hp.target_kl is not None and self._all_mean(minibatch_kl) > hp.target_kl:
+                    early_stopped = True
+                    break
+        stats = {name: total / (counts[name] or steps) for name, total in sums.items()}
+        stats["policy/epochs"] = torch.tensor(float(epochs_run))
+        stats["policy/early_stopped"] = torch.tensor(float(early_stopped))
+        return stats
+
+    def loss_mask(self, experience: Experience) -> Tensor:
+        """``[B, R]`` tokens that carry loss: the responses, less those that never stopped when
+        ``mask_truncated_completions`` is set."""
+        if not self.hparams.mask_truncated_completions:
+            return experience.response_mask
+        is_stopped = stopped(experience.responses, experience.response_mask, self.sampling.stop_token_id)
+        return experience.response_mask & is_stopped[:, None]
+
+    def step_normalisers(self, micros: Sequence[Experience]) -> dict[str, Tensor]:
+        """Denominators of the step's losses, summed over its micro-batches and averaged over ranks (DDP
+        averages gradients, so each rank divides by the global total / world size)."""
+        hp = self.hparams
+        policy = sum(loss_normaliser(self.loss_mask(m), hp.loss_aggregation, hp.max_new_tokens) for m in micros)
+        tokens = sum(loss_normaliser(m.response_mask, "token_mean") for m in micros)
+        return {"policy": self._all_mean_tensor(policy.float()).clamp(min=1e-8),
+                "tokens": self._all_mean_tensor(tokens.float()).clamp(min=1e-8)}
+
+    def losses(self, experience: Experience, ptx: dict[str, Tensor] | None = None) -> Stats:
+        """Every term of the loss of ``experience`` taken as one optimizer step, differentiable, without a
+        backward (``loss/total`` is what the update would backpropagate): for analysis and tests."""
+        normalisers = self.step_normalisers([experience])
+        policy_total, terms = self.policy_losses(experience, normalisers["policy"], ptx)
+        if not self.has_critic:
+            return {**terms, "loss/total": policy_total}
+        critic_total, critic_terms = self.critic_losses(experience, normalisers["tokens"])
+        return {**terms, **critic_terms, "loss/total": policy_total + critic_total}
+
+    @property
+    def joint_backward(self) -> bool:
+        """One backward for the policy and critic losses (always without a critic, and under DDP, whose
+        reducer needs every gradient in one pass)."""
+        return True
+
+    def micro_step(self, micro: Experience, normalisers: dict[str, Tensor],
+                   ptx: dict[str, Tensor] | None) -> Stats:
+        """Losses and backward of one micro-batch."""
+        policy_total, terms = self.policy_losses(micro, normalisers["policy"], ptx)
+        if not self.has_critic:
+            self.manual_backward(policy_total)
+            return {**terms, "loss/total": policy_total.detach()}
+        if self.joint_backward:
+            critic_total, critic_terms = self.critic_losses(micro, normalisers["tokens"])
+            self.manual_backward(policy_total + critic_total)
+        else:
+            # The policy graph is freed by its backward before the critic's forward pass builds the next one.
+            self.manual_backward(policy_total)
+            critic_total, critic_terms = self.critic_losses(micro, normalisers["tokens"])
+            self.manual_backward(critic_total)
+        return {**terms, **critic_terms, "loss/total": policy_total.detach() + critic_total.detach()}
+
+    def policy_losses(self, micro: Experience, normaliser: Tensor,
+                      ptx: dict[str, Tensor] | None) -> tuple[Tensor, Stats]:
+        """``(policy part of the loss, its terms)``: clipped surrogate, + KL term (``kl_in: loss``),
+        - entropy bonus, aggregated over the step; + PPO-ptx."""
+        hp = self.hparams
+        mask, loss_mask = micro.response_mask, self.loss_mask(micro)
+        logprobs, entropy = self.response_logprobs(
+            POLICY, micro.input_ids, micro.attention_mask, mask,
+            with_entropy=bool(hp.ent_coef) or micro.logprobs is None, entropy_grad=bool(hp.ent_coef))
+        # One optimizer step per rollout: the policy has not moved since sampling, so its own pass, detached,
+        # gives the old log-probs (ratio 1 in value, the policy gradient in gradient).
+        old_logprobs = logprobs.detach() if micro.logprobs is None else micro.logprobs
+        clip_high = hp.clip_range_low if hp.clip_range_high is None else hp.clip_range_high
+        surrogate = clipped_surrogate(logprobs, old_logprobs, micro.advantages, mask, hp.clip_range_low,
+                                      clip_high, hp.ratio_level)
+        per_token = surrogate.loss
+        log_ratio = torch.where(mask, logprobs.detach() - old_logprobs, 0.0)
+        terms = {
+            "policy/approx_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, mask),
+            "policy/clipfrac": masked_mean((surrogate.clipped_low | surrogate.clipped_high).float(), mask),
+            "policy/clipfrac_low": masked_mean(surrogate.clipped_low.float(), mask),
+            "policy/clipfrac_high": masked_mean(surrogate.clipped_high.float(), mask),
+            "policy/ratio": masked_mean(surrogate.ratio, mask),
+        }
+        if micro.logprobs is None:
+            terms["policy/entropy"] = masked_mean(entropy.detach(), mask)
+            if micro.ref_logprobs is not None:
+                terms["objective/kl"] = sequence_kl(logprobs.detach(), micro.ref_logprobs, mask).mean()
+        terms["loss/policy"] = aggregate_loss(per_token, loss_mask, hp.loss_aggregation, normaliser)
+        if hp.kl_in == "loss" and self.needs_reference:
+            kl = kl_penalty(logprobs, micro.ref_logprobs, hp.kl_estimator)
+            if hp.kl_ratio_weighting:
+                kl = kl * torch.exp(torch.where(mask, logprobs - old_logprobs, 0.0))
+            per_token = per_token + self.kl_controller.value * kl
+            terms["loss/kl"] = masked_mean(kl.detach(), mask)
+        if hp.ent_coef:
+            per_token = per_token - hp.ent_coef * entropy
+            terms["loss/entropy"] = masked_mean(entropy.detach(), mask)
+        total = aggregate_loss(per_token, loss_mask, hp.loss_aggregation, normaliser)
+        if hp.ptx_coef and ptx is not None:
+            terms["loss/ptx"] = self.ptx_loss(ptx)
+            total = total + hp.ptx_coef * terms["loss/ptx"]
+        return total, terms
+
+    @property
+    def has_critic(self) -> bool:
+        return False
+
+    def critic_losses(self, micro: Experience, normaliser: Tensor) -> tuple[Tensor, Stats]:
+        """``(critic part of the loss, its terms)``; algorithms with a critic define it (see PPO)."""
+        raise NotImplementedError
+
+    def ptx_loss(self, batch: dict[str, Tensor]) -> Tensor:
+        """Next-token loss of the policy on pretraining/SFT text (the PPO-ptx term of InstructGPT)."""
+        with self.model.role(POLICY):
+            hidden = self.model.hidden_states(batch["input_ids"], batch["attention_mask"])
+        logits = self.model.lm_head(hidden[:, :-1].contiguous()).float()
+        return F.cross_entropy(logits.flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=IGNORE_INDEX)
+
+    def minibatch_sizes(self, batch_size: int) -> tuple[int, int]:
+        """``(minibatch size, micro-batch size)`` of a rollout of ``batch_size`` responses."""
+        hp = self.hparams
+        if batch_size % hp.num_minibatches or (batch_size // hp.num_minibatches) % hp.gradient_accumulation:
+            raise ValueError(
+                f"the rollout batch of {batch_size} responses must split into num_minibatches={hp.num_minibatches} "
+                f"minibatches of gradient_accumulation={hp.gradient_accumulation} equal micro-batches; "
+                "change data.init_args.batch_size, samples_per_prompt or these two"
+            )
+        minibatch_size = batch_size // hp.num_minibatches
+        return minibatch_size, minibatch_size // hp.gradient_accumulation
+
+    def _gradient_norm(self) -> Tensor:
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])) if grads \
+            else torch.zeros((), device=self.device)
+
+    def _all_mean_tensor(self, value: Tensor) -> Tensor:
+        """The mean of ``value`` over ranks (itself outside a distributed fit)."""
+        return value if self._trainer is None else self.trainer.strategy.reduce(value, reduce_op="mean")
+
+    def _all_mean(self, value: Tensor) -> float:
+        return float(self._all_mean_tensor(value))
+
+    # ---- 4. the iteration's bookkeeping -------------------------------------------------------------------
+
+    def end_iteration(self, experience: Experience, stats: Stats, start: float, rollout_seconds: float) -> None:
+        """Learning-rate and KL-coefficient updates, timings, and logging of every statistic."""
+        scheduler = self.lr_schedulers()
+        if scheduler is not None:
+            scheduler.step()
+        if "objective/kl" in stats:
+            world_samples = experience.response_mask.shape[0] * self.trainer.world_size
+            self.kl_controller.update(self._all_mean(stats["objective/kl"]), world_samples)
+        seconds = time.perf_counter() - start
+        stats.update({
+            "time/rollout": torch.tensor(rollout_seconds),
+            "time/update": torch.tensor(seconds - rollout_seconds),
+            "time/iteration": torch.tensor(seconds),
+            "throughput/tokens_per_second": experience.response_mask.sum().float() / seconds,
+            "iteration": torch.tensor(float(self.iteration + 1)),
+        })
+        for group in self.optimizers().param_groups:
+            stats[f"lr/{group['name']}"] = torch.tensor(group["lr"])
+        prefix = self.metric_prefix
+        self.log_dict({f"{prefix}/{name}": value.float() for name, value in stats.items()}, sync_dist=True,
+                      batch_size=experience.response_mask.shape[0])
+        self.log_dict({"iteration": stats["iteration"], "reward": stats["objective/score"],
+                       **({"kl": stats["objective/kl"]} if "objective/kl" in stats else {}),
+                       **({"gold": stats["objective/gold"]} if "objective/gold" in stats else {})},
+                      prog_bar=True, logger=False)
+
+    def parameter_groups(self) -> list[dict[str, Any]]:
+        """Optimizer parameter groups, each with a ``name`` (its learning rate is logged as ``lr/<name>``)."""
+        return [{"name": POLICY, "params": self.adapter_parameters(POLICY), "lr": self.hparams.policy_lr}]
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        # The schedule's total is the Trainer's estimate: training batches = iterations when max_steps is unset.
+        return self.configure_adamw(self.parameter_groups(), hp.weight_decay, hp.warmup_iterations,
+                                    hp.lr_schedule, eps=hp.adam_eps)
+
+    # ---- validation, checkpoints --------------------------------------------------------------------------
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        self.evaluate_samples(batch["input_ids"], batch["attention_mask"], batch["prompt"], batch_idx,
+                              raw_prompts=batch.get("raw_prompt"), columns=batch.get("columns"))
+
+    def evaluate_extra(self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor,
+                       prompts: Sequence[str], texts: list[str], raw_prompts: Sequence[Any] | None = None,
+                       columns: dict[str, list] | None = None) -> dict[str, Tensor]:
+        scores = self.score_responses(input_ids, attention_mask, response_mask, texts,
+                                      prompts=raw_prompts if raw_prompts is not None else prompts, columns=columns)
+        return {"score": self.combined_score(scores)}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        checkpoint["kl_controller"] = self.kl_controller.state_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        self.kl_controller.load_state_dict(checkpoint["kl_controller"])

@@ -1,0 +1,270 @@
+"""A policy adapter on one frozen base whose adapters-disabled view is the reference model.
+
+What every policy-optimising stage shares (the online RL family and DPO): the base and the ``policy`` adapter,
+log-probabilities of any role from a response mask (left-padded rollouts and right-padded preference pairs
+alike), sampling, and the evaluation of sampled responses on held-out prompts (KL to the reference, length,
+and the task's gold reward when it has one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+from torchmetrics import MeanMetric
+
+from rlhf_lightning.algorithms import entropy_from_logits, logprobs_from_hidden, logprobs_from_logits
+from rlhf_lightning.core.stage import StageModule
+from rlhf_lightning.metrics import reset_metrics
+from rlhf_lightning.models.shared_base import REFERENCE, adapter_of
+from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
+from rlhf_lightning.rollout.experience import sequence_kl
+from rlhf_lightning.rollout.generate import SamplingSettings, sample_responses, stop_token_id, stopped
+
+log = logging.getLogger(__name__)
+
+POLICY = "policy"
+GoldReward = Callable[[Sequence[str], Sequence[str]], Sequence[float]]
+
+
+def derive_seed(*parts: object) -> int:
+    """A seed that depends only on ``parts`` (Python's ``hash`` of strings changes between processes)."""
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:7], "little")
+
+
+def without_dropout(lora: LoraSpec, role: str) -> LoraSpec:
+    """``lora`` with dropout 0: a policy whose log-probs change from pass to pass has a ratio != 1 before any
+    step and a KL to itself."""
+    if lora.dropout:
+        log.warning("LoRA dropout %s of the %s adapter set to 0: rollout and update passes must agree",
+                    lora.dropout, role)
+        lora = dataclasses.replace(lora, dropout=0.0)
+    return lora
+
+
+def pad_to_sequence(response_mask: Tensor, length: int) -> Tensor:
+    """A rollout's response mask ``[B, R]`` in the coordinates of its ``[B, length]`` sequences (responses last)."""
+    prompt = response_mask.new_zeros((response_mask.shape[0], length - response_mask.shape[1]))
+    return torch.cat([prompt, response_mask], 1)
+
+
+class PolicyModule(StageModule):
+    """The base model with a trainable ``policy`` LoRA adapter; the reference is the base, adapters disabled.
+
+    Args:
+        base: the SFT model: frozen base of every role, and the reference policy.
+        policy_lora: the policy adapter (its dropout is forced to 0).
+        max_new_tokens: longest sampled response, in tokens.
+        temperature: sampling temperature; log-probs are computed from logits divided by it too.
+        top_k: sample among the k most likely tokens; 0 = off. Refused by the online algorithms, whose ratios
+            and KL would come from another distribution than the one sampled.
+        top_p: nucleus-sampling threshold; 1.0 = off (refused by the online algorithms, as ``top_k``).
+        kv_cache: KV cache of generation: ``static`` allocates it once for prompt + ``max_new_tokens`` (faster,
+            notably on CPU); ``dynamic`` grows it token by token (for models without static-cache support).
+        stop_token: token that ends a response: ``eos`` (the tokenizer's), another token, or null (never stop).
+        logprob_chunk: compute log-probs over this many positions at a time, recomputing each chunk's logits in
+            the backward pass instead of keeping them (less peak memory for large vocabularies, one more LM-head
+            pass); null = all at once.
+        seed: sampling seed; iteration i on rank r samples with a seed drawn from (seed, i, r), so a resumed run
+            samples exactly what the uninterrupted one would have; evaluations use fixed seeds.
+        gold_reward: ``fn(prompts, responses) -> scores`` of the true reward when known (the synthetic task's
+            ``gold_rewards``), measured on samples and logged; never used for training.
+        export_dir: folder for the trained adapters (peft format) at the end of ``fit``.
+    """
+
+    metric_prefix = "policy"  # namespace of the logged metrics (``ppo``, ``grpo``, ``dpo``...)
+    exported_roles: tuple[str, ...] = (POLICY,)  # adapters written by :meth:`export`
+    validation_metrics: tuple[str, ...] = ("kl", "length", "eos_frac", "gold")  # per-sample, averaged
+
+    def __init__(
+        self,
+        base: BaseModelSpec,
+        policy_lora: LoraSpec = LoraSpec(),  # noqa: B008 (never mutated; the CLI shows it as the default)
+        max_new_tokens: int = 64,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        kv_cache: Literal["static", "dynamic"] = "static",
+        stop_token: str | None = "eos",
+        logprob_chunk: int | None = None,
+        seed: int = 0,
+        gold_reward: GoldReward | None = None,
+        export_dir: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore=["reward", "gold_reward"])
+        if logprob_chunk is not None and logprob_chunk < 1:
+            raise ValueError(f"logprob_chunk must be >= 1 or null, got {logprob_chunk}")
+        self.model = self.load_base(base)
+        self.model.add_adapter(POLICY, without_dropout(policy_lora, POLICY))
+        self.sampling = SamplingSettings(max_new_tokens, temperature, top_k, top_p, kv_cache,
+                                         stop_token_id(self.tokenizer, stop_token))
+        self.gold_reward = gold_reward
+        self.val_metrics = torch.nn.ModuleDict({name: MeanMetric() for name in self.validation_metrics})
+
+    @property
+    def iteration(self) -> int:
+        """Training batches completed before the current one (across epochs); 0 outside a fit."""
+        return 0 if self._trainer is None else self.trainer.fit_loop.epoch_loop.total_batch_idx
+
+    # ---- forward passes of any role ----------------------------------------------------------------------
+
+    def token_logprobs(self, role: str | None, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor,
+                       with_entropy: bool = False, entropy_grad: bool = True) -> tuple[Tensor, Tensor | None]:
+        """``(log-probs [B, T], entropy [B, T] or None)`` of the tokens of ``input_ids`` under ``role`` at the
+        sampling temperature, on the positions ``response_mask`` ``[B, T]`` marks (0 before the first of them).
+
+        The LM head runs only from the first marked column on, optionally ``logprob_chunk`` positions at a time,
+        so the full ``[B, T, V]`` logits never exist at once; with a chunk size, each chunk's logits are
+        recomputed in the backward pass rather than kept. ``entropy_grad=False`` computes the entropy as a
+        detached statistic, so its ``[B, T, V]`` softmax is not kept for a backward.
+        """
+        hidden, start = self.predicting_hidden_states(role, input_ids, attention_mask, response_mask)
+        labels = input_ids[:, start:]
+        chunk = self.hparams.logprob_chunk or labels.shape[1]
+        recompute = self.hparams.logprob_chunk is not None and torch.is_grad_enabled() and hidden.requires_grad
+        # The fused head keeps one [B, T, V] tensor for the backward; an entropy bonus needs the plain path.
+        fused = self._fused_head() and not (with_entropy and entropy_grad and torch.is_grad_enabled())
+        compute = self._fused_chunk if fused else self._chunk_logprobs
+        logprobs, entropies = [], []
+        for first in range(0, labels.shape[1], chunk):
+            piece, piece_labels = hidden[:, first : first + chunk], labels[:, first : first + chunk]
+            if recompute:
+                logprob, entropy = checkpoint(compute, piece, piece_labels, with_entropy, entropy_grad,
+                                              use_reentrant=False)
+            else:
+                logprob, entropy = compute(piece, piece_labels, with_entropy, entropy_grad)
+            logprobs.append(logprob)
+            entropies.append(entropy)
+        left = input_ids.new_zeros((input_ids.shape[0], start), dtype=logprobs[0].dtype)
+        return (torch.cat([left, *logprobs], 1),
+                torch.cat([left, *entropies], 1) if with_entropy else None)
+
+    def predicting_hidden_states(self, role: str | None, input_ids: Tensor, attention_mask: Tensor,
+                                 response_mask: Tensor) -> tuple[Tensor, int]:
+        """``(hidden states [B, T - start, H], start)`` of ``role`` at the positions that predict tokens
+        ``start .. T-1``, where ``start`` is the first column ``response_mask`` marks in any row."""
+        marked = response_mask.any(0).nonzero()
+        if marked.numel() == 0 or int(marked[0]) == 0:
+            raise ValueError("response_mask must mark at least one token after the first column")
+        start = int(marked[0])
+        with self.model.role(role):
+            hidden = self.model.hidden_states(input_ids, attention_mask)
+        return hidden[:, start - 1 : -1], start
+
+    def response_logprobs(self, role: str | None, input_ids: Tensor, attention_mask: Tensor,
+                          response_mask: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+        """:meth:`token_logprobs` of rollouts, whose responses are the last ``R`` columns: ``[B, R]`` each
+        (``response_mask`` is ``[B, R]``)."""
+        logprobs, entropy = self.token_logprobs(role, input_ids, attention_mask,
+                                                pad_to_sequence(response_mask, input_ids.shape[1]), **kwargs)
+        width = response_mask.shape[1]
+        return logprobs[:, -width:], None if entropy is None else entropy[:, -width:]
+
+    def response_hidden_states(self, role: str | None, input_ids: Tensor, attention_mask: Tensor,
+                               response_mask: Tensor) -> Tensor:
+        """Hidden states ``[B, R, H]`` of ``role`` at the positions that predict a rollout's response tokens."""
+        hidden, _ = self.predicting_hidden_states(role, input_ids, attention_mask,
+                                                  pad_to_sequence(response_mask, input_ids.shape[1]))
+        return hidden[:, -response_mask.shape[1]:]
+
+    def _fused_head(self) -> bool:
+        head = self.model.lm_head
+        return isinstance(head, torch.nn.Linear) and head.bias is None
+
+    def _fused_chunk(self, hidden: Tensor, labels: Tensor, with_entropy: bool,
+                     entropy_grad: bool) -> tuple[Tensor, Tensor | None]:
+        return logprobs_from_hidden(hidden, self.model.lm_head.weight, labels, self.hparams.temperature,
+                                    with_entropy)
+
+    def _chunk_logprobs(self, hidden: Tensor, labels: Tensor, with_entropy: bool,
+                        entropy_grad: bool) -> tuple[Tensor, Tensor | None]:
+        # Contiguous first: matmul does not fold a strided slice that requires grad into one 2-D product.
+        logits = self.model.lm_head(hidden.contiguous()).float() / self.hparams.temperature
+        entropy = None
+        if with_entropy:
+            with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+                entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
+        return logprobs_from_logits(logits, labels), entropy
+
+    # ---- sampling ---------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(self, input_ids: Tensor, attention_mask: Tensor,
+                 role: str | None = POLICY) -> tuple[Tensor, Tensor, Tensor]:
+        """Sample responses: ``(prompt + response ids, attention mask, response mask [B, R])``."""
+        return sample_responses(self.model, role, input_ids, attention_mask, self.sampling,
+                                self.tokenizer.pad_token_id)
+
+    def decode(self, ids: Tensor, mask: Tensor) -> list[str]:
+        """The texts of ``ids`` where ``mask`` is set, special tokens dropped."""
+        return [self.tokenizer.decode(row[keep], skip_special_tokens=True)
+                for row, keep in zip(ids, mask.bool(), strict=True)]
+
+    # ---- evaluation of samples on held-out prompts --------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate_samples(self, input_ids: Tensor, attention_mask: Tensor, prompts: Sequence[str], batch_idx: int,
+                         raw_prompts: Sequence[Any] | None = None,
+                         columns: dict[str, list] | None = None) -> dict[str, Tensor]:
+        """Sample one response per prompt (fixed seed per batch, training's random stream untouched) and
+        update the validation metrics with its KL to the reference, length, stop rate and gold reward."""
+        devices = [self.device.index or 0] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(derive_seed(self.hparams.seed, "validation", batch_idx, self.global_rank))
+            ids, mask, response_mask = self.generate(input_ids, attention_mask)
+        responses = ids[:, input_ids.shape[1]:]
+        logprobs, _ = self.response_logprobs(POLICY, ids, mask, response_mask)
+        ref_logprobs, _ = self.response_logprobs(REFERENCE, ids, mask, response_mask)
+        texts = self.decode(responses, response_mask)
+        values = {
+            "kl": sequence_kl(logprobs, ref_logprobs, response_mask),
+            "length": response_mask.sum(-1).float(),
+            "eos_frac": stopped(responses, response_mask, self.sampling.stop_token_id).float(),
+        }
+        if self.gold_reward is not None:
+            values["gold"] = torch.tensor([float(g) for g in self.gold_reward(list(prompts), texts)])
+        values.update(self.evaluate_extra(ids, mask, response_mask, prompts, texts, raw_prompts, columns))
+        for name, value in values.items():
+            self.val_metrics[name].update(value)
+        return values
+
+    def evaluate_extra(self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor,
+                       prompts: Sequence[str], texts: list[str], raw_prompts: Sequence[Any] | None = None,
+                       columns: dict[str, list] | None = None) -> dict[str, Tensor]:
+        """More per-sample validation values (``validation_metrics`` must name them); none here."""
+        return {}
+
+    def on_validation_epoch_end(self) -> None:
+        for name, metric in self.val_metrics.items():
+            if metric.update_count:
+                self.log(f"{self.metric_prefix}/val/{name}", metric.compute())
+        reset_metrics(*self.val_metrics.values())
+
+    # ---- optimizer, export ------------------------------------------------------------------------------
+
+    def adapter_parameters(self, adapter: str) -> list[torch.nn.Parameter]:
+        """The parameters of LoRA adapter ``adapter``, and of its head if it has one."""
+        parameters = [p for name, p in self.model.model.named_parameters() if adapter_of(name) == adapter]
+        if adapter in self.model.heads:
+            parameters += list(self.model.heads[adapter].parameters())
+        return parameters
+
+    def on_fit_end(self) -> None:
+        if self.hparams.export_dir and self.trainer.is_global_zero:
+            self.export(self.hparams.export_dir)
+
+    def export(self, directory: str | Path) -> dict[str, Path]:
+        """Write the trained adapters (and their heads) in peft format under ``directory``.
+
+        ``python -m rlhf_lightning merge --adapter DIR/policy --out MERGED`` makes a standalone model of the
+        policy.
+        """
+        return {role: self.model.save_adapter(role, directory) for role in self.exported_roles}

@@ -1,0 +1,70 @@
+"""GRPO (Shao et al. 2024, DeepSeekMath) and its fixes as options: Dr. GRPO (Liu et al. 2025), DAPO (Yu et al.
+2025), GSPO (Zheng et al. 2025).
+
+No critic: each response's advantage is its reward against the other responses to the same prompt. The KL to
+the reference goes into the loss (k3), with coefficient 0 by default, which skips the reference pass entirely.
+
+| variant | options |
+|---|---|
+| GRPO (DeepSeekMath) | ``scale_rewards: group``, ``loss_aggregation: sequence_mean``, ``kl_coef: 0.04`` |
+| Dr. GRPO | ``scale_rewards: none``, ``loss_aggregation: constant`` |
+| DAPO | ``clip_range_high: 0.28``, ``loss_aggregation: token_mean``, ``mask_truncated_completions: true`` |
+| GSPO | ``ratio_level: sequence`` (with its small clip ranges, e.g. 3e-4 / 4e-4) |
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from rlhf_lightning.algorithms.group import ScaleRewards, broadcast_to_tokens, group_advantages, zero_std_fraction
+from rlhf_lightning.algorithms.kl import KLEstimator
+from rlhf_lightning.algorithms.surrogate import LossAggregation
+from rlhf_lightning.core.online import OnlineRL, Stats
+from rlhf_lightning.rollout.experience import Experience, sequence_kl
+
+
+class GRPO(OnlineRL):
+    """Group Relative Policy Optimization: advantages from groups of ``samples_per_prompt`` responses.
+
+    Args:
+        samples_per_prompt: responses per prompt (the group).
+        scale_rewards: divide each advantage by the ``group``'s reward std (GRPO), the whole ``batch``'s, or
+            ``none`` (Dr. GRPO: the std division favours prompts that are too easy or too hard).
+        std_eps: added to the std before dividing (TRL's 1e-4).
+        kl_coef: beta of the KL term; 0 (TRL's default) = no reference pass at all.
+        kl_estimator: per-token KL estimator (``k3``, as GRPO).
+        kl_in: ``loss`` (GRPO) or ``reward`` (subtracted from each response's reward as its sequence KL).
+        loss_aggregation: ``token_mean`` (DAPO, TRL's default), ``sequence_mean`` (original GRPO) or
+            ``constant`` (Dr. GRPO).
+    """
+
+    metric_prefix = "grpo"
+
+    def __init__(
+        self,
+        *args: Any,
+        samples_per_prompt: int = 8,
+        scale_rewards: ScaleRewards = "group",
+        std_eps: float = 1e-4,
+        kl_coef: float = 0.0,
+        kl_estimator: KLEstimator = "k3",
+        kl_in: Literal["reward", "loss"] = "loss",
+        loss_aggregation: LossAggregation = "token_mean",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, samples_per_prompt=samples_per_prompt, kl_coef=kl_coef, kl_estimator=kl_estimator,
+                         kl_in=kl_in, loss_aggregation=loss_aggregation, **kwargs)
+        if scale_rewards not in ("group", "batch", "none"):
+            raise ValueError(f"scale_rewards must be group, batch or none, got {scale_rewards!r}")
+
+    def estimate_advantages(self, experience: Experience) -> tuple[Experience, Stats]:
+        """``(r - mean_group r) / (std + eps)`` (or unscaled), broadcast over each response's tokens."""
+        rewards = experience.scores
+        if self.reward_kl_coef:
+            rewards = rewards - self.reward_kl_coef * sequence_kl(experience.logprobs, experience.ref_logprobs,
+                                                                  experience.response_mask)
+        advantages = group_advantages(rewards, experience.group_size, self.hparams.scale_rewards,
+                                      self.hparams.std_eps)
+        stats = {"objective/frac_zero_std": zero_std_fraction(rewards, experience.group_size),
+                 "objective/advantage_abs": advantages.abs().mean()}
+        return experience.with_advantages(broadcast_to_tokens(advantages, experience.response_mask)), stats

@@ -1,0 +1,51 @@
+"""REINFORCE++ (Hu 2025), as OpenRLHF's ``reinforce`` and ``reinforce_baseline`` estimators.
+
+No critic and, by default, no group: the KL penalty is shaped into every token's reward (the score on the last
+token), the advantage of a token is its return-to-go, and advantages are whitened over the whole batch's valid
+tokens, which stands in for a baseline. ``baseline: group`` (REINFORCE++-baseline) first subtracts the mean score
+of the prompt's group.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from rlhf_lightning.algorithms import masked_whiten, token_rewards
+from rlhf_lightning.algorithms.group import group_advantages, returns_to_go
+from rlhf_lightning.core.online import OnlineRL, Stats
+from rlhf_lightning.rollout.experience import Experience
+
+
+class REINFORCEPlusPlus(OnlineRL):
+    """REINFORCE++: per-token KL-shaped rewards, return-to-go, batch-whitened advantages.
+
+    Args:
+        baseline: ``none`` (REINFORCE++) or ``group`` (REINFORCE++-baseline: score minus the group's mean score;
+            needs ``samples_per_prompt`` >= 2).
+        gamma: discount of the return-to-go.
+        kl_coef: coefficient of the per-token KL penalty in the reward.
+    """
+
+    metric_prefix = "reinforce_pp"
+
+    def __init__(self, *args: Any, baseline: Literal["none", "group"] = "none", gamma: float = 1.0,
+                 kl_coef: float = 0.01, **kwargs: Any) -> None:
+        super().__init__(*args, kl_coef=kl_coef, **kwargs)
+        if baseline not in ("none", "group"):
+            raise ValueError(f"baseline must be none or group, got {baseline!r}")
+        if baseline == "group" and self.hparams.samples_per_prompt < 2:
+            raise ValueError("baseline: group needs samples_per_prompt >= 2")
+        if not 0.0 <= gamma <= 1.0:
+            raise ValueError(f"gamma must lie in [0, 1], got {gamma}")
+
+    def estimate_advantages(self, experience: Experience) -> tuple[Experience, Stats]:
+        """Whitened return-to-go of ``-kl_coef * KL_t`` on every token plus the (baselined) score on the last."""
+        mask = experience.response_mask
+        scores = experience.scores
+        if self.hparams.baseline == "group":
+            scores = group_advantages(scores, experience.group_size, "none")
+        kl = (self.token_kl(experience) if self.reward_kl_coef else mask.float() * 0.0)
+        rewards = token_rewards(scores, kl, mask, self.reward_kl_coef)
+        stats = {"objective/rlhf_reward": rewards.where(mask, 0.0).sum(-1).mean()}
+        advantages = masked_whiten(returns_to_go(rewards, mask, self.hparams.gamma), mask)
+        return experience.with_advantages(advantages), stats

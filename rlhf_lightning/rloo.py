@@ -1,0 +1,47 @@
+"""RLOO: REINFORCE with a leave-one-out baseline (Kool et al. 2019; Ahmadian et al. 2024), as TRL's RLOOTrainer.
+
+Each response's reward is its score minus ``kl_coef`` times its sequence KL to the reference (k1); its advantage
+is that reward minus the mean reward of the other responses to the same prompt.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlhf_lightning.algorithms import masked_whiten
+from rlhf_lightning.algorithms.group import broadcast_to_tokens, rloo_advantages, zero_std_fraction
+from rlhf_lightning.core.online import OnlineRL, Stats
+from rlhf_lightning.rollout.experience import Experience, sequence_kl
+
+
+class RLOO(OnlineRL):
+    """REINFORCE Leave-One-Out: a critic-free baseline from the other ``samples_per_prompt - 1`` responses.
+
+    Args:
+        samples_per_prompt: responses per prompt (at least 2: the baseline leaves one out).
+        kl_coef: coefficient of the sequence KL subtracted from each reward.
+        whiten_advantages: standardise the advantages over the batch (TRL's ``normalize_advantages``).
+    """
+
+    metric_prefix = "rloo"
+
+    def __init__(self, *args: Any, samples_per_prompt: int = 4, kl_coef: float = 0.05,
+                 whiten_advantages: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, samples_per_prompt=samples_per_prompt, kl_coef=kl_coef, **kwargs)
+        if samples_per_prompt < 2:
+            raise ValueError(f"RLOO needs samples_per_prompt >= 2 (the baseline leaves one out), got "
+                             f"{samples_per_prompt}")
+
+    def estimate_advantages(self, experience: Experience) -> tuple[Experience, Stats]:
+        """``r_i - mean_{j != i} r_j`` with ``r = score - kl_coef * KL(sequence)``, over each response's tokens."""
+        rewards = experience.scores
+        stats: Stats = {}
+        if self.reward_kl_coef:
+            kl = sequence_kl(experience.logprobs, experience.ref_logprobs, experience.response_mask)
+            rewards = rewards - self.reward_kl_coef * kl
+            stats["objective/rlhf_reward"] = rewards.mean()
+        advantages = broadcast_to_tokens(rloo_advantages(rewards, experience.group_size), experience.response_mask)
+        if self.hparams.whiten_advantages:
+            advantages = masked_whiten(advantages, experience.response_mask)
+        stats["objective/frac_zero_std"] = zero_std_fraction(rewards, experience.group_size)
+        return experience.with_advantages(advantages), stats

@@ -1,0 +1,108 @@
+"""Sampling responses with ``generate`` and cutting them at the stop token."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+from transformers import GenerationConfig, PreTrainedTokenizerBase
+
+from rlhf_lightning.models.shared_base import SharedBase
+from rlhf_lightning.rollout.sampling import sampling_processors
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How responses are sampled (see the modules' arguments of the same names)."""
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    kv_cache: Literal["static", "dynamic"] = "static"
+    stop_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be positive, got {self.temperature}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.kv_cache not in ("static", "dynamic"):
+            raise ValueError(f"kv_cache must be static or dynamic, got {self.kv_cache!r}")
+
+    def generation_config(self, pad_token_id: int) -> GenerationConfig:
+        """What ``generate`` is called with; the sampling itself is :func:`sampling_processors`."""
+        # Every logits processor is set explicitly: a model's own generation_config.json must not change the
+        # sampling distribution behind the log-probs' back. Greedy over the sampler's one-hot output = sampling.
+        # disable_compile: with a static cache on a GPU, transformers would otherwise torch.compile the forward
+        # pass on its own (and recompile for every new prompt length).
+        return GenerationConfig(
+            do_sample=False, max_new_tokens=self.max_new_tokens, min_new_tokens=0, repetition_penalty=1.0,
+            no_repeat_ngram_size=0, eos_token_id=[] if self.stop_token_id is None else self.stop_token_id,
+            pad_token_id=pad_token_id, use_cache=True, cache_implementation=self.kv_cache, disable_compile=True,
+        )
+
+
+def stop_token_id(tokenizer: PreTrainedTokenizerBase, stop_token: str | None) -> int | None:
+    """The id of ``stop_token`` (``eos`` = the tokenizer's EOS; None = never stop)."""
+    if stop_token is None:
+        return None
+    if stop_token == "eos":
+        return tokenizer.eos_token_id
+    token_id = tokenizer.convert_tokens_to_ids(stop_token)
+    if token_id is None or token_id == tokenizer.unk_token_id:
+        raise ValueError(f"stop_token {stop_token!r} is not a single token of the tokenizer")
+    return token_id
+
+
+@torch.no_grad()
+def sample_responses(model: SharedBase, role: str | None, input_ids: Tensor, attention_mask: Tensor,
+                     settings: SamplingSettings, pad_token_id: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Sample a response to each prompt from ``role`` (eval mode, KV cache) and cut it after its stop token.
+
+    Returns ``(prompt + response ids [B, P + R], attention mask [B, P + R], response mask [B, R])``; ``R`` is
+    at most ``max_new_tokens`` (less once every row has stopped).
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        with model.role(role):
+            sequences = model.hf_model.generate(
+                input_ids=input_ids, attention_mask=attention_mask,
+                generation_config=settings.generation_config(pad_token_id),
+                logits_processor=sampling_processors(settings.temperature, settings.top_k, settings.top_p),
+            )
+    finally:
+        model.train(was_training)
+    responses, response_mask = truncate_after_stop(sequences[:, input_ids.shape[1]:], settings.stop_token_id,
+                                                   pad_token_id)
+    return (torch.cat([input_ids, responses], 1), torch.cat([attention_mask, response_mask.long()], 1),
+            response_mask)
+
+
+def truncate_after_stop(responses: Tensor, stop_token_id: int | None, pad_token_id: int) -> tuple[Tensor, Tensor]:
+    """Cut every response after its first stop token: ``(responses with pad after the stop, mask [B, R])``.
+
+    The stop token itself stays in the response (it is an action the policy took, and the reward model reads its
+    score there). Without a stop token every sampled token counts.
+    """
+    length = responses.shape[1]
+    positions = torch.arange(length, device=responses.device)
+    if stop_token_id is None:
+        mask = torch.ones_like(responses, dtype=torch.bool)
+    else:
+        is_stop = responses == stop_token_id
+        first_stop = torch.where(is_stop.any(-1), is_stop.int().argmax(-1), length)
+        mask = positions[None, :] <= first_stop[:, None]
+    return responses.masked_fill(~mask, pad_token_id), mask
+
+
+def stopped(responses: Tensor, response_mask: Tensor, stop_token_id: int | None) -> Tensor:
+    """``[B]`` bool: the response ended with the stop token (rather than running out of tokens)."""
+    if stop_token_id is None:
+        return torch.zeros(responses.shape[0], dtype=torch.bool, device=responses.device)
+    last = (response_mask.sum(-1) - 1).clamp(min=0)
+    ended = responses[torch.arange(responses.shape[0], device=responses.device), last] == stop_token_id
+    return ended & response_mask.any(-1)

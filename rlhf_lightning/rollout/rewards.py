@@ -1,0 +1,261 @@
+"""Where the reward comes from: an adapter on the shared base, a separate model, or Python functions.
+
+Each source is configured by ``class_path`` under the module's ``reward:`` argument (one source, or a list whose
+scores are summed with ``reward_weights``); subclass :class:`RewardSource` for anything else (a verifier, an
+ensemble, an API).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import numbers
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedTokenizerBase
+
+from rlhf_lightning.models.heads import ScalarHead
+from rlhf_lightning.models.shared_base import SharedBase
+
+log = logging.getLogger(__name__)
+
+REWARD_ROLE = "reward"
+REWARD_STATS = "reward_stats.json"
+
+
+@dataclass
+class RewardInputs:
+    """One batch of responses to score, as token ids (closed with EOS, for reward models) and as texts (for
+    functions). Lists have one entry per response."""
+
+    input_ids: Tensor  # [B, T] prompt + response, each ending with EOS
+    attention_mask: Tensor  # [B, T]
+    last_index: Tensor  # [B] position of that EOS, where a reward model reads its score
+    prompts: list[Any]  # the prompts as the dataset holds them: text, or a list of messages
+    completions: list[str]  # the responses as text (special tokens dropped)
+    completion_ids: list[list[int]]  # the response tokens (stop token included)
+    columns: dict[str, list[Any]] = field(default_factory=dict)  # the dataset's other columns
+
+
+def last_token_index(attention_mask: Tensor) -> Tensor:
+    """``[B]`` index of the last real token of each row (prompt left-padded, response right-padded)."""
+    length = attention_mask.shape[1]
+    positions = torch.arange(length, device=attention_mask.device).expand_as(attention_mask)
+    return torch.where(attention_mask.bool(), positions, -1).max(-1).values
+
+
+def close_with_eos(input_ids: Tensor, attention_mask: Tensor, eos_token_id: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Sequences as a reward model reads them: each ends with EOS, appended where the response lacks one.
+
+    A reward model is trained on sequences that end with EOS and reads its score there; read at the last word of
+    a response cut off by ``max_new_tokens`` its output is meaningless, and a policy learns to exploit that.
+    Returns ``(input_ids, attention_mask, last_index)`` one column wider than the inputs.
+    """
+    rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+    last = last_token_index(attention_mask)
+    has_eos = input_ids[rows, last] == eos_token_id
+    input_ids = torch.cat([input_ids, torch.full_like(input_ids[:, :1], eos_token_id)], 1)
+    attention_mask = torch.cat([attention_mask, torch.zeros_like(attention_mask[:, :1])], 1)
+    position = torch.where(has_eos, last, last + 1)
+    input_ids[rows, position] = eos_token_id
+    attention_mask[rows, position] = 1
+    return input_ids, attention_mask, position
+
+
+class RewardSource:
+    """Scores a batch of responses. ``setup`` is called once with the policy's shared base and tokenizer.
+
+    ``statistics`` is the ``(mean, std)`` of the source's scores on the reward stage's validation data, when
+    known; ``reward_normalize`` uses it. ``name`` labels the source's metrics (``objective/score/<name>``).
+    """
+
+    statistics: tuple[float, float] | None = None
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    def setup(self, base: SharedBase, tokenizer: PreTrainedTokenizerBase) -> None:
+        """Attach to the policy's base (adapter sources) or load own weights (separate models)."""
+
+    def score(self, inputs: RewardInputs) -> Tensor:
+        """Scores ``[B]`` (float); NaN marks a response the source does not apply to."""
+        raise NotImplementedError
+
+
+def _read_statistics(directory: Path) -> tuple[float, float] | None:
+    path = directory / REWARD_STATS
+    if not path.exists():
+        return None
+    stats = json.loads(path.read_text())
+    return float(stats["mean"]), float(stats["std"])
+
+
+class AdapterReward(RewardSource):
+    """The reward stage's ``reward`` adapter and score head, loaded onto the policy's own base: the reward
+    model costs no second copy of the weights. The adapter must have been trained on this same base (the SFT
+    model).
+
+    Args:
+        path: folder of the adapter, as written by the reward stage (``outputs/reward/adapters/reward``).
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+        self.base: SharedBase | None = None
+
+    def setup(self, base: SharedBase, tokenizer: PreTrainedTokenizerBase) -> None:
+        config_path = self.path / "adapter_config.json"
+        if not config_path.exists():
+            raise FileNotFoundError(
+                f"reward adapter: {config_path} not found; run the reward stage first "
+                "(python -m rlhf_lightning fit --config configs/reward.yaml) or set reward.init_args.path"
+            )
+        trained_on = json.loads(config_path.read_text()).get("base_model_name_or_path")
+        loaded = base.hf_model.config.name_or_path
+        if trained_on and loaded and Path(trained_on).resolve() != Path(loaded).resolve():
+            log.warning("the reward adapter in %s was trained on %s, but the PPO base is %s: they must hold the "
+                        "same weights", self.path, trained_on, loaded)
+        base.load_adapter(self.path, REWARD_ROLE, trainable=False)
+        if REWARD_ROLE not in base.heads:
+            raise FileNotFoundError(f"reward adapter: {self.path} has no score head (head.safetensors)")
+        self.base = base
+        self.statistics = _read_statistics(self.path)
+
+    @property
+    def name(self) -> str:
+        return "reward_model"
+
+    def score(self, inputs: RewardInputs) -> Tensor:
+        return self.base.score(REWARD_ROLE, inputs.input_ids, inputs.attention_mask, inputs.last_index)
+
+
+class ModelReward(RewardSource):
+    """A separate reward model with weights of its own, scoring the decoded texts (prompt and response
+    together, special tokens dropped) with its own tokenizer.
+
+    Either a transformers sequence-classification model with one output (e.g. a hub reward model), or a folder
+    written by the reward stage under full fine-tuning (a causal LM with ``head.safetensors``).
+
+    Args:
+        name_or_path: hub id or local folder.
+        dtype: dtype of its weights.
+        max_length: texts are truncated (from the left) to this many tokens.
+        trust_remote_code: run code shipped with a hub model.
+    """
+
+    def __init__(
+        self, name_or_path: str, dtype: str = "float32", max_length: int = 1024, trust_remote_code: bool = False
+    ) -> None:
+        self.name_or_path = name_or_path
+        self.dtype = getattr(torch, dtype)
+        self.max_length = max_length
+        self.trust_remote_code = trust_remote_code
+
+    def setup(self, base: SharedBase, tokenizer: PreTrainedTokenizerBase) -> None:
+        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+        from rlhf_lightning.models.loading import disable_dropout, ensure_pad_token
+
+        self.policy_tokenizer = tokenizer
+        kwargs = {"dtype": self.dtype, "trust_remote_code": self.trust_remote_code}
+        self.tokenizer = AutoTokenizer.from_pretrained(self.name_or_path, trust_remote_code=self.trust_remote_code)
+        ensure_pad_token(self.tokenizer)
+        self.tokenizer.padding_side = self.tokenizer.truncation_side = "left"
+        if ScalarHead.exists(self.name_or_path):
+            self.model = AutoModelForCausalLM.from_pretrained(self.name_or_path, **kwargs)
+            self.head = ScalarHead.load(self.name_or_path, self.model.get_input_embeddings().embedding_dim)
+        else:
+            self.model = AutoModelForSequenceClassification.from_pretrained(self.name_or_path, num_labels=1,
+                                                                            **kwargs)
+            self.head = None
+        self.model.requires_grad_(False).eval()
+        disable_dropout(self.model)
+        device = base.hf_model.device
+        self.model.to(device)
+        if self.head is not None:
+            self.head.to(device)
+        self.statistics = _read_statistics(Path(self.name_or_path))
+
+    @property
+    def name(self) -> str:
+        return "reward_model"
+
+    @torch.no_grad()
+    def score(self, inputs: RewardInputs) -> Tensor:
+        input_ids, attention_mask = inputs.input_ids, inputs.attention_mask
+        texts = [self.policy_tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
+                 for ids, mask in zip(input_ids, attention_mask, strict=True)]
+        # Left padding: every sequence ends at the last column, where the score is read.
+        batch = self.tokenizer(texts, return_tensors="pt", padding=True, truncation=True,
+                               max_length=self.max_length).to(self.model.device)
+        if self.head is None:
+            return self.model(**batch).logits[:, 0].float().to(input_ids.device)
+        position_ids = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+        hidden = self.model.get_decoder()(**batch, position_ids=position_ids).last_hidden_state
+        return self.head(hidden[:, -1]).to(input_ids.device)
+
+
+class FunctionReward(RewardSource):
+    """A Python reward function with TRL's signature, e.g. a rule-based verifier or the synthetic task's
+    ``rlhf_lightning.tasks.synthetic.gold_rewards``::
+
+        fn(prompts: list, completions: list[str], completion_ids: list[list[int]], **columns) -> list[float | None]
+
+    called with keywords; every other column of the prompt dataset arrives as a keyword argument (one value per
+    response), so accept ``**kwargs``. ``None`` means "not applicable to this response": the row's reward is then
+    the weighted sum of the other sources.
+
+    Args:
+        fn: the function (an import path in YAML).
+    """
+
+    def __init__(self, fn: Callable[..., Sequence[float | None]]) -> None:
+        self.fn = fn
+
+    @property
+    def name(self) -> str:
+        return getattr(self.fn, "__name__", type(self.fn).__name__)
+
+    def score(self, inputs: RewardInputs) -> Tensor:
+        where = f"reward function {getattr(self.fn, '__module__', '?')}.{self.name}"
+        scores = self.fn(prompts=inputs.prompts, completions=inputs.completions,
+                         completion_ids=inputs.completion_ids, **inputs.columns)
+        scores = list(scores)
+        if len(scores) != len(inputs.completions):
+            raise ValueError(f"{where} returned {len(scores)} scores for {len(inputs.completions)} completions")
+        values = []
+        for row, score in enumerate(scores):
+            if score is None:
+                values.append(math.nan)
+                continue
+            if isinstance(score, Tensor) and score.numel() == 1:
+                score = score.item()
+            if isinstance(score, bool) or not isinstance(score, numbers.Real):
+                raise TypeError(f"{where} returned {score!r} ({type(score).__name__}) for row {row} "
+                                f"(completion {inputs.completions[row]!r}): expected a float or None")
+            if not math.isfinite(score):
+                raise ValueError(f"{where} returned {score} for row {row} (completion {inputs.completions[row]!r}): "
+                                 "expected a finite float, or None for 'not applicable'")
+            values.append(float(score))
+        return torch.tensor(values, dtype=torch.float32, device=inputs.input_ids.device)
+
+
+def combine_scores(scores: Tensor, weights: Sequence[float], names: Sequence[str]) -> Tensor:
+    """The weighted sum ``[B]`` of the sources' scores ``[B, S]``, NaN ("not applicable") counting as absent.
+
+    A row that no source applies to is an error naming the row: training on it would be training on nothing.
+    """
+    applicable = ~torch.isnan(scores)
+    none = ~applicable.any(-1)
+    if none.any():
+        raise ValueError(f"no reward source applies to rows {none.nonzero().flatten().tolist()} "
+                         f"(every one of {list(names)} returned None)")
+    weights = torch.tensor(list(weights), dtype=scores.dtype, device=scores.device)
+    return torch.where(applicable, scores * weights, 0.0).sum(-1)
