@@ -33,8 +33,8 @@ def make_ppo(tiny_model_dir, reward_dir, **kwargs) -> PPO:
 
 
 def prompts(module: PPO, n: int = 8, **kwargs) -> PromptDataModule:
-    data = PromptDataModule(dataset="synthetic", synthetic_rows=n, batch_size=kwargs.pop("batch_size", 8),
-                            val_fraction=0.0, **kwargs)
+    kwargs = {"dataset": "synthetic", "synthetic_rows": n, "batch_size": 8, "val_fraction": 0.0, **kwargs}
+    data = PromptDataModule(**kwargs)
     data.tokenizer = module.tokenizer
     data.setup("fit")
     return data
@@ -117,16 +117,17 @@ def test_policy_loss_reaches_only_the_policy_and_value_loss_only_the_critic(tiny
 class Recorder(L.Callback):
     """Every iteration's logged ppo/* values (timings excluded: they are not deterministic)."""
 
-    def __init__(self) -> None:
+    def __init__(self, prefix: str = "ppo/") -> None:
+        self.prefix = prefix
         self.rows: list[dict[str, float]] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.rows.append({k: float(v) for k, v in trainer.callback_metrics.items()
-                          if k.startswith("ppo/") and "/time/" not in k and "throughput" not in k})
+                          if k.startswith(self.prefix) and "/time/" not in k and "throughput" not in k})
 
 
-def _fit(module, data, tmp_path, iterations, ckpt_path=None, **trainer_kwargs):
-    recorder = Recorder()
+def _fit(module, data, tmp_path, iterations, ckpt_path=None, prefix="ppo/", **trainer_kwargs):
+    recorder = Recorder(prefix)
     trainer = L.Trainer(
         max_epochs=1, limit_train_batches=iterations, limit_val_batches=0, logger=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, log_every_n_steps=1,

@@ -29,11 +29,11 @@ class CompletionsTable(L.Callback):
     Args:
         every_n_iterations: log the rollouts drawn at iterations 0, N, 2N, ...; 0 turns the table off.
         max_rows: at most this many responses per table (the batch's prompts are already shuffled).
-        key: the W&B key of the table.
+        key: the W&B key of the table; null = ``<module's metric prefix>/completions`` (``ppo/completions``,
+            ``grpo/completions``...).
     """
 
-    def __init__(self, every_n_iterations: int = 16, max_rows: int = 16,
-                 key: str = "ppo/completions") -> None:
+    def __init__(self, every_n_iterations: int = 16, max_rows: int = 16, key: str | None = None) -> None:
         if every_n_iterations < 0 or max_rows < 1:
             raise ValueError(f"every_n_iterations must be >= 0 and max_rows >= 1, got {every_n_iterations}, "
                              f"{max_rows}")
@@ -55,7 +55,8 @@ class CompletionsTable(L.Callback):
             return
         if not trainer.is_global_zero:
             return
-        loggers[0].log_table(self.key, columns=COLUMNS, data=self.rows(samples), step=trainer.global_step)
+        key = self.key or f"{getattr(pl_module, 'metric_prefix', 'ppo')}/completions"
+        loggers[0].log_table(key, columns=COLUMNS, data=self.rows(samples), step=trainer.global_step)
 
     def rows(self, samples: Any) -> list[list[Any]]:
         """The table's rows: one per response, at most ``max_rows``."""

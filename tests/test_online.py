@@ -1,0 +1,259 @@
+"""The critic-free on-policy algorithms (GRPO, RLOO, REINFORCE++) on the shared machinery, on a tiny GPT-2: their
+advantages are the pure functions' on real rollouts, gradients reach exactly the policy adapter, the loss of a
+step does not depend on how it is split, reward functions with TRL's signature, resume, DDP."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlhf_lightning import GRPO, PPO, RLOO, AdapterReward, FunctionReward, REINFORCEPlusPlus
+from rlhf_lightning.algorithms import kl_penalty, masked_whiten, token_rewards
+from rlhf_lightning.algorithms.group import group_advantages, returns_to_go, rloo_advantages
+from rlhf_lightning.core.online import OnlineRL
+from rlhf_lightning.models.shared_base import REFERENCE, adapter_of
+from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
+from rlhf_lightning.rollout.experience import sequence_kl
+from rlhf_lightning.tasks.synthetic import gold_rewards
+from tests.conftest import LORA
+from tests.test_ppo import _fit, _perturb, prompts
+
+REPO = Path(__file__).resolve().parents[1]
+CRITIC_FREE = [GRPO, RLOO, REINFORCEPlusPlus]
+
+
+def make(cls: type[OnlineRL], tiny_model_dir, reward_dir, **kwargs) -> OnlineRL:
+    torch.manual_seed(0)
+    defaults = dict(policy_lora=LORA, max_new_tokens=6, samples_per_prompt=4, epochs=2, num_minibatches=2,
+                    policy_lr=1e-2, gold_reward=gold_rewards)
+    if cls is PPO:
+        defaults = {**defaults, "critic_lora": LORA, "ppo_epochs": 2}
+        del defaults["epochs"]
+    return cls(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), reward=AdapterReward(str(reward_dir)),
+               **{**defaults, **kwargs})
+
+
+def prompt_batch(module: OnlineRL, n: int = 4) -> dict:
+    return next(iter(prompts(module, n=n, batch_size=n).train_dataloader()["prompts"]))
+
+
+@pytest.mark.parametrize("cls", CRITIC_FREE, ids=lambda cls: cls.__name__)
+def test_rollout_advantages_are_the_pure_functions_on_the_experience(cls, tiny_model_dir, reward_dir):
+    module = make(cls, tiny_model_dir, reward_dir, kl_coef=0.1, kl_in="reward")
+    _perturb(module, "policy")  # a policy away from the reference, so the KL terms are not zero
+    experience, stats = module.rollout(prompt_batch(module))
+    assert experience.group_size == 4 and experience.response_mask.shape[0] == 16
+    assert torch.equal(experience.input_ids[0, :experience.prompt_length],
+                       experience.input_ids[3, :experience.prompt_length])  # a group shares its prompt
+    mask = experience.response_mask
+    kl = sequence_kl(experience.logprobs, experience.ref_logprobs, mask)
+    if cls is GRPO:
+        expected = group_advantages(experience.scores - 0.1 * kl, 4, "group", 1e-4)[:, None].expand_as(mask)
+    elif cls is RLOO:
+        expected = rloo_advantages(experience.scores - 0.1 * kl, 4)[:, None].expand_as(mask)
+    else:
+        rewards = token_rewards(experience.scores, kl_penalty(experience.logprobs, experience.ref_logprobs), mask,
+                                0.1)
+        expected = masked_whiten(returns_to_go(rewards, mask), mask)
+    torch.testing.assert_close(experience.advantages, torch.where(mask, expected, 0.0))
+    assert stats["objective/kl"] > 0 and experience.returns is None and experience.values is None
+
+
+def test_grpo_single_step_skips_the_old_logprob_pass_and_beta_zero_the_reference(tiny_model_dir, reward_dir):
+    module = make(GRPO, tiny_model_dir, reward_dir, epochs=1, num_minibatches=1, kl_coef=0.0)
+    calls = []
+    original = module.response_logprobs
+    module.response_logprobs = lambda role, *a, **k: calls.append(role) or original(role, *a, **k)
+    experience, _ = module.rollout(prompt_batch(module))
+    assert experience.logprobs is None and experience.ref_logprobs is None and calls == []
+    terms = module.losses(experience)  # old log-probs = this pass's own, detached: ratio exactly 1
+    assert terms["policy/ratio"].item() == 1.0 and terms["policy/clipfrac"].item() == 0.0
+    assert calls == ["policy"]
+    # with beta > 0 the reference is scored in the rollout, the policy still only once
+    module = make(GRPO, tiny_model_dir, reward_dir, epochs=1, num_minibatches=1, kl_coef=0.1)
+    experience, _ = module.rollout(prompt_batch(module))
+    assert experience.logprobs is None and experience.ref_logprobs is not None
+
+
+def test_kl_in_the_loss_is_k3_times_the_ratio(tiny_model_dir, reward_dir):
+    module = make(GRPO, tiny_model_dir, reward_dir, kl_coef=0.5)
+    _perturb(module, "policy")
+    experience, _ = module.rollout(prompt_batch(module))
+    with torch.no_grad():
+        _perturb(module, "policy")  # the policy moves after sampling: ratios differ from 1
+    terms = module.losses(experience)
+    logprobs, _ = module.response_logprobs("policy", experience.input_ids, experience.attention_mask,
+                                           experience.response_mask)
+    mask = experience.response_mask
+    log_ratio_ref = experience.ref_logprobs - logprobs
+    k3 = torch.exp(log_ratio_ref) - log_ratio_ref - 1  # ALGORITHMS.md's formula, written out
+    ratio = torch.exp(logprobs - experience.logprobs)
+    expected = (torch.where(mask, k3 * ratio, 0.0).sum() / mask.sum())
+    torch.testing.assert_close(terms["loss/kl"], expected.detach(), rtol=1e-5, atol=1e-6)
+    # the total is the surrogate plus beta times that term (token mean over the step)
+    torch.testing.assert_close(terms["loss/total"], terms["loss/policy"] + 0.5 * expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cls", [*CRITIC_FREE, PPO], ids=lambda cls: cls.__name__)
+def test_gradients_reach_exactly_the_policy_adapter(cls, tiny_model_dir, reward_dir):
+    kwargs = {} if cls is PPO else {"kl_coef": 0.1}
+    module = make(cls, tiny_model_dir, reward_dir, ent_coef=0.01, **kwargs)
+    _perturb(module, "policy", "critic")
+    experience, _ = module.rollout(prompt_batch(module))
+    terms = module.losses(experience)
+    trainable = {name: p for name, p in module.named_parameters() if p.requires_grad}
+    grads = torch.autograd.grad(terms["loss/policy"], list(trainable.values()), allow_unused=True)
+    reached = {n for (n, _), g in zip(trainable.items(), grads, strict=True) if g is not None and g.abs().sum() > 0}
+    policy = {n for n in trainable if adapter_of(n) == "policy"}
+    assert reached == policy
+    expected_trainable = policy | ({n for n in trainable if adapter_of(n) == "critic" or ".heads.critic" in n}
+                                   if cls is PPO else set())
+    assert set(trainable) == expected_trainable  # the reward adapter and head, and the base, are frozen
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean", "constant"])
+def test_the_step_loss_does_not_depend_on_the_micro_batch_split(aggregation, tiny_model_dir, reward_dir):
+    """Two micro-batches of unequal token counts accumulate exactly the gradient of the whole batch."""
+    module = make(GRPO, tiny_model_dir, reward_dir, loss_aggregation=aggregation, kl_coef=0.1, epochs=1,
+                  num_minibatches=1)
+    _perturb(module, "policy")
+    experience, _ = module.rollout(prompt_batch(module))
+    split = [torch.arange(0, 5), torch.arange(5, 16)]  # unequal rows, hence unequal token counts
+    policy = [p for n, p in module.named_parameters() if adapter_of(n) == "policy"]
+    whole = torch.autograd.grad(module.losses(experience)["loss/total"], policy)
+    micros = [experience.select(rows) for rows in split]
+    normalisers = module.step_normalisers(micros)
+    parts = [torch.autograd.grad(module.policy_losses(m, normalisers["policy"], None)[0], policy) for m in micros]
+    for full, first, second in zip(whole, *parts, strict=True):
+        torch.testing.assert_close(full, first + second, rtol=1e-5, atol=1e-7)
+
+
+def test_truncated_completions_carry_no_loss(tiny_model_dir, reward_dir):
+    module = make(GRPO, tiny_model_dir, reward_dir, mask_truncated_completions=True, max_new_tokens=3)
+    experience, stats = module.rollout(prompt_batch(module))
+    loss_mask = module.loss_mask(experience)
+    stopped_rows = loss_mask.any(-1)
+    assert 0 < stopped_rows.sum() < 16, "the tiny model must leave some responses unfinished in 3 tokens"
+    assert torch.equal(loss_mask[stopped_rows], experience.response_mask[stopped_rows])
+    # a loss computed on the unfinished rows alone is exactly zero, with zero gradient
+    unfinished = experience.select((~stopped_rows).nonzero().flatten())
+    assert module.losses(unfinished)["loss/total"].item() == 0.0
+
+
+def test_lora_dropout_is_forced_to_zero_and_top_k_is_refused(tiny_model_dir, reward_dir):
+    module = make(GRPO, tiny_model_dir, reward_dir, policy_lora=LoraSpec(r=4, alpha=8, dropout=0.3))
+    assert module.model.model.peft_config["policy"].lora_dropout == 0.0
+    experience, _ = module.rollout(prompt_batch(module))  # old log-probs from the rollout (2 x 2 steps)
+    terms = module.losses(experience)
+    assert terms["policy/ratio"].item() == pytest.approx(1.0, abs=1e-6)  # no dropout noise between passes
+    with pytest.raises(ValueError, match="top_k/top_p"):
+        make(GRPO, tiny_model_dir, reward_dir, top_k=5)
+    with pytest.raises(ValueError, match="samples_per_prompt >= 2"):
+        make(RLOO, tiny_model_dir, reward_dir, samples_per_prompt=1)
+    with pytest.raises(ValueError, match="epochs must be >= 1"):
+        make(GRPO, tiny_model_dir, reward_dir, epochs=0)
+
+
+def length_bonus(prompts, completions, completion_ids, topic, **kwargs):
+    """A TRL-style reward function: the extra column arrives as a keyword; None = not applicable."""
+    return [None if t == "skip" else 0.1 * len(ids) for t, ids in zip(topic, completion_ids, strict=True)]
+
+
+def test_reward_functions_with_trl_signature_columns_weights_and_none(tiny_model_dir, reward_dir, tmp_path):
+    rows = [{"prompt": "the cat", "topic": "skip"}, {"prompt": "a dog", "topic": "animals"}]
+    data_file = tmp_path / "prompts.jsonl"
+    data_file.write_text("\n".join(__import__("json").dumps(row) for row in rows))
+    module = GRPO(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), policy_lora=LORA, max_new_tokens=5,
+                  samples_per_prompt=2, reward=[AdapterReward(str(reward_dir)), FunctionReward(length_bonus)],
+                  reward_weights=[1.0, 2.0])
+    batch = next(iter(prompts(module, dataset=str(data_file), batch_size=2).train_dataloader()["prompts"]))
+    assert batch["columns"] == {"topic": ["skip", "animals"]} or batch["columns"] == {"topic": ["animals", "skip"]}
+    experience, stats = module.rollout(batch)
+    topics = [t for t in batch["columns"]["topic"] for _ in range(2)]
+    lengths = experience.response_mask.sum(-1).float()
+    with torch.no_grad():
+        source = module.score_responses(experience.input_ids, experience.attention_mask, experience.response_mask,
+                                        module.decode(experience.responses, experience.response_mask),
+                                        prompts=[p for p in batch["raw_prompt"] for _ in range(2)],
+                                        columns={"topic": topics})
+    expected_bonus = torch.tensor([math.nan if t == "skip" else 0.1 * float(n) for t, n in zip(topics, lengths)])
+    torch.testing.assert_close(source[:, 1], expected_bonus, equal_nan=True)
+    expected = source[:, 0] + 2.0 * torch.nan_to_num(source[:, 1])
+    torch.testing.assert_close(experience.scores, expected)
+    assert {"objective/score/reward_model", "objective/score/length_bonus"} <= set(stats)
+
+
+@pytest.mark.parametrize(("returned", "error", "match"), [
+    (["1.0", 2.0], TypeError, r"length_or_bad\b.*'1.0' \(str\) for row 0"),
+    ([1.0, float("nan")], ValueError, r"returned nan for row 1"),
+    ([1.0], ValueError, r"returned 1 scores for 2 completions"),
+])
+def test_a_bad_reward_function_is_named_with_its_row(returned, error, match):
+    def length_or_bad(prompts, completions, **kwargs):
+        return returned
+
+    from rlhf_lightning.rollout.rewards import RewardInputs
+    inputs = RewardInputs(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3), torch.tensor([2, 2]), ["a", "b"],
+                          ["x", "y"], [[1], [2]])
+    with pytest.raises(error, match=match):
+        FunctionReward(length_or_bad).score(inputs)
+
+
+def test_grpo_fit_logs_its_terms_and_resumes_exactly(tiny_model_dir, reward_dir, tmp_path):
+    kwargs = dict(kl_coef=0.05, clip_range_high=0.28, ent_coef=0.01)
+    module = make(GRPO, tiny_model_dir, reward_dir, **kwargs)
+    trainer, uninterrupted = _fit(module, prompts(module, n=24, batch_size=4), tmp_path / "full", iterations=4,
+                                  prefix="grpo/")
+    expected = {"grpo/loss/policy", "grpo/loss/kl", "grpo/loss/entropy", "grpo/loss/total", "grpo/policy/approx_kl",
+                "grpo/policy/clipfrac_low", "grpo/policy/clipfrac_high", "grpo/policy/entropy",
+                "grpo/objective/kl", "grpo/objective/score", "grpo/objective/gold", "grpo/objective/frac_zero_std",
+                "grpo/response/length", "grpo/response/eos_frac", "grpo/lr/policy", "grpo/grad_norm"}
+    assert expected <= set(uninterrupted[-1]), expected - set(uninterrupted[-1])
+    assert trainer.global_step == 4 * 2 * 2
+    checkpoint = tmp_path / "full" / "epoch=0-step=8.ckpt"  # after iteration 2 of 4
+    resumed_module = make(GRPO, tiny_model_dir, reward_dir, **kwargs)
+    _, resumed = _fit(resumed_module, prompts(resumed_module, n=24, batch_size=4), tmp_path / "resumed",
+                      iterations=4, ckpt_path=str(checkpoint), prefix="grpo/")
+    assert resumed == uninterrupted[2:]
+
+
+@pytest.mark.parametrize("cls", [PPO, *CRITIC_FREE], ids=lambda cls: cls.__name__)
+def test_every_module_holds_one_copy_of_the_base(cls, tiny_model_dir, reward_dir):
+    module = make(cls, tiny_model_dir, reward_dir)
+    base_numel = sum(p.numel() for _, p in module.model.base_parameters())
+    storages = {}
+    for tensor in [*module.parameters(), *module.buffers()]:
+        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes() // tensor.element_size()
+    adapter_numel = sum(p.numel() for n, p in module.model.model.named_parameters() if adapter_of(n))
+    head_numel = sum(p.numel() for p in module.model.heads.parameters())
+    assert sum(storages.values()) <= base_numel + adapter_numel + head_numel + 4096
+    with module.model.role(REFERENCE):  # the reference is the same module with its adapters off
+        assert module.model.hf_model is module.model.hf_model
+
+
+@pytest.mark.slow
+def test_grpo_runs_under_ddp_on_two_cpu_processes(tiny_model_dir, reward_dir, tmp_path):
+    command = [
+        sys.executable, "-m", "rlhf_lightning", "fit", "--config", str(REPO / "configs" / "grpo.yaml"),
+        f"--model.init_args.base.name_or_path={tiny_model_dir}",
+        f"--model.init_args.reward.init_args.path={reward_dir}", "--model.init_args.policy_lora={r: 4, alpha: 8}",
+        "--model.init_args.max_new_tokens=6", "--model.init_args.target_kl=0.02",
+        f"--model.init_args.export_dir={tmp_path / 'adapters'}",
+        "--data.init_args.synthetic_rows=64", "--data.init_args.batch_size=4", "--data.init_args.val_fraction=0.25",
+        "--data.init_args.val_batch_size=8",
+        "--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.strategy=ddp", "--trainer.max_epochs=1",
+        "--trainer.limit_train_batches=2", "--trainer.val_check_interval=2", "--trainer.logger=false",
+        "--trainer.callbacks=[]", "--trainer.enable_progress_bar=false",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "distributed_backend=gloo" in result.stderr
+    assert (tmp_path / "adapters" / "policy" / "adapter_model.safetensors").exists()
+    assert not (tmp_path / "adapters" / "critic").exists()
