@@ -16,7 +16,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from rlhf_lightning.algorithms.group import ScaleRewards, broadcast_to_tokens, group_advantages, zero_std_fraction
+from rlhf_lightning.algorithms.group import (
+    ScaleRewards,
+    broadcast_to_tokens,
+    group_advantages,
+    zero_std_fraction,
+)
 from rlhf_lightning.algorithms.kl import KLEstimator
 from rlhf_lightning.algorithms.surrogate import LossAggregation
 from rlhf_lightning.core.online import OnlineRL, Stats

@@ -9,10 +9,10 @@ import torch
 from torch import Tensor
 
 from rlhf_lightning.algorithms.preference import bradley_terry_loss
+from rlhf_lightning.core.stage import StageModule
 from rlhf_lightning.metrics import MeanStd, PairwiseAccuracy, reset_metrics
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
 from rlhf_lightning.optim import Schedule
-from rlhf_lightning.core.stage import StageModule
 
 REWARD_ROLE = "reward"
 REWARD_STATS = "reward_stats.json"

@@ -9,11 +9,11 @@ import torch.nn.functional as F
 from torch import Tensor
 from torchmetrics import MeanMetric
 
+from rlhf_lightning.core.stage import StageModule
 from rlhf_lightning.data.collate import IGNORE_INDEX
 from rlhf_lightning.metrics import reset_metrics
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
 from rlhf_lightning.optim import Schedule
-from rlhf_lightning.core.stage import StageModule
 
 SFT_ADAPTER = "sft"
 

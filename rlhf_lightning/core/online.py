@@ -36,7 +36,12 @@ from rlhf_lightning.algorithms import (
     kl_penalty,
     masked_mean,
 )
-from rlhf_lightning.algorithms.surrogate import LossAggregation, aggregate_loss, clipped_surrogate, loss_normaliser
+from rlhf_lightning.algorithms.surrogate import (
+    LossAggregation,
+    aggregate_loss,
+    clipped_surrogate,
+    loss_normaliser,
+)
 from rlhf_lightning.core.policy import POLICY, PolicyModule, derive_seed
 from rlhf_lightning.data.collate import IGNORE_INDEX
 from rlhf_lightning.models.shared_base import REFERENCE
