@@ -4,11 +4,8 @@ step does not depend on how it is split, reward functions with TRL's signature, 
 
 from __future__ import annotations
 
+import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,14 +14,13 @@ from rlhf_lightning import GRPO, PPO, RLOO, AdapterReward, FunctionReward, REINF
 from rlhf_lightning.algorithms import kl_penalty, masked_whiten, token_rewards
 from rlhf_lightning.algorithms.group import group_advantages, returns_to_go, rloo_advantages
 from rlhf_lightning.core.online import OnlineRL
-from rlhf_lightning.models.shared_base import REFERENCE, adapter_of
+from rlhf_lightning.models.shared_base import adapter_of
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
 from rlhf_lightning.rollout.experience import sequence_kl
 from rlhf_lightning.tasks.synthetic import gold_rewards
 from tests.conftest import LORA
-from tests.test_ppo import _fit, _perturb, prompts
+from tests.test_ppo import _fit, _perturb, assert_one_copy_of_the_base, prompts, run_under_ddp
 
-REPO = Path(__file__).resolve().parents[1]
 CRITIC_FREE = [GRPO, RLOO, REINFORCEPlusPlus]
 
 
@@ -168,7 +164,7 @@ def length_bonus(prompts, completions, completion_ids, topic, **kwargs):
 def test_reward_functions_with_trl_signature_columns_weights_and_none(tiny_model_dir, reward_dir, tmp_path):
     rows = [{"prompt": "the cat", "topic": "skip"}, {"prompt": "a dog", "topic": "animals"}]
     data_file = tmp_path / "prompts.jsonl"
-    data_file.write_text("\n".join(__import__("json").dumps(row) for row in rows))
+    data_file.write_text("\n".join(json.dumps(row) for row in rows))
     module = GRPO(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), policy_lora=LORA, max_new_tokens=5,
                   samples_per_prompt=2, reward=[AdapterReward(str(reward_dir)), FunctionReward(length_bonus)],
                   reward_weights=[1.0, 2.0])
@@ -225,35 +221,12 @@ def test_grpo_fit_logs_its_terms_and_resumes_exactly(tiny_model_dir, reward_dir,
 
 @pytest.mark.parametrize("cls", [PPO, *CRITIC_FREE], ids=lambda cls: cls.__name__)
 def test_every_module_holds_one_copy_of_the_base(cls, tiny_model_dir, reward_dir):
-    module = make(cls, tiny_model_dir, reward_dir)
-    base_numel = sum(p.numel() for _, p in module.model.base_parameters())
-    storages = {}
-    for tensor in [*module.parameters(), *module.buffers()]:
-        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes() // tensor.element_size()
-    adapter_numel = sum(p.numel() for n, p in module.model.model.named_parameters() if adapter_of(n))
-    head_numel = sum(p.numel() for p in module.model.heads.parameters())
-    assert sum(storages.values()) <= base_numel + adapter_numel + head_numel + 4096
-    with module.model.role(REFERENCE):  # the reference is the same module with its adapters off
-        assert module.model.hf_model is module.model.hf_model
+    assert_one_copy_of_the_base(make(cls, tiny_model_dir, reward_dir), tiny_model_dir)
 
 
 @pytest.mark.slow
 def test_grpo_runs_under_ddp_on_two_cpu_processes(tiny_model_dir, reward_dir, tmp_path):
-    command = [
-        sys.executable, "-m", "rlhf_lightning", "fit", "--config", str(REPO / "configs" / "grpo.yaml"),
-        f"--model.init_args.base.name_or_path={tiny_model_dir}",
-        f"--model.init_args.reward.init_args.path={reward_dir}", "--model.init_args.policy_lora={r: 4, alpha: 8}",
-        "--model.init_args.max_new_tokens=6", "--model.init_args.target_kl=0.02",
-        f"--model.init_args.export_dir={tmp_path / 'adapters'}",
-        "--data.init_args.synthetic_rows=64", "--data.init_args.batch_size=4", "--data.init_args.val_fraction=0.25",
-        "--data.init_args.val_batch_size=8",
-        "--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.strategy=ddp", "--trainer.max_epochs=1",
-        "--trainer.limit_train_batches=2", "--trainer.val_check_interval=2", "--trainer.logger=false",
-        "--trainer.callbacks=[]", "--trainer.enable_progress_bar=false",
-    ]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "distributed_backend=gloo" in result.stderr
-    assert (tmp_path / "adapters" / "policy" / "adapter_model.safetensors").exists()
+    run_under_ddp("grpo.yaml", tmp_path, f"--model.init_args.base.name_or_path={tiny_model_dir}",
+                  f"--model.init_args.reward.init_args.path={reward_dir}", "--model.init_args.policy_lora={r: 4, alpha: 8}",
+                  "--model.init_args.kl_coef=0.05", "--data.init_args.batch_size=4")
     assert not (tmp_path / "adapters" / "critic").exists()

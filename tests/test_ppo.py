@@ -82,8 +82,11 @@ def test_every_role_reads_the_same_base_weights_and_the_process_holds_one_copy(t
     for handle in handles:
         handle.remove()
     assert len(seen) == 4 and len({frozenset(pointers) for pointers in seen.values()}) == 1
+    assert_one_copy_of_the_base(module, tiny_model_dir)
 
-    # One copy: the storages reachable from the module hold the base once, plus adapters and heads.
+
+def assert_one_copy_of_the_base(module, model_dir) -> None:
+    """The storages reachable from the module hold the base once, plus adapters and heads."""
     base_numel = sum(p.numel() for _, p in module.model.base_parameters())
     storages = {}
     for tensor in [*module.parameters(), *module.buffers()]:
@@ -91,7 +94,7 @@ def test_every_role_reads_the_same_base_weights_and_the_process_holds_one_copy(t
     adapter_numel = sum(p.numel() for n, p in module.model.model.named_parameters() if adapter_of(n))
     head_numel = sum(p.numel() for p in module.model.heads.parameters())
     assert sum(storages.values()) <= base_numel + adapter_numel + head_numel + 4096  # + small buffers
-    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir)
     assert base_numel == sum(p.numel() for p in reference.parameters())
 
 
@@ -228,18 +231,13 @@ def test_critic_can_start_from_the_reward_model(tiny_model_dir, reward_dir):
     assert torch.equal(module.model.score("critic", ids, mask, last), module.model.score("reward", ids, mask, last))
 
 
-@pytest.mark.slow
-def test_ppo_runs_under_ddp_on_two_cpu_processes(tiny_model_dir, reward_dir, tmp_path):
+def run_under_ddp(config: str, tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """``fit`` of ``configs/<config>`` on two CPU processes (gloo), tiny and short, from a fresh interpreter."""
     command = [
-        sys.executable, "-m", "rlhf_lightning", "fit", "--config", str(REPO / "configs" / "ppo.yaml"),
-        f"--model.init_args.base.name_or_path={tiny_model_dir}",
-        f"--model.init_args.reward.init_args.path={reward_dir}",
-        "--model.init_args.policy_lora={r: 4, alpha: 8}", "--model.init_args.critic_lora={r: 4, alpha: 8}",
-        "--model.init_args.max_new_tokens=6", "--model.init_args.kl_target=1.0",
-        "--model.init_args.target_kl=0.02",  # early stop must be decided alike on both ranks
+        sys.executable, "-m", "rlhf_lightning", "fit", "--config", str(REPO / "configs" / config), *overrides,
+        "--model.init_args.max_new_tokens=6", "--model.init_args.target_kl=0.02",  # early stop decided alike on ranks
         f"--model.init_args.export_dir={tmp_path / 'adapters'}",
-        "--data.init_args.synthetic_rows=64", "--data.init_args.batch_size=8", "--data.init_args.val_fraction=0.25",
-        "--data.init_args.val_batch_size=8",
+        "--data.init_args.synthetic_rows=64", "--data.init_args.val_fraction=0.25", "--data.init_args.val_batch_size=8",
         "--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.strategy=ddp", "--trainer.max_epochs=1",
         "--trainer.limit_train_batches=2", "--trainer.val_check_interval=2", "--trainer.logger=false",
         "--trainer.callbacks=[]", "--trainer.enable_progress_bar=false",
@@ -249,6 +247,16 @@ def test_ppo_runs_under_ddp_on_two_cpu_processes(tiny_model_dir, reward_dir, tmp
     assert result.returncode == 0, result.stderr[-3000:]
     assert "distributed_backend=gloo" in result.stderr
     assert (tmp_path / "adapters" / "policy" / "adapter_model.safetensors").exists()
+    return result
+
+
+@pytest.mark.slow
+def test_ppo_runs_under_ddp_on_two_cpu_processes(tiny_model_dir, reward_dir, tmp_path):
+    run_under_ddp("ppo.yaml", tmp_path, f"--model.init_args.base.name_or_path={tiny_model_dir}",
+                  f"--model.init_args.reward.init_args.path={reward_dir}",
+                  "--model.init_args.policy_lora={r: 4, alpha: 8}", "--model.init_args.critic_lora={r: 4, alpha: 8}",
+                  "--model.init_args.kl_target=1.0", "--data.init_args.batch_size=8")
+    assert (tmp_path / "adapters" / "critic" / "head.safetensors").exists()
 
 
 @pytest.mark.parametrize("options", [
