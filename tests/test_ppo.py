@@ -292,3 +292,14 @@ def test_backward_choice(tiny_model_dir, reward_dir):
     assert make_ppo(tiny_model_dir, reward_dir, backward="joint").joint_backward
     with pytest.raises(ValueError, match="backward must be"):
         make_ppo(tiny_model_dir, reward_dir, backward="twice")
+
+
+def test_rlhf_reward_is_score_minus_kl_even_with_whitened_rewards_and_adam_eps_is_used(tiny_model_dir, reward_dir):
+    module = make_ppo(tiny_model_dir, reward_dir, whiten_rewards=True, kl_coef=0.5, adam_eps=1e-5)
+    _perturb(module, "policy")
+    experience, stats = module.rollout(first_batch(module))
+    kl = (experience.logprobs - experience.ref_logprobs).where(experience.response_mask, 0.0).sum(-1)  # k1
+    torch.testing.assert_close(stats["objective/rlhf_reward"], (experience.scores - 0.5 * kl).mean())
+    optimizer = module.configure_optimizers()["optimizer"]
+    assert {group["eps"] for group in optimizer.param_groups} == {1e-5}
+    assert {group["name"] for group in optimizer.param_groups} == {"policy", "critic"}
