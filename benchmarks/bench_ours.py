@@ -122,7 +122,7 @@ def run(settings: Settings, profile: bool = False) -> None:
         reward=AdapterReward(str(reward_dir(settings))),
         policy_lora=lora_spec(settings), critic_lora=lora_spec(settings),
         max_new_tokens=settings.response_length, temperature=1.0, stop_token=None,
-        ppo_epochs=settings.ppo_epochs, num_minibatches=settings.num_minibatches,
+        epochs=settings.ppo_epochs, num_minibatches=settings.num_minibatches,
         policy_lr=settings.lr, critic_lr=settings.lr,
         **settings.ppo_options,
     )

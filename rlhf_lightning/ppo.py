@@ -35,13 +35,12 @@ class PPO(OnlineRL):
     The policy and the critic are LoRA adapters on the base (the SFT model); the reference is the same base
     with adapters disabled; the reward model is by default the reward stage's adapter on it too. Each response
     token gets ``-kl_coef * KL_t``, its last token the score; GAE turns these into advantages, whitened over the
-    rollout; ``ppo_epochs`` passes of clipped policy and value losses follow.
+    rollout; ``epochs`` passes of clipped policy and value losses follow.
 
     Args:
         critic_lora: the critic adapter (its value head is a plain linear layer).
         critic_from_reward: start the critic from the reward adapter and head (same LoRA shape needed).
-        ppo_epochs: passes over each rollout batch.
-        clip_range: epsilon of the clipped policy objective (``clip_range_high`` can widen the upper side).
+        epochs: passes over each rollout batch.
         clip_range_value: clipping of value predictions around the rollout's; null = unclipped.
         vf_coef: weight of the value loss.
         whiten_rewards: scale per-token rewards to unit variance (mean kept) before GAE.
@@ -62,8 +61,7 @@ class PPO(OnlineRL):
         *args: Any,
         critic_lora: LoraSpec = LoraSpec(),  # noqa: B008 (never mutated; the CLI shows it as the default)
         critic_from_reward: bool = False,
-        ppo_epochs: int = 4,
-        clip_range: float = 0.2,
+        epochs: int = 4,
         clip_range_value: float | None = 0.2,
         vf_coef: float = 0.1,
         whiten_rewards: bool = False,
@@ -74,7 +72,7 @@ class PPO(OnlineRL):
         backward: Literal["auto", "joint", "separate"] = "auto",
         **kwargs: Any,
     ) -> None:
-        super().__init__(*args, epochs=ppo_epochs, clip_range_low=clip_range, **kwargs)
+        super().__init__(*args, epochs=epochs, **kwargs)
         if backward not in ("auto", "joint", "separate"):
             raise ValueError(f"backward must be auto, joint or separate, got {backward!r}")
         if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
@@ -84,7 +82,7 @@ class PPO(OnlineRL):
         self.model.add_adapter(CRITIC, without_dropout(critic_lora, CRITIC))
         self.model.add_head(CRITIC)
         if critic_from_reward:
-            if not any(isinstance(source, AdapterReward) for source in self.rewards):
+            if not any(isinstance(source, AdapterReward) for source in self.rewards.sources):
                 raise ValueError("critic_from_reward needs an AdapterReward: the critic copies its adapter and head")
             self.model.copy_adapter(REWARD_ROLE, CRITIC)
         self.model.train()

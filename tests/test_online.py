@@ -29,8 +29,7 @@ def make(cls: type[OnlineRL], tiny_model_dir, reward_dir, **kwargs) -> OnlineRL:
     defaults = dict(policy_lora=LORA, max_new_tokens=6, samples_per_prompt=4, epochs=2, num_minibatches=2,
                     policy_lr=1e-2, gold_reward=gold_rewards)
     if cls is PPO:
-        defaults = {**defaults, "critic_lora": LORA, "ppo_epochs": 2}
-        del defaults["epochs"]
+        defaults = {**defaults, "critic_lora": LORA}
     return cls(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), reward=AdapterReward(str(reward_dir)),
                **{**defaults, **kwargs})
 

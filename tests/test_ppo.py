@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def make_ppo(tiny_model_dir, reward_dir, **kwargs) -> PPO:
     torch.manual_seed(0)
-    defaults = dict(policy_lora=LORA, critic_lora=LORA, max_new_tokens=6, ppo_epochs=2, num_minibatches=2,
+    defaults = dict(policy_lora=LORA, critic_lora=LORA, max_new_tokens=6, epochs=2, num_minibatches=2,
                     policy_lr=1e-2, critic_lr=1e-2, gold_reward=gold_rewards)
     return PPO(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), reward=AdapterReward(str(reward_dir)),
                **{**defaults, **kwargs})
@@ -152,7 +152,7 @@ def test_training_updates_adapters_never_the_base_and_logs_every_term(tiny_model
         assert torch.equal(parameter, base_before[name]), name
     assert any(not torch.equal(p, policy_before[n]) for n, p in module.model.model.named_parameters()
                if adapter_of(n) == "policy")
-    assert trainer.global_step == 3 * 2 * 2  # iterations x ppo_epochs x num_minibatches
+    assert trainer.global_step == 3 * 2 * 2  # iterations x epochs x num_minibatches
     expected = {
         "ppo/loss/policy", "ppo/loss/value", "ppo/loss/entropy", "ppo/loss/ptx", "ppo/loss/total",
         "ppo/policy/approx_kl", "ppo/policy/clipfrac", "ppo/policy/ratio", "ppo/policy/entropy",

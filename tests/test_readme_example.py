@@ -32,7 +32,7 @@ def test_length_penalty_example_charges_every_response_token(readme_example, tin
     plain = make_ppo(tiny_model_dir, reward_dir)
     rollout, _ = plain.rollout(first_batch(plain))
     penalized = readme_example.LengthPenalizedPPO(
-        base=plain.hparams.base, reward=plain.rewards[0], policy_lora=LORA, critic_lora=LORA, token_cost=0.25)
+        base=plain.hparams.base, reward=plain.rewards.sources[0], policy_lora=LORA, critic_lora=LORA, token_cost=0.25)
     expected, expected_kl = plain.shape_rewards(rollout)
     rewards, kl = penalized.shape_rewards(rollout)
     torch.testing.assert_close(rewards, expected - 0.25 * rollout.response_mask.float())

@@ -48,7 +48,7 @@ from rlhf_lightning.models.shared_base import REFERENCE
 from rlhf_lightning.optim import Schedule
 from rlhf_lightning.rollout.experience import Experience, Samples, sequence_kl
 from rlhf_lightning.rollout.generate import stopped
-from rlhf_lightning.rollout.rewards import RewardInputs, RewardSource, close_with_eos, combine_scores
+from rlhf_lightning.rollout.rewards import RewardSet, RewardSource, reward_inputs
 
 Stats = dict[str, Tensor]
 
@@ -80,8 +80,8 @@ class OnlineRL(PolicyModule):
         epochs: passes over each rollout batch.
         num_minibatches: minibatches, hence optimizer steps, per pass.
         gradient_accumulation: micro-batches per minibatch (less memory; same result).
-        clip_range_low: epsilon of the clipped objective below 1 (and above, unless ``clip_range_high``).
-        clip_range_high: epsilon above 1 (DAPO's clip-higher, e.g. 0.28); null = ``clip_range_low``.
+        clip_range: epsilon of the clipped objective below 1 (and above, unless ``clip_range_high``).
+        clip_range_high: epsilon above 1 (DAPO's clip-higher, e.g. 0.28); null = ``clip_range``.
         ratio_level: ``token`` ratios (PPO, GRPO) or one ``sequence`` ratio per response, the geometric mean of
             its token ratios (GSPO).
         loss_aggregation: ``token_mean`` over every token of the optimizer step (DAPO, verl, OpenRLHF);
@@ -122,7 +122,7 @@ class OnlineRL(PolicyModule):
         epochs: int = 1,
         num_minibatches: int = 1,
         gradient_accumulation: int = 1,
-        clip_range_low: float = 0.2,
+        clip_range: float = 0.2,
         clip_range_high: float | None = None,
         ratio_level: Literal["token", "sequence"] = "token",
         loss_aggregation: LossAggregation = "token_mean",
@@ -138,23 +138,14 @@ class OnlineRL(PolicyModule):
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        # Under LightningCLI the saved hyper-parameters are the config's, which lack arguments that a subclass
-        # sets under another name (PPO's ppo_epochs is epochs here): record this level's own values.
+        # Under LightningCLI the saved hyper-parameters are the config's, which lack arguments a subclass passes
+        # itself: record this level's own values.
         self.hparams.update({name: value for name, value in locals().items()
                              if name not in ("self", "args", "kwargs", "reward", "__class__")})
         self.automatic_optimization = False
         self._check_arguments()
-        self.rewards = list(reward) if isinstance(reward, list | tuple) else [reward]
-        self.reward_weights = [1.0] * len(self.rewards) if reward_weights is None else list(reward_weights)
-        if len(self.reward_weights) != len(self.rewards):
-            raise ValueError(f"reward_weights has {len(self.reward_weights)} entries for {len(self.rewards)} "
-                             "reward sources")
-        for source in self.rewards:
-            source.setup(self.model, self.tokenizer)
-        if reward_normalize and any(source.statistics is None for source in self.rewards):
-            lacking = [str(source.name) for source in self.rewards if source.statistics is None]
-            raise ValueError(f"reward_normalize needs each reward source's mean/std (reward_stats.json), which "
-                             f"{lacking} lack")
+        self.rewards = RewardSet(reward if isinstance(reward, list | tuple) else [reward], reward_weights)
+        self.rewards.setup(self.model, self.tokenizer, normalize=reward_normalize)
         self.kl_controller = (FixedKLController(kl_coef) if kl_target is None
                               else AdaptiveKLController(kl_coef, kl_target, kl_horizon))
         self.last_samples: Samples | None = None  # the latest rollout as text (see callbacks.CompletionsTable)
@@ -174,8 +165,8 @@ class OnlineRL(PolicyModule):
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if hp.kl_in not in ("reward", "loss"):
             raise ValueError(f"kl_in must be reward or loss, got {hp.kl_in!r}")
-        if hp.clip_range_low < 0 or (hp.clip_range_high is not None and hp.clip_range_high < 0):
-            raise ValueError(f"clip ranges must be >= 0, got {hp.clip_range_low}, {hp.clip_range_high}")
+        if hp.clip_range < 0 or (hp.clip_range_high is not None and hp.clip_range_high < 0):
+            raise ValueError(f"clip ranges must be >= 0, got {hp.clip_range}, {hp.clip_range_high}")
         if hp.policy_lr <= 0:
             raise ValueError(f"policy_lr must be > 0, got {hp.policy_lr}")
 
@@ -232,7 +223,7 @@ class OnlineRL(PolicyModule):
             prompts=[p for p in prompts.get("raw_prompt", prompts["prompt"]) for _ in range(group)],
             columns={name: [v for v in column for _ in range(group)]
                      for name, column in prompts.get("columns", {}).items()})
-        raw_scores = self.combined_score(source_scores)
+        raw_scores = self.rewards.combine(source_scores)
         is_stopped = stopped(responses, response_mask, self.sampling.stop_token_id)
         experience = Experience(input_ids, attention_mask, response_mask,
                                 self.process_scores(source_scores, is_stopped), logprobs, ref_logprobs, values,
@@ -258,31 +249,15 @@ class OnlineRL(PolicyModule):
 
         ``prompts`` are the prompts as the dataset holds them (text or messages), ``columns`` its other columns.
         """
-        responses = input_ids[:, input_ids.shape[1] - response_mask.shape[1]:]
-        inputs = RewardInputs(
-            *close_with_eos(input_ids, attention_mask, self.tokenizer.eos_token_id), prompts=list(prompts),
-            completions=completions,
-            completion_ids=[row[keep].tolist() for row, keep in zip(responses, response_mask, strict=True)],
-            columns=dict(columns or {}))
-        return self.score(inputs)
-
-    def score(self, inputs: RewardInputs) -> Tensor:
-        """Scores ``[B, S]`` of every reward source (NaN where a source does not apply)."""
-        return torch.stack([source.score(inputs).float() for source in self.rewards], -1)
-
-    def combined_score(self, source_scores: Tensor) -> Tensor:
-        """The weighted sum ``[B]`` of the sources' scores ``[B, S]`` (before normalisation and penalties)."""
-        return combine_scores(source_scores, self.reward_weights, [source.name for source in self.rewards])
+        return self.rewards.score(reward_inputs(input_ids, attention_mask, response_mask, completions, prompts,
+                                                columns, self.tokenizer.eos_token_id))
 
     def process_scores(self, source_scores: Tensor, is_stopped: Tensor) -> Tensor:
         """Sequence rewards ``[B]``: each source normalised (``reward_normalize``), weighted and summed, then a
         penalty for responses that never stop, then clipping."""
         hp = self.hparams
-        if hp.reward_normalize:
-            mean = source_scores.new_tensor([source.statistics[0] for source in self.rewards])
-            std = source_scores.new_tensor([max(source.statistics[1], 1e-8) for source in self.rewards])
-            source_scores = (source_scores - mean) / std
-        scores = self.combined_score(source_scores)
+        scores = self.rewards.combine(self.rewards.normalize(source_scores) if hp.reward_normalize
+                                      else source_scores)
         if hp.missing_eos_penalty is not None:
             scores = scores - hp.missing_eos_penalty * (~is_stopped).float()
         if hp.reward_clip is not None:
@@ -300,13 +275,8 @@ class OnlineRL(PolicyModule):
             "response/length": mask.sum(-1).float().mean(),
             "response/eos_frac": is_stopped.float().mean(),
         }
-        if len(self.rewards) > 1:
-            for index, source in enumerate(self.rewards):
-                column = source_scores[:, index]
-                applicable = column[~column.isnan()]
-                stats[f"objective/score/{source.name}"] = applicable.mean() if applicable.numel() else column.new_zeros(())
-                stats[f"objective/score/{source.name}_std"] = (applicable.std() if applicable.numel() > 1
-                                                               else column.new_zeros(()))
+        if len(self.rewards.sources) > 1:
+            stats.update({f"objective/{name}": value for name, value in self.rewards.statistics(source_scores).items()})
         if experience.logprobs is not None and experience.ref_logprobs is not None:
             stats["objective/kl"] = sequence_kl(experience.logprobs, experience.ref_logprobs, mask).mean()
         if entropy is not None:
@@ -430,8 +400,8 @@ class OnlineRL(PolicyModule):
         # One optimizer step per rollout: the policy has not moved since sampling, so its own pass, detached,
         # gives the old log-probs (ratio 1 in value, the policy gradient in gradient).
         old_logprobs = logprobs.detach() if micro.logprobs is None else micro.logprobs
-        clip_high = hp.clip_range_low if hp.clip_range_high is None else hp.clip_range_high
-        surrogate = clipped_surrogate(logprobs, old_logprobs, micro.advantages, mask, hp.clip_range_low,
+        clip_high = hp.clip_range if hp.clip_range_high is None else hp.clip_range_high
+        surrogate = clipped_surrogate(logprobs, old_logprobs, micro.advantages, mask, hp.clip_range,
                                       clip_high, hp.ratio_level)
         per_token = surrogate.loss
         log_ratio = torch.where(mask, logprobs.detach() - old_logprobs, 0.0)
@@ -550,7 +520,7 @@ class OnlineRL(PolicyModule):
                        columns: dict[str, list] | None = None) -> dict[str, Tensor]:
         scores = self.score_responses(input_ids, attention_mask, response_mask, texts,
                                       prompts=raw_prompts if raw_prompts is not None else prompts, columns=columns)
-        return {"score": self.combined_score(scores)}
+        return {"score": self.rewards.combine(scores)}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)

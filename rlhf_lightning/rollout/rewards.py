@@ -247,15 +247,73 @@ class FunctionReward(RewardSource):
         return torch.tensor(values, dtype=torch.float32, device=inputs.input_ids.device)
 
 
-def combine_scores(scores: Tensor, weights: Sequence[float], names: Sequence[str]) -> Tensor:
-    """The weighted sum ``[B]`` of the sources' scores ``[B, S]``, NaN ("not applicable") counting as absent.
+class RewardSet:
+    """The reward sources of a run and their weights: scores each source separately (``[B, S]``, NaN where a
+    source does not apply), normalises them with each source's saved statistics, and sums them with weights.
 
-    A row that no source applies to is an error naming the row: training on it would be training on nothing.
+    Args:
+        sources: the reward sources.
+        weights: one weight per source; None = 1 each.
     """
-    applicable = ~torch.isnan(scores)
-    none = ~applicable.any(-1)
-    if none.any():
-        raise ValueError(f"no reward source applies to rows {none.nonzero().flatten().tolist()} "
-                         f"(every one of {list(names)} returned None)")
-    weights = torch.tensor(list(weights), dtype=scores.dtype, device=scores.device)
-    return torch.where(applicable, scores * weights, 0.0).sum(-1)
+
+    def __init__(self, sources: Sequence[RewardSource], weights: Sequence[float] | None = None) -> None:
+        self.sources = list(sources)
+        self.weights = [1.0] * len(self.sources) if weights is None else [float(w) for w in weights]
+        if len(self.weights) != len(self.sources):
+            raise ValueError(f"reward_weights has {len(self.weights)} entries for {len(self.sources)} reward sources")
+
+    @property
+    def names(self) -> list[str]:
+        return [source.name for source in self.sources]
+
+    def setup(self, base: SharedBase, tokenizer: PreTrainedTokenizerBase, normalize: bool = False) -> None:
+        """Set every source up; with ``normalize``, check that each one knows its mean and std."""
+        for source in self.sources:
+            source.setup(base, tokenizer)
+        lacking = [source.name for source in self.sources if source.statistics is None]
+        if normalize and lacking:
+            raise ValueError(f"reward_normalize needs each reward source's mean/std (reward_stats.json), which "
+                             f"{lacking} lack")
+
+    def score(self, inputs: RewardInputs) -> Tensor:
+        """Scores ``[B, S]`` of every source (NaN where a source does not apply)."""
+        return torch.stack([source.score(inputs).float() for source in self.sources], -1)
+
+    def normalize(self, scores: Tensor) -> Tensor:
+        """``[B, S]`` scores standardised with each source's validation mean and std."""
+        mean = scores.new_tensor([source.statistics[0] for source in self.sources])
+        std = scores.new_tensor([max(source.statistics[1], 1e-8) for source in self.sources])
+        return (scores - mean) / std
+
+    def combine(self, scores: Tensor) -> Tensor:
+        """The weighted sum ``[B]`` of the sources' scores ``[B, S]``, NaN ("not applicable") counting as absent.
+
+        A row that no source applies to is an error naming the row: training on it would be training on nothing.
+        """
+        applicable = ~torch.isnan(scores)
+        none = ~applicable.any(-1)
+        if none.any():
+            raise ValueError(f"no reward source applies to rows {none.nonzero().flatten().tolist()} "
+                             f"(every one of {self.names} returned None)")
+        weights = scores.new_tensor(self.weights)
+        return torch.where(applicable, scores * weights, 0.0).sum(-1)
+
+    @torch.no_grad()
+    def statistics(self, scores: Tensor) -> dict[str, Tensor]:
+        """Mean and std of each source's scores over the responses it applies to: ``score/<name>[_std]``."""
+        stats = {}
+        for column, name in zip(scores.unbind(-1), self.names, strict=True):
+            applicable = column[~column.isnan()]
+            stats[f"score/{name}"] = applicable.mean() if applicable.numel() else column.new_zeros(())
+            stats[f"score/{name}_std"] = applicable.std() if applicable.numel() > 1 else column.new_zeros(())
+        return stats
+
+
+def reward_inputs(input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor, completions: list[str],
+                  prompts: Sequence[Any], columns: dict[str, list] | None, eos_token_id: int) -> RewardInputs:
+    """What reward sources read of sampled rollouts (responses in the last ``R`` columns of ``input_ids``)."""
+    responses = input_ids[:, input_ids.shape[1] - response_mask.shape[1]:]
+    return RewardInputs(
+        *close_with_eos(input_ids, attention_mask, eos_token_id), prompts=list(prompts), completions=completions,
+        completion_ids=[row[keep].tolist() for row, keep in zip(responses, response_mask, strict=True)],
+        columns=dict(columns or {}))

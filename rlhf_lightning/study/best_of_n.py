@@ -112,7 +112,7 @@ def sample_reference(module: Any, batches: Iterable[dict[str, Any]], samples_per
             prompts = [p for p in batch["prompt"][rows] for _ in range(samples_per_prompt)]
             sequences, attention_mask, response_mask = module.generate(ids, mask, role=REFERENCE)
             texts = module.decode(sequences[:, ids.shape[1]:], response_mask)
-            scores = module.combined_score(module.score_responses(sequences, attention_mask, response_mask, texts,
+            scores = module.rewards.combine(module.score_responses(sequences, attention_mask, response_mask, texts,
                                                                   prompts))
             proxy.append(scores.reshape(-1, samples_per_prompt).cpu().numpy())
             golds = np.asarray(module.gold_reward(prompts, texts), dtype=float)
