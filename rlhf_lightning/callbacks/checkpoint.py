@@ -9,7 +9,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 
 class IterationCheckpoint(ModelCheckpoint):
-    """``ModelCheckpoint`` that saves every ``every_n_iterations`` training batches (PPO iterations).
+    """``ModelCheckpoint`` that saves every ``every_n_iterations`` training batches (on-policy iterations).
 
     Under manual optimization an iteration makes several optimizer steps (fewer when ``target_kl`` stops it
     early), so ``every_n_train_steps`` would drift; iterations are what a PPO user counts. The checkpoint is
