@@ -106,7 +106,8 @@ def measure_best_of_n(args: argparse.Namespace) -> tuple[tuple[float, float], li
     for batch in data.val_dataloader():
         if prompts_left <= 0:
             break
-        batches.append({key: value[:prompts_left] for key, value in batch.items()})
+        batches.append({key: {name: column[:prompts_left] for name, column in value.items()}
+                        if isinstance(value, dict) else value[:prompts_left] for key, value in batch.items()})
         prompts_left -= len(batch["prompt"])
     if not batches:
         raise ValueError("best-of-n needs held-out prompts: the PPO config's data has no validation set")
