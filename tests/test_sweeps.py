@@ -35,7 +35,7 @@ SWEEP_FILES = sorted((REPO / "sweeps").glob("*.yaml"))
 SWEEPS = {path.stem: path for path in SWEEP_FILES}
 # The sweeps whose trials the slow test runs end to end: at least one per stage config that any sweep uses
 # (test_every_stage_with_a_sweep_has_an_end_to_end_trial keeps it so).
-END_TO_END = ("ppo_bayes", "reward_model", "grpo")
+END_TO_END = ("ppo_bayes", "reward_model", "grpo", "dpo")
 METHODS = {"grid", "random", "bayes"}
 # What the agent puts in place of ${env} and ${interpreter} (wandb_agent.Agent._command_run).
 AGENT_ENV, AGENT_INTERPRETER = "/usr/bin/env", "python"
@@ -232,6 +232,8 @@ def tiny_overrides(config: str, tiny_model_dir: Path, reward_dir: Path, run: boo
                              f"--model.init_args.reward.init_args.path={reward_dir}",
                              f"--model.init_args.policy_lora={lora}", f"--model.init_args.critic_lora={lora}"],
         "configs/reward.yaml": [f"--model.init_args.base.name_or_path={tiny_model_dir}"],
+        "configs/dpo.yaml": [f"--model.init_args.base.name_or_path={tiny_model_dir}",
+                             f"--model.init_args.policy_lora={lora}"],
         "configs/grpo.yaml": [f"--model.init_args.base.name_or_path={tiny_model_dir}",
                               f"--model.init_args.reward.init_args.path={reward_dir}",
                               f"--model.init_args.policy_lora={lora}"],
@@ -242,6 +244,9 @@ def tiny_overrides(config: str, tiny_model_dir: Path, reward_dir: Path, run: boo
         "configs/ppo.yaml": ["--model.init_args.max_new_tokens=6", "--data.init_args.synthetic_rows=80",
                              "--trainer.max_epochs=1", "--trainer.limit_train_batches=1",
                              "--trainer.val_check_interval=1"],
+        "configs/dpo.yaml": ["--model.init_args.max_new_tokens=6", "--data.init_args.synthetic_rows=80",
+                             "--data.init_args.batch_size=8", "--data.init_args.val_batch_size=8",
+                             "--trainer.max_steps=2", "--trainer.val_check_interval=2", "--trainer.log_every_n_steps=1"],
         "configs/grpo.yaml": ["--model.init_args.max_new_tokens=6", "--data.init_args.synthetic_rows=40",
                               "--trainer.max_epochs=1", "--trainer.limit_train_batches=1",
                               "--trainer.val_check_interval=1"],

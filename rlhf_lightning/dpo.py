@@ -1,0 +1,218 @@
+"""DPO and its offline family on the shared base: DPO (Rafailov et al. 2023), cDPO and robust DPO (Chowdhury et
+al. 2024), IPO (Azar et al. 2023), SLiC's hinge (Zhao et al. 2023), length-normalised DPO (Tulu 3, Lambert et
+al. 2024), SimPO (Meng et al. 2024) and RPO's NLL term (Pang et al. 2024).
+
+The policy is the ``policy`` LoRA adapter on the SFT base; the reference is the same base with adapters disabled,
+so DPO holds one base in memory. Chosen and rejected responses go through the model in one forward pass of the
+``2B`` rows of :func:`~rlhf_lightning.data.collate.collate_pairs`; the loss formulas are
+:func:`~rlhf_lightning.algorithms.dpo.dpo_loss`'s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from array import array
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rlhf_lightning.algorithms.dpo import DPOLossType, check_dpo_arguments, dpo_loss
+from rlhf_lightning.core.policy import POLICY, PolicyModule
+from rlhf_lightning.data.collate import EncodedPair
+from rlhf_lightning.models.shared_base import REFERENCE
+from rlhf_lightning.optim import Schedule
+
+log = logging.getLogger(__name__)
+
+# Per-pair values averaged over the validation set and logged as dpo/val/<name> (training logs batch means).
+PAIR_METRICS = ("loss", "loss/nll", "rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin",
+                "rewards/gold_accuracy", "logps/chosen", "logps/rejected")
+
+
+class DPO(PolicyModule):
+    """Direct preference optimisation of the policy adapter on preference pairs (automatic optimization).
+
+    Implicit reward of a response: ``beta * (log pi(y) - log pi_ref(y))``, log-probs summed over its tokens
+    (SimPO: ``beta * log pi(y) / |y|``, no reference). ``dpo/logps/*`` are summed log-probs too (TRL's
+    convention), averaged over pairs. On held-out prompts, responses sampled from the policy are scored as in
+    PPO: ``dpo/val/gold``, ``dpo/val/kl``, ``dpo/val/length``, ``dpo/val/eos_frac``.
+
+    Args:
+        beta: inverse temperature of the implicit reward (DPO 0.1; ``sigmoid_norm`` and SimPO want larger, ~2-10).
+        loss_type: ``sigmoid`` (DPO), ``robust``, ``ipo``, ``hinge``, ``sigmoid_norm`` (length-normalised) or
+            ``simpo`` (reference-free).
+        label_smoothing: probability that a label is flipped (cDPO / robust / SimPO), in [0, 0.5).
+        simpo_gamma: SimPO's target margin gamma.
+        rpo_alpha: weight of the chosen response's per-token NLL added to the loss (RPO); 0 = off.
+        precompute_reference: compute the reference log-probs of every training and validation pair once when
+            ``fit`` starts (kept in checkpoints), instead of a reference pass per batch.
+        sample_eval_batches: sample responses on the prompts of the first N validation batches; null = all, 0 = no
+            sampling (pair metrics only).
+        lr: peak learning rate of the policy adapter.
+        weight_decay: AdamW weight decay (not applied to biases and norms).
+        warmup_steps: optimizer steps of linear warm-up.
+        lr_schedule: decay after warm-up: ``constant``, ``linear`` or ``cosine``.
+        adam_eps: Adam's epsilon.
+    """
+
+    metric_prefix = "dpo"
+    validation_metrics = (*PolicyModule.validation_metrics, *PAIR_METRICS)
+
+    def __init__(
+        self,
+        *args: Any,
+        beta: float = 0.1,
+        loss_type: DPOLossType = "sigmoid",
+        label_smoothing: float = 0.0,
+        simpo_gamma: float = 0.5,
+        rpo_alpha: float = 0.0,
+        precompute_reference: bool = False,
+        sample_eval_batches: int | None = None,
+        lr: float = 1e-4,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        lr_schedule: Schedule = "constant",
+        adam_eps: float = 1e-8,
+        **kwargs: Any,
+    ) -> None:
+        # Checked before the base is loaded, so a typo fails in a second, not after loading a model.
+        check_dpo_arguments(beta, loss_type, label_smoothing)
+        for name, value in {"rpo_alpha": rpo_alpha, "weight_decay": weight_decay, "warmup_steps": warmup_steps,
+                            "sample_eval_batches": sample_eval_batches or 0}.items():
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        if not (lr > 0 and adam_eps > 0):
+            raise ValueError(f"lr and adam_eps must be > 0, got {lr} and {adam_eps}")
+        super().__init__(*args, **kwargs)
+        if self.hparams.temperature != 1.0:
+            log.warning("temperature %s divides the logits of the DPO log-probs too, not only of the samples",
+                        self.hparams.temperature)
+        # split -> (fingerprint of the pairs, summed reference log-probs [2, N]: chosen row, rejected row)
+        self.reference_tables: dict[str, tuple[str, Tensor]] = {}
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.hparams.loss_type != "simpo"
+
+    # ---- log-probs ----------------------------------------------------------------------------------------
+
+    def sequence_logps(self, role: str | None, batch: dict[str, Tensor]) -> Tensor:
+        """Log-probs of each row's response summed over its tokens (``response_mask``): ``[2B]``."""
+        mask = batch["response_mask"]
+        logprobs, _ = self.token_logprobs(role, batch["input_ids"], batch["attention_mask"], mask)
+        return torch.where(mask, logprobs, 0.0).sum(-1)
+
+    def reference_logps(self, batch: dict[str, Tensor], split: str) -> Tensor | None:
+        """``[2B]`` reference log-probs: precomputed for ``split`` when available, else one no-grad pass."""
+        if not self.needs_reference:
+            return None
+        if split in self.reference_tables:
+            table = self.reference_tables[split][1]
+            return table[:, batch["index"].cpu()].flatten().to(self.device)
+        with torch.no_grad():
+            return self.sequence_logps(REFERENCE, batch)
+
+    # ---- loss ---------------------------------------------------------------------------------------------
+
+    def pair_losses(self, batch: dict[str, Tensor], split: str) -> tuple[Tensor, dict[str, Tensor]]:
+        """``(loss to minimise, per-pair detached values [B] named as in PAIR_METRICS)``."""
+        hp = self.hparams
+        chosen_lengths, rejected_lengths = batch["response_mask"].sum(-1).chunk(2)
+        chosen, rejected = self.sequence_logps(POLICY, batch).chunk(2)
+        reference = self.reference_logps(batch, split)
+        ref_chosen, ref_rejected = reference.chunk(2) if reference is not None else (None, None)
+        out = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, chosen_lengths, rejected_lengths, hp.beta,
+                       hp.loss_type, hp.label_smoothing, hp.simpo_gamma)
+        losses = out.losses
+        values = {"rewards/chosen": out.chosen_rewards, "rewards/rejected": out.rejected_rewards,
+                  "rewards/accuracy": (out.chosen_rewards > out.rejected_rewards).float(),
+                  "rewards/margin": out.chosen_rewards - out.rejected_rewards,
+                  "logps/chosen": chosen.detach(), "logps/rejected": rejected.detach()}
+        if hp.rpo_alpha:
+            nll = -chosen / chosen_lengths  # per-token NLL of each chosen response (algorithms.dpo.nll_loss)
+            losses = losses + hp.rpo_alpha * nll
+            values["loss/nll"] = nll.detach()
+        if "gold_chosen" in batch:  # does the implicit reward order the pair as the noise-free gold reward does?
+            gold_prefers_chosen = batch["gold_chosen"] > batch["gold_rejected"]
+            agrees = torch.where(gold_prefers_chosen, out.chosen_rewards > out.rejected_rewards,
+                                 out.rejected_rewards > out.chosen_rewards)  # a tie is never right
+            values["rewards/gold_accuracy"] = agrees.float()
+        values["loss"] = losses.detach()
+        return losses.mean(), values
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss, values = self.pair_losses(batch, "train")
+        pairs = batch["index"].shape[0]
+        self.log_dict({f"dpo/{name}": value.mean() for name, value in values.items()}, batch_size=pairs)
+        self.log("dpo/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+        self.log_dict({"loss": values["loss"].mean(), "acc": values["rewards/accuracy"].mean()}, prog_bar=True,
+                      logger=False, batch_size=pairs)
+        return loss
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        _, values = self.pair_losses(batch, "val")
+        for name, value in values.items():
+            self.val_metrics[name].update(value)
+        limit = self.hparams.sample_eval_batches
+        prompt_ids, prompt_mask = batch["prompt_input_ids"], batch["prompt_attention_mask"]
+        # Generation needs at least one prompt token (transcript-only pairs may share no beginning).
+        if (limit is None or batch_idx < limit) and bool(prompt_mask.sum(-1).min() > 0):
+            self.evaluate_samples(prompt_ids, prompt_mask, self.decode(prompt_ids, prompt_mask), batch_idx)
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        return self.configure_adamw([{"name": POLICY, "params": self.adapter_parameters(POLICY), "lr": hp.lr}],
+                                    hp.weight_decay, hp.warmup_steps, hp.lr_schedule, eps=hp.adam_eps)
+
+    # ---- precomputed reference ----------------------------------------------------------------------------
+
+    def on_fit_start(self) -> None:
+        if not (self.hparams.precompute_reference and self.needs_reference):
+            return
+        datamodule = self.trainer.datamodule
+        if not hasattr(datamodule, "train_set"):
+            raise ValueError("precompute_reference needs a PreferenceDataModule (its train_set and val_set)")
+        for split, pairs in (("train", datamodule.train_set), ("val", datamodule.val_set)):
+            fingerprint = pairs_fingerprint(pairs)
+            if split in self.reference_tables:  # restored from a checkpoint: reuse it, never recompute
+                if self.reference_tables[split][0] != fingerprint:
+                    raise ValueError(f"the checkpoint's reference log-probs of the {split} pairs were computed on "
+                                     "other data than this run's; resume with the same data settings")
+                continue
+            table = self.compute_reference(pairs, datamodule.collate, datamodule.val_batch_size)
+            self.reference_tables[split] = (fingerprint, table)
+
+    @torch.no_grad()
+    def compute_reference(self, pairs: Sequence[EncodedPair], collate: Callable[[list], dict],
+                          batch_size: int) -> Tensor:
+        """Summed reference log-probs ``[2, N]`` of every pair; each rank computes every world-size-th pair."""
+        table = torch.zeros(2, len(pairs), device=self.device)
+        mine = list(range(self.global_rank, len(pairs), self.trainer.world_size))
+        for start in range(0, len(mine), batch_size):
+            batch = collate([pairs[i] for i in mine[start : start + batch_size]])
+            if bool((batch["index"] < 0).any()):
+                raise ValueError("precompute_reference needs numbered pairs (EncodedPair.index)")
+            batch = {name: value.to(self.device) for name, value in batch.items()}
+            table[:, batch["index"]] = self.sequence_logps(REFERENCE, batch).view(2, -1).float()
+        return self.trainer.strategy.reduce(table, reduce_op="sum").cpu()
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        checkpoint["dpo_reference"] = dict(self.reference_tables)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        self.reference_tables = dict(checkpoint.get("dpo_reference", {}))
+
+
+def pairs_fingerprint(pairs: Sequence[EncodedPair]) -> str:
+    """A hash of the token ids of ``pairs``, in order: precomputed log-probs belong to exactly these pairs."""
+    digest = hashlib.sha256()
+    for pair in pairs:
+        for ids in (pair.chosen_ids, pair.rejected_ids, [pair.prompt_length]):
+            digest.update(array("q", ids).tobytes())
+            digest.update(b"|")
+    return digest.hexdigest()
