@@ -78,6 +78,9 @@ class WandbLogger(LightningWandbLogger):
             tags=tags, group=group, **kwargs,
         )
         self._wandb_init.pop("anonymous", None)  # deprecated in wandb, which warns about it on every run
+        # W&B's service process resolves a relative folder against its own working directory, which is the one
+        # of the first run in the process: a later run from another folder would write its files elsewhere.
+        self._wandb_init["dir"] = str(Path(save_dir).absolute())
 
     def finalize(self, status: str) -> None:
         """Finish the W&B run when the Trainer is done, so its data is complete on disk before the next run in
