@@ -5,7 +5,6 @@ the base is held once, the config runs from the CLI logging every metric, and th
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
 
 import lightning as L
@@ -21,8 +20,8 @@ from rlhf_lightning.merge import merge_adapter
 from rlhf_lightning.models.shared_base import adapter_of, position_ids_from_mask
 from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.tasks.synthetic import gold_rewards
-from rlhf_lightning.wandb_offline import find_run_file, read_history
 from tests.conftest import LORA
+from tests.test_cli import logged_keys
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -231,16 +230,6 @@ def test_export_and_merge_give_the_policy(tiny_model_dir, tmp_path):
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     logits = merged(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)).logits
     torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
-
-
-def logged_keys(directory: Path, expected: set[str], timeout: float = 30.0) -> set[str]:
-    """Keys of the offline W&B run under ``directory`` (its writer is another process: wait for it a little)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        keys = {key for row in read_history(find_run_file(directory)) for key in row}
-        if expected <= keys or time.monotonic() > deadline:
-            return keys
-        time.sleep(0.5)
 
 
 @pytest.mark.slow
