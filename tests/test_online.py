@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from rlhf_lightning.tasks.synthetic import gold_rewards
 from tests.conftest import LORA
 from tests.test_ppo import _fit, _perturb, assert_one_copy_of_the_base, prompts, run_under_ddp
 
+REPO = Path(__file__).resolve().parents[1]
 CRITIC_FREE = [GRPO, RLOO, REINFORCEPlusPlus]
 
 
@@ -229,3 +231,23 @@ def test_grpo_runs_under_ddp_on_two_cpu_processes(tiny_model_dir, reward_dir, tm
                   f"--model.init_args.reward.init_args.path={reward_dir}", "--model.init_args.policy_lora={r: 4, alpha: 8}",
                   "--model.init_args.kl_coef=0.05", "--data.init_args.batch_size=4")
     assert not (tmp_path / "adapters" / "critic").exists()
+
+
+def test_the_cli_takes_a_list_of_weighted_reward_sources(tiny_model_dir, reward_dir, tmp_path):
+    mix = tmp_path / "mix.yaml"
+    mix.write_text(f"""model:
+  init_args:
+    base: {{name_or_path: {tiny_model_dir}}}
+    policy_lora: {{r: 4, alpha: 8}}
+    reward:
+      - class_path: rlhf_lightning.AdapterReward
+        init_args: {{path: {reward_dir}}}
+      - class_path: rlhf_lightning.FunctionReward
+        init_args: {{fn: rlhf_lightning.tasks.synthetic.gold_rewards}}
+    reward_weights: [1.0, 0.5]
+""")
+    from rlhf_lightning.cli import RLHFCLI
+
+    cli = RLHFCLI(args=["--config", str(REPO / "configs" / "grpo.yaml"), "--config", str(mix),
+                        "--trainer.logger=false"], run=False)
+    assert cli.model.rewards.names == ["reward_model", "gold_rewards"] and cli.model.rewards.weights == [1.0, 0.5]
