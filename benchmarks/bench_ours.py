@@ -31,7 +31,7 @@ class PhaseTimer:
             ("generate", "rollout/generate", "rollout/generate"),
             ("response_logprobs", "rollout/logprobs (policy, reference)", "update/policy forward"),
             ("response_values", "rollout/values (critic)", "update/critic forward"),
-            ("score", "rollout/reward", "rollout/reward"),
+            ("score_responses", "rollout/reward", "rollout/reward"),
             ("manual_backward", "update/backward", "update/backward"),
         ):
             self._wrap(method, rollout_name, update_name)

@@ -92,6 +92,9 @@ class DPO(PolicyModule):
                         self.hparams.temperature)
         # split -> (fingerprint of the pairs, summed reference log-probs [2, N]: chosen row, rejected row)
         self.reference_tables: dict[str, tuple[str, Tensor]] = {}
+        # The splits whose table was computed, or checked against this run's pairs, in this fit: only those are
+        # read (a table restored by `validate --ckpt_path` or a resume without precompute_reference is not).
+        self.verified_splits: set[str] = set()
 
     @property
     def needs_reference(self) -> bool:
@@ -109,7 +112,7 @@ class DPO(PolicyModule):
         """``[2B]`` reference log-probs: precomputed for ``split`` when available, else one no-grad pass."""
         if not self.needs_reference:
             return None
-        if split in self.reference_tables:
+        if split in self.verified_splits:
             table = self.reference_tables[split][1]
             return table[:, batch["index"].cpu()].flatten().to(self.device)
         with torch.no_grad():
@@ -181,9 +184,10 @@ class DPO(PolicyModule):
                 if self.reference_tables[split][0] != fingerprint:
                     raise ValueError(f"the checkpoint's reference log-probs of the {split} pairs were computed on "
                                      "other data than this run's; resume with the same data settings")
-                continue
-            table = self.compute_reference(pairs, datamodule.collate, datamodule.val_batch_size)
-            self.reference_tables[split] = (fingerprint, table)
+            else:
+                table = self.compute_reference(pairs, datamodule.collate, datamodule.val_batch_size)
+                self.reference_tables[split] = (fingerprint, table)
+            self.verified_splits.add(split)
 
     @torch.no_grad()
     def compute_reference(self, pairs: Sequence[EncodedPair], collate: Callable[[list], dict],

@@ -25,7 +25,7 @@ from rlhf_lightning.algorithms.group import (
 from rlhf_lightning.algorithms.kl import KLEstimator
 from rlhf_lightning.algorithms.surrogate import LossAggregation
 from rlhf_lightning.core.online import OnlineRL, Stats
-from rlhf_lightning.rollout.experience import Experience, sequence_kl
+from rlhf_lightning.rollout.experience import Experience
 
 
 class GRPO(OnlineRL):
@@ -61,13 +61,15 @@ class GRPO(OnlineRL):
                          kl_in=kl_in, loss_aggregation=loss_aggregation, **kwargs)
         if scale_rewards not in ("group", "batch", "none"):
             raise ValueError(f"scale_rewards must be group, batch or none, got {scale_rewards!r}")
+        if samples_per_prompt < 2:
+            raise ValueError(f"GRPO needs samples_per_prompt >= 2 (a group of one has zero advantage), got "
+                             f"{samples_per_prompt}")
 
     def estimate_advantages(self, experience: Experience) -> tuple[Experience, Stats]:
         """``(r - mean_group r) / (std + eps)`` (or unscaled), broadcast over each response's tokens."""
         rewards = experience.scores
         if self.reward_kl_coef:
-            rewards = rewards - self.reward_kl_coef * sequence_kl(experience.logprobs, experience.ref_logprobs,
-                                                                  experience.response_mask)
+            rewards = rewards - self.reward_kl_coef * self.sequence_kl_penalty(experience)
         advantages = group_advantages(rewards, experience.group_size, self.hparams.scale_rewards,
                                       self.hparams.std_eps)
         stats = {"objective/frac_zero_std": zero_std_fraction(rewards, experience.group_size),

@@ -54,6 +54,7 @@ class PPO(OnlineRL):
     """
 
     metric_prefix = "ppo"
+    measure_kl = True  # ppo/objective/kl at every kl_coef, 0 included (the over-optimisation study's β = 0 runs)
     exported_roles = (POLICY, CRITIC)
 
     def __init__(

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from rlhf_lightning.algorithms import masked_whiten
 from rlhf_lightning.algorithms.group import broadcast_to_tokens, rloo_advantages, zero_std_fraction
 from rlhf_lightning.core.online import OnlineRL, Stats
-from rlhf_lightning.rollout.experience import Experience, sequence_kl
+from rlhf_lightning.rollout.experience import Experience
 
 
 class RLOO(OnlineRL):
@@ -19,7 +21,8 @@ class RLOO(OnlineRL):
 
     Args:
         samples_per_prompt: responses per prompt (at least 2: the baseline leaves one out).
-        kl_coef: coefficient of the sequence KL subtracted from each reward.
+        kl_coef: coefficient of the sequence KL (``kl_estimator`` summed over the response; k1 as TRL) subtracted
+            from each reward.
         whiten_advantages: standardise the advantages over the batch (TRL's ``normalize_advantages``).
     """
 
@@ -37,11 +40,11 @@ class RLOO(OnlineRL):
         rewards = experience.scores
         stats: Stats = {}
         if self.reward_kl_coef:
-            kl = sequence_kl(experience.logprobs, experience.ref_logprobs, experience.response_mask)
-            rewards = rewards - self.reward_kl_coef * kl
+            rewards = rewards - self.reward_kl_coef * self.sequence_kl_penalty(experience)
             stats["objective/rlhf_reward"] = rewards.mean()
-        advantages = broadcast_to_tokens(rloo_advantages(rewards, experience.group_size), experience.response_mask)
-        if self.hparams.whiten_advantages:
-            advantages = masked_whiten(advantages, experience.response_mask)
+        advantages = rloo_advantages(rewards, experience.group_size)
+        if self.hparams.whiten_advantages:  # over the responses, one value each (not over their tokens)
+            advantages = masked_whiten(advantages, torch.ones_like(advantages, dtype=torch.bool))
+        advantages = broadcast_to_tokens(advantages, experience.response_mask)
         stats["objective/frac_zero_std"] = zero_std_fraction(rewards, experience.group_size)
         return experience.with_advantages(advantages), stats

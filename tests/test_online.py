@@ -50,8 +50,9 @@ def test_rollout_advantages_are_the_pure_functions_on_the_experience(cls, tiny_m
                        experience.input_ids[3, :experience.prompt_length])  # a group shares its prompt
     mask = experience.response_mask
     kl = sequence_kl(experience.logprobs, experience.ref_logprobs, mask)
-    if cls is GRPO:
-        expected = group_advantages(experience.scores - 0.1 * kl, 4, "group", 1e-4)[:, None].expand_as(mask)
+    if cls is GRPO:  # its kl_estimator (k3) summed over each response
+        k3 = kl_penalty(experience.logprobs, experience.ref_logprobs, "k3").where(mask, 0.0).sum(-1)
+        expected = group_advantages(experience.scores - 0.1 * k3, 4, "group", 1e-4)[:, None].expand_as(mask)
     elif cls is RLOO:
         expected = rloo_advantages(experience.scores - 0.1 * kl, 4)[:, None].expand_as(mask)
     else:
@@ -138,9 +139,14 @@ def test_truncated_completions_carry_no_loss(tiny_model_dir, reward_dir):
     stopped_rows = loss_mask.any(-1)
     assert 0 < stopped_rows.sum() < 16, "the tiny model must leave some responses unfinished in 3 tokens"
     assert torch.equal(loss_mask[stopped_rows], experience.response_mask[stopped_rows])
-    # a loss computed on the unfinished rows alone is exactly zero, with zero gradient
+    # a loss computed on the unfinished rows alone is exactly zero, and so is its gradient
     unfinished = experience.select((~stopped_rows).nonzero().flatten())
-    assert module.losses(unfinished)["loss/total"].item() == 0.0
+    total = module.losses(unfinished)["loss/total"]
+    assert total.item() == 0.0
+    policy = [p for n, p in module.named_parameters() if adapter_of(n) == "policy"]
+    assert all(g.abs().sum() == 0 for g in torch.autograd.grad(total, policy, allow_unused=False))
+    with pytest.raises(ValueError, match="mask_truncated_completions needs a stop_token"):
+        make(GRPO, tiny_model_dir, reward_dir, mask_truncated_completions=True, stop_token=None)
 
 
 def test_lora_dropout_is_forced_to_zero_and_top_k_is_refused(tiny_model_dir, reward_dir):
@@ -251,3 +257,39 @@ def test_the_cli_takes_a_list_of_weighted_reward_sources(tiny_model_dir, reward_
     cli = RLHFCLI(args=["--config", str(REPO / "configs" / "grpo.yaml"), "--config", str(mix),
                         "--trainer.logger=false"], run=False)
     assert cli.model.rewards.names == ["reward_model", "gold_rewards"] and cli.model.rewards.weights == [1.0, 0.5]
+
+
+def test_a_subclass_that_fixes_a_parent_argument_keeps_it_under_the_cli(tiny_model_dir, reward_dir, tmp_path,
+                                                                         monkeypatch):
+    """LightningCLI saves the config as the hyper-parameters; what a subclass passes to its parent itself (not
+    in the config) must still reach ``hparams``, at every level of the class chain."""
+    (tmp_path / "fixed_arguments.py").write_text('''
+from rlhf_lightning import GRPO, PPO
+
+
+class DiscountedPPO(PPO):
+    """PPO with gamma fixed."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, gamma=0.99, **kwargs)
+
+
+class DrGRPO(GRPO):
+    """Dr. GRPO as a class."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, scale_rewards="none", loss_aggregation="constant", **kwargs)
+''')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from rlhf_lightning.cli import RLHFCLI
+
+    common = [f"--model.init_args.base.name_or_path={tiny_model_dir}", "--model.init_args.policy_lora={r: 4, alpha: 8}",
+              f"--model.init_args.reward.init_args.path={reward_dir}", "--trainer.logger=false"]
+    ppo = RLHFCLI(args=["--config", str(REPO / "configs" / "ppo.yaml"), "--model.class_path=fixed_arguments.DiscountedPPO",
+                        "--model.init_args.critic_lora={r: 4, alpha: 8}", *common], run=False).model
+    assert ppo.hparams.gamma == 0.99 and ppo.hparams.epochs == 4 and ppo.hparams.temperature == 1.0
+    grpo = RLHFCLI(args=["--config", str(REPO / "configs" / "grpo.yaml"), "--model.class_path=fixed_arguments.DrGRPO",
+                         *common], run=False).model
+    assert grpo.hparams.scale_rewards == "none" and grpo.hparams.loss_aggregation == "constant"
+    experience, _ = grpo.rollout(prompt_batch(grpo))  # reads both during the iteration
+    assert experience.advantages is not None

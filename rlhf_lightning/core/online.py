@@ -99,6 +99,9 @@ class OnlineRL(PolicyModule):
     """
 
     metric_prefix = "online"
+    # Compute the reference log-probs, hence log the KL, even when no KL term needs them (PPO always has; the
+    # critic-free algorithms skip that pass at kl_coef 0, as TRL's GRPO does).
+    measure_kl = False
     # Losses normalised over the whole optimizer step: their micro-batch parts add up to the step's loss.
     STEP_LOSSES = frozenset({"loss/policy", "loss/value", "loss/total"})
     validation_metrics = ("score", "kl", "length", "eos_frac", "gold")
@@ -138,10 +141,6 @@ class OnlineRL(PolicyModule):
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        # Under LightningCLI the saved hyper-parameters are the config's, which lack arguments a subclass passes
-        # itself: record this level's own values.
-        self.hparams.update({name: value for name, value in locals().items()
-                             if name not in ("self", "args", "kwargs", "reward", "__class__")})
         self.automatic_optimization = False
         self._check_arguments()
         self.rewards = RewardSet(reward if isinstance(reward, list | tuple) else [reward], reward_weights)
@@ -169,6 +168,9 @@ class OnlineRL(PolicyModule):
             raise ValueError(f"clip ranges must be >= 0, got {hp.clip_range}, {hp.clip_range_high}")
         if hp.policy_lr <= 0:
             raise ValueError(f"policy_lr must be > 0, got {hp.policy_lr}")
+        if hp.mask_truncated_completions and hp.stop_token is None:
+            raise ValueError("mask_truncated_completions needs a stop_token: without one no response ever stops, "
+                             "so every response would be masked and nothing would train")
 
     # ---- the iteration ------------------------------------------------------------------------------------
 
@@ -197,8 +199,9 @@ class OnlineRL(PolicyModule):
 
     @property
     def needs_reference(self) -> bool:
-        """Whether any KL term (or the adaptive controller) needs the reference log-probs."""
-        return self.kl_controller.value > 0 or self.hparams.kl_target is not None
+        """Whether the reference log-probs are computed: when a KL term (or the adaptive controller) needs them,
+        or always with ``measure_kl``."""
+        return self.measure_kl or self.kl_controller.value > 0 or self.hparams.kl_target is not None
 
     @torch.no_grad()
     def make_experience(self, prompts: dict[str, Any]) -> tuple[Experience, Stats]:
@@ -286,6 +289,10 @@ class OnlineRL(PolicyModule):
     def token_kl(self, experience: Experience) -> Tensor:
         """Per-token KL estimate ``[B, R]`` of the rollout's policy to the reference (``kl_estimator``)."""
         return kl_penalty(experience.logprobs, experience.ref_logprobs, self.hparams.kl_estimator)
+
+    def sequence_kl_penalty(self, experience: Experience) -> Tensor:
+        """``[B]``: the ``kl_estimator``'s per-token KL summed over each response (with k1, the log-ratio sum)."""
+        return torch.where(experience.response_mask, self.token_kl(experience), 0.0).sum(-1)
 
     @property
     def reward_kl_coef(self) -> float:
@@ -417,10 +424,15 @@ class OnlineRL(PolicyModule):
             if micro.ref_logprobs is not None:
                 terms["objective/kl"] = sequence_kl(logprobs.detach(), micro.ref_logprobs, mask).mean()
         terms["loss/policy"] = aggregate_loss(per_token, loss_mask, hp.loss_aggregation, normaliser)
-        if hp.kl_in == "loss" and self.needs_reference:
-            kl = kl_penalty(logprobs, micro.ref_logprobs, hp.kl_estimator)
-            if hp.kl_ratio_weighting:
-                kl = kl * torch.exp(torch.where(mask, logprobs - old_logprobs, 0.0))
+        if hp.kl_in == "loss" and self.kl_controller.value > 0:
+            # Padding gets the reference's own log-prob (KL 0 there): garbage could overflow k3's exp and turn
+            # the masked-out zero gradient into NaN.
+            kl = kl_penalty(torch.where(mask, logprobs, micro.ref_logprobs), micro.ref_logprobs, hp.kl_estimator)
+            if hp.kl_ratio_weighting:  # by the surrogate's own ratio: per token, or per response (GSPO)
+                log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0)
+                if hp.ratio_level == "sequence":
+                    log_ratio = (log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1))
+                kl = kl * torch.exp(log_ratio)
             per_token = per_token + self.kl_controller.value * kl
             terms["loss/kl"] = masked_mean(kl.detach(), mask)
         if hp.ent_coef:

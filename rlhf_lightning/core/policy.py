@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from lightning.pytorch.utilities.parsing import collect_init_args
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 from torchmetrics import MeanMetric
@@ -100,6 +102,11 @@ class PolicyModule(StageModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["reward", "gold_reward"])
+        # Under LightningCLI the saved hyper-parameters are the config's, which lack what a subclass passes to its
+        # parent itself (e.g. PPO(gamma=0.99) fixed in a subclass): add every __init__ level's own arguments.
+        for level in collect_init_args(inspect.currentframe(), []):
+            self.hparams.update({name: value for name, value in level.items()
+                                 if name not in self.hparams and name not in ("reward", "gold_reward")})
         if logprob_chunk is not None and logprob_chunk < 1:
             raise ValueError(f"logprob_chunk must be >= 1 or null, got {logprob_chunk}")
         self.model = self.load_base(base)
