@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from rlhf_lightning.algorithms.masked import masked_mean, masked_var
+from rlhf_lightning.algorithms.surrogate import clipped_surrogate
 
 
 def logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
@@ -45,18 +46,12 @@ def policy_loss(
     if clip_range < 0:
         raise ValueError(f"clip_range must be >= 0, got {clip_range}.")
     valid = mask.bool()
-    # Zero the log-ratio at padding before exp: garbage there could overflow to inf, and inf in the
-    # forward pass turns the zero gradient of the masked mean into NaN (0 * inf) on the way back.
-    log_ratio = torch.where(valid, logprobs - old_logprobs, torch.zeros_like(logprobs))
-    advantages = torch.where(valid, advantages, torch.zeros_like(advantages))
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
-    loss = masked_mean(torch.maximum(unclipped, clipped), valid)
+    surrogate = clipped_surrogate(logprobs, old_logprobs, advantages, valid, clip_range, clip_range)
+    loss = masked_mean(surrogate.loss, valid)
     with torch.no_grad():
-        clipfrac = masked_mean((clipped > unclipped).to(ratio.dtype), valid)
-        approx_kl = masked_mean((ratio - 1.0) - log_ratio, valid)
-        ratio_mean = masked_mean(ratio, valid)
+        clipfrac = masked_mean((surrogate.clipped_low | surrogate.clipped_high).to(surrogate.ratio.dtype), valid)
+        approx_kl = masked_mean((surrogate.ratio - 1.0) - torch.log(surrogate.ratio), valid)
+        ratio_mean = masked_mean(surrogate.ratio, valid)
     return PolicyLossOutput(loss, clipfrac, approx_kl, ratio_mean)
 
 

@@ -177,11 +177,10 @@ class OnlineRL(PolicyModule):
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         start = time.perf_counter()
         torch.manual_seed(derive_seed(self.hparams.seed, "train", self.iteration, self.global_rank))
-        experience, stats = self.make_experience(batch["prompts"])
-        experience, advantage_stats = self.estimate_advantages(experience)
+        experience, stats = self.rollout(batch["prompts"])  # 1. sample, make experience; 2. advantages
         rollout_seconds = time.perf_counter() - start
-        update_stats = self.update(experience, batch.get("ptx"))
-        self.end_iteration(experience, {**stats, **advantage_stats, **update_stats}, start, rollout_seconds)
+        stats.update(self.update(experience, batch.get("ptx")))  # 3. update
+        self.end_iteration(experience, stats, start, rollout_seconds)  # 4. bookkeeping
 
     @torch.no_grad()
     def rollout(self, prompts: dict[str, Any]) -> tuple[Experience, Stats]:
@@ -231,14 +230,14 @@ class OnlineRL(PolicyModule):
         experience = Experience(input_ids, attention_mask, response_mask,
                                 self.process_scores(source_scores, is_stopped), logprobs, ref_logprobs, values,
                                 group_size=group)
-        stats = self.experience_stats(experience, source_scores, raw_scores, is_stopped, entropy)
+        kl = None if logprobs is None or ref_logprobs is None else sequence_kl(logprobs, ref_logprobs, response_mask)
+        stats = self.experience_stats(experience, source_scores, raw_scores, is_stopped, entropy, kl)
         gold = None
         if self.gold_reward is not None:
             gold = [float(g) for g in self.gold_reward(texts, completions)]
             stats["objective/gold"] = torch.tensor(gold).mean()
-        kl = ([0.0] * len(completions) if logprobs is None or ref_logprobs is None
-              else sequence_kl(logprobs, ref_logprobs, response_mask).tolist())
-        self.last_samples = Samples(self.iteration, texts, completions, raw_scores.tolist(), kl, gold)
+        self.last_samples = Samples(self.iteration, texts, completions, raw_scores.tolist(),
+                                    [0.0] * len(completions) if kl is None else kl.tolist(), gold)
         return experience, stats
 
     def rollout_values(self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor) -> Tensor | None:
@@ -268,8 +267,9 @@ class OnlineRL(PolicyModule):
         return scores
 
     def experience_stats(self, experience: Experience, source_scores: Tensor, raw_scores: Tensor,
-                         is_stopped: Tensor, entropy: Tensor | None) -> Stats:
-        """What the rollout shows: scores (per source too), KL, lengths, stop rate, entropy."""
+                         is_stopped: Tensor, entropy: Tensor | None, kl: Tensor | None) -> Stats:
+        """What the rollout shows: scores (per source too), KL (``kl``, per sequence), lengths, stop rate,
+        entropy."""
         mask = experience.response_mask
         stats = {
             "objective/score": raw_scores.mean(),
@@ -280,8 +280,8 @@ class OnlineRL(PolicyModule):
         }
         if len(self.rewards.sources) > 1:
             stats.update({f"objective/{name}": value for name, value in self.rewards.statistics(source_scores).items()})
-        if experience.logprobs is not None and experience.ref_logprobs is not None:
-            stats["objective/kl"] = sequence_kl(experience.logprobs, experience.ref_logprobs, mask).mean()
+        if kl is not None:
+            stats["objective/kl"] = kl.mean()
         if entropy is not None:
             stats["policy/entropy"] = masked_mean(entropy, mask)
         return stats
@@ -411,9 +411,10 @@ class OnlineRL(PolicyModule):
         surrogate = clipped_surrogate(logprobs, old_logprobs, micro.advantages, mask, hp.clip_range,
                                       clip_high, hp.ratio_level)
         per_token = surrogate.loss
-        log_ratio = torch.where(mask, logprobs.detach() - old_logprobs, 0.0)
+        log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0)
+        approx_kl = torch.expm1(log_ratio.detach()) - log_ratio.detach()
         terms = {
-            "policy/approx_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, mask),
+            "policy/approx_kl": masked_mean(approx_kl, mask),
             "policy/clipfrac": masked_mean((surrogate.clipped_low | surrogate.clipped_high).float(), mask),
             "policy/clipfrac_low": masked_mean(surrogate.clipped_low.float(), mask),
             "policy/clipfrac_high": masked_mean(surrogate.clipped_high.float(), mask),
@@ -429,7 +430,6 @@ class OnlineRL(PolicyModule):
             # the masked-out zero gradient into NaN.
             kl = kl_penalty(torch.where(mask, logprobs, micro.ref_logprobs), micro.ref_logprobs, hp.kl_estimator)
             if hp.kl_ratio_weighting:  # by the surrogate's own ratio: per token, or per response (GSPO)
-                log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0)
                 if hp.ratio_level == "sequence":
                     log_ratio = (log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1))
                 kl = kl * torch.exp(log_ratio)
