@@ -55,9 +55,8 @@ class SFT(StageModule):
     def loss(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         """Mean next-token cross-entropy over completion tokens, and the number of those tokens."""
         with self.model.role(self.adapter):
-            hidden = self.model.hidden_states(batch["input_ids"], batch["attention_mask"])
+            logits = self.model.next_token_logits(batch["input_ids"], batch["attention_mask"])
         labels = batch["labels"][:, 1:]
-        logits = self.model.lm_head(hidden[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
         return loss, (labels != IGNORE_INDEX).sum()
 

@@ -10,7 +10,7 @@ import torch
 from rlhf_lightning.algorithms import token_rewards
 from rlhf_lightning.rollout.experience import Experience, sequence_kl
 from rlhf_lightning.rollout.generate import stopped, truncate_after_stop
-from rlhf_lightning.rollout.rewards import close_with_eos, last_token_index
+from rlhf_lightning.rollout.rewards import close_responses, last_token_index
 
 STOP, PAD = 1, 0
 
@@ -58,13 +58,31 @@ def test_experience_select_takes_rows_of_every_field_and_is_immutable():
         experience.scores = torch.zeros(3)
 
 
-def test_close_with_eos_appends_it_only_where_missing():
+def test_close_responses_appends_the_end_token_only_where_missing():
     ids = torch.tensor([[0, 5, 6, STOP], [5, 6, 7, 8], [0, 5, 9, 0]])
     mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1], [0, 1, 1, 0]])
-    closed, closed_mask, last = close_with_eos(ids, mask, eos_token_id=STOP)
+    closed, closed_mask, last = close_responses(ids, mask, end_token_id=STOP)
     assert last.tolist() == [3, 4, 3]
     assert closed.tolist() == [[0, 5, 6, 1, 1], [5, 6, 7, 8, 1], [0, 5, 9, 1, 1]]
     assert closed_mask.tolist() == [[0, 1, 1, 1, 0], [1, 1, 1, 1, 1], [0, 1, 1, 1, 0]]
+
+
+def test_close_responses_with_an_end_token_per_row_and_other_stop_tokens():
+    turn_end = 3
+    ids = torch.tensor([[5, 6, turn_end], [5, 6, STOP], [5, 6, 7], [5, 6, 7]])
+    mask = torch.ones_like(ids)
+    ends = torch.tensor([turn_end, turn_end, turn_end, STOP])  # conversations end turns with 3, text with EOS
+    closed, _, last = close_responses(ids, mask, ends, stop_token_ids=(STOP, turn_end))
+    assert last.tolist() == [2, 2, 3, 3]  # a response that stopped with either stop token is not closed again
+    assert closed[:, :4].tolist() == [[5, 6, 3, 3], [5, 6, 1, 3], [5, 6, 7, 3], [5, 6, 7, 1]]
+
+
+def test_several_stop_tokens_each_end_a_response():
+    responses = torch.tensor([[5, 3, 7, 1], [5, 1, 3, 8], [5, 6, 7, 8]])
+    cut, mask = truncate_after_stop(responses, (STOP, 3), PAD)
+    assert cut.tolist() == [[5, 3, 0, 0], [5, 1, 0, 0], [5, 6, 7, 8]]
+    assert stopped(cut, mask, (STOP, 3)).tolist() == [True, True, False]
+    assert stopped(cut, mask, ()).tolist() == [False, False, False]
 
 
 def test_sequence_kl_sums_the_log_ratio_over_response_tokens_only():

@@ -226,7 +226,7 @@ class OnlineRL(PolicyModule):
             columns={name: [v for v in column for _ in range(group)]
                      for name, column in prompts.get("columns", {}).items()})
         raw_scores = self.rewards.combine(source_scores)
-        is_stopped = stopped(responses, response_mask, self.sampling.stop_token_id)
+        is_stopped = stopped(responses, response_mask, self.sampling.stop_token_ids)
         experience = Experience(input_ids, attention_mask, response_mask,
                                 self.process_scores(source_scores, is_stopped), logprobs, ref_logprobs, values,
                                 group_size=group)
@@ -252,7 +252,7 @@ class OnlineRL(PolicyModule):
         ``prompts`` are the prompts as the dataset holds them (text or messages), ``columns`` its other columns.
         """
         return self.rewards.score(reward_inputs(input_ids, attention_mask, response_mask, completions, prompts,
-                                                columns, self.tokenizer.eos_token_id))
+                                                columns, self.tokenizer, self.sampling.stop_token_ids))
 
     def process_scores(self, source_scores: Tensor, is_stopped: Tensor) -> Tensor:
         """Sequence rewards ``[B]``: each source normalised (``reward_normalize``), weighted and summed, then a
@@ -350,7 +350,7 @@ class OnlineRL(PolicyModule):
         ``mask_truncated_completions`` is set."""
         if not self.hparams.mask_truncated_completions:
             return experience.response_mask
-        is_stopped = stopped(experience.responses, experience.response_mask, self.sampling.stop_token_id)
+        is_stopped = stopped(experience.responses, experience.response_mask, self.sampling.stop_token_ids)
         return experience.response_mask & is_stopped[:, None]
 
     def step_normalisers(self, micros: Sequence[Experience]) -> dict[str, Tensor]:
@@ -455,8 +455,7 @@ class OnlineRL(PolicyModule):
     def ptx_loss(self, batch: dict[str, Tensor]) -> Tensor:
         """Next-token loss of the policy on pretraining/SFT text (the PPO-ptx term of InstructGPT)."""
         with self.model.role(POLICY):
-            hidden = self.model.hidden_states(batch["input_ids"], batch["attention_mask"])
-        logits = self.model.lm_head(hidden[:, :-1].contiguous()).float()
+            logits = self.model.next_token_logits(batch["input_ids"], batch["attention_mask"]).float()
         return F.cross_entropy(logits.flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=IGNORE_INDEX)
 
     def minibatch_sizes(self, batch_size: int) -> tuple[int, int]:

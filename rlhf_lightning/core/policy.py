@@ -28,7 +28,7 @@ from rlhf_lightning.metrics import reset_metrics
 from rlhf_lightning.models.shared_base import REFERENCE, adapter_of
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
 from rlhf_lightning.rollout.experience import sequence_kl
-from rlhf_lightning.rollout.generate import SamplingSettings, sample_responses, stop_token_id, stopped
+from rlhf_lightning.rollout.generate import SamplingSettings, sample_responses, stop_token_ids, stopped
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,9 @@ class PolicyModule(StageModule):
         top_p: nucleus-sampling threshold; 1.0 = off (refused by the online algorithms, as ``top_k``).
         kv_cache: KV cache of generation: ``static`` allocates it once for prompt + ``max_new_tokens`` (faster,
             notably on CPU); ``dynamic`` grows it token by token (for models without static-cache support).
-        stop_token: token that ends a response: ``eos`` (the tokenizer's), another token, or null (never stop).
+        stop_token: what ends a response: ``auto`` = EOS and the token the chat template ends an assistant turn
+            with (ChatML's ``<|im_end|>``, Gemma's ``<end_of_turn>``), ``eos`` = the tokenizer's EOS alone,
+            another single token, or null (never stop).
         logprob_chunk: compute log-probs over this many positions at a time, recomputing each chunk's logits in
             the backward pass instead of keeping them (less peak memory for large vocabularies, one more LM-head
             pass); null = all at once.
@@ -94,7 +96,7 @@ class PolicyModule(StageModule):
         top_k: int = 0,
         top_p: float = 1.0,
         kv_cache: Literal["static", "dynamic"] = "static",
-        stop_token: str | None = "eos",
+        stop_token: str | None = "auto",
         logprob_chunk: int | None = None,
         seed: int = 0,
         gold_reward: GoldReward | None = None,
@@ -112,7 +114,7 @@ class PolicyModule(StageModule):
         self.model = self.load_base(base)
         self.model.add_adapter(POLICY, without_dropout(policy_lora, POLICY))
         self.sampling = SamplingSettings(max_new_tokens, temperature, top_k, top_p, kv_cache,
-                                         stop_token_id(self.tokenizer, stop_token))
+                                         stop_token_ids(self.tokenizer, stop_token))
         self.gold_reward = gold_reward
         self.val_metrics = torch.nn.ModuleDict({name: MeanMetric() for name in self.validation_metrics})
 
@@ -133,12 +135,16 @@ class PolicyModule(StageModule):
         recomputed in the backward pass rather than kept. ``entropy_grad=False`` computes the entropy as a
         detached statistic, so its ``[B, T, V]`` softmax is not kept for a backward.
         """
+        if self.model.logit_transform is None:
+            return self._forward_logprobs(role, input_ids, attention_mask, response_mask, with_entropy, entropy_grad)
         hidden, start = self.predicting_hidden_states(role, input_ids, attention_mask, response_mask)
         labels = input_ids[:, start:]
         chunk = self.hparams.logprob_chunk or labels.shape[1]
         recompute = self.hparams.logprob_chunk is not None and torch.is_grad_enabled() and hidden.requires_grad
-        # The fused head keeps one [B, T, V] tensor for the backward; an entropy bonus needs the plain path.
-        fused = self._fused_head() and not (with_entropy and entropy_grad and torch.is_grad_enabled())
+        # The fused head keeps one [B, T, V] tensor for the backward; an entropy bonus needs the plain path, and
+        # so does a soft cap (a scale folds into the temperature).
+        fused = (self._fused_head() and self.model.logit_transform.is_linear
+                 and not (with_entropy and entropy_grad and torch.is_grad_enabled()))
         compute = self._fused_chunk if fused else self._chunk_logprobs
         logprobs, entropies = [], []
         for first in range(0, labels.shape[1], chunk):
@@ -154,14 +160,33 @@ class PolicyModule(StageModule):
         return (torch.cat([left, *logprobs], 1),
                 torch.cat([left, *entropies], 1) if with_entropy else None)
 
+    def _forward_logprobs(self, role: str | None, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor,
+                          with_entropy: bool, entropy_grad: bool) -> tuple[Tensor, Tensor | None]:
+        """:meth:`token_logprobs` through the model's full forward pass, for models whose logit post-processing
+        cannot be reproduced from the hidden states."""
+        start = self._first_marked(response_mask)
+        with self.model.role(role):
+            logits = self.model.next_token_logits(input_ids, attention_mask, start).float() / self.hparams.temperature
+        left = input_ids.new_zeros((input_ids.shape[0], start), dtype=logits.dtype)
+        logprobs = torch.cat([left, logprobs_from_logits(logits, input_ids[:, start:])], 1)
+        if not with_entropy:
+            return logprobs, None
+        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+            entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
+        return logprobs, torch.cat([left, entropy], 1)
+
+    @staticmethod
+    def _first_marked(response_mask: Tensor) -> int:
+        marked = response_mask.any(0).nonzero()
+        if marked.numel() == 0 or int(marked[0]) == 0:
+            raise ValueError("response_mask must mark at least one token after the first column")
+        return int(marked[0])
+
     def predicting_hidden_states(self, role: str | None, input_ids: Tensor, attention_mask: Tensor,
                                  response_mask: Tensor) -> tuple[Tensor, int]:
         """``(hidden states [B, T - start, H], start)`` of ``role`` at the positions that predict tokens
         ``start .. T-1``, where ``start`` is the first column ``response_mask`` marks in any row."""
-        marked = response_mask.any(0).nonzero()
-        if marked.numel() == 0 or int(marked[0]) == 0:
-            raise ValueError("response_mask must mark at least one token after the first column")
-        start = int(marked[0])
+        start = self._first_marked(response_mask)
         with self.model.role(role):
             hidden = self.model.hidden_states(input_ids, attention_mask)
         return hidden[:, start - 1 : -1], start
@@ -188,13 +213,14 @@ class PolicyModule(StageModule):
 
     def _fused_chunk(self, hidden: Tensor, labels: Tensor, with_entropy: bool,
                      entropy_grad: bool) -> tuple[Tensor, Tensor | None]:
-        return logprobs_from_hidden(hidden, self.model.lm_head.weight, labels, self.hparams.temperature,
-                                    with_entropy)
+        # logits * scale / temperature = hidden @ W.T / (temperature / scale)
+        temperature = self.hparams.temperature / self.model.logit_transform.scale
+        return logprobs_from_hidden(hidden, self.model.lm_head.weight, labels, temperature, with_entropy)
 
     def _chunk_logprobs(self, hidden: Tensor, labels: Tensor, with_entropy: bool,
                         entropy_grad: bool) -> tuple[Tensor, Tensor | None]:
         # Contiguous first: matmul does not fold a strided slice that requires grad into one 2-D product.
-        logits = self.model.lm_head(hidden.contiguous()).float() / self.hparams.temperature
+        logits = self.model.logits(hidden.contiguous()).float() / self.hparams.temperature
         entropy = None
         if with_entropy:
             with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
@@ -234,7 +260,7 @@ class PolicyModule(StageModule):
         values = {
             "kl": sequence_kl(logprobs, ref_logprobs, response_mask),
             "length": response_mask.sum(-1).float(),
-            "eos_frac": stopped(responses, response_mask, self.sampling.stop_token_id).float(),
+            "eos_frac": stopped(responses, response_mask, self.sampling.stop_token_ids).float(),
         }
         if self.gold_reward is not None:
             values["gold"] = torch.tensor([float(g) for g in self.gold_reward(list(prompts), texts)])

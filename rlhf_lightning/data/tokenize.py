@@ -2,6 +2,10 @@
 
 Prompt and completion are tokenized separately and concatenated, the way a policy sees them at generation time
 (prompt tokens, then sampled tokens), so SFT, reward model and PPO all see the same token boundaries.
+
+A completion ends where generation stops: plain text with EOS; a conversation with the token its chat template
+closes an assistant turn with (:func:`turn_end_token_id`: ChatML's ``<|im_end|>``, Gemma's ``<end_of_turn>``),
+without what the template writes after it (ChatML's newline) and without a second EOS.
 """
 
 from __future__ import annotations
@@ -22,13 +26,56 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: Text, where: str) 
     return tokenizer(prompt, add_special_tokens=True)["input_ids"]
 
 
+_PROBE_CONTENT = "rlhf-lightning-probe"
+
+
+def turn_end_token_id(tokenizer: PreTrainedTokenizerBase) -> int | None:
+    """The special token the chat template writes right after an assistant message, or None (no template, or
+    a template that closes turns with plain text or nothing).
+
+    Found by rendering a probe conversation, so it follows whatever template the tokenizer carries.
+    """
+    template = tokenizer.chat_template
+    if template is None:
+        return None
+    cached = getattr(tokenizer, "_rlhf_turn_end", None)
+    if cached is not None and cached[0] == template:
+        return cached[1]
+    token = _probe_turn_end(tokenizer)
+    tokenizer._rlhf_turn_end = (template, token)
+    return token
+
+
+def _probe_turn_end(tokenizer: PreTrainedTokenizerBase) -> int | None:
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE_CONTENT}]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+    except Exception:  # a template that refuses this shape (e.g. requires a system message) tells us nothing
+        return None
+    if _PROBE_CONTENT not in text:
+        return None
+    after = tokenizer(text.rsplit(_PROBE_CONTENT, 1)[1], add_special_tokens=False)["input_ids"]
+    special = set(tokenizer.all_special_ids) | {
+        token_id for token_id, token in tokenizer.added_tokens_decoder.items() if token.special}
+    return after[0] if after and after[0] in special else None
+
+
+def completion_end_id(tokenizer: PreTrainedTokenizerBase, conversational: bool) -> int:
+    """The token a completion ends with (and where a reward model reads its score): the chat template's
+    turn-end token in conversations when it has one, else EOS."""
+    turn_end = turn_end_token_id(tokenizer) if conversational else None
+    return tokenizer.eos_token_id if turn_end is None else turn_end
+
+
 def encode_completion(
     tokenizer: PreTrainedTokenizerBase, prompt: Text, completion: Text, prompt_ids: list[int], where: str
 ) -> list[int]:
-    """Token ids of a completion, ending with EOS (appended when the text or template does not end with it).
+    """Token ids of a completion, ending with :func:`completion_end_id` (appended when missing; in
+    conversations whatever the template writes after its last turn-end token is dropped).
 
-    The EOS is what teaches a model to stop, and where a reward model reads its score.
+    That token is what teaches a model to stop, and where a reward model reads its score.
     """
+    end = completion_end_id(tokenizer, is_conversational(completion))
     if is_conversational(completion):
         prompt_messages = prompt if isinstance(prompt, list) else []
         full = _apply_chat_template(tokenizer, prompt_messages + completion, where, add_generation_prompt=False)
@@ -38,10 +85,13 @@ def encode_completion(
                 "so the completion tokens cannot be separated; set `chat_template` to a prefix-consistent template"
             )
         completion_ids = full[len(prompt_ids) :]
+        if end in completion_ids:
+            # Generation stops at the turn-end token: what follows it (ChatML's newline) is never sampled.
+            completion_ids = completion_ids[: len(completion_ids) - completion_ids[::-1].index(end)]
     else:
         completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
-    if not completion_ids or completion_ids[-1] != tokenizer.eos_token_id:
-        completion_ids = [*completion_ids, tokenizer.eos_token_id]
+    if not completion_ids or completion_ids[-1] not in (end, tokenizer.eos_token_id):
+        completion_ids = [*completion_ids, end]
     return completion_ids
 
 

@@ -24,6 +24,7 @@ from transformers.pytorch_utils import Conv1D
 
 from rlhf_lightning.models.fused_lora import fuse_lora_layers
 from rlhf_lightning.models.heads import ScalarHead
+from rlhf_lightning.models.logits import LogitTransform, find_logit_transform
 from rlhf_lightning.models.spec import LoraSpec
 
 REFERENCE = None  # the role name of the plain base model
@@ -64,6 +65,8 @@ class SharedBase(nn.Module):
         self.fused_lora = fused_lora
         self.trainable_adapters: set[str] = set()
         self._requires_grad: list[tuple[nn.Parameter, bool]] = []
+        # None: the model post-processes its logits in a way we cannot reproduce from the hidden states.
+        self.logit_transform: LogitTransform | None = find_logit_transform(model, self.hidden_states)
         self._adapters_changed()
 
     # ---- structure -------------------------------------------------------------------------------------
@@ -257,7 +260,28 @@ class SharedBase(nn.Module):
 
     @property
     def lm_head(self) -> nn.Module:
+        """The output projection; :meth:`logits` adds the model's own post-processing (e.g. soft-capping)."""
         return self.hf_model.get_output_embeddings()
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """The model's logits at ``hidden`` (from :meth:`hidden_states`): the LM head, then whatever the model
+        does to its output (Gemma-2's soft cap, Cohere's scale); requires a known :attr:`logit_transform`."""
+        if self.logit_transform is None:
+            raise RuntimeError(f"{type(self.hf_model).__name__}'s logits cannot be computed from hidden states; "
+                               "use next_token_logits")
+        return self.logit_transform(self.lm_head(hidden))
+
+    def next_token_logits(self, input_ids: Tensor, attention_mask: Tensor, start: int = 1) -> Tensor:
+        """Logits ``[B, T - start, V]`` of the active role predicting tokens ``start .. T-1``, equal to the
+        model's own forward pass: from the hidden states when the logit post-processing is known, else through
+        the full forward pass (computing the LM head on the needed positions only)."""
+        if self.logit_transform is not None:
+            hidden = self.hidden_states(input_ids, attention_mask)
+            return self.logits(hidden[:, start - 1 : -1].contiguous())
+        output = self.hf_model(input_ids=input_ids, attention_mask=attention_mask,
+                               position_ids=position_ids_from_mask(attention_mask), use_cache=False,
+                               logits_to_keep=input_ids.shape[1] - start + 1)
+        return output.logits[:, :-1]
 
     def score(self, role: str, input_ids: Tensor, attention_mask: Tensor, last_index: Tensor) -> Tensor:
         """The scalar head of ``role`` applied at token ``last_index[b]`` of each row: ``[B]``."""

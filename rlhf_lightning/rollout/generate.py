@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
+from rlhf_lightning.data.tokenize import completion_end_id
 from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.rollout.sampling import sampling_processors
 
@@ -22,7 +23,7 @@ class SamplingSettings:
     top_k: int = 0
     top_p: float = 1.0
     kv_cache: Literal["static", "dynamic"] = "static"
-    stop_token_id: int | None = None
+    stop_token_ids: tuple[int, ...] = ()  # any of them ends a response; empty = never stop
 
     def __post_init__(self) -> None:
         if self.temperature <= 0:
@@ -40,21 +41,25 @@ class SamplingSettings:
         # pass on its own (and recompile for every new prompt length).
         return GenerationConfig(
             do_sample=False, max_new_tokens=self.max_new_tokens, min_new_tokens=0, repetition_penalty=1.0,
-            no_repeat_ngram_size=0, eos_token_id=[] if self.stop_token_id is None else self.stop_token_id,
+            no_repeat_ngram_size=0, eos_token_id=list(self.stop_token_ids),
             pad_token_id=pad_token_id, use_cache=True, cache_implementation=self.kv_cache, disable_compile=True,
         )
 
 
-def stop_token_id(tokenizer: PreTrainedTokenizerBase, stop_token: str | None) -> int | None:
-    """The id of ``stop_token`` (``eos`` = the tokenizer's EOS; None = never stop)."""
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase, stop_token: str | None) -> tuple[int, ...]:
+    """The ids that end a response: ``auto`` = EOS and the chat template's turn-end token (Gemma's
+    ``<end_of_turn>``, ChatML's ``<|im_end|>``); ``eos`` = EOS alone; another string = that token; None = never
+    stop (an empty tuple)."""
     if stop_token is None:
-        return None
+        return ()
+    if stop_token == "auto":
+        return tuple(dict.fromkeys([tokenizer.eos_token_id, completion_end_id(tokenizer, conversational=True)]))
     if stop_token == "eos":
-        return tokenizer.eos_token_id
+        return (tokenizer.eos_token_id,)
     token_id = tokenizer.convert_tokens_to_ids(stop_token)
     if token_id is None or token_id == tokenizer.unk_token_id:
         raise ValueError(f"stop_token {stop_token!r} is not a single token of the tokenizer")
-    return token_id
+    return (token_id,)
 
 
 @torch.no_grad()
@@ -76,13 +81,20 @@ def sample_responses(model: SharedBase, role: str | None, input_ids: Tensor, att
             )
     finally:
         model.train(was_training)
-    responses, response_mask = truncate_after_stop(sequences[:, input_ids.shape[1]:], settings.stop_token_id,
+    responses, response_mask = truncate_after_stop(sequences[:, input_ids.shape[1]:], settings.stop_token_ids,
                                                    pad_token_id)
     return (torch.cat([input_ids, responses], 1), torch.cat([attention_mask, response_mask.long()], 1),
             response_mask)
 
 
-def truncate_after_stop(responses: Tensor, stop_token_id: int | None, pad_token_id: int) -> tuple[Tensor, Tensor]:
+def is_stop(tokens: Tensor, stop_token_ids: int | tuple[int, ...] | None) -> Tensor:
+    """Bool mask of ``tokens`` that are one of the stop tokens."""
+    ids = () if stop_token_ids is None else (stop_token_ids,) if isinstance(stop_token_ids, int) else stop_token_ids
+    return torch.isin(tokens, torch.tensor(ids, dtype=tokens.dtype, device=tokens.device))
+
+
+def truncate_after_stop(responses: Tensor, stop_token_ids: int | tuple[int, ...] | None,
+                        pad_token_id: int) -> tuple[Tensor, Tensor]:
     """Cut every response after its first stop token: ``(responses with pad after the stop, mask [B, R])``.
 
     The stop token itself stays in the response (it is an action the policy took, and the reward model reads its
@@ -90,19 +102,14 @@ def truncate_after_stop(responses: Tensor, stop_token_id: int | None, pad_token_
     """
     length = responses.shape[1]
     positions = torch.arange(length, device=responses.device)
-    if stop_token_id is None:
-        mask = torch.ones_like(responses, dtype=torch.bool)
-    else:
-        is_stop = responses == stop_token_id
-        first_stop = torch.where(is_stop.any(-1), is_stop.int().argmax(-1), length)
-        mask = positions[None, :] <= first_stop[:, None]
+    stops = is_stop(responses, stop_token_ids)
+    first_stop = torch.where(stops.any(-1), stops.int().argmax(-1), length)
+    mask = positions[None, :] <= first_stop[:, None]
     return responses.masked_fill(~mask, pad_token_id), mask
 
 
-def stopped(responses: Tensor, response_mask: Tensor, stop_token_id: int | None) -> Tensor:
-    """``[B]`` bool: the response ended with the stop token (rather than running out of tokens)."""
-    if stop_token_id is None:
-        return torch.zeros(responses.shape[0], dtype=torch.bool, device=responses.device)
+def stopped(responses: Tensor, response_mask: Tensor, stop_token_ids: int | tuple[int, ...] | None) -> Tensor:
+    """``[B]`` bool: the response ended with a stop token (rather than running out of tokens)."""
     last = (response_mask.sum(-1) - 1).clamp(min=0)
-    ended = responses[torch.arange(responses.shape[0], device=responses.device), last] == stop_token_id
+    ended = is_stop(responses[torch.arange(responses.shape[0], device=responses.device), last], stop_token_ids)
     return ended & response_mask.any(-1)
