@@ -73,7 +73,10 @@ def sample_responses(model: SharedBase, role: str | None, input_ids: Tensor, att
     was_training = model.training
     model.eval()
     try:
-        with model.role(role):
+        # Sampling runs in the weights' own precision, outside any autocast (bf16-mixed): autocast would re-cast
+        # every frozen fp32 weight to bf16 at each decoded token (8 bytes read per parameter instead of 4), and it
+        # leaves rotary keys in fp32 beside bf16 values, which a static cache (one dtype for both) rejects.
+        with model.role(role), torch.autocast(input_ids.device.type, enabled=False):
             sequences = model.hf_model.generate(
                 input_ids=input_ids, attention_mask=attention_mask,
                 generation_config=settings.generation_config(pad_token_id),

@@ -143,8 +143,13 @@ class AdapterReward(RewardSource):
 
 
 class ModelReward(RewardSource):
-    """A separate reward model with weights of its own, scoring the decoded texts (prompt and response
-    together, special tokens dropped) with its own tokenizer.
+    """A separate reward model with weights and a tokenizer of its own (policy and reward model may tokenize
+    differently).
+
+    Each response is encoded for the reward model exactly as the reward stage encodes a completion with that
+    tokenizer: a conversational prompt (the original messages) through the reward model's own chat template with
+    the response as the assistant's message, a text prompt as text; closed with its turn-end token or EOS
+    (:func:`~rlhf_lightning.data.tokenize.encode_completion`), where the score is read.
 
     Either a transformers sequence-classification model with one output (e.g. a hub reward model), or a folder
     written by the reward stage under full fine-tuning (a causal LM with ``head.safetensors``).
@@ -152,16 +157,17 @@ class ModelReward(RewardSource):
     Args:
         name_or_path: hub id or local folder.
         dtype: dtype of its weights.
-        max_length: texts are truncated (from the left) to this many tokens.
+        max_length: sequences are truncated from the left (the prompt's start) to this many tokens.
+        chat_template: Jinja chat template for conversational prompts, instead of the reward tokenizer's own.
         trust_remote_code: run code shipped with a hub model.
     """
 
-    def __init__(
-        self, name_or_path: str, dtype: str = "float32", max_length: int = 1024, trust_remote_code: bool = False
-    ) -> None:
+    def __init__(self, name_or_path: str, dtype: str = "float32", max_length: int = 1024,
+                 chat_template: str | None = None, trust_remote_code: bool = False) -> None:
         self.name_or_path = name_or_path
         self.dtype = getattr(torch, dtype)
         self.max_length = max_length
+        self.chat_template = chat_template
         self.trust_remote_code = trust_remote_code
 
     def setup(self, base: SharedBase, tokenizer: PreTrainedTokenizerBase) -> None:
@@ -169,11 +175,10 @@ class ModelReward(RewardSource):
 
         from rlhf_lightning.models.loading import disable_dropout, ensure_pad_token
 
-        self.policy_tokenizer = tokenizer
         kwargs = {"dtype": self.dtype, "trust_remote_code": self.trust_remote_code}
         self.tokenizer = AutoTokenizer.from_pretrained(self.name_or_path, trust_remote_code=self.trust_remote_code)
-        ensure_pad_token(self.tokenizer)
-        self.tokenizer.padding_side = self.tokenizer.truncation_side = "left"
+        if self.chat_template is not None:
+            self.tokenizer.chat_template = self.chat_template
         if ScalarHead.exists(self.name_or_path):
             self.model = AutoModelForCausalLM.from_pretrained(self.name_or_path, **kwargs)
             self.head = ScalarHead.load(self.name_or_path, self.model.get_input_embeddings().embedding_dim)
@@ -181,6 +186,11 @@ class ModelReward(RewardSource):
             self.model = AutoModelForSequenceClassification.from_pretrained(self.name_or_path, num_labels=1,
                                                                             **kwargs)
             self.head = None
+        if ensure_pad_token(self.tokenizer) and len(self.tokenizer) > self.model.get_input_embeddings().num_embeddings:
+            # Padding is masked, but its id is still looked up in the embeddings.
+            self.model.resize_token_embeddings(len(self.tokenizer))
+        # Sequence-classification models pool at the last token that is not padding.
+        self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.model.requires_grad_(False).eval()
         disable_dropout(self.model)
         device = base.hf_model.device
@@ -193,19 +203,34 @@ class ModelReward(RewardSource):
     def name(self) -> str:
         return "reward_model"
 
+    def encode(self, prompt: Any, completion: str, row: int) -> list[int]:
+        """The reward model's token ids of ``prompt`` (text or messages) answered by ``completion``, ending with
+        the token the score is read at, cut from the left to ``max_length``."""
+        from rlhf_lightning.data.tokenize import encode_completion, encode_prompt
+
+        where = f"reward model {self.name_or_path}, row {row}"
+        if isinstance(prompt, list):
+            completion = [{"role": "assistant", "content": completion}]
+        prompt_ids = encode_prompt(self.tokenizer, prompt, where)
+        ids = prompt_ids + encode_completion(self.tokenizer, prompt, completion, prompt_ids, where)
+        return ids[-self.max_length:]
+
     @torch.no_grad()
     def score(self, inputs: RewardInputs) -> Tensor:
-        input_ids, attention_mask = inputs.input_ids, inputs.attention_mask
-        texts = [self.policy_tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
-                 for ids, mask in zip(input_ids, attention_mask, strict=True)]
+        from rlhf_lightning.data.collate import pad
+        from rlhf_lightning.models.shared_base import position_ids_from_mask
+
+        sequences = [self.encode(prompt, completion, row)
+                     for row, (prompt, completion) in enumerate(zip(inputs.prompts, inputs.completions, strict=True))]
         # Left padding: every sequence ends at the last column, where the score is read.
-        batch = self.tokenizer(texts, return_tensors="pt", padding=True, truncation=True,
-                               max_length=self.max_length).to(self.model.device)
+        input_ids, attention_mask = (t.to(self.model.device) for t in
+                                     pad(sequences, self.tokenizer.pad_token_id, side="left"))
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask,
+                 "position_ids": position_ids_from_mask(attention_mask)}
         if self.head is None:
-            return self.model(**batch).logits[:, 0].float().to(input_ids.device)
-        position_ids = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
-        hidden = self.model.get_decoder()(**batch, position_ids=position_ids).last_hidden_state
-        return self.head(hidden[:, -1]).to(input_ids.device)
+            return self.model(**batch).logits[:, 0].float().to(inputs.input_ids.device)
+        hidden = self.model.get_decoder()(**batch, use_cache=False).last_hidden_state
+        return self.head(hidden[:, -1]).float().to(inputs.input_ids.device)
 
 
 class FunctionReward(RewardSource):
