@@ -29,6 +29,7 @@ from rlhf_lightning.data.formats import parse_preference, parse_prompt, parse_sf
 from rlhf_lightning.data.loader import ResumableLoader
 from rlhf_lightning.data.sources import DataFormatError, Record, read_records
 from rlhf_lightning.data.tokenize import encode_completion, encode_prompt
+from rlhf_lightning.tasks import TASKS, make_task
 
 log = logging.getLogger(__name__)
 
@@ -39,14 +40,14 @@ class StageDataModule(L.LightningDataModule):
     """What the stage data modules share: where rows come from, the validation split, batching.
 
     Args:
-        dataset: ``synthetic`` (the embedded task, generated from ``seed``), a ``.jsonl``/``.json``/``.parquet``
+        dataset: ``synthetic`` or ``arithmetic`` (an embedded task, generated from ``seed``), a ``.jsonl``/``.json``/``.parquet``
             file, a folder saved by ``datasets``, or a ``datasets`` hub id.
         split: split to read from a ``datasets`` folder or hub id.
         val_dataset: where validation rows come from (same forms); null holds out ``val_fraction`` of
             ``dataset``.
         val_split: split of ``val_dataset`` to read.
         val_fraction: share of ``dataset`` held out for validation when ``val_dataset`` is null (0 = none).
-        synthetic_rows: rows generated when ``dataset`` is ``synthetic``.
+        synthetic_rows: rows generated when ``dataset`` is an embedded task.
         batch_size: examples per training batch on each device.
         val_batch_size: examples per validation batch; null = ``batch_size``.
         max_length: longest example in tokens.
@@ -94,8 +95,8 @@ class StageDataModule(L.LightningDataModule):
 
     # ---- what subclasses define ---------------------------------------------------------------------------
 
-    def synthetic(self, n: int) -> list[dict]:
-        """``n`` rows of the embedded task in this stage's format."""
+    def synthetic(self, n: int, task: str = SYNTHETIC) -> list[dict]:
+        """``n`` rows of the embedded task ``task`` in this stage's format."""
         raise NotImplementedError
 
     def encode(self, record: Record) -> Any:
@@ -139,9 +140,9 @@ class StageDataModule(L.LightningDataModule):
     # ---- helpers ----------------------------------------------------------------------------------------
 
     def _read(self, dataset: str, split: str) -> list[Record]:
-        if dataset == SYNTHETIC:
-            rows = self.synthetic(self.synthetic_rows)
-            return [Record(f"synthetic[{self.kind}] row {i + 1}", row) for i, row in enumerate(rows)]
+        if dataset in TASKS:
+            rows = self.synthetic(self.synthetic_rows, dataset)
+            return [Record(f"{dataset}[{self.kind}] row {i + 1}", row) for i, row in enumerate(rows)]
         return read_records(dataset, split)
 
     def _hold_out(self, records: list[Record]) -> tuple[list[Record], list[Record]]:
@@ -185,10 +186,8 @@ class SFTDataModule(StageDataModule):
 
     kind = "sft"
 
-    def synthetic(self, n: int) -> list[dict]:
-        from rlhf_lightning.tasks.synthetic import SyntheticTask
-
-        return SyntheticTask(seed=self.seed).sft_rows(n)
+    def synthetic(self, n: int, task: str = SYNTHETIC) -> list[dict]:
+        return make_task(task, self.seed).sft_rows(n)
 
     def encode(self, record: Record) -> EncodedSFT:
         example = parse_sft(record)
@@ -217,10 +216,8 @@ class PreferenceDataModule(StageDataModule):
 
     kind = "preferences"
 
-    def synthetic(self, n: int) -> list[dict]:
-        from rlhf_lightning.tasks.synthetic import SyntheticTask
-
-        return SyntheticTask(seed=self.seed).preference_rows(n)
+    def synthetic(self, n: int, task: str = SYNTHETIC) -> list[dict]:
+        return make_task(task, self.seed).preference_rows(n)
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
@@ -281,10 +278,8 @@ class PromptDataModule(StageDataModule):
                 num_workers=self.num_workers, seed=self.seed,
             )
 
-    def synthetic(self, n: int) -> list[dict]:
-        from rlhf_lightning.tasks.synthetic import SyntheticTask
-
-        return SyntheticTask(seed=self.seed).prompt_rows(n)
+    def synthetic(self, n: int, task: str = SYNTHETIC) -> list[dict]:
+        return make_task(task, self.seed).prompt_rows(n)
 
     def setup(self, stage: str) -> None:
         super().setup(stage)

@@ -16,6 +16,7 @@ from transformers import (
 from transformers.activations import GELUTanh, NewGELUActivation
 
 from rlhf_lightning.models.spec import BaseModelSpec
+from rlhf_lightning.tasks import TASKS, build_task_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -30,10 +31,8 @@ def load_tokenizer(spec: BaseModelSpec) -> PreTrainedTokenizerBase:
         raise ValueError(
             "base model: set `tokenizer` (a hub id, a folder or 'synthetic') when `name_or_path` is null"
         )
-    if source == SYNTHETIC:
-        from rlhf_lightning.tasks.synthetic import build_tokenizer
-
-        tokenizer = build_tokenizer()
+    if source in TASKS:
+        tokenizer = build_task_tokenizer(source)
     else:
         tokenizer = AutoTokenizer.from_pretrained(
             source, revision=spec.revision, trust_remote_code=spec.trust_remote_code
