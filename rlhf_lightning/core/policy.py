@@ -133,7 +133,9 @@ class PolicyModule(StageModule):
         The LM head runs only from the first marked column on, optionally ``logprob_chunk`` positions at a time,
         so the full ``[B, T, V]`` logits never exist at once; with a chunk size, each chunk's logits are
         recomputed in the backward pass rather than kept. ``entropy_grad=False`` computes the entropy as a
-        detached statistic, so its ``[B, T, V]`` softmax is not kept for a backward.
+        detached statistic, so its ``[B, T, V]`` softmax is not kept for a backward. The logits are the model's own,
+        post-processing included (Gemma-2's soft cap; see :mod:`rlhf_lightning.models.logits`); for a model whose
+        post-processing is not recognised they come from its full forward pass.
         """
         if self.model.logit_transform is None:
             return self._forward_logprobs(role, input_ids, attention_mask, response_mask, with_entropy, entropy_grad)
