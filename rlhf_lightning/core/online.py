@@ -160,8 +160,8 @@ class OnlineRL(PolicyModule):
         **kwargs: Any,
     ) -> None:
         # Every check before the base is loaded: a typo fails in a second, not after loading a model.
-        self._check_arguments({**checks.call_arguments(PolicyModule.__init__, args, kwargs), **{
-            name: value for name, value in locals().items() if name not in ("self", "args", "kwargs", "reward")}})
+        own = {name: value for name, value in locals().items() if name not in ("self", "args", "kwargs", "reward")}
+        self._check_arguments({**checks.call_arguments(PolicyModule.__init__, args, kwargs), **own})
         rewards = RewardSet(reward if isinstance(reward, list | tuple) else [reward], reward_weights)
         super().__init__(*args, **kwargs)
         self.automatic_optimization = False
