@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from rlhf_lightning import GRPO, PPO, SFT, AdapterReward, SFTDataModule
+from rlhf_lightning import GRPO, PPO, SFT, AdapterReward, FunctionReward, SFTDataModule
 from rlhf_lightning.callbacks import IterationCheckpoint
 from rlhf_lightning.core.nonfinite import NonFiniteError
 from rlhf_lightning.models.shared_base import adapter_of
@@ -96,6 +96,18 @@ def test_a_nan_from_a_reward_model_is_not_read_as_not_applicable(tiny_model_dir,
                                              rf"{broken}\) returned nan for rows \[0, 1, 2, 3, \.\.\. \(8 in all\)\]"):
         fit(module, run, iterations=2, prefix="grpo/")
     assert assert_every_file_finite(run) == 0 and not (run / "export").exists()
+
+
+def nan_reward(prompts, completions, **kwargs):
+    return [1.0] + [math.nan] * (len(completions) - 1)
+
+
+def test_a_reward_function_returning_nan_is_named_with_the_iteration(tiny_model_dir, tmp_path):
+    module = make(GRPO, tiny_model_dir, FunctionReward(nan_reward), export_dir=str(tmp_path / "export"))
+    with pytest.raises(ValueError, match=r"^iteration 1: reward function (tests\.)?test_nonfinite\.nan_reward returned "
+                                         r"nan for row 1 \(completion .*\): expected a finite float, or None"):
+        fit(module, tmp_path, iterations=1, prefix="grpo/")
+    assert assert_every_file_finite(tmp_path) == 0 and not (tmp_path / "export").exists()
 
 
 def test_skip_skips_the_iteration_counts_its_steps_and_training_goes_on(tiny_model_dir, tmp_path):

@@ -264,11 +264,14 @@ class OnlineRL(PolicyModule):
         values = self.rollout_values(input_ids, attention_mask, response_mask)
         texts = [text for text in prompts["prompt"] for _ in range(group)]
         completions = self.decode(responses, response_mask)
-        source_scores = self.score_responses(
-            input_ids, attention_mask, response_mask, completions,
-            prompts=[p for p in prompts.get("raw_prompt", prompts["prompt"]) for _ in range(group)],
-            columns={name: [v for v in column for _ in range(group)]
-                     for name, column in prompts.get("columns", {}).items()})
+        try:
+            source_scores = self.score_responses(
+                input_ids, attention_mask, response_mask, completions,
+                prompts=[p for p in prompts.get("raw_prompt", prompts["prompt"]) for _ in range(group)],
+                columns={name: [v for v in column for _ in range(group)]
+                         for name, column in prompts.get("columns", {}).items()})
+        except ValueError as error:  # e.g. FunctionReward's refusal of a NaN, which names the row: add when
+            raise ValueError(f"iteration {self.iteration + 1}: {error}") from error
         self.guard_scores(score_problems(source_scores, self.rewards.sources)[0])
         raw_scores = self.rewards.combine(source_scores)
         is_stopped = stopped(responses, response_mask, self.sampling.stop_token_id)
