@@ -14,12 +14,14 @@ import hashlib
 import logging
 from array import array
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, get_args
 
 import torch
 from torch import Tensor
 
 from rlhf_lightning.algorithms.dpo import DPOLossType, check_dpo_arguments, dpo_loss
+from rlhf_lightning.core import checks
+from rlhf_lightning.core.nonfinite import NonFinite
 from rlhf_lightning.core.policy import POLICY, PolicyModule
 from rlhf_lightning.data.collate import EncodedPair
 from rlhf_lightning.models.shared_base import REFERENCE
@@ -56,6 +58,8 @@ class DPO(PolicyModule):
         warmup_steps: optimizer steps of linear warm-up.
         lr_schedule: decay after warm-up: ``constant``, ``linear`` or ``cosine``.
         adam_eps: Adam's epsilon.
+        nonfinite: what a NaN or infinite loss or gradient does: ``raise`` stops the run naming the step and the
+            loss term or parameters; ``skip`` skips that optimizer step and counts it in ``dpo/skipped_steps``.
     """
 
     metric_prefix = "dpo"
@@ -76,16 +80,17 @@ class DPO(PolicyModule):
         warmup_steps: int = 0,
         lr_schedule: Schedule = "constant",
         adam_eps: float = 1e-8,
+        nonfinite: NonFinite = "raise",
         **kwargs: Any,
     ) -> None:
         # Checked before the base is loaded, so a typo fails in a second, not after loading a model.
         check_dpo_arguments(beta, loss_type, label_smoothing)
-        for name, value in {"rpo_alpha": rpo_alpha, "weight_decay": weight_decay, "warmup_steps": warmup_steps,
-                            "sample_eval_batches": sample_eval_batches or 0}.items():
-            if value < 0:
-                raise ValueError(f"{name} must be >= 0, got {value}")
-        if not (lr > 0 and adam_eps > 0):
-            raise ValueError(f"lr and adam_eps must be > 0, got {lr} and {adam_eps}")
+        checks.non_negative("rpo_alpha", rpo_alpha)
+        checks.non_negative("simpo_gamma", simpo_gamma)
+        checks.at_least("sample_eval_batches", sample_eval_batches, minimum=0, optional=True)
+        checks.check_optimizer("lr", lr, weight_decay, warmup_steps, lr_schedule)
+        checks.positive("adam_eps", adam_eps)
+        checks.one_of("nonfinite", nonfinite, get_args(NonFinite))
         super().__init__(*args, **kwargs)
         if self.hparams.temperature != 1.0:
             log.warning("temperature %s divides the logits of the DPO log-probs too, not only of the samples",
@@ -148,6 +153,8 @@ class DPO(PolicyModule):
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         loss, values = self.pair_losses(batch, "train")
+        self.guard_losses({f"dpo/loss ({self.hparams.loss_type})": loss, "dpo/logps/chosen": values["logps/chosen"],
+                           "dpo/logps/rejected": values["logps/rejected"]})
         pairs = batch["index"].shape[0]
         self.log_dict({f"dpo/{name}": value.mean() for name, value in values.items()}, batch_size=pairs)
         self.log("dpo/lr", self.trainer.optimizers[0].param_groups[0]["lr"])

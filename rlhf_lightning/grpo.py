@@ -24,6 +24,7 @@ from rlhf_lightning.algorithms.group import (
 )
 from rlhf_lightning.algorithms.kl import KLEstimator
 from rlhf_lightning.algorithms.surrogate import LossAggregation
+from rlhf_lightning.core import checks
 from rlhf_lightning.core.online import OnlineRL, Stats
 from rlhf_lightning.rollout.experience import Experience
 
@@ -57,13 +58,14 @@ class GRPO(OnlineRL):
         loss_aggregation: LossAggregation = "token_mean",
         **kwargs: Any,
     ) -> None:
-        super().__init__(*args, samples_per_prompt=samples_per_prompt, kl_coef=kl_coef, kl_estimator=kl_estimator,
-                         kl_in=kl_in, loss_aggregation=loss_aggregation, **kwargs)
-        if scale_rewards not in ("group", "batch", "none"):
-            raise ValueError(f"scale_rewards must be group, batch or none, got {scale_rewards!r}")
-        if samples_per_prompt < 2:
+        # Checked before the base is loaded (OnlineRL checks its own arguments before loading it too).
+        checks.one_of("scale_rewards", scale_rewards, ("group", "batch", "none"))
+        checks.non_negative("std_eps", std_eps)
+        if isinstance(samples_per_prompt, int) and samples_per_prompt < 2:
             raise ValueError(f"GRPO needs samples_per_prompt >= 2 (a group of one has zero advantage), got "
                              f"{samples_per_prompt}")
+        super().__init__(*args, samples_per_prompt=samples_per_prompt, kl_coef=kl_coef, kl_estimator=kl_estimator,
+                         kl_in=kl_in, loss_aggregation=loss_aggregation, **kwargs)
 
     def estimate_advantages(self, experience: Experience) -> tuple[Experience, Stats]:
         """``(r - mean_group r) / (std + eps)`` (or unscaled), broadcast over each response's tokens."""

@@ -20,6 +20,7 @@ from rlhf_lightning.algorithms import (
     value_errors,
 )
 from rlhf_lightning.algorithms.surrogate import aggregate_loss
+from rlhf_lightning.core import checks
 from rlhf_lightning.core.online import OnlineRL, Stats
 from rlhf_lightning.core.policy import POLICY, without_dropout
 from rlhf_lightning.models.spec import LoraSpec
@@ -73,13 +74,14 @@ class PPO(OnlineRL):
         backward: Literal["auto", "joint", "separate"] = "auto",
         **kwargs: Any,
     ) -> None:
+        # Checked before the base is loaded (OnlineRL checks its own arguments before loading it too).
+        checks.one_of("backward", backward, ("auto", "joint", "separate"))
+        checks.in_range("gamma", gamma, 0.0, 1.0)
+        checks.in_range("lam", lam, 0.0, 1.0)
+        checks.positive("critic_lr", critic_lr)
+        checks.non_negative("vf_coef", vf_coef)
+        checks.non_negative("clip_range_value", clip_range_value, optional=True)
         super().__init__(*args, epochs=epochs, **kwargs)
-        if backward not in ("auto", "joint", "separate"):
-            raise ValueError(f"backward must be auto, joint or separate, got {backward!r}")
-        if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
-            raise ValueError(f"gamma and lam must lie in [0, 1], got gamma={gamma}, lam={lam}")
-        if critic_lr <= 0:
-            raise ValueError(f"critic_lr must be > 0, got {critic_lr}")
         self.model.add_adapter(CRITIC, without_dropout(critic_lora, CRITIC))
         self.model.add_head(CRITIC)
         if critic_from_reward:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import get_args
 
 import torch
 from torch import Tensor
 
 from rlhf_lightning.algorithms.preference import bradley_terry_loss
+from rlhf_lightning.core import checks
+from rlhf_lightning.core.nonfinite import NonFinite, check_finite_weights
 from rlhf_lightning.core.stage import StageModule
 from rlhf_lightning.metrics import MeanStd, PairwiseAccuracy, reset_metrics
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
@@ -35,7 +38,11 @@ class RewardModel(StageModule):
         warmup_steps: optimizer steps of linear warm-up.
         lr_schedule: decay after warm-up: ``constant``, ``linear`` or ``cosine``.
         export_dir: folder for the trained reward model; null = do not export.
+        nonfinite: what a NaN or infinite loss or gradient does: ``raise`` stops the run naming the step and the
+            loss term or parameters; ``skip`` skips that optimizer step and counts it in ``rm/skipped_steps``.
     """
+
+    metric_prefix = "rm"
 
     def __init__(
         self,
@@ -47,7 +54,13 @@ class RewardModel(StageModule):
         warmup_steps: int = 0,
         lr_schedule: Schedule = "linear",
         export_dir: str | None = None,
+        nonfinite: NonFinite = "raise",
     ) -> None:
+        # Checked before the base is loaded, so a typo fails in a second, not after loading a model.
+        checks.non_negative("center_coef", center_coef)
+        checks.check_optimizer("lr", lr, weight_decay, warmup_steps, lr_schedule)
+        checks.one_of("nonfinite", nonfinite, get_args(NonFinite))
+        export_dir = checks.optional_str(export_dir)
         super().__init__()
         self.save_hyperparameters()
         self.model = self.load_base(base, train_base=lora is None)
@@ -78,6 +91,7 @@ class RewardModel(StageModule):
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         chosen, rejected = self._pair_rewards(batch)
         loss = self._loss(chosen, rejected, batch)
+        self.guard_losses({"rm/loss": loss})
         both = torch.cat([chosen, rejected]).detach()
         self.log_dict(
             {
@@ -136,6 +150,11 @@ class RewardModel(StageModule):
         """Write the reward model to ``directory/reward``: the adapter (peft format) or, under full fine-tuning,
         the whole model; the score head; and the reward statistics if given."""
         directory = Path(directory)
+        check_finite_weights({name: p for name, p in self.named_parameters() if p.requires_grad},
+                             f"the reward model to {directory}")
+        if stats is not None:
+            checks.finite("reward statistics mean", stats["mean"])
+            checks.finite("reward statistics std", stats["std"])
         if self.adapter is not None:
             out = self.model.save_adapter(REWARD_ROLE, directory)
         else:

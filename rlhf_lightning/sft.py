@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import get_args
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torchmetrics import MeanMetric
 
+from rlhf_lightning.core import checks
+from rlhf_lightning.core.nonfinite import NonFinite
 from rlhf_lightning.core.stage import StageModule
 from rlhf_lightning.data.collate import IGNORE_INDEX
 from rlhf_lightning.metrics import reset_metrics
@@ -32,7 +35,11 @@ class SFT(StageModule):
         warmup_steps: optimizer steps of linear warm-up.
         lr_schedule: decay after warm-up: ``constant``, ``linear`` or ``cosine`` (to 0 at the last step).
         export_dir: folder for the final model and tokenizer; null = do not export.
+        nonfinite: what a NaN or infinite loss or gradient does: ``raise`` stops the run naming the step and the
+            loss term or parameters; ``skip`` skips that optimizer step and counts it in ``sft/skipped_steps``.
     """
+
+    metric_prefix = "sft"
 
     def __init__(
         self,
@@ -43,7 +50,12 @@ class SFT(StageModule):
         warmup_steps: int = 0,
         lr_schedule: Schedule = "constant",
         export_dir: str | None = None,
+        nonfinite: NonFinite = "raise",
     ) -> None:
+        # Checked before the base is loaded, so a typo fails in a second, not after loading a model.
+        checks.check_optimizer("lr", lr, weight_decay, warmup_steps, lr_schedule)
+        checks.one_of("nonfinite", nonfinite, get_args(NonFinite))
+        export_dir = checks.optional_str(export_dir)
         super().__init__()
         self.save_hyperparameters()
         self.model = self.load_base(base, train_base=lora is None)
@@ -62,6 +74,7 @@ class SFT(StageModule):
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         loss, tokens = self.loss(batch)
+        self.guard_losses({"sft/loss": loss})
         self.log("sft/loss", loss, prog_bar=True)
         self.log("sft/tokens", tokens.float(), reduce_fx="sum")
         self.log("sft/lr", self.trainer.optimizers[0].param_groups[0]["lr"])

@@ -106,7 +106,8 @@ def test_grpo_on_the_checker_through_the_cli(tmp_path):
           "--trainer.val_check_interval=2", "--trainer.num_sanity_val_steps=0", "--trainer.callbacks=[]",
           "--trainer.enable_progress_bar=false", "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
           f"--trainer.logger.init_args.save_dir={tmp_path}", f"--model.init_args.export_dir={tmp_path / 'out'}"])
-    rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
+    with open(next(tmp_path.rglob("metrics.csv"))) as file:
+        rows = list(csv.DictReader(file))
     keys = {key for row in rows for key, value in row.items() if value}
     assert {"grpo/objective/score", "grpo/val/score", "grpo/val/gold"} <= keys
     accuracy = [float(row["grpo/val/gold"]) for row in rows if row.get("grpo/val/gold")]

@@ -59,7 +59,8 @@ def perturb_policy(module: DPO) -> None:
     (dict(label_smoothing=0.5), r"label_smoothing must lie in \[0, 0.5\)"),
     (dict(loss_type="ipo", label_smoothing=0.1), "label_smoothing applies only"),
     (dict(rpo_alpha=-1.0), "rpo_alpha must be >= 0"),
-    (dict(lr=0.0), "lr and adam_eps must be > 0"),
+    (dict(lr=0.0), "lr must be > 0, got 0.0"),
+    (dict(adam_eps=-1e-8), "adam_eps must be > 0, got -1e-08"),
 ])
 def test_bad_arguments_fail_before_the_model_is_loaded(bad, message):
     with pytest.raises(ValueError, match=message):  # the base path does not exist: no model was loaded

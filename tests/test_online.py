@@ -159,7 +159,7 @@ def test_lora_dropout_is_forced_to_zero_and_top_k_is_refused(tiny_model_dir, rew
         make(GRPO, tiny_model_dir, reward_dir, top_k=5)
     with pytest.raises(ValueError, match="samples_per_prompt >= 2"):
         make(RLOO, tiny_model_dir, reward_dir, samples_per_prompt=1)
-    with pytest.raises(ValueError, match="epochs must be >= 1"):
+    with pytest.raises(ValueError, match="epochs must be an integer >= 1, got 0"):
         make(GRPO, tiny_model_dir, reward_dir, epochs=0)
 
 

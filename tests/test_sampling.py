@@ -84,5 +84,5 @@ def test_generation_is_the_same_with_a_static_or_dynamic_cache_and_honours_top_k
 
 
 def test_kv_cache_must_be_static_or_dynamic(tiny_model_dir, reward_dir):
-    with pytest.raises(ValueError, match="kv_cache must be static or dynamic, got 'paged'"):
+    with pytest.raises(ValueError, match="kv_cache must be one of static, dynamic, got 'paged'"):
         make_ppo(tiny_model_dir, reward_dir, kv_cache="paged")

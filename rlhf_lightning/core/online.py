@@ -20,10 +20,11 @@ when ``target_kl`` stops the epochs early). Metrics are logged per iteration (tr
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +43,14 @@ from rlhf_lightning.algorithms.surrogate import (
     clipped_surrogate,
     loss_normaliser,
 )
+from rlhf_lightning.core import checks
+from rlhf_lightning.core.nonfinite import (
+    SKIP_HINT,
+    NonFinite,
+    NonFiniteError,
+    listing,
+    score_problems,
+)
 from rlhf_lightning.core.policy import POLICY, PolicyModule, derive_seed
 from rlhf_lightning.data.collate import IGNORE_INDEX
 from rlhf_lightning.models.shared_base import REFERENCE
@@ -51,6 +60,11 @@ from rlhf_lightning.rollout.generate import stopped
 from rlhf_lightning.rollout.rewards import RewardSet, RewardSource, reward_inputs
 
 Stats = dict[str, Tensor]
+log = logging.getLogger(__name__)
+
+
+class SkipIteration(Exception):
+    """Raised inside the rollout under ``nonfinite: skip`` when the iteration must not be trained on."""
 
 
 class OnlineRL(PolicyModule):
@@ -96,6 +110,10 @@ class OnlineRL(PolicyModule):
         weight_decay: AdamW weight decay.
         warmup_iterations: iterations of linear learning-rate warm-up.
         lr_schedule: decay after warm-up over the run's iterations: ``constant``, ``linear`` or ``cosine``.
+        nonfinite: what a NaN or infinite reward score, loss or gradient does: ``raise`` stops the run with a
+            message naming the iteration and the reward source and rows, the loss term or the parameters;
+            ``skip`` skips the optimizer step (all of the iteration's steps for a bad score) and counts it in
+            ``<prefix>/skipped_steps``. Either way nothing non-finite is trained on or written.
     """
 
     metric_prefix = "online"
@@ -138,46 +156,72 @@ class OnlineRL(PolicyModule):
         weight_decay: float = 0.0,
         warmup_iterations: int = 0,
         lr_schedule: Schedule = "constant",
+        nonfinite: NonFinite = "raise",
         **kwargs: Any,
     ) -> None:
+        # Every check before the base is loaded: a typo fails in a second, not after loading a model.
+        own = {name: value for name, value in locals().items() if name not in ("self", "args", "kwargs", "reward")}
+        self._check_arguments({**checks.call_arguments(PolicyModule.__init__, args, kwargs), **own})
+        rewards = RewardSet(reward if isinstance(reward, list | tuple) else [reward], reward_weights)
         super().__init__(*args, **kwargs)
         self.automatic_optimization = False
-        self._check_arguments()
-        self.rewards = RewardSet(reward if isinstance(reward, list | tuple) else [reward], reward_weights)
+        self.rewards = rewards
         self.rewards.setup(self.model, self.tokenizer, normalize=reward_normalize)
         self.kl_controller = (FixedKLController(kl_coef) if kl_target is None
                               else AdaptiveKLController(kl_coef, kl_target, kl_horizon))
         self.last_samples: Samples | None = None  # the latest rollout as text (see callbacks.CompletionsTable)
         self.model.train()  # peft loads adapters in eval mode; with dropout off both modes compute the same
 
-    def _check_arguments(self) -> None:
-        hp = self.hparams
-        if hp.top_k or hp.top_p < 1.0:
+    @staticmethod
+    def _check_arguments(hp: dict[str, Any]) -> None:
+        """One-line ``ValueError`` for any argument out of its range (``hp``: every constructor argument)."""
+        if hp["top_k"] or hp["top_p"] < 1.0:
             raise ValueError(
                 "top_k/top_p: the losses and the KL use log-probs of the full distribution (at the temperature), "
                 "so sampling from a truncated one would make every ratio and KL wrong; set top_k: 0, top_p: 1.0"
             )
-        counts = {"samples_per_prompt": hp.samples_per_prompt, "epochs": hp.epochs,
-                  "num_minibatches": hp.num_minibatches, "gradient_accumulation": hp.gradient_accumulation}
-        for name, value in counts.items():
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        if hp.kl_in not in ("reward", "loss"):
-            raise ValueError(f"kl_in must be reward or loss, got {hp.kl_in!r}")
-        if hp.clip_range < 0 or (hp.clip_range_high is not None and hp.clip_range_high < 0):
-            raise ValueError(f"clip ranges must be >= 0, got {hp.clip_range}, {hp.clip_range_high}")
-        if hp.policy_lr <= 0:
-            raise ValueError(f"policy_lr must be > 0, got {hp.policy_lr}")
-        if hp.mask_truncated_completions and hp.stop_token is None:
+        for name in ("samples_per_prompt", "epochs", "num_minibatches", "gradient_accumulation", "kl_horizon"):
+            checks.at_least(name, hp[name])
+        checks.at_least("warmup_iterations", hp["warmup_iterations"], minimum=0)
+        for name in ("kl_coef", "clip_range", "ent_coef", "ptx_coef", "weight_decay"):
+            checks.non_negative(name, hp[name])
+        for name in ("clip_range_high", "missing_eos_penalty"):
+            checks.non_negative(name, hp[name], optional=True)
+        for name in ("reward_clip", "kl_target", "target_kl", "max_grad_norm"):
+            checks.positive(name, hp[name], optional=True)
+        for name in ("policy_lr", "adam_eps"):
+            checks.positive(name, hp[name])
+        for index, weight in enumerate(hp["reward_weights"] or []):
+            checks.finite(f"reward_weights[{index}]", weight)
+        choices = {"kl_estimator": KLEstimator, "kl_in": Literal["reward", "loss"],
+                   "ratio_level": Literal["token", "sequence"], "loss_aggregation": LossAggregation,
+                   "lr_schedule": Schedule, "nonfinite": NonFinite}
+        for name, kind in choices.items():
+            checks.one_of(name, hp[name], get_args(kind))
+        if hp["mask_truncated_completions"] and checks.optional_str(hp["stop_token"]) is None:
             raise ValueError("mask_truncated_completions needs a stop_token: without one no response ever stops, "
                              "so every response would be masked and nothing would train")
+
+    def setup(self, stage: str) -> None:
+        # The rollout's split into minibatches is known once the data module is: checked before the first
+        # rollout, not after it (minutes on a real model).
+        datamodule = self.trainer.datamodule if self._trainer is not None else None
+        batch_size = getattr(datamodule, "batch_size", None)
+        if stage == "fit" and isinstance(batch_size, int):
+            self.minibatch_sizes(batch_size * self.hparams.samples_per_prompt,
+                                 f"data.init_args.batch_size={batch_size} prompts x samples_per_prompt="
+                                 f"{self.hparams.samples_per_prompt}")
 
     # ---- the iteration ------------------------------------------------------------------------------------
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         start = time.perf_counter()
         torch.manual_seed(derive_seed(self.hparams.seed, "train", self.iteration, self.global_rank))
-        experience, stats = self.rollout(batch["prompts"])  # 1. sample, make experience; 2. advantages
+        try:
+            experience, stats = self.rollout(batch["prompts"])  # 1. sample, make experience; 2. advantages
+        except SkipIteration:
+            self.skip_iteration()
+            return
         rollout_seconds = time.perf_counter() - start
         stats.update(self.update(experience, batch.get("ptx")))  # 3. update
         self.end_iteration(experience, stats, start, rollout_seconds)  # 4. bookkeeping
@@ -220,15 +264,22 @@ class OnlineRL(PolicyModule):
         values = self.rollout_values(input_ids, attention_mask, response_mask)
         texts = [text for text in prompts["prompt"] for _ in range(group)]
         completions = self.decode(responses, response_mask)
-        source_scores = self.score_responses(
-            input_ids, attention_mask, response_mask, completions,
-            prompts=[p for p in prompts.get("raw_prompt", prompts["prompt"]) for _ in range(group)],
-            columns={name: [v for v in column for _ in range(group)]
-                     for name, column in prompts.get("columns", {}).items()})
+        try:
+            source_scores = self.score_responses(
+                input_ids, attention_mask, response_mask, completions,
+                prompts=[p for p in prompts.get("raw_prompt", prompts["prompt"]) for _ in range(group)],
+                columns={name: [v for v in column for _ in range(group)]
+                         for name, column in prompts.get("columns", {}).items()})
+        except ValueError as error:  # e.g. FunctionReward's refusal of a NaN, which names the row: add when
+            raise ValueError(f"iteration {self.iteration + 1}: {error}") from error
+        self.guard_scores(score_problems(source_scores, self.rewards.sources)[0])
         raw_scores = self.rewards.combine(source_scores)
         is_stopped = stopped(responses, response_mask, self.sampling.stop_token_ids)
-        experience = Experience(input_ids, attention_mask, response_mask,
-                                self.process_scores(source_scores, is_stopped), logprobs, ref_logprobs, values,
+        scores = self.process_scores(source_scores, is_stopped)
+        bad = ~torch.isfinite(scores)
+        self.guard_scores([f"the combined reward is non-finite for rows {listing(bad.nonzero().flatten().tolist())} "
+                           f"of {bad.shape[0]} (reward_normalize statistics or reward_weights?)"] if bad.any() else [])
+        experience = Experience(input_ids, attention_mask, response_mask, scores, logprobs, ref_logprobs, values,
                                 group_size=group)
         kl = None if logprobs is None or ref_logprobs is None else sequence_kl(logprobs, ref_logprobs, response_mask)
         stats = self.experience_stats(experience, source_scores, raw_scores, is_stopped, entropy, kl)
@@ -239,6 +290,31 @@ class OnlineRL(PolicyModule):
         self.last_samples = Samples(self.iteration, texts, completions, raw_scores.tolist(),
                                     [0.0] * len(completions) if kl is None else kl.tolist(), gold)
         return experience, stats
+
+    def guard_scores(self, problems: list[str]) -> None:
+        """Stop on non-finite scores (``problems``, one line each, possibly from another rank): raise
+        :class:`NonFiniteError`, or under ``nonfinite: skip`` raise :class:`SkipIteration`."""
+        found = torch.tensor(float(bool(problems)), device=self.device)
+        if self._trainer is not None and self.trainer.world_size > 1:  # every rank takes the same decision
+            found = self.trainer.strategy.reduce(found, reduce_op="sum")
+        if not bool(found > 0):
+            return
+        message = f"iteration {self.iteration + 1}: {'; '.join(problems) or 'non-finite reward on another rank'}"
+        if self.nonfinite_policy != "skip":
+            raise NonFiniteError(f"{message}; {SKIP_HINT}")
+        log.warning("%s; the iteration's %d optimizer steps are skipped (nonfinite: skip)", message,
+                    self.steps_per_rollout)
+        raise SkipIteration(message)
+
+    def skip_iteration(self) -> None:
+        """Bookkeeping of an iteration not trained on: its optimizer steps counted as skipped, the learning-rate
+        schedule advanced as after any iteration, the count logged."""
+        self.skip_step(self.steps_per_rollout)
+        scheduler = self.lr_schedulers()
+        if scheduler is not None:
+            scheduler.step()
+        self.log_dict({f"{self.metric_prefix}/skipped_steps": float(self.skipped_steps),
+                       f"{self.metric_prefix}/iteration": float(self.iteration + 1)}, sync_dist=True)
 
     def rollout_values(self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor) -> Tensor | None:
         """Critic values ``[B, R]`` for the experience; None without a critic (see PPO)."""
@@ -315,20 +391,29 @@ class OnlineRL(PolicyModule):
         minibatch_size, micro_size = self.minibatch_sizes(experience.response_mask.shape[0])
         sums: Stats = defaultdict(lambda: torch.zeros((), device=self.device))
         counts: dict[str, int] = defaultdict(int)
-        steps, epochs_run, early_stopped = 0, 0, False
+        attempted, steps, epochs_run, early_stopped = 0, 0, 0, False
         while epochs_run < hp.epochs and not early_stopped:
             epochs_run += 1
             order = torch.randperm(experience.response_mask.shape[0], device=self.device)
             for minibatch in order.split(minibatch_size):
+                attempted += 1
+                where = f"iteration {self.iteration + 1}, optimizer step {attempted} of {self.steps_per_rollout}"
                 micros = [experience.select(rows) for rows in minibatch.split(micro_size)]
                 normalisers = self.step_normalisers(micros)
                 minibatch_kl = torch.zeros((), device=self.device)
+                step_terms: list[Stats] = []
                 for index, micro in enumerate(micros):
                     terms = self.micro_step(micro, normalisers, ptx if index == 0 else None)
-                    for name, value in terms.items():
-                        sums[name] += value.detach()
-                        counts[name] += name not in self.STEP_LOSSES
+                    self.guard_losses({name: value for name, value in terms.items() if name.startswith("loss/")},
+                                      f"{where}, micro-batch {index + 1} of {len(micros)}")
+                    step_terms.append({name: value.detach() for name, value in terms.items()})
                     minibatch_kl += terms["policy/approx_kl"].detach() / len(micros)
+                if not self.guard_step(where):
+                    continue  # nothing of a skipped step enters the statistics
+                for terms in step_terms:
+                    for name, value in terms.items():
+                        sums[name] += value
+                        counts[name] += name not in self.STEP_LOSSES
                 steps += 1
                 sums["grad_norm"] += self._gradient_norm()
                 if hp.max_grad_norm is not None:
@@ -341,6 +426,7 @@ class OnlineRL(PolicyModule):
                     early_stopped = True
                     break
         stats = {name: total / (counts[name] or steps) for name, total in sums.items()}
+        stats["skipped_steps"] = torch.tensor(float(self.skipped_steps))
         stats["policy/epochs"] = torch.tensor(float(epochs_run))
         stats["policy/early_stopped"] = torch.tensor(float(early_stopped))
         return stats
@@ -458,12 +544,14 @@ class OnlineRL(PolicyModule):
             logits = self.model.next_token_logits(batch["input_ids"], batch["attention_mask"]).float()
         return F.cross_entropy(logits.flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=IGNORE_INDEX)
 
-    def minibatch_sizes(self, batch_size: int) -> tuple[int, int]:
-        """``(minibatch size, micro-batch size)`` of a rollout of ``batch_size`` responses."""
+    def minibatch_sizes(self, batch_size: int, origin: str | None = None) -> tuple[int, int]:
+        """``(minibatch size, micro-batch size)`` of a rollout of ``batch_size`` responses (``origin``: where that
+        number comes from, for the message)."""
         hp = self.hparams
         if batch_size % hp.num_minibatches or (batch_size // hp.num_minibatches) % hp.gradient_accumulation:
             raise ValueError(
-                f"the rollout batch of {batch_size} responses must split into num_minibatches={hp.num_minibatches} "
+                f"the rollout batch of {batch_size} responses{f' ({origin})' if origin else ''} must split into "
+                f"num_minibatches={hp.num_minibatches} "
                 f"minibatches of gradient_accumulation={hp.gradient_accumulation} equal micro-batches; "
                 "change data.init_args.batch_size, samples_per_prompt or these two"
             )
@@ -531,6 +619,13 @@ class OnlineRL(PolicyModule):
                        columns: dict[str, list] | None = None) -> dict[str, Tensor]:
         scores = self.score_responses(input_ids, attention_mask, response_mask, texts,
                                       prompts=raw_prompts if raw_prompts is not None else prompts, columns=columns)
+        problems, bad = score_problems(scores, self.rewards.sources)
+        if problems:  # no optimizer step depends on it, but a NaN validation score must not pass unnoticed
+            message = f"validation after iteration {self.iteration}: {'; '.join(problems)}"
+            if self.nonfinite_policy != "skip":
+                raise NonFiniteError(f"{message}; {SKIP_HINT}")
+            log.warning("%s; those rows are left out of %s/val/score", message, self.metric_prefix)
+            scores = scores[~bad]
         return {"score": self.rewards.combine(scores)}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

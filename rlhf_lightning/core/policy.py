@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from torchmetrics import MeanMetric
 
 from rlhf_lightning.algorithms import entropy_from_logits, logprobs_from_hidden, logprobs_from_logits
+from rlhf_lightning.core.checks import check_sampling
 from rlhf_lightning.core.stage import StageModule
 from rlhf_lightning.metrics import reset_metrics
 from rlhf_lightning.models.shared_base import REFERENCE, adapter_of
@@ -102,6 +103,7 @@ class PolicyModule(StageModule):
         gold_reward: GoldReward | None = None,
         export_dir: str | None = None,
     ) -> None:
+        check_sampling(max_new_tokens, temperature, top_k, top_p, kv_cache, logprob_chunk)  # before any loading
         super().__init__()
         self.save_hyperparameters(ignore=["reward", "gold_reward"])
         # Under LightningCLI the saved hyper-parameters are the config's, which lack what a subclass passes to its
@@ -109,8 +111,6 @@ class PolicyModule(StageModule):
         for level in collect_init_args(inspect.currentframe(), []):
             self.hparams.update({name: value for name, value in level.items()
                                  if name not in self.hparams and name not in ("reward", "gold_reward")})
-        if logprob_chunk is not None and logprob_chunk < 1:
-            raise ValueError(f"logprob_chunk must be >= 1 or null, got {logprob_chunk}")
         self.model = self.load_base(base)
         self.model.add_adapter(POLICY, without_dropout(policy_lora, POLICY))
         self.sampling = SamplingSettings(max_new_tokens, temperature, top_k, top_p, kv_cache,

@@ -1,16 +1,30 @@
-"""What every stage's LightningModule shares: loading the base, optimizers, checkpoints without frozen weights."""
+"""What every stage's LightningModule shares: loading the base, optimizers, checkpoints without frozen weights,
+and the guard that keeps NaN and infinity out of optimizer steps and checkpoints."""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Mapping
 from typing import Any
 
 import lightning as L
 import torch
+from torch import Tensor
 
+from rlhf_lightning.core.nonfinite import (
+    SKIP_HINT,
+    NonFiniteError,
+    all_finite,
+    check_finite_weights,
+    listing,
+    nonfinite_names,
+)
 from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer
 from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.optim import Schedule, adamw, lr_lambda
+
+log = logging.getLogger(__name__)
 
 
 class StageModule(L.LightningModule):
@@ -19,12 +33,22 @@ class StageModule(L.LightningModule):
     Lightning checkpoints keep only what trains (adapters, heads, or every weight under full fine-tuning) and
     the optimizer state; a frozen base is loaded again from its own path, so a checkpoint of a LoRA run is
     megabytes, not the size of the model.
+
+    Non-finite values: the loss (:meth:`guard_losses`) and the gradients are checked before every optimizer
+    step. A non-finite one stops the run with a :class:`~rlhf_lightning.core.nonfinite.NonFiniteError` naming the
+    step, the loss term or the parameters; with the hyper-parameter ``nonfinite: skip`` the step is skipped
+    instead (no update, optimizer state untouched) and counted in ``<metric_prefix>/skipped_steps``. A
+    checkpoint with non-finite weights is never written.
     """
+
+    metric_prefix = "stage"  # namespace of the logged metrics
 
     def __init__(self) -> None:
         super().__init__()
         # Frozen base weights are not in the checkpoint; `on_load_checkpoint` checks for what must be.
         self.strict_loading = False
+        self.skipped_steps = 0  # optimizer steps skipped for non-finite values (nonfinite: skip)
+        self._nonfinite_problem: str | None = None  # what the coming optimizer step found wrong so far
 
     def load_base(self, spec: BaseModelSpec, train_base: bool = False) -> SharedBase:
         """Load ``spec``'s tokenizer (as ``self.tokenizer``) and model, wrapped as a :class:`SharedBase`."""
@@ -48,6 +72,75 @@ class StageModule(L.LightningModule):
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(schedule, warmup_steps, total))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
+    # ---- non-finite values ---------------------------------------------------------------------------------
+
+    @property
+    def nonfinite_policy(self) -> str:
+        """``raise`` (the default) or ``skip``: what a non-finite loss, gradient or reward does."""
+        return self.hparams.get("nonfinite", "raise")
+
+    def training_position(self) -> str:
+        """Where training is, for messages: the optimizer step about to be made."""
+        if self._trainer is None:
+            return "outside a fit"
+        return f"optimizer step {self.global_step + 1} (training batch {self.trainer.fit_loop.total_batch_idx})"
+
+    def guard_losses(self, losses: Mapping[str, Tensor], where: str | None = None) -> bool:
+        """Note non-finite ``losses`` (name -> value) for the coming optimizer step; True when all are finite.
+
+        Nothing is raised here: under DDP every rank must still run its backward, and the step's decision is
+        taken on all ranks together by :meth:`guard_step`.
+        """
+        bad = {name: float(value.detach().float().mean()) for name, value in losses.items()
+               if not bool(torch.isfinite(value.detach()).all())}
+        if bad and self._nonfinite_problem is None:
+            terms = ", ".join(f"{name}={value}" for name, value in bad.items())
+            self._nonfinite_problem = f"{where or self.training_position()}: non-finite loss {terms}"
+        return not bad
+
+    def _gradient_scaler_active(self) -> bool:
+        # Under fp16 mixed precision the GradScaler finds scaled-up infinities itself and skips those steps.
+        if self._trainer is None:
+            return False
+        return getattr(self.trainer.precision_plugin, "scaler", None) is not None
+
+    def guard_step(self, where: str | None = None) -> bool:
+        """Before an optimizer step: True if it may be taken. Otherwise (a non-finite loss noted by
+        :meth:`guard_losses`, or a non-finite gradient, on any rank) raise :class:`NonFiniteError`, or under
+        ``nonfinite: skip`` drop the gradients, count the skipped step and return False."""
+        problem, self._nonfinite_problem = self._nonfinite_problem, None
+        named = [(name, p.grad) for name, p in self.named_parameters() if p.grad is not None]
+        if problem is None and not self._gradient_scaler_active() and not all_finite([g for _, g in named]):
+            bad = nonfinite_names(named)
+            problem = (f"{where or self.training_position()}: non-finite gradients in {len(bad)} parameters "
+                       f"{listing(bad, 3)}")
+        found = torch.tensor(float(problem is not None), device=self.device)
+        if self._trainer is not None and self.trainer.world_size > 1:
+            found = self.trainer.strategy.reduce(found, reduce_op="sum")
+        if not bool(found > 0):
+            return True
+        problem = problem or f"{where or self.training_position()}: a non-finite value on another rank"
+        if self.nonfinite_policy != "skip":
+            raise NonFiniteError(f"{problem}; {SKIP_HINT}")
+        log.warning("%s; optimizer step skipped (nonfinite: skip)", problem)
+        self.skip_step()
+        return False
+
+    def skip_step(self, steps: int = 1) -> None:
+        """Count ``steps`` skipped optimizer steps and drop the gradients: optimizers leave a parameter without a
+        gradient untouched (no update, no weight decay, no change to Adam's moments)."""
+        self.skipped_steps += steps
+        for parameter in self.parameters():
+            parameter.grad = None
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # Automatic optimization: Lightning calls this after the backward, before clipping and the step.
+        if self.automatic_optimization:
+            self.guard_step()
+            self.log(f"{self.metric_prefix}/skipped_steps", float(self.skipped_steps))
+
+    # ---- checkpoints --------------------------------------------------------------------------------------
+
     def checkpointed_keys(self) -> set[str]:
         """State-dict keys a checkpoint must hold: every parameter that trains."""
         return {name for name, parameter in self.named_parameters() if parameter.requires_grad}
@@ -56,8 +149,12 @@ class StageModule(L.LightningModule):
         if any(not parameter.requires_grad for parameter in self.parameters()):
             keep = self.checkpointed_keys()
             checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
+        where = "" if self._trainer is None else f" at {self.training_position()}"
+        check_finite_weights(checkpoint["state_dict"], f"a checkpoint{where}")
+        checkpoint["skipped_steps"] = self.skipped_steps
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.skipped_steps = int(checkpoint.get("skipped_steps", 0))
         missing = self.checkpointed_keys() - checkpoint["state_dict"].keys()
         if missing:
             raise KeyError(

@@ -17,6 +17,7 @@ import lightning as L
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
+from rlhf_lightning.core import checks
 from rlhf_lightning.data.collate import (
     EncodedPair,
     EncodedPrompt,
@@ -75,8 +76,14 @@ class StageDataModule(L.LightningDataModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        if not 0.0 <= val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        checks.in_range("val_fraction", val_fraction, 0.0, 1.0, high_open=True)
+        for name, value in {"synthetic_rows": synthetic_rows, "batch_size": batch_size,
+                            "max_length": max_length}.items():
+            checks.at_least(name, value)
+        checks.at_least("val_batch_size", val_batch_size, optional=True)
+        checks.at_least("num_workers", num_workers, minimum=0)
+        checks.one_of("on_too_long", on_too_long, ("skip", "error"))
+        val_dataset = checks.optional_str(val_dataset)
         self.dataset = dataset
         self.split = split
         self.val_dataset = val_dataset
@@ -269,6 +276,9 @@ class PromptDataModule(StageDataModule):
         ptx_max_length: int = 512,
         **kwargs: Any,
     ) -> None:
+        checks.at_least("ptx_batch_size", ptx_batch_size)
+        checks.at_least("ptx_max_length", ptx_max_length)
+        ptx_dataset = checks.optional_str(ptx_dataset)
         super().__init__(*args, **kwargs)
         self.ptx = None
         if ptx_dataset is not None:

@@ -1,8 +1,14 @@
-"""Loading tokenizers and causal LMs: from the hub, from a local folder, or fresh from a config."""
+"""Loading tokenizers and causal LMs: from the hub, from a local folder, or fresh from a config.
+
+Before transformers is asked, a path that names a local folder must exist (else transformers reports it as a bad
+hub id, or tries the network), and a folder must hold a tokenizer when the tokenizer is read from it. After
+loading, the tokenizer must fit the model (:func:`check_tokenizer_fits`).
+"""
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -22,6 +28,34 @@ log = logging.getLogger(__name__)
 
 PAD_TOKEN = "<|pad|>"
 SYNTHETIC = "synthetic"
+# Files of which a saved tokenizer has at least one (fast tokenizers, BPE, SentencePiece, WordPiece).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "spiece.model",
+                   "vocab.txt", "sentencepiece.bpe.model", "tekken.json")
+# A tokenizer smaller than this share of the model's embeddings belongs to another model (embedding tables are
+# padded above the tokenizer by at most a few hundred rows, e.g. Qwen2.5's 151665 tokens for 151936 rows).
+MIN_VOCABULARY_SHARE = 0.5
+ROUND_TRIP_TEXT = "Hello, world. 1 2 3"
+
+
+def looks_local(name_or_path: str) -> bool:
+    """Whether ``name_or_path`` is meant as a local folder rather than a hub id: it starts with ``.``, ``/`` or
+    ``~``, contains ``outputs/`` (where the stages write), or its first component exists here."""
+    if name_or_path.startswith((".", "/", "~")) or "outputs/" in name_or_path or "\\" in name_or_path:
+        return True
+    first = Path(name_or_path).parts[0] if Path(name_or_path).parts else ""
+    return len(Path(name_or_path).parts) > 1 and Path(first).exists()
+
+
+def check_local_folder(name_or_path: str, role: str = "model") -> None:
+    """A clear error for a local-looking ``name_or_path`` that is not a folder, before transformers mistakes it
+    for a hub repository id. ``role``: ``model`` or ``tokenizer``."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir() or not looks_local(name_or_path):
+        return
+    if path.exists():
+        raise NotADirectoryError(f"{role} folder {name_or_path} is a file, not a folder saved by save_pretrained")
+    hint = " (run the SFT stage first?)" if "outputs/" in name_or_path else ""
+    raise FileNotFoundError(f"{role} folder {name_or_path} does not exist{hint}")
 
 
 def load_tokenizer(spec: BaseModelSpec) -> PreTrainedTokenizerBase:
@@ -34,6 +68,13 @@ def load_tokenizer(spec: BaseModelSpec) -> PreTrainedTokenizerBase:
     if source in TASKS:
         tokenizer = build_task_tokenizer(source)
     else:
+        check_local_folder(source, "tokenizer" if spec.tokenizer else "model")
+        folder = Path(source).expanduser()
+        if folder.is_dir() and not any((folder / name).exists() for name in TOKENIZER_FILES):
+            raise FileNotFoundError(
+                f"{folder} holds no tokenizer (none of {', '.join(TOKENIZER_FILES[:3])}...): set base.tokenizer "
+                "to the model's tokenizer (a hub id or folder), or save it there with tokenizer.save_pretrained"
+            )
         tokenizer = AutoTokenizer.from_pretrained(
             source, revision=spec.revision, trust_remote_code=spec.trust_remote_code
         )
@@ -41,9 +82,42 @@ def load_tokenizer(spec: BaseModelSpec) -> PreTrainedTokenizerBase:
         tokenizer.chat_template = spec.chat_template
     if tokenizer.eos_token_id is None:
         raise ValueError(f"tokenizer {source!r} has no EOS token; responses could never end")
+    check_round_trip(tokenizer, source)
     ensure_pad_token(tokenizer)
     tokenizer.padding_side = "left"
     return tokenizer
+
+
+def check_round_trip(tokenizer: PreTrainedTokenizerBase, source: str) -> None:
+    """A test text must encode to tokens that decode back to text: a tokenizer without a vocabulary (e.g. read
+    from a folder that holds only a model) encodes everything to nothing."""
+    ids = tokenizer.encode(ROUND_TRIP_TEXT, add_special_tokens=False)
+    if not ids or not tokenizer.decode(ids).strip():
+        raise ValueError(f"tokenizer {source!r} ({len(tokenizer)} tokens) encodes {ROUND_TRIP_TEXT!r} to "
+                         f"{ids} and back to nothing: it has no usable vocabulary")
+
+
+def check_tokenizer_fits(tokenizer: PreTrainedTokenizerBase, rows: int, spec: BaseModelSpec) -> None:
+    """The tokenizer belongs to the model: its ids index the model's embeddings.
+
+    The rule: every token id is below the number of embedding rows, except the pad token :func:`ensure_pad_token`
+    appended (the embeddings grow by that one row); and the tokenizer covers at least half of the rows (tables
+    are padded above the tokenizer by at most a few hundred rows; a tokenizer much smaller is another model's).
+    ``rows``: the model's embedding rows (its config's ``vocab_size`` before loading, the table after).
+    """
+    size = len(tokenizer)
+    appended_pad = tokenizer.pad_token == PAD_TOKEN and tokenizer.pad_token_id == size - 1
+    if size - int(appended_pad) > rows:
+        reason = f"its ids reach {size - 1 - int(appended_pad)}, beyond the model's {rows} embedding rows"
+    elif size < MIN_VOCABULARY_SHARE * rows:
+        reason = f"it covers fewer than half of the model's {rows} embedding rows"
+    else:
+        return
+    source = spec.tokenizer or spec.name_or_path
+    raise ValueError(
+        f"tokenizer {source!r} ({size} tokens) does not fit model {spec.name_or_path!r}: {reason}; set "
+        "base.tokenizer to the model's own tokenizer, or null to read it from the model folder"
+    )
 
 
 def ensure_pad_token(tokenizer: PreTrainedTokenizerBase) -> bool:
@@ -67,6 +141,10 @@ def load_causal_lm(spec: BaseModelSpec, tokenizer: PreTrainedTokenizerBase) -> P
     """
     dtype = spec.dtype if spec.dtype == "auto" else getattr(torch, spec.dtype)
     if spec.name_or_path is not None:
+        check_local_folder(spec.name_or_path)
+        rows = configured_vocab_size(spec)
+        if rows is not None:  # before the weights are read: a mismatch fails in a second
+            check_tokenizer_fits(tokenizer, rows, spec)
         model = AutoModelForCausalLM.from_pretrained(
             spec.name_or_path,
             revision=spec.revision,
@@ -74,6 +152,7 @@ def load_causal_lm(spec: BaseModelSpec, tokenizer: PreTrainedTokenizerBase) -> P
             dtype=dtype,
             attn_implementation=spec.attn_implementation,
         )
+        check_tokenizer_fits(tokenizer, model.get_input_embeddings().num_embeddings, spec)
     else:
         model = AutoModelForCausalLM.from_config(
             fresh_config(spec, tokenizer),
@@ -93,6 +172,16 @@ def load_causal_lm(spec: BaseModelSpec, tokenizer: PreTrainedTokenizerBase) -> P
         # Non-reentrant checkpointing works with a frozen base whose inputs do not require grad.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def configured_vocab_size(spec: BaseModelSpec) -> int | None:
+    """The vocabulary size in the config of ``spec``'s pretrained model (its text model's, for multimodal ones),
+    or None when the config does not say."""
+    config = AutoConfig.from_pretrained(spec.name_or_path, revision=spec.revision,
+                                        trust_remote_code=spec.trust_remote_code)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    size = getattr(text_config, "vocab_size", None)
+    return size if isinstance(size, int) and size > 0 else None
 
 
 def fresh_config(spec: BaseModelSpec, tokenizer: PreTrainedTokenizerBase):

@@ -22,6 +22,8 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 from transformers.pytorch_utils import Conv1D
 
+from rlhf_lightning.core.nonfinite import check_finite_weights
+from rlhf_lightning.models.adapter_fit import check_adapter_fits
 from rlhf_lightning.models.fused_lora import fuse_lora_layers
 from rlhf_lightning.models.heads import ScalarHead
 from rlhf_lightning.models.logits import LogitTransform, find_logit_transform
@@ -104,6 +106,7 @@ class SharedBase(nn.Module):
         directory = str(directory)
         if not (Path(directory) / "adapter_config.json").exists():
             raise FileNotFoundError(f"{directory}/adapter_config.json not found: not a peft adapter folder")
+        check_adapter_fits(directory, self.hf_model, self.hf_model.config.name_or_path)
         if isinstance(self.model, PeftModel):
             self.model.load_adapter(directory, adapter_name=name, is_trainable=trainable)
         else:
@@ -146,6 +149,10 @@ class SharedBase(nn.Module):
         Returns the folder holding the adapter: ``directory/name``.
         """
         directory = Path(directory)
+        weights = {key: value for key, value in self.model.named_parameters() if adapter_of(key) == name}
+        if name in self.heads:
+            weights.update({f"heads.{name}.{key}": value for key, value in self.heads[name].named_parameters()})
+        check_finite_weights(weights, f"adapter {name!r} to {directory}")
         self.model.save_pretrained(str(directory), selected_adapters=[name])
         # peft writes every adapter but "default" into a sub-folder named after it.
         adapter_dir = directory if name == "default" else directory / name
@@ -176,8 +183,10 @@ class SharedBase(nn.Module):
     def save_merged(self, adapter: str | None, directory: str | Path, tokenizer=None) -> Path:
         """Write a standalone transformers model (``from_pretrained``-able) with ``adapter`` merged in."""
         directory = Path(directory)
+        state = self.merged_state_dict(adapter) if isinstance(self.model, PeftModel) else self.hf_model.state_dict()
+        check_finite_weights(state, f"the model to {directory}")
         if isinstance(self.model, PeftModel):
-            self.hf_model.save_pretrained(directory, state_dict=self.merged_state_dict(adapter))
+            self.hf_model.save_pretrained(directory, state_dict=state)
         else:
             self.hf_model.save_pretrained(directory)
         if tokenizer is not None:

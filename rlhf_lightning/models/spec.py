@@ -7,6 +7,8 @@ from typing import Any, Literal
 
 import torch
 
+from rlhf_lightning.core.checks import at_least, in_range, one_of, optional_str, positive
+
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 
@@ -51,6 +53,13 @@ class BaseModelSpec:
     fused_activations: bool = True
     fused_lora: bool = True
 
+    def __post_init__(self) -> None:
+        # `--model.init_args.base.tokenizer=null` reaches a nested dataclass as the string "None" (jsonargparse):
+        # read as a hub id, it would end in a network error instead of meaning "the model's own tokenizer".
+        for name in ("name_or_path", "tokenizer", "revision", "attn_implementation", "chat_template"):
+            setattr(self, name, optional_str(getattr(self, name)))
+        one_of("base.dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
+
 
 @dataclass
 class LoraSpec:
@@ -73,6 +82,12 @@ class LoraSpec:
     target_modules: str | list[str] = "all-linear"
     use_rslora: bool = False
     bias: Literal["none", "all", "lora_only"] = "none"
+
+    def __post_init__(self) -> None:
+        at_least("lora.r", self.r)
+        positive("lora.alpha", self.alpha)
+        in_range("lora.dropout", self.dropout, 0.0, 1.0, high_open=True)
+        one_of("lora.bias", self.bias, ("none", "all", "lora_only"))
 
     def to_peft(self, fan_in_fan_out: bool = False):
         """The equivalent ``peft.LoraConfig``; ``fan_in_fan_out`` for layers that store weights transposed

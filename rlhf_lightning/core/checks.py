@@ -1,0 +1,106 @@
+"""Argument checks that run in constructors, before any model is loaded: one line each, naming the argument, its
+value and what was expected, so a typo in a config fails in a second rather than after minutes of loading."""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+# What the command line's parser hands over for `--...=null` inside a nested dataclass (e.g. BaseModelSpec):
+# the string "None", which would otherwise reach the hub as a repository id.
+NULL_STRINGS = frozenset({"none", "null", "~"})
+
+
+def optional_str(value: str | None) -> str | None:
+    """``value``, with the strings ``None``/``null``/``~`` (any case) read as None."""
+    if isinstance(value, str) and value.strip().lower() in NULL_STRINGS:
+        return None
+    return value
+
+
+def _number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if math.isnan(value):
+        raise ValueError(f"{name} must be a number, got nan")
+    return value
+
+
+def positive(name: str, value: float | None, optional: bool = False) -> None:
+    """``value > 0`` (None allowed with ``optional``)."""
+    if value is None and optional:
+        return
+    if not _number(name, value) > 0:
+        raise ValueError(f"{name} must be > 0{' or null' if optional else ''}, got {value}")
+
+
+def non_negative(name: str, value: float | None, optional: bool = False) -> None:
+    """``value >= 0`` (None allowed with ``optional``)."""
+    if value is None and optional:
+        return
+    if not _number(name, value) >= 0:
+        raise ValueError(f"{name} must be >= 0{' or null' if optional else ''}, got {value}")
+
+
+def at_least(name: str, value: int | None, minimum: int = 1, optional: bool = False) -> None:
+    """An integer count ``>= minimum`` (None allowed with ``optional``)."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}{' or null' if optional else ''}, got {value!r}")
+
+
+def in_range(name: str, value: float, low: float, high: float, low_open: bool = False,
+             high_open: bool = False) -> None:
+    """``low <= value <= high``; ``low_open``/``high_open`` exclude the bounds."""
+    value = _number(name, value)
+    above = value > low if low_open else value >= low
+    below = value < high if high_open else value <= high
+    if not (above and below):
+        interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        raise ValueError(f"{name} must lie in {interval}, got {value}")
+
+
+def finite(name: str, value: float | None, optional: bool = False) -> None:
+    """A finite number (None allowed with ``optional``)."""
+    if value is None and optional:
+        return
+    if not math.isfinite(_number(name, value)):
+        raise ValueError(f"{name} must be a finite number, got {value}")
+
+
+def one_of(name: str, value: Any, choices: Iterable[Any]) -> None:
+    """``value`` is one of ``choices`` (what the CLI's Literal types enforce, for Python callers too)."""
+    choices = tuple(choices)
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(str, choices))}, got {value!r}")
+
+
+def call_arguments(function: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The arguments ``function(self, *args, **kwargs)`` would receive, defaults filled in: lets a subclass check
+    its parent's arguments before calling the parent's constructor (which loads the model)."""
+    bound = inspect.signature(function).bind_partial(None, *args, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float, kv_cache: str,
+                   logprob_chunk: int | None) -> None:
+    """The sampling arguments every policy stage shares (``PolicyModule``)."""
+    at_least("max_new_tokens", max_new_tokens)
+    positive("temperature", temperature)
+    at_least("top_k", top_k, minimum=0)
+    in_range("top_p", top_p, 0.0, 1.0, low_open=True)
+    one_of("kv_cache", kv_cache, ("static", "dynamic"))
+    at_least("logprob_chunk", logprob_chunk, optional=True)
+
+
+def check_optimizer(lr_name: str, lr: float, weight_decay: float, warmup_steps: int, schedule: str,
+                    warmup_name: str = "warmup_steps") -> None:
+    """A learning rate, weight decay, warm-up length and schedule name."""
+    positive(lr_name, lr)
+    non_negative("weight_decay", weight_decay)
+    at_least(warmup_name, warmup_steps, minimum=0)
+    one_of("lr_schedule", schedule, ("constant", "linear", "cosine"))

@@ -1,0 +1,63 @@
+"""Does a saved LoRA adapter fit a base model? Checked from the adapter's files, before peft loads it.
+
+peft loads an adapter of another shape with a long ``size mismatch`` traceback from deep inside torch; one
+trained on another base of the same shape loads silently and computes nonsense. Shapes are compared here and
+refused with one line; a base recorded under another path is reported by the caller (``AdapterReward``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from safetensors import safe_open
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+
+
+def layer_shape(module: nn.Module) -> tuple[int, int] | None:
+    """``(in_features, out_features)`` of a linear layer (peft-wrapped or not; GPT-2's ``Conv1D`` too)."""
+    module = getattr(module, "base_layer", module)
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    if isinstance(module, Conv1D):
+        rows, columns = module.weight.shape  # stored transposed: [in, out]
+        return rows, columns
+    return None
+
+
+def adapter_shapes(directory: Path) -> dict[str, tuple[int, int]]:
+    """``module name -> (in_features, out_features)`` that a saved adapter's LoRA matrices were made for."""
+    shapes: dict[str, list[int]] = {}
+    with safe_open(str(directory / ADAPTER_WEIGHTS), framework="pt") as weights:
+        for key in weights.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            for part, index in ((".lora_A.", 1), (".lora_B.", 0)):
+                if part in key:
+                    module = key.split(part)[0].removeprefix(PEFT_PREFIX)
+                    shape = weights.get_slice(key).get_shape()
+                    shapes.setdefault(module, [0, 0])[1 - index] = shape[index]
+    return {module: (fan_in, fan_out) for module, (fan_in, fan_out) in shapes.items()}
+
+
+def check_adapter_fits(directory: str | Path, model: nn.Module, base_name: str | None = None) -> None:
+    """Raise a one-line ``ValueError`` if the adapter in ``directory`` targets a layer ``model`` lacks, or one of
+    another shape. ``model`` is the transformers model (adapter layers may be injected already); ``base_name``
+    its path, for the message. An adapter without a safetensors file is left to peft."""
+    directory = Path(directory)
+    if not (directory / ADAPTER_WEIGHTS).exists():
+        return
+    trained_on = json.loads((directory / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    origin = f"trained on {trained_on or 'an unrecorded base'}, loaded on {base_name or 'this base'}"
+    modules = dict(model.named_modules())
+    for name, (fan_in, fan_out) in adapter_shapes(directory).items():
+        if name not in modules:
+            raise ValueError(f"adapter {directory} does not fit the base ({origin}): it adapts layer {name}, "
+                             "which the base lacks; load it on the model it was trained on")
+        shape = layer_shape(modules[name])
+        if shape is not None and shape != (fan_in, fan_out):
+            raise ValueError(f"adapter {directory} does not fit the base ({origin}): layer {name} maps "
+                             f"{fan_in} -> {fan_out} features in the adapter but {shape[0]} -> {shape[1]} in the "
+                             "base; load it on the model it was trained on")
