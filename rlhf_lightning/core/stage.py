@@ -7,10 +7,12 @@ from typing import Any
 import lightning as L
 import torch
 
+from rlhf_lightning.callbacks.atomic_io import CheckpointError
 from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer
 from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.optim import Schedule, adamw, lr_lambda
+from rlhf_lightning.resume import CLASS_KEY, class_mismatch, class_path
 
 
 class StageModule(L.LightningModule):
@@ -53,11 +55,16 @@ class StageModule(L.LightningModule):
         return {name for name, parameter in self.named_parameters() if parameter.requires_grad}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint[CLASS_KEY] = class_path(type(self))  # so that another stage's module refuses the file
         if any(not parameter.requires_grad for parameter in self.parameters()):
             keep = self.checkpointed_keys()
             checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        refusal = class_mismatch(self.trainer.ckpt_path if self._trainer else "(loaded)", checkpoint.get(CLASS_KEY),
+                                 type(self))
+        if refusal:
+            raise CheckpointError(refusal)
         missing = self.checkpointed_keys() - checkpoint["state_dict"].keys()
         if missing:
             raise KeyError(
