@@ -13,6 +13,7 @@ from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from rlhf_lightning.callbacks.atomic_io import CheckpointError
 from rlhf_lightning.callbacks.progress import default_progress_bar
 from rlhf_lightning.errors import config_file_problem, config_files, one_line, user_error, want_traceback
 from rlhf_lightning.loggers import WandbLogger
@@ -24,7 +25,6 @@ from rlhf_lightning.resume import (
     load_for_comparison,
     saved_class_of,
 )
-from rlhf_lightning.callbacks.atomic_io import CheckpointError
 
 # `ckpt_path` values that Lightning resolves itself rather than naming a file.
 SPECIAL_CKPT_PATHS = ("last", "best", "hpc")

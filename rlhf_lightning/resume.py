@@ -47,7 +47,7 @@ def class_mismatch(ckpt_path: str | Path, saved_class: str | None, model_class: 
     if saved is not None and issubclass(model_class, saved):
         return None
     shown = class_path(saved) if saved is not None else saved_class
-    return (f"checkpoint {ckpt_path} was written by {shown}, but the config's model is {class_path(model_class)}; "
+    return (f"checkpoint {ckpt_path} was written by {shown}, but this run's model is {class_path(model_class)}; "
             f"give a checkpoint of a {model_class.__name__} run, or the config of the run that wrote it")
 
 

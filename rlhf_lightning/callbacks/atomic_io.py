@@ -5,14 +5,15 @@ from __future__ import annotations
 import logging
 import os
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
+from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
-from fsspec.implementations.local import LocalFileSystem
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +57,13 @@ def fsync_folder(folder: Path) -> None:
         os.close(descriptor)
 
 
-def atomic_torch_save(obj: Any, path: str | Path) -> None:
-    """``torch.save`` to ``path`` so that a crash at any moment leaves either the old file or the new one.
+def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
+    """Write ``path`` with ``write(file)`` so that a crash at any moment leaves either the old file or the new.
 
     The bytes go to a temp file in the destination folder (a temp folder on another filesystem would turn the
     final rename into a copy that can be cut short), are flushed and fsynced, then ``os.replace`` swaps the
-    file in and the folder is fsynced. Leftovers of earlier interrupted writes in the folder are removed.
+    file in and the folder is fsynced. Leftovers of earlier interrupted writes in the folder are removed
+    first; an error during the write (a full disk) removes its own temp file.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -69,12 +71,12 @@ def atomic_torch_save(obj: Any, path: str | Path) -> None:
     remove_leftovers(path.parent)
     try:
         with open(temp, "wb") as file:
-            torch.save(obj, file)
+            write(file)
             file.flush()
             os.fsync(file.fileno())
         os.replace(temp, path)
     except BaseException:
-        temp.unlink(missing_ok=True)  # disk full, interrupt: leave no half file behind (kill -9 can't reach here)
+        temp.unlink(missing_ok=True)  # kill -9 never gets here: its leftover goes at the next save
         raise
     fsync_folder(path.parent)
 
@@ -132,7 +134,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if storage_options is not None or not isinstance(get_filesystem(path), LocalFileSystem):
             super().save_checkpoint(checkpoint, path, storage_options=storage_options)
             return
-        atomic_torch_save(checkpoint, path)
+        atomic_write(path, lambda file: self.write(checkpoint, file))
+
+    def write(self, checkpoint: dict[str, Any], file: BinaryIO) -> None:
+        """Serialise ``checkpoint`` into the open temp ``file``."""
+        torch.save(checkpoint, file)
 
     def load_checkpoint(self, path: _PATH, map_location: Any = lambda storage, loc: storage,
                         weights_only: bool | None = None) -> dict[str, Any]:
