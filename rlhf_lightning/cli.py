@@ -4,18 +4,25 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import lightning as L
 import yaml
 from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar
-from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from rlhf_lightning.callbacks.atomic_io import CheckpointError
 from rlhf_lightning.callbacks.progress import default_progress_bar
-from rlhf_lightning.errors import config_file_problem, config_files, one_line, user_error, want_traceback
+from rlhf_lightning.errors import (
+    condense_parser_error,
+    config_file_problem,
+    config_files,
+    one_line,
+    user_error,
+    want_traceback,
+)
 from rlhf_lightning.loggers import WandbLogger
 from rlhf_lightning.resume import (
     class_mismatch,
@@ -40,6 +47,18 @@ class LogConfigCallback(SaveConfigCallback):
                 logger.experiment.config.update({"cli": config}, allow_val_change=True)
 
 
+class OneLineArgumentParser(LightningArgumentParser):
+    """LightningArgumentParser whose errors are one line (``error: model.init_args.lr: Expected a <class
+    'float'>. Got value: abc``) instead of the usage and jsonargparse's nested union report;
+    ``RLHF_LIGHTNING_TRACEBACK=1`` restores the full report."""
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if not self.exit_on_error or want_traceback():
+            super().error(message, ex)
+        print(f"error: {condense_parser_error(message)}", file=sys.stderr)
+        sys.exit(2)
+
+
 class RLHFCLI(LightningCLI):
     """LightningCLI for every stage: ``model`` and ``data`` are chosen by ``class_path`` in the config.
 
@@ -58,6 +77,7 @@ class RLHFCLI(LightningCLI):
             save_config_callback=LogConfigCallback,
             save_config_kwargs={"overwrite": True},
             trainer_defaults={"logger": {"class_path": "rlhf_lightning.loggers.WandbLogger"}},
+            parser_class=OneLineArgumentParser,
             args=args,
             run=run,
         )

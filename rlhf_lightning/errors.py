@@ -89,3 +89,36 @@ def config_file_problem(path: str) -> str | None:
         context = getattr(error, "context", None)
         return f"config file {path}{where}: YAML syntax error: {problem}" + (f" ({context})" if context else "")
     return None
+
+
+PARSER_KEY = re.compile(r'^(\s*)Parser key "([^"]+)":\s*$')
+CLASS_PATH = re.compile(r"Problem with given class_path '([^']+)'")
+
+
+def condense_parser_error(message: str) -> str:
+    """jsonargparse's report of a bad value, down to one line: the full key as typed on the command line and
+    the innermost problem, e.g. ``model.init_args.lr: Expected a <class 'float'>. Got value: abc``.
+
+    The report nests ``Parser key "k":`` blocks, one level per group or class (with ``Problem with given
+    class_path`` where a subclass's ``init_args`` start) inside "Does not validate against any of the Union
+    subtypes" lists; a message without that shape comes back unchanged.
+    """
+    lines = message.splitlines()
+    path: list[str] = []
+    depth, in_class, detail = -1, False, ""
+    for index, line in enumerate(lines):
+        if CLASS_PATH.search(line):
+            in_class = True  # the next key is one of the subclass's init_args
+            continue
+        key = PARSER_KEY.match(line)
+        if key is None:
+            continue
+        if len(key.group(1)) <= depth:
+            break  # a sibling report (another union member): the deepest chain is complete
+        depth = len(key.group(1))
+        path += ["init_args", key.group(2)] if path and in_class else [key.group(2)]
+        in_class = False
+        detail = next((rest.strip() for rest in lines[index + 1:] if rest.strip()), "")
+    if not path or not detail or PARSER_KEY.match(detail):
+        return message if len(lines) < 2 else lines[0]
+    return f"{'.'.join(path)}: {detail}"

@@ -49,6 +49,19 @@ def test_cli_errors_are_one_line_and_exit_non_zero(tmp_path, case):
     assert "Traceback" not in result.stderr and "Union" not in result.stderr
 
 
+@pytest.mark.parametrize(("argument", "expected"), [
+    ("--model.init_args.lr=abc", "error: model.init_args.lr: Expected a <class 'float'>. Got value: abc"),
+    ("--model.init_args.lr_schedule=bogus", "error: model.init_args.lr_schedule: Expected a "
+                                            "typing.Literal['constant', 'linear', 'cosine']. Got value: bogus"),
+    ("--trainer.max_stepz=3", "error: unrecognized arguments: --trainer.max_stepz=3"),
+])
+def test_a_bad_value_is_one_line_not_the_usage_and_the_union_report(capsys, argument, expected):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(REPO / "configs" / "sft.yaml"), argument])
+    assert exit_info.value.code == 2
+    assert error_lines(capsys.readouterr().err) == [expected]
+
+
 def test_the_full_traceback_on_request(monkeypatch, capsys):
     monkeypatch.setenv(TRACEBACK_ENV, "1")
     with pytest.raises(ValueError, match="beta must be > 0") as error:
