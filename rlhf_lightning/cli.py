@@ -4,12 +4,37 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from typing import Any, NoReturn
 
 import lightning as L
 import yaml
-from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
+from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from rlhf_lightning.callbacks.atomic_io import CheckpointError
+from rlhf_lightning.callbacks.progress import default_progress_bar
+from rlhf_lightning.errors import (
+    condense_parser_error,
+    config_file_problem,
+    config_files,
+    one_line,
+    user_error,
+    want_traceback,
+)
 from rlhf_lightning.loggers import WandbLogger
+from rlhf_lightning.resume import (
+    class_mismatch,
+    differences_warning,
+    hparam_differences,
+    import_class,
+    load_for_comparison,
+    saved_class_of,
+)
+
+# `ckpt_path` values that Lightning resolves itself rather than naming a file.
+SPECIAL_CKPT_PATHS = ("last", "best", "hpc")
 
 
 class LogConfigCallback(SaveConfigCallback):
@@ -22,8 +47,26 @@ class LogConfigCallback(SaveConfigCallback):
                 logger.experiment.config.update({"cli": config}, allow_val_change=True)
 
 
+class OneLineArgumentParser(LightningArgumentParser):
+    """LightningArgumentParser whose errors are one line (``error: model.init_args.lr: Expected a <class
+    'float'>. Got value: abc``) instead of the usage and jsonargparse's nested union report;
+    ``RLHF_LIGHTNING_TRACEBACK=1`` restores the full report."""
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if not self.exit_on_error or want_traceback():
+            super().error(message, ex)
+        print(f"error: {condense_parser_error(message)}", file=sys.stderr)
+        sys.exit(2)
+
+
 class RLHFCLI(LightningCLI):
-    """LightningCLI for every stage: ``model`` and ``data`` are chosen by ``class_path`` in the config."""
+    """LightningCLI for every stage: ``model`` and ``data`` are chosen by ``class_path`` in the config.
+
+    Unlike LightningCLI, ``--ckpt_path`` never replaces the config's model arguments with the checkpoint's
+    (see :mod:`rlhf_lightning.resume`): a checkpoint of another module class is refused, and differences are
+    listed in a warning. ``--ckpt_path last`` resolves to a complete checkpoint (see
+    :class:`rlhf_lightning.callbacks.Checkpoint`) before anything is compared or loaded.
+    """
 
     def __init__(self, args: Sequence[str] | None = None, run: bool = True) -> None:
         super().__init__(
@@ -34,23 +77,78 @@ class RLHFCLI(LightningCLI):
             save_config_callback=LogConfigCallback,
             save_config_kwargs={"overwrite": True},
             trainer_defaults={"logger": {"class_path": "rlhf_lightning.loggers.WandbLogger"}},
+            parser_class=OneLineArgumentParser,
             args=args,
             run=run,
         )
+
+    def _parse_ckpt_path(self) -> None:
+        # LightningCLI would load the checkpoint's hyper-parameters into the config here. The config wins;
+        # an explicit file is checked now, before any model is built.
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if ckpt_path and str(ckpt_path) not in SPECIAL_CKPT_PATHS:
+            self.check_checkpoint_against_config(subcommand, ckpt_path)
+
+    def check_checkpoint_against_config(self, subcommand: str, ckpt_path: str) -> None:
+        """Refuse a checkpoint of another module class; warn with the list of model arguments that differ."""
+        model = yaml.safe_load(self.parser.dump(self.config, skip_none=False, skip_link_targets=False))[subcommand]
+        model = model.get("model") or {}
+        model_class = import_class(model.get("class_path", ""))
+        checkpoint = load_for_comparison(ckpt_path)
+        if model_class is not None:
+            refusal = class_mismatch(ckpt_path, saved_class_of(checkpoint), model_class)
+            if refusal:
+                raise CheckpointError(refusal)
+        saved = checkpoint.get("hyper_parameters") or {}
+        message = differences_warning(ckpt_path, hparam_differences(saved, model.get("init_args") or {}))
+        if message:
+            rank_zero_warn(message)
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        ckpt_path = self.config_init[subcommand].get("ckpt_path")
+        if ckpt_path == "last":
+            resolved = self.trainer._checkpoint_connector._parse_ckpt_path(
+                TrainerFn(subcommand), "last", model_provided=True, model_connected=False)
+            if resolved:
+                self.check_checkpoint_against_config(subcommand, str(resolved))
+            self.config_init[subcommand]["ckpt_path"] = resolved  # resolved once: one warning, one file
+        super()._run_subcommand(subcommand)
+
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> L.Trainer:
+        # Lightning's default bar reads "Epoch 0/-2" in a run bounded by max_steps; ours counts its steps.
+        listed = list(config.get("callbacks") or []) + list(callbacks)
+        if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in listed):
+            callbacks = [*callbacks, default_progress_bar()]
+        return super()._instantiate_trainer(config, callbacks)
 
 
 def main(args: Sequence[str] | None = None) -> None:
     """Entry point of ``python -m rlhf_lightning`` and the ``rlhf-lightning`` script.
 
     ``fit``, ``validate``, ``test`` and ``predict`` go to LightningCLI; ``merge`` folds an adapter into its base.
+    An error of ours (a bad argument, file or checkpoint) is printed as one line ``error: ...`` and exits with
+    status 1 (2 for an unreadable config file); ``RLHF_LIGHTNING_TRACEBACK=1`` shows the full traceback instead.
     """
     argv = list(sys.argv[1:] if args is None else args)
-    if argv[:1] == ["merge"]:
-        from rlhf_lightning.merge import main as merge_main
+    for path in config_files(argv):
+        problem = config_file_problem(path)
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            sys.exit(2)
+    try:
+        if argv[:1] == ["merge"]:
+            from rlhf_lightning.merge import main as merge_main
 
-        merge_main(argv[1:])
-        return
-    RLHFCLI(args=None if args is None else argv)
+            merge_main(argv[1:])
+            return
+        RLHFCLI(args=None if args is None else argv)
+    except Exception as error:
+        ours = None if want_traceback() else user_error(error)
+        if ours is None:
+            raise
+        print(one_line(ours), file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -42,28 +42,44 @@ def _records(path: Path):
             yield record
 
 
+def has_history(run_file: str | Path) -> bool:
+    """Whether the run logged anything (a run that failed before its first ``log`` call has no history)."""
+    return any(record.WhichOneof("record_type") == "history" for record in _records(Path(run_file)))
+
+
 def find_run_file(directory: str | Path) -> Path:
-    """The newest ``run-*.wandb`` file under ``directory`` (a save dir, a wandb dir or a run dir)."""
-    files = sorted(Path(directory).rglob("run-*.wandb"), key=lambda p: p.stat().st_mtime)
+    """The newest ``run-*.wandb`` file under ``directory`` (a save dir such as ``outputs/ppo``, its ``wandb``
+    folder or a run folder) that logged something: runs that failed before logging are skipped."""
+    files = sorted(Path(directory).rglob("run-*.wandb"), key=lambda p: p.stat().st_mtime, reverse=True)
     if not files:
         raise FileNotFoundError(f"no run-*.wandb file under {directory}")
-    return files[-1]
+    for path in files:
+        if has_history(path):
+            return path
+    raise FileNotFoundError(f"no W&B run with logged history under {directory} ({len(files)} empty run(s), "
+                            f"e.g. {files[0]})")
 
 
-def read_history(run_file: str | Path) -> list[dict[str, Any]]:
-    """Every ``log`` call of the run, in order, as ``{key: value}`` dicts (``_step`` included)."""
+def _run_file(path: str | Path) -> Path:
+    path = Path(path)
+    return find_run_file(path) if path.is_dir() else path
+
+
+def read_history(run: str | Path) -> list[dict[str, Any]]:
+    """Every ``log`` call of the run, in order, as ``{key: value}`` dicts (``_step`` included). ``run`` is a
+    ``run-*.wandb`` file or a folder (``outputs/ppo/wandb``...), which means its latest run with history."""
     rows = []
-    for record in _records(Path(run_file)):
+    for record in _records(_run_file(run)):
         if record.WhichOneof("record_type") == "history":
             rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
                          for item in record.history.item})
     return rows
 
 
-def read_config(run_file: str | Path) -> dict[str, Any]:
-    """The run's config, merged from every config update."""
+def read_config(run: str | Path) -> dict[str, Any]:
+    """The run's config, merged from every config update; ``run`` as in :func:`read_history`."""
     config: dict[str, Any] = {}
-    for record in _records(Path(run_file)):
+    for record in _records(_run_file(run)):
         if record.WhichOneof("record_type") == "config":
             for item in record.config.update:
                 config[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)

@@ -81,7 +81,10 @@ def logged_keys(directory: Path, expected: set[str], timeout: float = 30.0) -> s
     few seconds to show every record on a loaded machine."""
     deadline = time.monotonic() + timeout
     while True:
-        keys = {key for row in read_history(find_run_file(directory)) for key in row}
+        try:
+            keys = {key for row in read_history(directory) for key in row}
+        except FileNotFoundError:  # no run with history flushed yet
+            keys = set()
         if expected <= keys or time.monotonic() > deadline:
             return keys
         time.sleep(0.5)

@@ -1,6 +1,7 @@
 """Lightning callbacks of the framework."""
 
-from rlhf_lightning.callbacks.checkpoint import IterationCheckpoint
+from rlhf_lightning.callbacks.atomic_io import AtomicCheckpointIO, CheckpointError
+from rlhf_lightning.callbacks.checkpoint import Checkpoint, IterationCheckpoint
 from rlhf_lightning.callbacks.completions import CompletionsTable
 
-__all__ = ["CompletionsTable", "IterationCheckpoint"]
+__all__ = ["AtomicCheckpointIO", "Checkpoint", "CheckpointError", "CompletionsTable", "IterationCheckpoint"]

@@ -1,15 +1,77 @@
-"""Checkpointing by PPO iteration."""
+"""Checkpoints that survive a crash at any moment, and resuming that says which file it used."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from rlhf_lightning.callbacks.atomic_io import (
+    AtomicCheckpointIO,
+    CheckpointError,
+    checkpoint_problem,
+    readable_checkpoints,
+    remove_leftovers,
+    temp_path,
+)
 
 
-class IterationCheckpoint(ModelCheckpoint):
-    """``ModelCheckpoint`` that saves every ``every_n_iterations`` training batches (on-policy iterations).
+class Checkpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` whose files are complete or absent, and whose ``ckpt_path="last"`` never loads a
+    broken file.
+
+    - Every checkpoint (``last.ckpt`` included) is written to a temp file in its own folder, flushed, fsynced,
+      then renamed into place (:class:`~rlhf_lightning.callbacks.atomic_io.AtomicCheckpointIO`, installed on
+      the Trainer's strategy unless it already has a custom ``CheckpointIO``). ``last.ckpt`` is replaced only
+      after the new file is complete, so a crash (``kill -9``, a full disk) leaves the previous one in place;
+      the temp files of interrupted writes are removed at the next start and save.
+    - ``fit(ckpt_path="last")`` checks the last checkpoint; when it is cut short or corrupt it resumes from the
+      newest complete checkpoint in the folder instead, with a warning naming both files.
+
+    Takes every ``ModelCheckpoint`` argument (``dirpath``, ``save_last``, ``every_n_train_steps``...).
+    """
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # leave custom IO (async, cloud) alone
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        if trainer.is_global_zero and self.dirpath and Path(self.dirpath).is_dir():
+            remove_leftovers(Path(self.dirpath))
+
+    def _find_last_checkpoints(self, trainer: L.Trainer) -> set[str]:
+        found = super()._find_last_checkpoints(trainer)
+        complete = {path for path in found if checkpoint_problem(path) is None}
+        if complete or not found:
+            return complete
+        broken = max(found, key=lambda p: Path(p).stat().st_mtime if Path(p).exists() else 0.0)
+        problem = checkpoint_problem(broken)
+        fallback = readable_checkpoints(Path(broken).parent)
+        if not fallback:
+            raise CheckpointError(f"checkpoint {broken}: {problem}; no complete checkpoint in "
+                                  f"{Path(broken).parent} to resume from")
+        rank_zero_warn(f"checkpoint {broken}: {problem}; resuming from the newest complete checkpoint "
+                       f"{fallback[0]} instead")
+        return {str(fallback[0])}
+
+    @staticmethod
+    def _link_checkpoint(trainer: L.Trainer, filepath: str, linkpath: str) -> None:
+        # `save_last="link"`: Lightning deletes the old link before making the new one; a crash in between
+        # would leave no last checkpoint. A link made aside and renamed over the old one never leaves a gap.
+        if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
+            link = temp_path(Path(linkpath))
+            link.unlink(missing_ok=True)
+            os.symlink(os.path.relpath(filepath, os.path.dirname(linkpath)), link)
+            os.replace(link, linkpath)
+        trainer.strategy.barrier()
+
+
+class IterationCheckpoint(Checkpoint):
+    """:class:`Checkpoint` that saves every ``every_n_iterations`` training batches (on-policy iterations).
 
     Under manual optimization an iteration makes several optimizer steps (fewer when ``target_kl`` stops it
     early), so ``every_n_train_steps`` would drift; iterations are what a PPO user counts. The checkpoint is

@@ -11,6 +11,7 @@ import lightning as L
 import torch
 from torch import Tensor
 
+from rlhf_lightning.callbacks.atomic_io import CheckpointError
 from rlhf_lightning.core.nonfinite import (
     SKIP_HINT,
     NonFiniteError,
@@ -23,6 +24,7 @@ from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer
 from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.optim import Schedule, adamw, lr_lambda
+from rlhf_lightning.resume import CLASS_KEY, class_mismatch, class_path
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +148,7 @@ class StageModule(L.LightningModule):
         return {name for name, parameter in self.named_parameters() if parameter.requires_grad}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint[CLASS_KEY] = class_path(type(self))  # so that another stage's module refuses the file
         if any(not parameter.requires_grad for parameter in self.parameters()):
             keep = self.checkpointed_keys()
             checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
@@ -154,6 +157,10 @@ class StageModule(L.LightningModule):
         checkpoint["skipped_steps"] = self.skipped_steps
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        refusal = class_mismatch(self.trainer.ckpt_path if self._trainer else "(loaded)", checkpoint.get(CLASS_KEY),
+                                 type(self))
+        if refusal:
+            raise CheckpointError(refusal)
         self.skipped_steps = int(checkpoint.get("skipped_steps", 0))
         missing = self.checkpointed_keys() - checkpoint["state_dict"].keys()
         if missing:

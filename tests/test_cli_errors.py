@@ -1,0 +1,152 @@
+"""What a user sees from the command line: our errors as one line, a YAML error with its file and line, a
+checkpoint that does not belong to the config refused or its differences listed, the step progress bar, and
+offline W&B runs read back from their folder."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+from rlhf_lightning.callbacks.progress import StepRichProgressBar, StepTQDMProgressBar
+from rlhf_lightning.cli import RLHFCLI, main
+from rlhf_lightning.errors import TRACEBACK_ENV
+from rlhf_lightning.wandb_offline import find_run_file, read_history
+
+REPO = Path(__file__).resolve().parents[1]
+BAD_YAML = "model:\n  class_path: rlhf_lightning.SFT\n   init_args: {lr: 1}\n"
+
+
+def cli_subprocess(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop(TRACEBACK_ENV, None)
+    return subprocess.run([sys.executable, "-m", "rlhf_lightning", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+@pytest.mark.parametrize("case", ["constructor", "yaml"])
+def test_cli_errors_are_one_line_and_exit_non_zero(tmp_path, case):
+    if case == "constructor":  # DPO checks beta before loading any model
+        result = cli_subprocess(tmp_path, "fit", "--config", str(REPO / "configs" / "dpo.yaml"),
+                                "--model.init_args.beta=-1", "--trainer.logger=false")
+        expected, code = "error: beta must be > 0, got -1.0.", 1
+    else:
+        (tmp_path / "bad.yaml").write_text(BAD_YAML)
+        result = cli_subprocess(tmp_path, "fit", "--config", "bad.yaml")
+        expected = "error: config file bad.yaml line 3, column 13: YAML syntax error: mapping values are not allowed here"
+        code = 2
+    assert result.returncode == code, result.stderr[-2000:]
+    assert error_lines(result.stderr) == [expected]
+    assert "Traceback" not in result.stderr and "Union" not in result.stderr
+
+
+@pytest.mark.parametrize(("argument", "expected"), [
+    ("--model.init_args.lr=abc", "error: model.init_args.lr: Expected a <class 'float'>. Got value: abc"),
+    ("--model.init_args.lr_schedule=bogus", "error: model.init_args.lr_schedule: Expected a "
+                                            "typing.Literal['constant', 'linear', 'cosine']. Got value: bogus"),
+    ("--trainer.max_stepz=3", "error: unrecognized arguments: --trainer.max_stepz=3"),
+])
+def test_a_bad_value_is_one_line_not_the_usage_and_the_union_report(capsys, argument, expected):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(REPO / "configs" / "sft.yaml"), argument])
+    assert exit_info.value.code == 2
+    assert error_lines(capsys.readouterr().err) == [expected]
+
+
+def test_the_full_traceback_on_request(monkeypatch, capsys):
+    monkeypatch.setenv(TRACEBACK_ENV, "1")
+    with pytest.raises(ValueError, match="beta must be > 0") as error:
+        main(["fit", "--config", str(REPO / "configs" / "dpo.yaml"), "--model.init_args.beta=-1",
+              "--trainer.logger=false"])
+    assert "Does not validate against any of the Union subtypes" in str(error.value)  # jsonargparse's wrapper
+
+
+def tiny_sft(*overrides: str) -> None:
+    main(["fit", "--config", str(REPO / "configs" / "sft.yaml"), "--trainer.logger=false",
+          "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+          "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1", "--data.init_args.synthetic_rows=300",
+          "--model.init_args.base.architecture={model_type: gpt2, n_layer: 1, n_embd: 16, n_head: 2, n_positions: 64}",
+          *overrides])
+
+
+def test_a_checkpoint_must_match_the_config_class_and_its_differences_are_listed(tmp_path, capsys):
+    tiny_sft("--trainer.max_steps=2")
+    checkpoint = "outputs/sft/checkpoints/last.ckpt"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(REPO / "configs" / "reward.yaml"), "--ckpt_path", checkpoint])
+    assert exit_info.value.code == 1
+    assert error_lines(capsys.readouterr().err) == [
+        f"error: checkpoint {checkpoint} was written by rlhf_lightning.sft.SFT, but this run's model is "
+        "rlhf_lightning.reward_model.RewardModel; give a checkpoint of a RewardModel run, or the config of the run "
+        "that wrote it"]
+
+    with pytest.warns(UserWarning) as warnings:
+        tiny_sft("--trainer.max_steps=3", "--model.init_args.lr=1e-3", "--model.init_args.export_dir=other",
+                 "--ckpt_path", checkpoint)
+    listed = [str(w.message) for w in warnings if "other model arguments" in str(w.message)]
+    assert listed == [
+        f"checkpoint {checkpoint} was saved with other model arguments than the config; the config's are used "
+        "(outputs go where the config says):\n"
+        "  model.init_args.lr: checkpoint 0.004, config 0.001\n"
+        "  model.init_args.export_dir: checkpoint 'outputs/sft/model', config 'other'"]
+    assert (tmp_path / "other" / "config.json").exists()  # the config's export_dir, not the checkpoint's
+
+
+def test_the_cli_counts_steps_in_the_progress_bar():
+    cli = RLHFCLI(args=["--config", str(REPO / "configs" / "sft.yaml"), "--trainer.logger=false",
+                        "--model.init_args.base.architecture={model_type: gpt2, n_layer: 1, n_embd: 16, n_head: 2}"],
+                  run=False)
+    assert isinstance(cli.trainer.progress_bar_callback, StepRichProgressBar | StepTQDMProgressBar)
+
+
+def boring_fit(bar, **limits) -> None:
+    trainer = L.Trainer(callbacks=[bar], logger=False, enable_checkpointing=False, enable_model_summary=False,
+                        limit_train_batches=2, limit_val_batches=0, **limits)
+    trainer.fit(BoringModel())
+
+
+def test_a_step_bounded_run_shows_steps_of_max_steps():
+    bar = StepRichProgressBar()
+    boring_fit(bar, max_steps=5)  # three epochs of two batches
+    task = bar.progress.tasks[bar.train_progress_bar_id]
+    assert (task.description.strip(), task.completed, task.total) == ("Steps", 5, 5)
+
+    bar = StepRichProgressBar()
+    boring_fit(bar, max_epochs=2)
+    task = bar.progress.tasks[bar.train_progress_bar_id]
+    assert (task.description.strip(), task.completed, task.total) == ("Epoch 1/1", 2, 2)
+
+    bar = StepTQDMProgressBar()
+    boring_fit(bar, max_steps=5)
+    assert (bar.train_progress_bar.desc, bar.train_progress_bar.n, bar.train_progress_bar.total) == ("Steps: ", 5, 5)
+
+
+def wandb_run(directory: Path, rows: list[dict]) -> Path:
+    import wandb
+
+    run = wandb.init(mode="offline", dir=str(directory), project="p", settings=wandb.Settings(silent=True))
+    for row in rows:
+        run.log(row)
+    run.finish(exit_code=0 if rows else 1)
+    return find_run_file(directory) if rows else next(iter(sorted(directory.rglob("run-*.wandb"), key=os.path.getmtime,
+                                                                   reverse=True)))
+
+
+def test_read_history_takes_the_folder_and_skips_runs_that_logged_nothing(tmp_path):
+    logged = wandb_run(tmp_path, [{"a": 1.0}, {"a": 2.0}])
+    empty = wandb_run(tmp_path, [])  # a run that failed before logging, newer than the good one
+    assert empty != logged and empty.stat().st_mtime >= logged.stat().st_mtime
+    assert [row["a"] for row in read_history(tmp_path / "wandb")] == [1.0, 2.0]
+    assert find_run_file(tmp_path) == logged
+    logged.unlink()
+    with pytest.raises(FileNotFoundError, match=r"no W&B run with logged history under .* \(1 empty run"):
+        read_history(tmp_path / "wandb")
