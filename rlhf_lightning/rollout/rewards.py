@@ -308,7 +308,9 @@ class RewardSet:
 
     def score(self, inputs: RewardInputs) -> Tensor:
         """Scores ``[B, S]`` of every source (NaN where a source does not apply)."""
-        return torch.stack([source.score(inputs).float() for source in self.sources], -1)
+        # A source of one's own may score on another device (a CPU verifier, an API): scores join the rollout's.
+        device = inputs.input_ids.device
+        return torch.stack([source.score(inputs).float().to(device) for source in self.sources], -1)
 
     def normalize(self, scores: Tensor) -> Tensor:
         """``[B, S]`` scores standardised with each source's validation mean and std."""
