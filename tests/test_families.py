@@ -24,7 +24,7 @@ from rlhf_lightning.models.shared_base import position_ids_from_mask
 from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.rollout.generate import stop_token_ids
 from tests.conftest import LORA
-from tests.families import FAMILIES, Family, build_model_dir, prompts
+from tests.families import FAMILIES, Family, build_model_dir, build_tokenizer, prompts
 
 NAMES = sorted(FAMILIES)
 
@@ -153,8 +153,6 @@ def test_an_unrecognised_post_processing_is_detected_and_log_probs_use_the_full_
 @pytest.mark.parametrize("name", NAMES)
 def test_completions_end_where_generation_stops(name):
     family = FAMILIES[name]
-    from tests.families import build_tokenizer
-
     tokenizer = build_tokenizer(family)
     prompt = prompts(family, 1)[0]
     completion = [{"role": "assistant", "content": "five."}] if family.conversational else " five."

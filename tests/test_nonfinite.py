@@ -186,3 +186,12 @@ def test_checkpoints_and_exports_refuse_non_finite_weights(tiny_model_dir, tmp_p
     with pytest.raises(NonFiniteError, match=r"^refusing to write adapter 'policy' to .*: non-finite values in 1"):
         module.export(tmp_path / "export")
     assert not (tmp_path / "export").exists()
+
+
+def test_large_finite_gradients_are_not_taken_for_infinities():
+    """A 2-norm of two entries of 1e20 overflows to inf in float32; the check must not call that non-finite."""
+    from rlhf_lightning.core.nonfinite import all_finite
+
+    assert all_finite([torch.full((2,), 1e20), torch.tensor(3.0)])
+    assert not all_finite([torch.ones(3), torch.tensor([1.0, float("nan")])])
+    assert not all_finite([torch.tensor([1.0, -float("inf")])])

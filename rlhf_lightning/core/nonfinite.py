@@ -35,10 +35,11 @@ def nonfinite_names(named: Iterable[tuple[str, Tensor | None]]) -> list[str]:
 
 
 def all_finite(tensors: Sequence[Tensor]) -> bool:
-    """Whether every tensor is finite, in a few fused kernels (a NaN or inf anywhere makes its norm non-finite)."""
+    """Whether every tensor is finite, in a few fused kernels: the max-norm of each is NaN or inf exactly when it
+    holds one (unlike the 2-norm, whose sum of squares overflows for large finite values)."""
     if not tensors:
         return True
-    norms = torch._foreach_norm([t.detach().float() for t in tensors])
+    norms = torch._foreach_norm([t.detach().float() for t in tensors], ord=float("inf"))
     return bool(torch.isfinite(torch.stack(norms)).all())
 
 

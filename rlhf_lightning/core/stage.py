@@ -50,7 +50,8 @@ class StageModule(L.LightningModule):
         # Frozen base weights are not in the checkpoint; `on_load_checkpoint` checks for what must be.
         self.strict_loading = False
         self.skipped_steps = 0  # optimizer steps skipped for non-finite values (nonfinite: skip)
-        self._nonfinite_problem: str | None = None  # what the coming optimizer step found wrong so far
+        # The coming optimizer step's loss terms, with where they came from, checked by `guard_step`.
+        self._step_losses: list[tuple[str, dict[str, Tensor]]] = []
 
     def load_base(self, spec: BaseModelSpec, train_base: bool = False) -> SharedBase:
         """Load ``spec``'s tokenizer (as ``self.tokenizer``) and model, wrapped as a :class:`SharedBase`."""
@@ -87,18 +88,25 @@ class StageModule(L.LightningModule):
             return "outside a fit"
         return f"optimizer step {self.global_step + 1} (training batch {self.trainer.fit_loop.total_batch_idx})"
 
-    def guard_losses(self, losses: Mapping[str, Tensor], where: str | None = None) -> bool:
-        """Note non-finite ``losses`` (name -> value) for the coming optimizer step; True when all are finite.
+    def guard_losses(self, losses: Mapping[str, Tensor], where: str | None = None) -> None:
+        """Keep ``losses`` (name -> value) for the check of the coming optimizer step, with ``where`` they came
+        from.
 
-        Nothing is raised here: under DDP every rank must still run its backward, and the step's decision is
-        taken on all ranks together by :meth:`guard_step`.
+        Nothing is checked or raised here: the step's losses and gradients are checked together by
+        :meth:`guard_step`, in one pass (one device synchronisation per step, not one per loss term), and under
+        DDP every rank must still run its backward before the ranks decide together.
         """
-        bad = {name: float(value.detach().float().mean()) for name, value in losses.items()
-               if not bool(torch.isfinite(value.detach()).all())}
-        if bad and self._nonfinite_problem is None:
-            terms = ", ".join(f"{name}={value}" for name, value in bad.items())
-            self._nonfinite_problem = f"{where or self.training_position()}: non-finite loss {terms}"
-        return not bad
+        self._step_losses.append((where or self.training_position(),
+                                  {name: value.detach() for name, value in losses.items()}))
+
+    def _loss_problem(self, step_losses: list[tuple[str, dict[str, Tensor]]]) -> str | None:
+        """The first non-finite loss of a step, as one line, or None."""
+        for where, losses in step_losses:
+            bad = {name: float(value.float().mean()) for name, value in losses.items()
+                   if not bool(torch.isfinite(value).all())}
+            if bad:
+                return f"{where}: non-finite loss {', '.join(f'{name}={value}' for name, value in bad.items())}"
+        return None
 
     def _gradient_scaler_active(self) -> bool:
         # Under fp16 mixed precision the GradScaler finds scaled-up infinities itself and skips those steps.
@@ -107,15 +115,20 @@ class StageModule(L.LightningModule):
         return getattr(self.trainer.precision_plugin, "scaler", None) is not None
 
     def guard_step(self, where: str | None = None) -> bool:
-        """Before an optimizer step: True if it may be taken. Otherwise (a non-finite loss noted by
+        """Before an optimizer step: True if it may be taken. Otherwise (a non-finite loss kept by
         :meth:`guard_losses`, or a non-finite gradient, on any rank) raise :class:`NonFiniteError`, or under
         ``nonfinite: skip`` drop the gradients, count the skipped step and return False."""
-        problem, self._nonfinite_problem = self._nonfinite_problem, None
-        named = [(name, p.grad) for name, p in self.named_parameters() if p.grad is not None]
-        if problem is None and not self._gradient_scaler_active() and not all_finite([g for _, g in named]):
-            bad = nonfinite_names(named)
-            problem = (f"{where or self.training_position()}: non-finite gradients in {len(bad)} parameters "
-                       f"{listing(bad, 3)}")
+        step_losses, self._step_losses = self._step_losses, []
+        losses = [value for _, terms in step_losses for value in terms.values()]
+        named = [] if self._gradient_scaler_active() else [
+            (name, p.grad) for name, p in self.named_parameters() if p.grad is not None]
+        problem = None
+        if not all_finite(losses + [grad for _, grad in named]):
+            problem = self._loss_problem(step_losses)
+            if problem is None:
+                bad = nonfinite_names(named)
+                problem = (f"{where or self.training_position()}: non-finite gradients in {len(bad)} parameters "
+                           f"{listing(bad, 3)}")
         found = torch.tensor(float(problem is not None), device=self.device)
         if self._trainer is not None and self.trainer.world_size > 1:
             found = self.trainer.strategy.reduce(found, reduce_op="sum")

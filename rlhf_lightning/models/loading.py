@@ -27,7 +27,6 @@ from rlhf_lightning.tasks import TASKS, build_task_tokenizer
 log = logging.getLogger(__name__)
 
 PAD_TOKEN = "<|pad|>"
-SYNTHETIC = "synthetic"
 # Files of which a saved tokenizer has at least one (fast tokenizers, BPE, SentencePiece, WordPiece).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "spiece.model",
                    "vocab.txt", "sentencepiece.bpe.model", "tekken.json")

@@ -20,8 +20,11 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
+from rlhf_lightning.data.collate import pad
+from rlhf_lightning.data.tokenize import completion_end_id, encode_completion, encode_prompt
 from rlhf_lightning.models.heads import ScalarHead
-from rlhf_lightning.models.shared_base import SharedBase
+from rlhf_lightning.models.shared_base import SharedBase, position_ids_from_mask
+from rlhf_lightning.rollout.generate import is_stop
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +63,6 @@ def close_responses(input_ids: Tensor, attention_mask: Tensor, end_token_id: int
     that. ``end_token_id`` is one id or one per row ``[B]``. Returns ``(input_ids, attention_mask, last_index)``
     one column wider than the inputs.
     """
-    from rlhf_lightning.rollout.generate import is_stop
-
     rows = torch.arange(input_ids.shape[0], device=input_ids.device)
     end = torch.as_tensor(end_token_id, dtype=input_ids.dtype, device=input_ids.device).expand(rows.shape[0])
     last = last_token_index(attention_mask)
@@ -206,8 +207,6 @@ class ModelReward(RewardSource):
     def encode(self, prompt: Any, completion: str, row: int) -> list[int]:
         """The reward model's token ids of ``prompt`` (text or messages) answered by ``completion``, ending with
         the token the score is read at, cut from the left to ``max_length``."""
-        from rlhf_lightning.data.tokenize import encode_completion, encode_prompt
-
         where = f"reward model {self.name_or_path}, row {row}"
         if isinstance(prompt, list):
             completion = [{"role": "assistant", "content": completion}]
@@ -217,9 +216,6 @@ class ModelReward(RewardSource):
 
     @torch.no_grad()
     def score(self, inputs: RewardInputs) -> Tensor:
-        from rlhf_lightning.data.collate import pad
-        from rlhf_lightning.models.shared_base import position_ids_from_mask
-
         sequences = [self.encode(prompt, completion, row)
                      for row, (prompt, completion) in enumerate(zip(inputs.prompts, inputs.completions, strict=True))]
         # Left padding: every sequence ends at the last column, where the score is read.
@@ -348,8 +344,6 @@ def reward_inputs(input_ids: Tensor, attention_mask: Tensor, response_mask: Tens
     """What reward sources read of sampled rollouts (responses in the last ``R`` columns of ``input_ids``): each
     sequence closed as the data stage closed completions (:func:`~rlhf_lightning.data.tokenize.completion_end_id`:
     the turn-end token after a conversation, EOS after text)."""
-    from rlhf_lightning.data.tokenize import completion_end_id
-
     prompts = list(prompts)
     ends = torch.tensor([completion_end_id(tokenizer, isinstance(prompt, list)) for prompt in prompts],
                         dtype=input_ids.dtype, device=input_ids.device)

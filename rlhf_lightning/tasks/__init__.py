@@ -4,30 +4,27 @@ the task's rows and ``tokenizer: <name>`` in a base model builds its tokenizer."
 
 from __future__ import annotations
 
+import importlib
+from types import ModuleType
 from typing import Any
 
-TASKS = ("synthetic", "arithmetic")
+# name -> (module, task class); each module also defines `build_tokenizer()`.
+_TASKS = {"synthetic": ("rlhf_lightning.tasks.synthetic", "SyntheticTask"),
+          "arithmetic": ("rlhf_lightning.tasks.arithmetic", "ArithmeticTask")}
+TASKS = tuple(_TASKS)
+
+
+def _module(name: str) -> ModuleType:
+    if name not in _TASKS:
+        raise ValueError(f"no embedded task {name!r}; the tasks are {', '.join(TASKS)}")
+    return importlib.import_module(_TASKS[name][0])
 
 
 def make_task(name: str, seed: int) -> Any:
     """The task ``name`` with ``seed``: an object with ``sft_rows``, ``prompt_rows`` and ``preference_rows``."""
-    if name == "synthetic":
-        from rlhf_lightning.tasks.synthetic import SyntheticTask
-
-        return SyntheticTask(seed=seed)
-    if name == "arithmetic":
-        from rlhf_lightning.tasks.arithmetic import ArithmeticTask
-
-        return ArithmeticTask(seed=seed)
-    raise ValueError(f"no embedded task {name!r}; the tasks are {', '.join(TASKS)}")
+    return getattr(_module(name), _TASKS[name][1])(seed=seed)
 
 
 def build_task_tokenizer(name: str):
     """The tokenizer of task ``name``."""
-    if name == "synthetic":
-        from rlhf_lightning.tasks.synthetic import build_tokenizer
-    elif name == "arithmetic":
-        from rlhf_lightning.tasks.arithmetic import build_tokenizer
-    else:
-        raise ValueError(f"no embedded task {name!r}; the tasks are {', '.join(TASKS)}")
-    return build_tokenizer()
+    return _module(name).build_tokenizer()
