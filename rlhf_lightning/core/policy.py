@@ -251,6 +251,21 @@ class PolicyModule(StageModule):
                          columns: dict[str, list] | None = None) -> dict[str, Tensor]:
         """Sample one response per prompt (fixed seed per batch, training's random stream untouched) and
         update the validation metrics with its KL to the reference, length, stop rate and gold reward."""
+        values, (ids, mask, response_mask, texts) = self.measure_samples(input_ids, attention_mask, prompts,
+                                                                          batch_idx)
+        values.update(self.evaluate_extra(ids, mask, response_mask, prompts, texts, raw_prompts, columns))
+        for name, value in values.items():
+            self.val_metrics[name].update(value)
+        return values
+
+    @torch.no_grad()
+    def measure_samples(self, input_ids: Tensor, attention_mask: Tensor, prompts: Sequence[str],
+                        batch_idx: int) -> tuple[dict[str, Tensor], tuple[Tensor, Tensor, Tensor, list[str]]]:
+        """One response per prompt, sampled with evaluation batch ``batch_idx``'s fixed seed, and its per-sample
+        ``kl`` (nats, to the reference), ``length``, ``eos_frac`` and ``gold`` (with a gold reward).
+
+        Returns the values and ``(sequences, attention_mask, response_mask, texts)`` of the samples.
+        """
         devices = [self.device.index or 0] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(derive_seed(self.hparams.seed, "validation", batch_idx, self.global_rank))
@@ -266,10 +281,7 @@ class PolicyModule(StageModule):
         }
         if self.gold_reward is not None:
             values["gold"] = torch.tensor([float(g) for g in self.gold_reward(list(prompts), texts)])
-        values.update(self.evaluate_extra(ids, mask, response_mask, prompts, texts, raw_prompts, columns))
-        for name, value in values.items():
-            self.val_metrics[name].update(value)
-        return values
+        return values, (ids, mask, response_mask, texts)
 
     def evaluate_extra(self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor,
                        prompts: Sequence[str], texts: list[str], raw_prompts: Sequence[Any] | None = None,
