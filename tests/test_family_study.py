@@ -50,36 +50,37 @@ def test_gold_at_a_kl_is_read_where_the_trajectory_first_reaches_it():
     assert value_at(points, 15.0, along="cpu_seconds") == pytest.approx(1.0)  # halfway from 0.5 to 1.5
 
 
-def test_the_frontier_is_the_best_strength_that_reaches_the_kl():
-    weak = _run("rloo", 0.02, 0, [(4.0, 1.0), (12.0, 0.5)])
-    strong = _run("rloo", 0.15, 0, [(1.0, 0.8), (3.0, 1.4)])
-    assert frontier([weak, strong], 2.0) == pytest.approx(1.1)  # strong: 0.8 + 0.5 * 0.6 beats weak's 0.5
-    assert frontier([weak, strong], 8.0) == pytest.approx(0.75)  # only the weak run gets there
+def test_the_frontier_is_the_best_strength_that_reaches_the_kl_interpolated_in_sqrt_kl():
+    weak = _run("rloo", 0.02, 0, [(4.0, 1.0), (16.0, 0.5)])
+    strong = _run("rloo", 0.15, 0, [(1.0, 0.8), (4.0, 1.4)])
+    # at KL 2.25 (d 1.5): strong is halfway from d 1 to 2 (1.1), weak 3/4 of the way from d 0 to 2 (0.75)
+    assert frontier([weak, strong], 2.25) == pytest.approx(1.1)
+    assert frontier([weak, strong], 9.0) == pytest.approx(0.75)  # only the weak run gets there: d 3 of 2..4
     assert frontier([weak, strong], 20.0) is None
 
 
 def test_matched_kl_table_gains_over_each_seeds_sft_policy_with_spread_over_seeds():
     runs = [
-        _run("ppo", 0.07, 0, [(2.0, 1.0), (6.0, 2.0)], gold0=-0.1),
-        _run("ppo", 0.07, 1, [(2.0, 0.5), (4.0, 1.0)], gold0=0.1),
-        _run("ppo", 0.07, 2, [(2.0, 1.1), (8.0, 1.2)], gold0=0.0),
+        _run("ppo", 0.07, 0, [(4.0, 1.0), (16.0, 2.0)], gold0=-0.1),
+        _run("ppo", 0.07, 1, [(4.0, 0.5), (6.0, 1.0)], gold0=0.1),
+        _run("ppo", 0.07, 2, [(4.0, 1.1), (16.0, 1.2)], gold0=0.0),
         _run("dpo", 0.1, 0, [(1.0, 0.2)], gold0=-0.1),
     ]
-    curve = {0: [BestOfNPoint(1, 0.0, -0.2, 0.0), BestOfNPoint(4, 1.0, 0.4, 1.0), BestOfNPoint(16, 2.0, 0.8, 2.0)]}
-    rows = matched_kl_table(runs, curve, [2.0, 5.0], {"ppo": "PPO", "dpo": "DPO"})
+    curve = {0: [BestOfNPoint(1, 0.0, -0.2, 0.0), BestOfNPoint(4, 1.0, 0.4, 1.0), BestOfNPoint(16, 4.0, 0.8, 2.0)]}
+    rows = matched_kl_table(runs, curve, [4.0, 9.0], {"ppo": "PPO", "dpo": "DPO"})
     ppo, dpo, bon = rows
-    gains = [1.0 + 0.1, 0.5 - 0.1, 1.1]
-    assert ppo["kl_2"]["values"] == pytest.approx(gains)
-    assert ppo["kl_2"]["mean"] == pytest.approx(np.mean(gains))
-    assert ppo["kl_2"]["spread"] == pytest.approx(np.std(gains, ddof=1))
-    assert ppo["kl_5"]["values"] == pytest.approx([1.75 + 0.1, 1.15])  # seed 1 never gets there
-    assert ppo["kl_5"]["seeds"] == 2 and ppo["seeds"] == 3
-    assert ppo["peak"]["values"] == pytest.approx([2.1, 0.9, 1.2]) and ppo["peak_kl"]["values"] == [6.0, 4.0, 8.0]
-    assert dpo["kl_2"] is None and dpo["peak"]["values"] == pytest.approx([0.3])
-    assert bon["kl_2"]["values"] == pytest.approx([1.0])  # from its own n = 1 (-0.2), not the evaluation's
-    assert bon["kl_5"] is None
-    table = markdown_table(rows, [2.0, 5.0], {})
-    assert "| PPO | +0.87 ± 0.40 | +1.50 ± 0.49 (2/3) | +1.40 ± 0.62 (6.0) | – | 20 |" in table
+    gains = [1.0 + 0.1, 0.5 - 0.1, 1.1]  # at KL 4, each seed's first evaluation
+    assert ppo["kl_4"]["values"] == pytest.approx(gains)
+    assert ppo["kl_4"]["mean"] == pytest.approx(np.mean(gains))
+    assert ppo["kl_4"]["spread"] == pytest.approx(np.std(gains, ddof=1))
+    assert ppo["kl_9"]["values"] == pytest.approx([1.5 + 0.1, 1.15])  # d 3 of 2..4; seed 1 never gets there
+    assert ppo["kl_9"]["seeds"] == 2 and ppo["seeds"] == 3
+    assert ppo["peak"]["values"] == pytest.approx([2.1, 0.9, 1.2]) and ppo["peak_kl"]["values"] == [16.0, 6.0, 16.0]
+    assert dpo["kl_4"] is None and dpo["peak"]["values"] == pytest.approx([0.3])
+    assert bon["kl_4"]["values"] == pytest.approx([1.0])  # from its own n = 1 (-0.2), not the evaluation's
+    assert bon["kl_9"] is None
+    table = markdown_table(rows, [4.0, 9.0], {})
+    assert "| PPO | +0.87 ± 0.40 | +1.38 ± 0.32 (2/3) | +1.40 ± 0.62 (12.7) | – | 20 |" in table, table
     assert format_cell(None, 3) == "–"
 
 
@@ -87,7 +88,7 @@ def test_seed_fits_recover_gao_parameters_and_gao_fits_pool_every_strength():
     d = np.linspace(0.3, 3.0, 12)
     gain = gao_curve(d, 1.2, 0.4)
     runs = [MethodRun("grpo", strength, 0, [EvalPoint(0, 0.0, 0.5, 0.0, 0.0)] + [
-        EvalPoint(i + 1, x * x, 0.5 + g, 0.0, float(i)) for i, (x, g) in enumerate(zip(d[k::2], gain[k::2]))])
+        EvalPoint(i + 1, x * x, 0.5 + g, 0.0, float(i)) for i, (x, g) in enumerate(zip(d[k::2], gain[k::2], strict=True))])
         for k, strength in enumerate((0.03, 0.3))]
     (fit, reach), = seed_fits(runs).values()
     assert (fit.alpha, fit.beta) == pytest.approx((1.2, 0.4), abs=1e-9) and reach == pytest.approx(3.0)
@@ -119,9 +120,9 @@ def test_every_method_runs_through_the_real_cli_with_its_strength_and_overrides(
     for method in METHODS.values():
         shipped = yaml.safe_load((REPO / "configs" / method.config).read_text())["model"]["init_args"]
         if method.name not in ("simpo", "dpo_norm"):
-            assert shipped[method.strength] in method.strengths, method.name
+            assert shipped[method.strength] == method.shipped, method.name
     # their settings are the README's overrides of dpo.yaml: beta 3, and lr 1e-4 for SimPO
-    assert 3.0 in METHODS["dpo_norm"].strengths and 1e-4 in METHODS["simpo"].strengths
+    assert METHODS["dpo_norm"].shipped == 3.0 and METHODS["simpo"].shipped == 1e-4
 
 
 def test_quick_and_full_modes_pick_their_defaults():
@@ -172,7 +173,7 @@ def test_tiny_family_study_end_to_end_resumes_and_measures_every_method_alike(ti
                                     expected])), (method, steps)
         first = row["points"][0]
         assert first["kl"] == 0.0 and first["cpu_seconds"] == pytest.approx(0.0, abs=0.5)
-        assert all(b["cpu_seconds"] > a["cpu_seconds"] for a, b in zip(row["points"], row["points"][1:]))
+        assert all(b["cpu_seconds"] > a["cpu_seconds"] for a, b in zip(row["points"], row["points"][1:], strict=False))
         # Before any update every method is the SFT policy, sampled with the same seeds and scored by the same
         # reward model (DPO through the adapter the study loads onto its base): identical numbers.
         reference = runs[("grpo", 0.03, seed)]["points"][0]

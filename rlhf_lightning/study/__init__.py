@@ -1,6 +1,9 @@
-"""Studies built on the framework: reward-model over-optimisation on the embedded task (Gao et al. 2022).
+"""Studies built on the framework, on the embedded task whose true (gold) reward is known.
 
-Run ``python -m rlhf_lightning.study.overoptimisation --help``.
+* ``python -m rlhf_lightning.study.family``: every method of the family at several KL strengths over seeds of the
+  pipeline: gold per nat of KL and per CPU-second, at matched KL.
+* ``python -m rlhf_lightning.study.overoptimisation``: PPO against the reward model without and with a KL
+  penalty, and best-of-n, on one seed (Gao et al. 2022).
 """
 
 from rlhf_lightning.study.best_of_n import best_of_n_curve, best_of_n_expectation, best_of_n_weights

@@ -34,7 +34,7 @@ from typing import Any
 from rlhf_lightning.study.best_of_n import BestOfNPoint, best_of_n_curve, powers_of_two, sample_reference
 from rlhf_lightning.study.evaluation import HeldOutEvaluation, MethodRun
 from rlhf_lightning.study.frontier import gao_fits, markdown_table, matched_kl_table
-from rlhf_lightning.study.methods import BEST_OF_N, METHODS, Method, run_arguments
+from rlhf_lightning.study.methods import BEST_OF_N, METHODS, run_arguments
 from rlhf_lightning.study.runs import build_cli
 
 log = logging.getLogger(__name__)
@@ -264,9 +264,9 @@ def work(args: argparse.Namespace) -> None:
         return
     threads = max(1, (os.cpu_count() or 1) // args.jobs)
     environment = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    command = [sys.executable, "-m", "rlhf_lightning.study.family", *sys.argv[1:]] if args.argv is None else \
-        [sys.executable, "-m", "rlhf_lightning.study.family", *args.argv]
-    workers = [subprocess.Popen([*command, "--group", args.group, "--worker", str(k)], env=environment)
+    argv = sys.argv[1:] if args.argv is None else args.argv
+    command = [sys.executable, "-m", "rlhf_lightning.study.family", *argv, "--group", args.group]
+    workers = [subprocess.Popen([*command, "--worker", str(k)], env=environment)
                for k in range(args.jobs)]
     failed = [k for k, worker in enumerate(workers) if worker.wait() != 0]
     if failed:
@@ -304,7 +304,7 @@ def analyse(args: argparse.Namespace) -> dict[str, Any]:
     runs, curves, seconds = load_results(args)
     names = [name for name in args.methods if name in METHODS]
     labels = {name: METHODS[name].label for name in names}
-    shipped = {name: _shipped(args, METHODS[name]) for name in names}
+    shipped = {name: METHODS[name].shipped for name in names}
     fits = gao_fits(runs, curves, [name for name in names if METHODS[name].uses_reward_model], args.fit_min_d)
     rows = matched_kl_table(runs, curves, args.kls, labels)
     out = Path(args.out)
@@ -330,13 +330,6 @@ def analyse(args: argparse.Namespace) -> dict[str, Any]:
             (target / f"family_{mode}_{path.name}").write_bytes(path.read_bytes())
     log_summary(args, summary, kl_png, compute_png, rows)
     return summary
-
-
-def _shipped(args: argparse.Namespace, method: Method) -> float:
-    """The strength of ``method`` drawn in the compute figure: the shipped config's when it runs, else the
-    middle one of those run."""
-    strengths = method.quick_strengths() if args.quick else method.strengths
-    return strengths[1] if len(strengths) > 1 else strengths[0]
 
 
 def log_summary(args: argparse.Namespace, summary: dict[str, Any], kl_png: Path, compute_png: Path,

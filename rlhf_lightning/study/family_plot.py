@@ -10,7 +10,14 @@ import numpy as np
 
 from rlhf_lightning.study.best_of_n import BestOfNPoint
 from rlhf_lightning.study.evaluation import MethodRun
-from rlhf_lightning.study.frontier import best_of_n_value, by_seed, seed_curve, seed_fits, sft_baseline, value_at
+from rlhf_lightning.study.frontier import (
+    best_of_n_value,
+    by_seed,
+    seed_curve,
+    seed_fits,
+    sft_baseline,
+    value_at,
+)
 from rlhf_lightning.study.plot import COLOURS
 
 
@@ -54,7 +61,7 @@ def plot_kl(path: str | Path, runs: Sequence[MethodRun], best_of_n: dict[int, Se
                       for seed, (fit, reach) in fits.items()}
             _band(panel, *seed_curve(curves, grid), colour, f"{label} ({len(fits)} seeds)")
         if best_of_n:
-            curves = {seed: (lambda d, c=curve: _minus(best_of_n_value(c, d * d, value), getattr(c[0], value)))
+            curves = {seed: (lambda d, c=curve, v=value: _minus(best_of_n_value(c, d * d, v), getattr(c[0], v)))
                       for seed, curve in best_of_n.items()}
             _band(panel, *seed_curve(curves, grid), "black", "best-of-n of the SFT policy")
         _decorate(panel, "d = √KL(π ‖ π_SFT)   (√nats)", f"{value} gain over the SFT policy",

@@ -1,15 +1,17 @@
 """The family study's numbers: gold at matched KL, curves over seeds, Gao fits, the table.
 
 A run's trajectory is its evaluations in order, starting with the SFT policy (step 0, KL 0). Gold at a given KL
-is read where the trajectory first reaches that KL, by linear interpolation between the two evaluations either
-side (KL is not monotone over a run, so the first crossing is the one a researcher stopping at that KL would
-get). A method's *frontier* at a KL, for one seed, is the best of its strengths there: the method with its KL
+is read where the trajectory first reaches that KL, by linear interpolation in ``d = sqrt(KL)`` between the two
+evaluations either side (gold grows about linearly in d early on, Gao et al., so this does not penalise a run
+whose first evaluation is already far out; KL is not monotone over a run, so the first crossing is the one a
+researcher stopping at that KL would get). A method's *frontier* at a KL, for one seed, is the best of its strengths there: the method with its KL
 strength tuned on that seed's runs, which every method gets the same number of times. Spread is the sample
 standard deviation over seeds.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -39,7 +41,7 @@ def value_at(points: Sequence[Any], x: float, along: str = "kl", value: str = "g
 def frontier(runs: Iterable[MethodRun], kl: float, value: str = "gold") -> float | None:
     """The best ``value`` at ``kl`` over ``runs`` (one method, one seed, its strengths); None if none reaches it.
     """
-    reached = [v for run in runs if (v := value_at(run.points, kl, "kl", value)) is not None]
+    reached = [v for run in runs if (v := value_at(run.points, math.sqrt(kl), "d", value)) is not None]
     return max(reached) if reached else None
 
 
@@ -81,12 +83,13 @@ def seed_curve(per_seed: dict[int, Callable[[float], float | None]], grid: Seque
 
 
 def best_of_n_value(curve: Sequence[BestOfNPoint], kl: float, value: str = "gold") -> float | None:
-    """Best-of-n's ``value`` at ``kl`` (interpolated between the measured n); None beyond the largest n.
+    """Best-of-n's ``value`` at ``kl`` (interpolated in sqrt(KL) between the measured n); None beyond the largest
+    n.
 
     Best-of-n gains are measured from the curve's own ``n = 1`` (its ``N`` samples per prompt estimate the SFT
     policy's mean more closely than the evaluation's single sample does).
     """
-    return value_at(curve, kl, "kl", value)
+    return value_at(curve, math.sqrt(kl), "d", value)
 
 
 def seed_fits(runs: Iterable[MethodRun], value: str = "gold") -> dict[int, tuple[GaoFit, float]]:

@@ -17,8 +17,8 @@ from pathlib import Path
 class Method:
     """A method of the study.
 
-    ``strengths`` run from the weakest hold on the policy (largest KL) to the strongest; the shipped config's
-    value is among them. ``steps`` are the training batches of the shipped config (iterations of an online
+    ``strengths`` run from the weakest hold on the policy (largest KL) to the strongest, with the shipped
+    config's value (or the README's, for the DPO variants) in the middle. ``steps`` are the training batches of the shipped config (iterations of an online
     method, optimizer steps of DPO).
     """
 
@@ -31,6 +31,11 @@ class Method:
     every: int
     overrides: tuple[str, ...] = ()
     uses_reward_model: bool = True
+
+    @property
+    def shipped(self) -> float:
+        """The strength of the shipped config (the README's for the DPO variants)."""
+        return self.strengths[1]
 
     def quick_strengths(self) -> tuple[float, ...]:
         """The two strengths of ``--quick``: the weakest hold and the shipped one (a short run moves little)."""
