@@ -60,12 +60,37 @@ class Settings:
     def architecture(self) -> dict[str, int]:
         return PRESETS[self.preset]
 
+    @property
+    def rollout_rows(self) -> int:
+        """Responses sampled per iteration (one per prompt for PPO)."""
+        return self.prompts
+
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
 
     @classmethod
     def from_json(cls, text: str) -> Settings:
         return cls(**json.loads(text))
+
+
+@dataclass
+class GRPOSettings(Settings):
+    """The GRPO benchmark's configuration: ``prompts`` prompts x ``group_size`` responses each per iteration;
+    ``ppo_epochs`` and ``num_minibatches`` are the update passes (TRL's ``num_iterations`` and
+    ``steps_per_generation``). ``beta`` is the KL coefficient of the beta > 0 sides (the ``_beta0`` sides run at 0)."""
+
+    group_size: int = 8  # TRL's num_generations default
+    beta: float = 0.04
+    trl_gradient_checkpointing: bool = False  # TRL's GRPOConfig turns it on by default; ours has none
+
+    @property
+    def rollout_rows(self) -> int:
+        return self.prompts * self.group_size
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps per iteration: every pass over the rollout makes one per minibatch."""
+        return self.ppo_epochs * self.num_minibatches
 
 
 # ---- the shared model folder ----------------------------------------------------------------------------
@@ -95,8 +120,9 @@ def reward_dir(settings: Settings) -> Path:
     return Path(settings.workdir) / "adapters" / "reward"
 
 
-def prepare_workdir(settings: Settings) -> None:
-    """Write the random base model, its tokenizer and a random reward adapter (with head) under ``workdir``."""
+def prepare_workdir(settings: Settings, reward_adapter: bool = True) -> None:
+    """Write the random base model, its tokenizer and (``reward_adapter``) a random reward adapter with head under
+    ``workdir``."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from rlhf_lightning.models.loading import load_causal_lm
@@ -110,6 +136,8 @@ def prepare_workdir(settings: Settings) -> None:
                         **settings.architecture)
     GPT2LMHeadModel(config).save_pretrained(model_dir(settings))
     tokenizer.save_pretrained(model_dir(settings))
+    if not reward_adapter:
+        return
     # The reward model of our side: an adapter with a non-zero update and a head on the same base.
     spec = BaseModelSpec(name_or_path=str(model_dir(settings)))
     base = SharedBase(load_causal_lm(spec, tokenizer))
@@ -132,6 +160,13 @@ def prompt_ids(settings: Settings, count: int) -> torch.Tensor:
     """``[count, prompt_length]`` random token ids, the same on every side (no EOS, no pad: no padding)."""
     generator = torch.Generator().manual_seed(settings.seed + 1)
     return torch.randint(0, GPT2_VOCAB - 1, (count, settings.prompt_length), generator=generator)
+
+
+def even_token_reward(prompts: list, completions: list, completion_ids: list[list[int]], **columns) -> list[float]:
+    """The GRPO benchmark's reward on every side, with TRL's reward-function signature: the fraction of even token
+    ids in each completion. A function and no model, so no reward model's forward pass muddies the comparison; it
+    still varies within a group, so the advantages and the gradients are not zero."""
+    return [sum(1 for token in ids if token % 2 == 0) / max(len(ids), 1) for ids in completion_ids]
 
 
 def total_prompts(settings: Settings) -> int:
@@ -176,6 +211,50 @@ def report(payload: dict[str, Any]) -> None:
     """Hand a child's result to the parent: one line on stdout."""
     payload = {**payload, "peak_rss": peak_rss_bytes(), "peak_cuda": peak_cuda_bytes()}
     print(RESULT_PREFIX + json.dumps(payload), flush=True)
+
+
+def run_child(script: str | Path, side: str, settings: Settings, profile: bool = False) -> dict[str, Any]:
+    """Run one side of a benchmark in a fresh Python process (``script --child side --settings ...``, this
+    interpreter) and return its result; its output is appended to ``workdir/logs/<side>.log``."""
+    import subprocess
+
+    command = [sys.executable, str(Path(script).resolve()), "--child", side, "--settings", settings.to_json()]
+    if profile:
+        command.append("--profile")
+    log = Path(settings.workdir) / "logs" / f"{side.replace('/', '_')}.log"
+    log.parent.mkdir(exist_ok=True)
+    env = dict(os.environ)
+    if settings.mmap_threshold:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(settings.mmap_threshold)
+    result = subprocess.run(command, capture_output=True, text=True, env=env)
+    with log.open("a") as handle:
+        handle.write(result.stdout + result.stderr)
+    if result.returncode != 0:
+        raise RuntimeError(f"{side} failed (exit {result.returncode}); see {log}:\n{result.stderr[-3000:]}")
+    if profile:
+        print(result.stdout.split(RESULT_PREFIX)[0], flush=True)
+    line = next(line for line in reversed(result.stdout.splitlines()) if line.startswith(RESULT_PREFIX))
+    return json.loads(line[len(RESULT_PREFIX):])
+
+
+def summarise(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
+    """Per side: median iteration seconds, rollout/update split, tokens/s and peak memory over all processes."""
+    summary = {}
+    for side, runs in results.items():
+        rows = [row for run in runs for row in run["iterations"]]
+        seconds = median([row["seconds"] for row in rows])
+        entry = {"seconds": seconds, "peak_rss": max(run["peak_rss"] for run in runs)}
+        if runs[0].get("peak_cuda") is not None:
+            entry["peak_cuda"] = max(run["peak_cuda"] for run in runs)
+        if "rollout" in rows[0]:
+            entry["rollout"] = median([row["rollout"] for row in rows])
+            entry["update"] = median([row["seconds"] - row["rollout"] for row in rows])
+            entry["tokens_per_second"] = median([row["tokens"] for row in rows]) / seconds
+        if "phases" in rows[0]:
+            names = {name for row in rows for name in row["phases"]}
+            entry["phases"] = {name: median([row["phases"].get(name, 0.0) for row in rows]) for name in sorted(names)}
+        summary[side] = entry
+    return summary
 
 
 def median(values: list[float]) -> float:
@@ -226,7 +305,7 @@ def iteration_flops(settings: Settings) -> dict[str, float]:
     arch = settings.architecture
     layers, d = arch["n_layer"], arch["n_embd"]
     vocab = GPT2_VOCAB + 1
-    batch, prompt, response = settings.prompts, settings.prompt_length, settings.response_length
+    batch, prompt, response = settings.rollout_rows, settings.prompt_length, settings.response_length
     n_dec = layers * 12 * d * d  # attention 4 d^2 + MLP 8 d^2 per block
     # LoRA parameters: r * (in + out) for c_attn (d->3d), attn c_proj (d->d), c_fc (d->4d), mlp c_proj (4d->d)
     lora = layers * settings.lora_r * 16 * d
@@ -251,6 +330,22 @@ def iteration_flops(settings: Settings) -> dict[str, float]:
               "critic_forward": full, "critic_backward": full}
     flops = {f"rollout/{k}": v for k, v in rollout.items()}
     flops.update({f"update/{k}": settings.ppo_epochs * v for k, v in update.items()})
+    flops["total"] = sum(flops.values())
+    return flops
+
+
+def grpo_iteration_flops(settings: GRPOSettings, beta: float) -> dict[str, float]:
+    """Analytic FLOPs of one of our GRPO iterations, by pass (see :func:`iteration_flops`): generation, the old
+    log-probs when there is more than one optimizer step, the reference pass at ``beta`` > 0, and the policy's
+    forward and backward over every response ``ppo_epochs`` times (the minibatches split the rows, not the work)."""
+    ppo = iteration_flops(settings)
+    flops = {"rollout/generate": ppo["rollout/generate"]}
+    if settings.optimizer_steps > 1:
+        flops["rollout/old_logprobs"] = ppo["rollout/reference"]
+    if beta:
+        flops["rollout/reference"] = ppo["rollout/reference"]
+    flops["update/policy_forward"] = ppo["update/policy_forward"]
+    flops["update/policy_backward"] = ppo["update/policy_backward"]
     flops["total"] = sum(flops.values())
     return flops
 

@@ -10,6 +10,12 @@ Each piece runs alone in a fresh process (so its peak memory is its own):
 - ``policy_update`` and ``critic_update``: ``ppo_epochs`` x (forward + backward + AdamW step) through the base
   with the policy's LoRA (and the LM head on response positions) or the critic's LoRA and value head.
 
+GRPO's floor (``GRPO_PIECES``, on ``prompts x group_size`` responses): ``generate``; ``reference``, the reference
+log-probs (adapters off; only at beta > 0); ``policy_update``, ``ppo_epochs x num_minibatches`` x (forward +
+backward + AdamW step) on the minibatches through the base with the policy's LoRA. The old log-probs (needed when
+there is more than one optimizer step) are again taken to come free with sampling, and the reward is a function
+(no pass).
+
 LoRA layers use our fused forward (``rlhf_lightning.models.fused_lora``) and GPT-2's GELU the fused kernel, as on
 our side: the floor is the bare work done the fastest way we know, not peft's or transformers' defaults.
 """
@@ -21,6 +27,7 @@ from collections.abc import Callable
 
 import torch
 from bench_common import (
+    GRPOSettings,
     Settings,
     Stopwatch,
     configure_threads,
@@ -31,6 +38,7 @@ from bench_common import (
 )
 
 PIECES = ("generate", "score", "policy_update", "critic_update")
+GRPO_PIECES = ("generate", "reference", "policy_update")
 
 
 def _autocast(settings: Settings):
@@ -39,22 +47,23 @@ def _autocast(settings: Settings):
     return contextlib.nullcontext()
 
 
-def _peft_model(settings: Settings, model):
+def _peft_model(settings: Settings, model, others: tuple[str, ...] = ("critic", "reward")):
     from peft import get_peft_model
 
     from rlhf_lightning.models.fused_lora import fuse_lora_layers
 
     config = lora_spec(settings).to_peft(fan_in_fan_out=True)
     peft_model = get_peft_model(model, config, adapter_name="policy")
-    for name in ("critic", "reward"):
+    for name in others:
         peft_model.add_adapter(name, lora_spec(settings).to_peft(fan_in_fan_out=True))
     fuse_lora_layers(peft_model)
     return peft_model
 
 
 def _sequences(settings: Settings) -> torch.Tensor:
-    prompts = prompt_ids(settings, settings.prompts)
-    responses = torch.randint(0, 50_000, (settings.prompts, settings.response_length),
+    """``[rollout_rows, prompt + response]``: each prompt repeated once per response to it, random responses."""
+    prompts = prompt_ids(settings, settings.prompts).repeat_interleave(settings.rollout_rows // settings.prompts, 0)
+    responses = torch.randint(0, 50_000, (settings.rollout_rows, settings.response_length),
                               generator=torch.Generator().manual_seed(settings.seed + 2))
     return torch.cat([prompts, responses], 1).to(settings.device)
 
@@ -69,9 +78,9 @@ def _piece(settings: Settings, name: str) -> Callable[[], None]:
     mask = torch.ones_like(sequences)
     labels = sequences[:, -response:]
 
-    def logprobs(decoder_out: torch.Tensor) -> torch.Tensor:
+    def logprobs(decoder_out: torch.Tensor, targets: torch.Tensor = labels) -> torch.Tensor:
         logits = model.lm_head(decoder_out[:, -response - 1: -1]).float()
-        return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+        return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
 
     if name == "generate":
         from transformers import GenerationConfig
@@ -90,10 +99,18 @@ def _piece(settings: Settings, name: str) -> Callable[[], None]:
                                logits_processor=sampling_processors())
 
         return work
-    peft_model = _peft_model(settings, model)
+    grpo = isinstance(settings, GRPOSettings)
+    peft_model = _peft_model(settings, model, () if grpo else ("critic", "reward"))
     decoder = peft_model.get_base_model().transformer
     heads = {role: torch.nn.Linear(hidden, 1).to(settings.device) for role in ("critic", "reward")}
 
+    if name == "reference":
+        @torch.no_grad()
+        def work() -> None:
+            with _autocast(settings), peft_model.disable_adapter():
+                logprobs(decoder(input_ids=sequences, attention_mask=mask).last_hidden_state)
+
+        return work
     if name == "score":
         @torch.no_grad()
         def work() -> None:
@@ -114,19 +131,27 @@ def _piece(settings: Settings, name: str) -> Callable[[], None]:
     if role == "critic":
         trainable += list(heads["critic"].parameters())
     optimizer = torch.optim.AdamW(trainable, lr=settings.lr)
-    target = torch.randn(settings.prompts, response, device=settings.device)
+    target = torch.randn(sequences.shape[0], response, device=settings.device)
+    # GRPO's floor steps on each minibatch, as both GRPO sides do; PPO's has always made one full-batch step per
+    # epoch (the same forward and backward work; num_minibatches - 1 fewer AdamW steps).
+    minibatches = [slice(None)]
+    if grpo:
+        size = sequences.shape[0] // settings.num_minibatches
+        minibatches = [slice(index * size, (index + 1) * size) for index in range(settings.num_minibatches)]
 
     def work() -> None:
         for _ in range(settings.ppo_epochs):
-            with _autocast(settings):
-                out = decoder(input_ids=sequences, attention_mask=mask).last_hidden_state
-                if role == "policy":
-                    loss = -(logprobs(out) * target).mean()
-                else:
-                    loss = (heads["critic"](out[:, -response - 1: -1].float()).squeeze(-1) - target).square().mean()
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            for rows in minibatches:
+                with _autocast(settings):
+                    out = decoder(input_ids=sequences[rows], attention_mask=mask[rows]).last_hidden_state
+                    if role == "policy":
+                        loss = -(logprobs(out, labels[rows]) * target[rows]).mean()
+                    else:
+                        values = heads["critic"](out[:, -response - 1: -1].float()).squeeze(-1)
+                        loss = (values - target[rows]).square().mean()
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
 
     return work
 

@@ -1,6 +1,8 @@
-"""Our side: ``rlhf_lightning.PPO`` driven by a real ``lightning.Trainer``, exactly as users run it (manual
-optimization; logger, checkpointing and progress bar off). All four roles share one base: the policy and critic
-adapters, the reference (adapters off) and the reward model (the ``reward`` adapter, ``AdapterReward``)."""
+"""Our side: ``rlhf_lightning.PPO`` (or ``GRPO``) driven by a real ``lightning.Trainer``, exactly as users run it
+(manual optimization; logger, checkpointing and progress bar off). PPO's four roles share one base: the policy and
+critic adapters, the reference (adapters off) and the reward model (the ``reward`` adapter, ``AdapterReward``).
+GRPO has the policy adapter and the reference (adapters off, only at beta > 0) and a reward function
+(``bench_common.even_token_reward``, ``FunctionReward``)."""
 
 from __future__ import annotations
 
@@ -9,9 +11,11 @@ from typing import Any
 
 import torch
 from bench_common import (
+    GRPOSettings,
     Settings,
     Stopwatch,
     configure_threads,
+    even_token_reward,
     lora_spec,
     model_dir,
     prompt_ids,
@@ -37,7 +41,9 @@ class PhaseTimer:
             self._wrap(method, rollout_name, update_name)
 
     def _wrap(self, method: str, rollout_name: str, update_name: str) -> None:
-        original = getattr(self.module, method)
+        original = getattr(self.module, method, None)
+        if original is None:  # e.g. no critic in GRPO
+            return
 
         @functools.wraps(original)
         def timed(*args, **kwargs):
@@ -59,7 +65,7 @@ class PhaseTimer:
         return seconds
 
 
-def make_callback(timer: PhaseTimer, settings: Settings, profile: bool):
+def make_callback(timer: PhaseTimer, settings: Settings, profile: bool, prefix: str = "ppo"):
     import lightning as L
 
     class IterationTimer(L.Callback):
@@ -84,8 +90,8 @@ def make_callback(timer: PhaseTimer, settings: Settings, profile: bool):
             metrics = trainer.callback_metrics
             self.rows.append({
                 "seconds": now - self.last,
-                "rollout": float(metrics["ppo/time/rollout"]),
-                "tokens": float(metrics["ppo/response/length"]) * settings.prompts,
+                "rollout": float(metrics[f"{prefix}/time/rollout"]),
+                "tokens": float(metrics[f"{prefix}/response/length"]) * settings.rollout_rows,
                 "phases": timer.take(),
             })
             self.last = now
@@ -110,8 +116,6 @@ def prompt_loader(settings: Settings, tokenizer):
 
 
 def run(settings: Settings, profile: bool = False) -> None:
-    import lightning as L
-
     from rlhf_lightning import PPO, AdapterReward
     from rlhf_lightning.models.spec import BaseModelSpec
 
@@ -126,8 +130,17 @@ def run(settings: Settings, profile: bool = False) -> None:
         policy_lr=settings.lr, critic_lr=settings.lr,
         **settings.ppo_options,
     )
+    rows = fit(module, settings, profile, "ppo")
+    report({"side": "ours", "iterations": rows})
+
+
+def fit(module, settings: Settings, profile: bool, prefix: str) -> list[dict[str, Any]]:
+    """Train ``module`` for ``warmup + iterations`` iterations under a real ``lightning.Trainer`` and return the
+    measured iterations (after the warm-up); ``prefix``: the module's metric prefix."""
+    import lightning as L
+
     timer = PhaseTimer(module, settings.device)
-    callback = make_callback(timer, settings, profile)
+    callback = make_callback(timer, settings, profile, prefix)
     trainer = L.Trainer(
         accelerator="gpu" if settings.device.startswith("cuda") else "cpu", devices=1,
         precision=settings.precision, max_epochs=1, limit_train_batches=settings.warmup + settings.iterations,
@@ -135,5 +148,29 @@ def run(settings: Settings, profile: bool = False) -> None:
         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
     )
     trainer.fit(module, train_dataloaders=prompt_loader(settings, module.tokenizer))
-    rows = callback.rows[settings.warmup:]
-    report({"side": "ours", "iterations": rows})
+    return callback.rows[settings.warmup:]
+
+
+def run_grpo(settings: GRPOSettings, beta: float, profile: bool = False) -> None:
+    """``rlhf_lightning.GRPO`` at KL coefficient ``beta`` with the settings TRL's ``GRPOTrainer`` is given on the
+    other side (see ``grpo_vs_trl.py``): k3 KL in the loss weighted by the ratio, token-mean loss over each
+    optimizer step, group-std scaling with eps 1e-4, clip 0.2, gradient norm clipped to 1, constant learning rate."""
+    from rlhf_lightning import GRPO, FunctionReward
+    from rlhf_lightning.models.spec import BaseModelSpec
+
+    configure_threads(settings)
+    torch.manual_seed(settings.seed)
+    module = GRPO(
+        base=BaseModelSpec(name_or_path=str(model_dir(settings))),
+        reward=FunctionReward(even_token_reward),
+        policy_lora=lora_spec(settings),
+        max_new_tokens=settings.response_length, temperature=1.0, top_k=0, top_p=1.0, stop_token=None,
+        samples_per_prompt=settings.group_size, scale_rewards="group", std_eps=1e-4,
+        kl_coef=beta, kl_estimator="k3", kl_in="loss", kl_ratio_weighting=True, loss_aggregation="token_mean",
+        epochs=settings.ppo_epochs, num_minibatches=settings.num_minibatches, clip_range=0.2,
+        clip_range_high=None, max_grad_norm=1.0, policy_lr=settings.lr, adam_eps=1e-8, weight_decay=0.0,
+        lr_schedule="constant", seed=settings.seed,
+        **settings.ppo_options,
+    )
+    rows = fit(module, settings, profile, "grpo")
+    report({"side": "ours" if beta else "ours_beta0", "iterations": rows})

@@ -15,22 +15,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import tempfile
-from pathlib import Path
 from typing import Any
 
+import bench_common
 from bench_common import (
     PRESETS,
-    RESULT_PREFIX,
     Settings,
     configure_threads,
     iteration_flops,
     matmul_flops_per_second,
-    median,
     prepare_workdir,
+    summarise,
     weights_bytes,
 )
 
@@ -72,23 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run_child(side: str, settings: Settings, profile: bool) -> dict[str, Any]:
     """Run one side in a fresh Python process and return its result."""
-    command = [sys.executable, str(Path(__file__).resolve()), "--child", side, "--settings", settings.to_json()]
-    if profile:
-        command.append("--profile")
-    log = Path(settings.workdir) / "logs" / f"{side.replace('/', '_')}.log"
-    log.parent.mkdir(exist_ok=True)
-    env = dict(os.environ)
-    if settings.mmap_threshold:
-        env["MALLOC_MMAP_THRESHOLD_"] = str(settings.mmap_threshold)
-    result = subprocess.run(command, capture_output=True, text=True, env=env)
-    with log.open("a") as handle:
-        handle.write(result.stdout + result.stderr)
-    if result.returncode != 0:
-        raise RuntimeError(f"{side} failed (exit {result.returncode}); see {log}:\n{result.stderr[-3000:]}")
-    if profile:
-        print(result.stdout.split(RESULT_PREFIX)[0], flush=True)
-    line = next(line for line in reversed(result.stdout.splitlines()) if line.startswith(RESULT_PREFIX))
-    return json.loads(line[len(RESULT_PREFIX):])
+    return bench_common.run_child(__file__, side, settings, profile)
 
 
 def child_main(side: str, settings: Settings, profile: bool) -> None:
@@ -104,26 +84,6 @@ def child_main(side: str, settings: Settings, profile: bool) -> None:
         import bench_floor
 
         bench_floor.run(settings, side.split("/", 1)[1])
-
-
-def summarise(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
-    """Per side: median iteration seconds, rollout/update split, tokens/s and peak memory over all processes."""
-    summary = {}
-    for side, runs in results.items():
-        rows = [row for run in runs for row in run["iterations"]]
-        seconds = median([row["seconds"] for row in rows])
-        entry = {"seconds": seconds, "peak_rss": max(run["peak_rss"] for run in runs)}
-        if runs[0].get("peak_cuda") is not None:
-            entry["peak_cuda"] = max(run["peak_cuda"] for run in runs)
-        if "rollout" in rows[0]:
-            entry["rollout"] = median([row["rollout"] for row in rows])
-            entry["update"] = median([row["seconds"] - row["rollout"] for row in rows])
-            entry["tokens_per_second"] = median([row["tokens"] for row in rows]) / seconds
-        if "phases" in rows[0]:
-            names = {name for row in rows for name in row["phases"]}
-            entry["phases"] = {name: median([row["phases"].get(name, 0.0) for row in rows]) for name in sorted(names)}
-        summary[side] = entry
-    return summary
 
 
 def print_table(summary: dict[str, dict[str, float]], weights: int, floor: dict[str, float]) -> None:

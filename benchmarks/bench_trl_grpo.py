@@ -1,0 +1,126 @@
+"""The alternative for GRPO: TRL 1.16's ``GRPOTrainer`` with a LoRA policy (``peft_config``), as its documentation
+sets it up, given the settings of our side (see ``grpo_vs_trl.py`` for every one that had to be aligned).
+
+One model: the LoRA policy; at beta > 0 the reference is the same model with its adapters disabled (TRL does this
+by itself for a new adapter), at beta = 0 TRL makes no reference pass. The reward is the same Python function as
+ours (``bench_common.even_token_reward``). With ``lora=False`` (the optional ``trl`` sides) the whole model is
+trained and TRL loads a second copy as the reference at beta > 0.
+
+An iteration is one generation batch (``prompts x group_size`` completions) and the ``ppo_epochs x num_minibatches``
+optimizer steps TRL makes on it (``num_iterations x steps_per_generation``); its rollout is TRL's
+``_generate_and_score_completions`` (generation, old and reference log-probs, rewards, advantages).
+"""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+from typing import Any
+
+import torch
+from bench_common import (
+    GRPOSettings,
+    Stopwatch,
+    configure_threads,
+    even_token_reward,
+    lora_spec,
+    model_dir,
+    prompt_ids,
+    report,
+    total_prompts,
+)
+
+TRL_VERSION = "1.16"
+
+
+def grpo_config(settings: GRPOSettings, beta: float):
+    """TRL's ``GRPOConfig`` computing what our GRPO computes (each choice documented in ``grpo_vs_trl.py``)."""
+    from trl import GRPOConfig
+
+    rows = settings.rollout_rows
+    return GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="trl-grpo-"), report_to="none", save_strategy="no", disable_tqdm=True,
+        logging_steps=1, seed=settings.seed, use_cpu=settings.device == "cpu",
+        bf16=settings.precision == "bf16-mixed", fp16=False,
+        gradient_checkpointing=settings.trl_gradient_checkpointing,
+        # one generation batch of prompts x group completions, split into num_minibatches optimizer steps of one
+        # micro-batch each, the whole of it passed over ppo_epochs times
+        num_generations=settings.group_size, per_device_train_batch_size=rows // settings.num_minibatches,
+        gradient_accumulation_steps=1, steps_per_generation=settings.num_minibatches,
+        num_iterations=settings.ppo_epochs, max_steps=(settings.warmup + settings.iterations) * settings.optimizer_steps,
+        # sampling: full distribution, always the full length (EOS suppressed until max_completion_length)
+        max_completion_length=settings.response_length, temperature=1.0, top_p=1.0, top_k=0,
+        generation_kwargs={"min_new_tokens": settings.response_length},
+        # the objective
+        beta=beta, loss_type="dapo", scale_rewards="group", epsilon=0.2, epsilon_high=None,
+        importance_sampling_level="token", use_bias_correction_kl=True, mask_truncated_completions=False,
+        top_entropy_quantile=1.0, entropy_coef=0.0, disable_dropout=True,
+        # the optimizer
+        learning_rate=settings.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        adam_epsilon=1e-8, max_grad_norm=1.0, optim="adamw_torch",
+    )
+
+
+def run(settings: GRPOSettings, beta: float, lora: bool = True) -> None:
+    import trl
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOTrainer
+
+    if not trl.__version__.startswith(TRL_VERSION):
+        raise RuntimeError(f"this side measures TRL {TRL_VERSION}.x, found {trl.__version__}: run the benchmark "
+                           "with the TRL 1.16 environment's python (see grpo_vs_trl.py)")
+    configure_threads(settings)
+    torch.manual_seed(settings.seed)
+    path = model_dir(settings)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    policy = AutoModelForCausalLM.from_pretrained(path)
+    ids = prompt_ids(settings, total_prompts(settings))
+    # Text prompts, as TRL takes them; the word-level tokenizer maps them back to exactly these ids.
+    texts = tokenizer.batch_decode(ids)
+    assert tokenizer(texts[:1])["input_ids"][0] == ids[0].tolist(), "prompt text does not round-trip to its ids"
+    dataset = Dataset.from_dict({"prompt": texts})
+    trainer = GRPOTrainer(
+        model=policy, reward_funcs=even_token_reward, args=grpo_config(settings, beta), train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=lora_spec(settings).to_peft(fan_in_fan_out=True) if lora else None,
+    )
+    watch = Stopwatch(settings.device)
+    rows: list[dict[str, Any]] = []
+    marks: dict[str, float] = {}
+
+    original = trainer._generate_and_score_completions
+
+    @functools.wraps(original)
+    def timed_rollout(*args, **kwargs):
+        result = original(*args, **kwargs)
+        marks["rollout"] = watch.now() - marks["last"]
+        return result
+
+    trainer._generate_and_score_completions = timed_rollout
+
+    class IterationTimer(TrainerCallback):
+        """An iteration ends at the ``on_step_end`` of its last optimizer step."""
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            marks["last"] = watch.now()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step % settings.optimizer_steps:
+                return
+            now = watch.now()
+            rows.append({"seconds": now - marks["last"], "rollout": marks.pop("rollout"),
+                         "tokens": float(settings.rollout_rows * settings.response_length)})
+            marks["last"] = now
+
+    trainer.add_callback(IterationTimer())
+    trainer.train()
+    lengths = [entry["completions/mean_length"] for entry in trainer.state.log_history
+               if "completions/mean_length" in entry]
+    if any(length != settings.response_length for length in lengths):
+        raise RuntimeError(f"TRL's completions were not all {settings.response_length} tokens long: mean lengths "
+                           f"{lengths}")
+    if len(rows) != settings.warmup + settings.iterations:
+        raise RuntimeError(f"TRL ran {len(rows)} iterations, expected {settings.warmup + settings.iterations}")
+    side = ("trl_lora" if lora else "trl") + ("" if beta else "_beta0")
+    report({"side": side, "iterations": rows[settings.warmup:]})

@@ -1,0 +1,266 @@
+"""GRPO side by side: rlhf_lightning's GRPO against TRL 1.16's GRPOTrainer with LoRA, at beta > 0 and at beta = 0,
+and against the floor (the bare pieces no framework can avoid), on the same random GPT-2-shaped model, prompts
+and settings.
+
+TRL 1.16 needs its own environment (TRL 1.12 stays in the main one for ``ppo_vs_trl.py``); every side runs with
+that environment's python, so both sides use the same torch, transformers and peft::
+
+    python3 -m venv /work/venv-trl116
+    /work/venv-trl116/bin/pip install torch==2.13.0       # first: the CPU build (or the CUDA build you want)
+    /work/venv-trl116/bin/pip install -e '.[bench_grpo]'  # this package + trl 1.16.x (transformers>=4.56.2, peft)
+    /work/venv-trl116/bin/python benchmarks/grpo_vs_trl.py --preset small
+    /work/venv-trl116/bin/python benchmarks/grpo_vs_trl.py --preset gpt2 --iterations 2 --repeats 2
+    /work/venv-trl116/bin/python benchmarks/grpo_vs_trl.py --preset gpt2 --sides ours --profile   # where ours goes
+
+(Measured with trl 1.16.0, transformers 5.23.0, peft 0.21.2, torch 2.13.0: the versions of the main environment.)
+
+Every side runs in its own fresh process, alternating (ours, TRL+LoRA, ours at beta 0, TRL+LoRA at beta 0, the
+floor's pieces) x ``--repeats``, each after ``--warmup`` iterations. An iteration is one rollout of ``--prompts``
+x ``--group-size`` responses and its ``--epochs`` x ``--minibatches`` optimizer steps. Reported per side: median
+seconds per iteration, its rollout/update split, generated tokens per second and peak resident memory (with one
+copy of the weights beside it). The last line printed is one JSON object: ``time_ratio_lora`` and
+``memory_ratio_lora`` (ours / TRL+LoRA at beta > 0), the same with ``_beta0``, ``floor_time_ratio`` and
+``floor_memory_ratio`` (ours / the floor with its reference pass, at beta > 0; ``_beta0``: without it), the
+``time_ratio``/``memory_ratio`` against TRL training the whole model where the ``trl`` sides were asked for
+(``--sides``), and the settings.
+
+The reward on both sides is the same cheap Python function with TRL's reward-function signature
+(``bench_common.even_token_reward``: the fraction of even token ids in the completion), so no reward model's
+forward pass muddies the comparison; it varies within a group, so advantages and gradients are not zero.
+
+What both sides are set to compute alike (ours: ``rlhf_lightning.GRPO`` arguments; TRL: ``GRPOConfig`` fields):
+
+| what | ours | TRL 1.16 |
+|---|---|---|
+| policy | LoRA r, alpha = 2r, all linear layers, no dropout | the same ``peft_config`` (``LoraSpec.to_peft``) |
+| reference | adapters disabled, only at beta > 0 | adapters disabled (TRL's own choice for a new adapter), only at beta > 0 |
+| group size | ``samples_per_prompt`` | ``num_generations`` |
+| rollout | ``prompts`` prompts per batch | ``generation_batch_size`` = ``per_device_train_batch_size`` x ``steps_per_generation`` = prompts x group |
+| update passes | ``epochs``, ``num_minibatches`` (one micro-batch each) | ``num_iterations``, ``steps_per_generation`` (``per_device_train_batch_size`` = rows / minibatches, ``gradient_accumulation_steps`` 1) |
+| old log-probs | a pass when more than one optimizer step | the same condition (``gradient_accumulation_steps % (steps_per_generation x num_iterations) != 0``) |
+| response length | ``max_new_tokens``, ``stop_token: null`` | ``max_completion_length``, ``generation_kwargs={"min_new_tokens": R}`` (EOS suppressed, so always R tokens; TRL always stops at EOS otherwise) |
+| sampling | temperature 1, top_k 0, top_p 1 | the same |
+| advantages | ``scale_rewards: group``, ``std_eps`` 1e-4 (Bessel std) | ``scale_rewards="group"`` (its fixed 1e-4) |
+| KL | ``kl_coef`` = beta, ``kl_estimator: k3``, ``kl_in: loss``, ``kl_ratio_weighting: true`` | ``beta``, k3 in the loss, ``use_bias_correction_kl=True`` |
+| loss | clipped surrogate, ``clip_range`` 0.2, token ratios, ``loss_aggregation: token_mean`` over the optimizer step | ``epsilon`` 0.2, ``importance_sampling_level="token"``, ``loss_type="dapo"`` (tokens of the step) |
+| no extras | ``ent_coef`` 0, ``mask_truncated_completions`` false | ``entropy_coef`` 0, ``top_entropy_quantile`` 1, ``mask_truncated_completions=False`` |
+| optimizer | AdamW, lr, eps 1e-8, no weight decay, constant schedule, grad norm clipped to 1 | ``optim="adamw_torch"``, ``learning_rate``, ``adam_epsilon`` 1e-8, ``weight_decay`` 0, ``lr_scheduler_type="constant"``, ``max_grad_norm`` 1 |
+| dropout | off | ``disable_dropout=True`` (TRL's default leaves GPT-2's 0.1 on) |
+| gradient checkpointing | none | ``gradient_checkpointing=False`` (GRPOConfig's default is True: ``--trl-gradient-checkpointing`` measures it) |
+| precision | Lightning's ``32`` / ``bf16-mixed`` | ``bf16`` False / True (GRPOConfig's default is True) |
+| prompts | the same ids | the same ids, as text that the word-level tokenizer maps back to them |
+
+Not aligned (each side as it is built): TRL computes the entropy in every loss forward and logs per-step metrics;
+TRL shuffles the generation batch once and reuses its minibatches over ``num_iterations``, ours reshuffles every
+epoch; the sampled tokens differ (different random streams; TRL's EOS suppression), not their number; our
+generation uses its static KV cache and sampler, TRL ``model.generate`` with its defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from typing import Any
+
+import bench_common
+from bench_common import (
+    PRESETS,
+    GRPOSettings,
+    configure_threads,
+    grpo_iteration_flops,
+    matmul_flops_per_second,
+    prepare_workdir,
+    summarise,
+    weights_bytes,
+)
+
+SIDES = ("ours", "trl_lora", "trl", "ours_beta0", "trl_lora_beta0", "trl_beta0")
+DEFAULT_SIDES = "ours,trl_lora,ours_beta0,trl_lora_beta0,floor"
+GIB = 2**30
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per iteration")
+    parser.add_argument("--group-size", type=int, default=8,
+                        help="responses per prompt (TRL's num_generations; its default 8)")
+    parser.add_argument("--prompt-length", type=int, default=32)
+    parser.add_argument("--response-length", type=int, default=64)
+    parser.add_argument("--epochs", type=int, default=1, help="passes over each rollout (TRL's num_iterations)")
+    parser.add_argument("--minibatches", type=int, default=1,
+                        help="optimizer steps per pass (TRL's steps_per_generation)")
+    parser.add_argument("--beta", type=float, default=0.04, help="KL coefficient of the beta > 0 sides")
+    parser.add_argument("--precision", choices=("32", "bf16-mixed"), default="32")
+    parser.add_argument("--iterations", type=int, default=2, help="measured iterations per process")
+    parser.add_argument("--warmup", type=int, default=1, help="unmeasured iterations first, per process")
+    parser.add_argument("--repeats", type=int, default=2, help="alternating rounds of fresh processes")
+    parser.add_argument("--lora-r", type=int, default=16)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads per process; 0 = torch's default")
+    parser.add_argument("--mmap-threshold", type=int, default=0,
+                        help="set glibc's MALLOC_MMAP_THRESHOLD_ (bytes) in every side's process; 0 = default")
+    parser.add_argument("--sides", default=DEFAULT_SIDES,
+                        help=f"comma-separated subset of {','.join(SIDES)},floor (trl, trl_beta0: TRL training "
+                             "the whole model, reference a second copy)")
+    parser.add_argument("--trl-gradient-checkpointing", action="store_true",
+                        help="leave TRL's default gradient checkpointing on (ours has none)")
+    parser.add_argument("--grpo-options", default="{}",
+                        help="JSON of extra rlhf_lightning.GRPO arguments for our side, e.g. '{\"logprob_chunk\": 16}'")
+    parser.add_argument("--profile", action="store_true",
+                        help="print torch.profiler's top operators of one of our iterations (beta > 0)")
+    parser.add_argument("--workdir", default=None, help="folder for the model and logs (default: a temp dir)")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--settings", default=None, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def child_main(side: str, settings: GRPOSettings, profile: bool) -> None:
+    if side.startswith("floor/"):
+        import bench_floor
+
+        bench_floor.run(settings, side.split("/", 1)[1])
+        return
+    base = side.removesuffix("_beta0")
+    beta = 0.0 if side.endswith("_beta0") else settings.beta
+    if base == "ours":
+        import bench_ours
+
+        bench_ours.run_grpo(settings, beta, profile)
+    elif base in ("trl", "trl_lora"):
+        import bench_trl_grpo
+
+        bench_trl_grpo.run(settings, beta, lora=base == "trl_lora")
+    else:
+        raise ValueError(f"unknown side {side!r}")
+
+
+def floor_of(summary: dict[str, dict[str, Any]], pieces: list[str], memory_key: str) -> dict[str, Any]:
+    """The floor made of ``pieces``: their seconds add up, the peak is the largest piece's."""
+    parts = {name: summary[f"floor/{name}"] for name in pieces if f"floor/{name}" in summary}
+    if not parts:
+        return {}
+    return {"seconds": sum(p["seconds"] for p in parts.values()), "peak": max(p[memory_key] for p in parts.values()),
+            "pieces": {name: p["seconds"] for name, p in parts.items()}}
+
+
+def print_table(summary: dict[str, dict[str, Any]], floors: dict[str, dict[str, Any]], weights: int,
+                memory_key: str) -> None:
+    print(f"\none copy of the weights: {weights / GIB:.3f} GiB; peak memory = {memory_key}")
+    print(f"{'side':<16} {'s/iter':>8} {'rollout':>8} {'update':>8} {'tok/s':>8} {'peak GiB':>9} {'x weights':>9}")
+    for side in SIDES:
+        if side in summary:
+            s = summary[side]
+            print(f"{side:<16} {s['seconds']:>8.2f} {s['rollout']:>8.2f} {s['update']:>8.2f} "
+                  f"{s['tokens_per_second']:>8.1f} {s[memory_key] / GIB:>9.3f} {s[memory_key] / weights:>9.1f}")
+    for name, floor in floors.items():
+        if floor:
+            print(f"{name:<16} {floor['seconds']:>8.2f} {'':>8} {'':>8} {'':>8} {floor['peak'] / GIB:>9.3f} "
+                  f"{floor['peak'] / weights:>9.1f}")
+            for piece, seconds in floor["pieces"].items():
+                print(f"  {piece:<14} {seconds:>8.2f} s")
+
+
+def print_phases(side: str, ours: dict[str, Any], flops: dict[str, float], matmul: float) -> None:
+    print(f"\nwhere our iteration goes ({side}, median seconds per piece):")
+    for name, seconds in ours.get("phases", {}).items():
+        print(f"  {name:<38} {seconds:>7.2f}")
+    accounted = sum(ours.get("phases", {}).values())
+    print(f"  {'other (rewards, advantages, losses, loop)':<38} {ours['seconds'] - accounted:>7.2f}")
+    achieved = flops["total"] / ours["seconds"]
+    print(f"analytic FLOPs per iteration: {flops['total'] / 1e12:.3f} TFLOP; measured matmul throughput "
+          f"{matmul / 1e9:.1f} GFLOP/s; achieved {achieved / 1e9:.1f} GFLOP/s = {achieved / matmul:.1%}")
+
+
+def final_json(summary, floors, settings: GRPOSettings, weights: int, flops: dict[str, dict[str, float]],
+               matmul: float, memory_key: str) -> dict[str, Any]:
+    def ratio(ours: str, other: dict | None, key: str, other_key: str | None = None) -> float | None:
+        if ours not in summary or not other:
+            return None
+        return round(summary[ours][key] / other[other_key or key], 3)
+
+    result: dict[str, Any] = {}
+    for suffix in ("", "_beta0"):
+        ours = f"ours{suffix}"
+        result[f"time_ratio_lora{suffix}"] = ratio(ours, summary.get(f"trl_lora{suffix}"), "seconds")
+        result[f"memory_ratio_lora{suffix}"] = ratio(ours, summary.get(f"trl_lora{suffix}"), memory_key)
+        result[f"time_ratio{suffix}"] = ratio(ours, summary.get(f"trl{suffix}"), "seconds")
+        result[f"memory_ratio{suffix}"] = ratio(ours, summary.get(f"trl{suffix}"), memory_key)
+        floor = floors[f"floor{suffix}"]
+        result[f"floor_time_ratio{suffix}"] = ratio(ours, floor, "seconds")
+        result[f"floor_memory_ratio{suffix}"] = ratio(ours, floor, memory_key, "peak")
+    result.update({
+        "seconds": {side: round(s["seconds"], 3) for side, s in summary.items()}
+        | {name: round(f["seconds"], 3) for name, f in floors.items() if f},
+        "peak_gib": {side: round(s[memory_key] / GIB, 3) for side, s in summary.items()}
+        | {name: round(f["peak"] / GIB, 3) for name, f in floors.items() if f},
+        "weights_gib": round(weights / GIB, 3),
+        "ours_tokens_per_second": {side: round(summary[side]["tokens_per_second"], 1)
+                                   for side in ("ours", "ours_beta0") if side in summary},
+        "flops_per_iteration": {side: f["total"] for side, f in flops.items()},
+        "matmul_flops_per_second": matmul,
+        "achieved_fraction": {side: round(flops[side]["total"] / summary[side]["seconds"] / matmul, 3)
+                              for side in ("ours", "ours_beta0") if side in summary},
+        "settings": {k: v for k, v in json.loads(settings.to_json()).items() if k != "workdir"},
+    })
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.child:
+        child_main(args.child, GRPOSettings.from_json(args.settings), args.profile)
+        return
+    if (args.prompts * args.group_size) % args.minibatches:
+        raise SystemExit(f"--prompts x --group-size = {args.prompts * args.group_size} responses do not split "
+                         f"into --minibatches {args.minibatches}")
+    workdir = args.workdir or tempfile.mkdtemp(prefix="grpo-bench-")
+    settings = GRPOSettings(
+        preset=args.preset, prompts=args.prompts, prompt_length=args.prompt_length,
+        response_length=args.response_length, ppo_epochs=args.epochs, num_minibatches=args.minibatches,
+        precision=args.precision, iterations=args.iterations, warmup=args.warmup, repeats=args.repeats,
+        lora_r=args.lora_r, lora_alpha=2.0 * args.lora_r, device=args.device, threads=args.threads,
+        workdir=workdir, ppo_options=json.loads(args.grpo_options), mmap_threshold=args.mmap_threshold,
+        group_size=args.group_size, beta=args.beta, trl_gradient_checkpointing=args.trl_gradient_checkpointing,
+    )
+    import bench_floor
+
+    sides = args.sides.split(",")
+    unknown = set(sides) - set(SIDES) - {"floor"}
+    if unknown:
+        raise SystemExit(f"unknown sides {sorted(unknown)}; choose from {','.join(SIDES)},floor")
+    order = [side for side in SIDES if side in sides]
+    if "floor" in sides:
+        order += [f"floor/{piece}" for piece in bench_floor.GRPO_PIECES]
+    print(f"workdir {workdir}; settings {settings.to_json()}", flush=True)
+    prepare_workdir(settings, reward_adapter=False)
+    weights = weights_bytes(settings)
+    configure_threads(settings)  # the children's thread count, so the matmul peak is theirs
+    matmul = matmul_flops_per_second(args.device)
+    results: dict[str, list[dict[str, Any]]] = {side: [] for side in order}
+    for round_index in range(settings.repeats):
+        for side in order:
+            result = bench_common.run_child(__file__, side, settings,
+                                            args.profile and side == "ours" and round_index == 0)
+            results[side].append(result)
+            seconds = [f"{row['seconds']:.2f}" for row in result["iterations"]]
+            print(f"round {round_index + 1}: {side:<22} s/iter {seconds} peak {result['peak_rss'] / GIB:.3f} GiB",
+                  flush=True)
+    summary = summarise(results)
+    memory_key = "peak_cuda" if args.device.startswith("cuda") else "peak_rss"
+    floors = {"floor": floor_of(summary, list(bench_floor.GRPO_PIECES), memory_key),
+              "floor_beta0": floor_of(summary, [p for p in bench_floor.GRPO_PIECES if p != "reference"],
+                                      memory_key)}
+    summary = {side: entry for side, entry in summary.items() if not side.startswith("floor/")}
+    flops = {"ours": grpo_iteration_flops(settings, settings.beta), "ours_beta0": grpo_iteration_flops(settings, 0.0)}
+    print_table(summary, floors, weights, memory_key)
+    for side in ("ours", "ours_beta0"):
+        if side in summary:
+            print_phases(side, summary[side], flops[side], matmul)
+    print(json.dumps(final_json(summary, floors, settings, weights, flops, matmul, memory_key)))
+
+
+if __name__ == "__main__":
+    main()
