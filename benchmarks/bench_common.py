@@ -93,6 +93,33 @@ class GRPOSettings(Settings):
         return self.ppo_epochs * self.num_minibatches
 
 
+@dataclass
+class DPOSettings(Settings):
+    """The DPO benchmark's configuration: an iteration is one optimizer step on ``prompts`` preference pairs (one
+    micro-batch, ``2 x prompts`` rows through the model). Every pair has a prompt of ``prompt_length`` tokens, a
+    chosen response of ``response_length`` tokens and a rejected one of ``rejected_length`` tokens (EOS included in
+    both). ``precompute`` is set per side: the reference log-probs of every pair computed once before training."""
+
+    rejected_length: int = 48
+    beta: float = 0.1  # TRL's DPOConfig default
+    precompute: bool = False
+    trl_gradient_checkpointing: bool = False  # TRL's DPOConfig turns it on by default; ours has none
+
+    @property
+    def rollout_rows(self) -> int:
+        return 2 * self.prompts
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps per process, warm-up included: one pass over every pair of the dataset."""
+        return self.warmup + self.iterations
+
+    @property
+    def max_length(self) -> int:
+        """The longest sequence, prompt + the longer response: both sides' ``max_length``, so nothing is cut."""
+        return self.prompt_length + max(self.response_length, self.rejected_length)
+
+
 # ---- the shared model folder ----------------------------------------------------------------------------
 
 
@@ -160,6 +187,38 @@ def prompt_ids(settings: Settings, count: int) -> torch.Tensor:
     """``[count, prompt_length]`` random token ids, the same on every side (no EOS, no pad: no padding)."""
     generator = torch.Generator().manual_seed(settings.seed + 1)
     return torch.randint(0, GPT2_VOCAB - 1, (count, settings.prompt_length), generator=generator)
+
+
+def preference_path(settings: Settings) -> Path:
+    return Path(settings.workdir) / "pairs.jsonl"
+
+
+def write_preference_pairs(settings: DPOSettings) -> Path:
+    """Write the DPO benchmark's pairs, the same file for every side: ``prompts x (warmup + iterations)`` rows of
+    ``prompt``/``chosen``/``rejected`` text, random words of the word-level tokenizer (``t<id>``, one token each,
+    never EOS). The responses carry no EOS: each side appends one itself, as it does for plain-text data, so the
+    chosen and rejected responses are ``response_length`` and ``rejected_length`` tokens with it."""
+    generator = torch.Generator().manual_seed(settings.seed + 2)
+    count = total_prompts(settings)
+
+    def words(length: int) -> list[str]:
+        ids = torch.randint(0, GPT2_VOCAB - 1, (count, length), generator=generator).tolist()
+        return [" ".join(f"t{i}" for i in row) for row in ids]
+
+    prompts = words(settings.prompt_length)
+    chosen = words(settings.response_length - 1)
+    rejected = words(settings.rejected_length - 1)
+    path = preference_path(settings)
+    with path.open("w") as handle:
+        for row in zip(prompts, chosen, rejected, strict=True):
+            # the responses start with a space: TRL tokenizes prompt + response as one string
+            handle.write(json.dumps({"prompt": row[0], "chosen": " " + row[1], "rejected": " " + row[2]}) + "\n")
+    return path
+
+
+def read_preference_pairs(settings: Settings) -> list[dict[str, str]]:
+    with preference_path(settings).open() as handle:
+        return [json.loads(line) for line in handle]
 
 
 def even_token_reward(prompts: list, completions: list, completion_ids: list[list[int]], **columns) -> list[float]:
@@ -238,7 +297,8 @@ def run_child(script: str | Path, side: str, settings: Settings, profile: bool =
 
 
 def summarise(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
-    """Per side: median iteration seconds, rollout/update split, tokens/s and peak memory over all processes."""
+    """Per side: median iteration seconds, rollout/update split, tokens/s, peak memory over all processes and the
+    median ``precompute`` seconds where the processes report one (DPO's reference pass before training)."""
     summary = {}
     for side, runs in results.items():
         rows = [row for run in runs for row in run["iterations"]]
@@ -250,6 +310,8 @@ def summarise(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, f
             entry["rollout"] = median([row["rollout"] for row in rows])
             entry["update"] = median([row["seconds"] - row["rollout"] for row in rows])
             entry["tokens_per_second"] = median([row["tokens"] for row in rows]) / seconds
+        if "precompute" in runs[0]:  # seconds of a pass made once per process, before the measured iterations
+            entry["precompute"] = median([run["precompute"] for run in runs])
         if "phases" in rows[0]:
             names = {name for row in rows for name in row["phases"]}
             entry["phases"] = {name: median([row["phases"].get(name, 0.0) for row in rows]) for name in sorted(names)}
