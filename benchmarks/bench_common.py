@@ -2,6 +2,8 @@
 
 The parent process writes one folder (a random GPT-2-shaped model, a 50,257-token tokenizer, a reward adapter);
 each side then runs in a fresh child process that loads it, so no side inherits another's memory or caches.
+``Settings.llama`` swaps the GPT-2 preset for a Llama-shaped model (``llama_shape``: TinyLlama's 1.1B shape and
+smaller ones) with a 32,000-id tokenizer, for ``scale.py``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ PRESETS: dict[str, dict[str, int]] = {
     "gpt2": {"n_layer": 12, "n_embd": 768, "n_head": 12},
 }
 GPT2_VOCAB = 50_257  # GPT-2's vocabulary, its last id being <|endoftext|>; a pad token is added on top
+# TinyLlama-1.1B's shape (LlamaConfig fields): 22 layers, width 2048, SwiGLU 5632, 32 query / 4 key-value heads,
+# 32,000 ids. Random weights; see llama_shape for the smaller shapes of the same proportions.
+TINYLLAMA: dict[str, int] = {"num_hidden_layers": 22, "hidden_size": 2048, "intermediate_size": 5632,
+                             "num_attention_heads": 32, "num_key_value_heads": 4, "vocab_size": 32_000}
 EOS = "<|endoftext|>"
 RESULT_PREFIX = "BENCH_RESULT "
 
@@ -55,10 +61,19 @@ class Settings:
     mmap_threshold: int = 0  # glibc MALLOC_MMAP_THRESHOLD_ for every side; 0 = default
     workdir: str = ""
     ppo_options: dict[str, Any] = dataclasses.field(default_factory=dict)  # extra PPO init args (ours only)
+    # A Llama shape (LlamaConfig fields, see llama_shape) instead of the GPT-2 preset; empty: the preset.
+    llama: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def architecture(self) -> dict[str, int]:
+        """The GPT-2 preset's config fields (``preset``; not used when ``llama`` is set)."""
         return PRESETS[self.preset]
+
+    @property
+    def vocab_words(self) -> int:
+        """Ids of the base tokenizer, EOS the last of them; its pad token comes on top. GPT-2: 50,257 (+ pad =
+        50,258 rows); Llama: ``vocab_size - 1`` (+ pad = exactly ``vocab_size`` rows, 32,000 as TinyLlama's)."""
+        return self.llama["vocab_size"] - 1 if self.llama else GPT2_VOCAB
 
     @property
     def rollout_rows(self) -> int:
@@ -123,14 +138,14 @@ class DPOSettings(Settings):
 # ---- the shared model folder ----------------------------------------------------------------------------
 
 
-def build_tokenizer():
-    """A word-level tokenizer with GPT-2's 50,257 ids (``t0`` ... plus ``<|endoftext|>``) and a pad token, built
-    locally: random token ids cost the same as real text once they are ids."""
+def build_tokenizer(words: int = GPT2_VOCAB):
+    """A word-level tokenizer with ``words`` ids (``t0`` ... plus ``<|endoftext|>``, by default GPT-2's 50,257)
+    and a pad token on top, built locally: random token ids cost the same as real text once they are ids."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {f"t{i}": i for i in range(GPT2_VOCAB - 1)}
-    vocab[EOS] = GPT2_VOCAB - 1
+    vocab = {f"t{i}": i for i in range(words - 1)}
+    vocab[EOS] = words - 1
     core = Tokenizer(models.WordLevel(vocab, unk_token=EOS))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token=EOS, bos_token=EOS, unk_token=EOS,
@@ -147,21 +162,34 @@ def reward_dir(settings: Settings) -> Path:
     return Path(settings.workdir) / "adapters" / "reward"
 
 
+def model_config(settings: Settings, tokenizer):
+    """The transformers config of the benchmark's base: the GPT-2 preset, or the Llama shape ``settings.llama``
+    (untied input and output embeddings, as TinyLlama's)."""
+    from transformers import GPT2Config, LlamaConfig
+
+    ids = {"bos_token_id": tokenizer.eos_token_id, "eos_token_id": tokenizer.eos_token_id,
+           "pad_token_id": tokenizer.pad_token_id}
+    if settings.llama:
+        if len(tokenizer) != settings.llama["vocab_size"]:
+            raise ValueError(f"tokenizer of {len(tokenizer)} ids for a vocabulary of {settings.llama['vocab_size']}")
+        return LlamaConfig(max_position_embeddings=2048, tie_word_embeddings=False, **ids, **settings.llama)
+    return GPT2Config(vocab_size=len(tokenizer), n_positions=1024, **ids, **settings.architecture)
+
+
 def prepare_workdir(settings: Settings, reward_adapter: bool = True) -> None:
     """Write the random base model, its tokenizer and (``reward_adapter``) a random reward adapter with head under
     ``workdir``."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import AutoModelForCausalLM
 
     from rlhf_lightning.models.loading import load_causal_lm
     from rlhf_lightning.models.shared_base import SharedBase
     from rlhf_lightning.models.spec import BaseModelSpec
 
     torch.manual_seed(settings.seed)
-    tokenizer = build_tokenizer()
-    config = GPT2Config(vocab_size=len(tokenizer), n_positions=1024, bos_token_id=tokenizer.eos_token_id,
-                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                        **settings.architecture)
-    GPT2LMHeadModel(config).save_pretrained(model_dir(settings))
+    tokenizer = build_tokenizer(settings.vocab_words)
+    model = AutoModelForCausalLM.from_config(model_config(settings, tokenizer))
+    model.save_pretrained(model_dir(settings))
+    del model  # before the reward adapter's base is loaded: one copy of the weights at a time
     tokenizer.save_pretrained(model_dir(settings))
     if not reward_adapter:
         return
@@ -183,10 +211,18 @@ def lora_spec(settings: Settings):
     return LoraSpec(r=settings.lora_r, alpha=settings.lora_alpha, target_modules="all-linear")
 
 
+def peft_config(settings: Settings, model):
+    """The ``peft.LoraConfig`` of ``lora_spec`` for ``model``: ``fan_in_fan_out`` where its layers store weights
+    transposed (GPT-2's ``Conv1D``), not for ``nn.Linear`` (Llama), as ``SharedBase.add_adapter`` decides."""
+    from transformers.pytorch_utils import Conv1D
+
+    return lora_spec(settings).to_peft(fan_in_fan_out=any(isinstance(m, Conv1D) for m in model.modules()))
+
+
 def prompt_ids(settings: Settings, count: int) -> torch.Tensor:
     """``[count, prompt_length]`` random token ids, the same on every side (no EOS, no pad: no padding)."""
     generator = torch.Generator().manual_seed(settings.seed + 1)
-    return torch.randint(0, GPT2_VOCAB - 1, (count, settings.prompt_length), generator=generator)
+    return torch.randint(0, settings.vocab_words - 1, (count, settings.prompt_length), generator=generator)
 
 
 def preference_path(settings: Settings) -> Path:
@@ -202,7 +238,7 @@ def write_preference_pairs(settings: DPOSettings) -> Path:
     count = total_prompts(settings)
 
     def words(length: int) -> list[str]:
-        ids = torch.randint(0, GPT2_VOCAB - 1, (count, length), generator=generator).tolist()
+        ids = torch.randint(0, settings.vocab_words - 1, (count, length), generator=generator).tolist()
         return [" ".join(f"t{i}" for i in row) for row in ids]
 
     prompts = words(settings.prompt_length)
@@ -250,8 +286,59 @@ def peak_cuda_bytes() -> int | None:
 
 
 def weights_bytes(settings: Settings) -> int:
-    """Bytes of one copy of the base weights in the benchmark's dtype (fp32 storage in both precisions)."""
-    return sum(p.numel() * p.element_size() for p in load_base_model(settings).parameters())
+    """Bytes of one copy of the base weights in the benchmark's dtype (fp32 storage in both precisions), counted
+    on the meta device: this process holds no copy of them."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir(settings)),
+                                                 dtype=torch.float32)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def llama_shape(layers: int, hidden: int, vocab: int = TINYLLAMA["vocab_size"], **fields: int) -> dict[str, int]:
+    """A Llama shape (LlamaConfig fields) with TinyLlama's proportions: SwiGLU width 2.75 x ``hidden`` (5632 at
+    2048) rounded to a multiple of 8, heads of 64 dimensions, 8 query heads per key-value head; ``fields``
+    override any of them."""
+    heads = max(1, hidden // 64)
+    shape = {"num_hidden_layers": layers, "hidden_size": hidden,
+             "intermediate_size": max(8, round(2.75 * hidden / 8) * 8), "num_attention_heads": heads,
+             "num_key_value_heads": max(1, heads // 8), "vocab_size": vocab}
+    shape.update(fields)
+    if shape["hidden_size"] % shape["num_attention_heads"] or \
+            shape["num_attention_heads"] % shape["num_key_value_heads"]:
+        raise ValueError(f"heads do not divide the shape: {shape}")
+    return shape
+
+
+def llama_parameters(shape: dict[str, int]) -> int:
+    """Parameters of a Llama model of ``shape`` (untied embeddings, no biases): embeddings and LM head
+    ``2 V d``, per layer ``2 d^2 + 2 d (d kv / heads)`` for attention, ``3 d I`` for the MLP and ``2 d`` for
+    its norms, and the final norm ``d``."""
+    d, inner = shape["hidden_size"], shape["intermediate_size"]
+    kv_width = d * shape["num_key_value_heads"] // shape["num_attention_heads"]
+    layer = 2 * d * d + 2 * d * kv_width + 3 * d * inner + 2 * d
+    return 2 * shape["vocab_size"] * d + shape["num_hidden_layers"] * layer + d
+
+
+def meminfo_bytes(field: str) -> int:
+    """A field of ``/proc/meminfo`` (``MemTotal``, ``MemAvailable``) in bytes."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        name, value = line.split(":", 1)
+        if name == field:
+            return int(value.split()[0]) * 1024
+    raise KeyError(field)
+
+
+def rss_bytes(pid: int) -> int:
+    """The current resident set size of process ``pid`` (0 once it is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+    return 0
 
 
 def load_base_model(settings: Settings):
@@ -272,12 +359,27 @@ def report(payload: dict[str, Any]) -> None:
     print(RESULT_PREFIX + json.dumps(payload), flush=True)
 
 
-def run_child(script: str | Path, side: str, settings: Settings, profile: bool = False) -> dict[str, Any]:
+class MemoryLimitExceeded(RuntimeError):
+    """A child process grew past the resident memory it was allowed and was killed (see :func:`run_child`)."""
+
+    def __init__(self, side: str, rss: int, limit: int, log: Path) -> None:
+        super().__init__(f"{side} was killed at {rss / 2**30:.2f} GiB resident, past its limit of "
+                         f"{limit / 2**30:.2f} GiB; see {log}")
+        self.rss, self.limit = rss, limit
+
+
+def run_child(script: str | Path, side: str, settings: Settings, profile: bool = False, python: str | None = None,
+              rss_limit: int | None = None) -> dict[str, Any]:
     """Run one side of a benchmark in a fresh Python process (``script --child side --settings ...``, this
-    interpreter) and return its result; its output is appended to ``workdir/logs/<side>.log``."""
+    interpreter or ``python``) and return its result; its output is appended to ``workdir/logs/<side>.log``.
+
+    ``rss_limit``: bytes of resident memory the child may reach; its RSS is polled (5 times a second) and past the
+    limit it is killed and :class:`MemoryLimitExceeded` raised, so a side that would not fit never brings the
+    machine to the kernel's OOM killer."""
     import subprocess
 
-    command = [sys.executable, str(Path(script).resolve()), "--child", side, "--settings", settings.to_json()]
+    command = [python or sys.executable, str(Path(script).resolve()), "--child", side, "--settings",
+               settings.to_json()]
     if profile:
         command.append("--profile")
     log = Path(settings.workdir) / "logs" / f"{side.replace('/', '_')}.log"
@@ -285,7 +387,10 @@ def run_child(script: str | Path, side: str, settings: Settings, profile: bool =
     env = dict(os.environ)
     if settings.mmap_threshold:
         env["MALLOC_MMAP_THRESHOLD_"] = str(settings.mmap_threshold)
-    result = subprocess.run(command, capture_output=True, text=True, env=env)
+    if rss_limit is None:
+        result = subprocess.run(command, capture_output=True, text=True, env=env)
+    else:
+        result = _run_watched(command, env, side, rss_limit, log)
     with log.open("a") as handle:
         handle.write(result.stdout + result.stderr)
     if result.returncode != 0:
@@ -294,6 +399,25 @@ def run_child(script: str | Path, side: str, settings: Settings, profile: bool =
         print(result.stdout.split(RESULT_PREFIX)[0], flush=True)
     line = next(line for line in reversed(result.stdout.splitlines()) if line.startswith(RESULT_PREFIX))
     return json.loads(line[len(RESULT_PREFIX):])
+
+
+def _run_watched(command: list[str], env: dict[str, str], side: str, rss_limit: int, log: Path):
+    """``subprocess.run(command)`` with the child killed once its resident memory passes ``rss_limit``."""
+    import subprocess
+
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    while True:
+        try:
+            stdout, stderr = process.communicate(timeout=0.2)
+            return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+        except subprocess.TimeoutExpired:
+            rss = rss_bytes(process.pid)
+            if rss > rss_limit:
+                process.kill()
+                stdout, stderr = process.communicate()
+                with log.open("a") as handle:
+                    handle.write(stdout + stderr + f"\nKILLED: resident {rss} bytes > limit {rss_limit}\n")
+                raise MemoryLimitExceeded(side, rss, rss_limit, log) from None
 
 
 def summarise(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:

@@ -15,8 +15,8 @@ from bench_common import (
     Settings,
     Stopwatch,
     configure_threads,
-    lora_spec,
     model_dir,
+    peft_config,
     prompt_ids,
     report,
     total_prompts,
@@ -57,7 +57,7 @@ def run(settings: Settings, lora: bool) -> None:
     trainer = PPOTrainer(
         args=config, processing_class=tokenizer, model=policy, ref_model=ref_policy, reward_model=reward_model,
         value_model=value_model, train_dataset=dataset, eval_dataset=dataset.select(range(settings.prompts)),
-        peft_config=lora_spec(settings).to_peft(fan_in_fan_out=True) if lora else None,
+        peft_config=peft_config(settings, policy) if lora else None,
     )
     watch = Stopwatch(settings.device)
     rows: list[dict[str, Any]] = []

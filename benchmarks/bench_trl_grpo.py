@@ -23,8 +23,8 @@ from bench_common import (
     Stopwatch,
     configure_threads,
     even_token_reward,
-    lora_spec,
     model_dir,
+    peft_config,
     prompt_ids,
     report,
     total_prompts,
@@ -83,7 +83,7 @@ def run(settings: GRPOSettings, beta: float, lora: bool = True) -> None:
     trainer = GRPOTrainer(
         model=policy, reward_funcs=even_token_reward, args=grpo_config(settings, beta), train_dataset=dataset,
         processing_class=tokenizer,
-        peft_config=lora_spec(settings).to_peft(fan_in_fan_out=True) if lora else None,
+        peft_config=peft_config(settings, policy) if lora else None,
     )
     watch = Stopwatch(settings.device)
     rows: list[dict[str, Any]] = []
