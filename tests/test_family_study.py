@@ -15,9 +15,11 @@ from rlhf_lightning.study.evaluation import EvalPoint, MethodRun
 from rlhf_lightning.study.family import main as family_main
 from rlhf_lightning.study.family import parse_args, units
 from rlhf_lightning.study.frontier import (
+    compute_table,
     format_cell,
     frontier,
     gao_fits,
+    markdown_compute_table,
     markdown_table,
     matched_kl_table,
     seed_fits,
@@ -82,6 +84,21 @@ def test_matched_kl_table_gains_over_each_seeds_sft_policy_with_spread_over_seed
     table = markdown_table(rows, [4.0, 9.0], {})
     assert "| PPO | +0.87 ± 0.40 | +1.38 ± 0.32 (2/3) | +1.40 ± 0.62 (12.7) | – | 20 |" in table, table
     assert format_cell(None, 3) == "–"
+
+
+def test_compute_table_reads_gold_after_each_budget_at_the_shipped_strength():
+    runs = [_run("grpo", 0.1, 0, [(2.0, 1.0), (4.0, 2.0)], gold0=-0.5),  # evaluations at 10 and 20 CPU-s
+            _run("grpo", 0.1, 1, [(2.0, 0.6)], gold0=0.0),
+            _run("grpo", 0.3, 0, [(1.0, 9.0)], gold0=-0.5)]  # not the shipped strength: left out
+    curve = {0: [BestOfNPoint(1, 0.0, 0.1, 0.0), BestOfNPoint(4, 1.0, 0.9, 1.0)]}
+    rows = compute_table(runs, curve, {0: 8.0}, [5.0, 15.0], {"grpo": "GRPO"}, {"grpo": 0.1})
+    grpo, bon = rows
+    assert grpo["label"] == "GRPO (0.1)"
+    assert grpo["cpu_5"]["values"] == pytest.approx([0.25 + 0.5, 0.3])  # halfway from the SFT point to 10 s
+    assert grpo["cpu_15"]["values"] == pytest.approx([1.5 + 0.5])  # seed 1's run ended at 10 s
+    assert bon["cpu_5"]["values"] == pytest.approx([0.4])  # n = 1 costs 2 s, n = 4 all 8 s: halfway at 5 s
+    assert bon["cpu_15"] is None
+    assert "| GRPO (0.1) | +0.53 ± 0.32 | +2.00 ± 0.00 (1/2) |" in markdown_compute_table(rows, [5.0, 15.0])
 
 
 def test_seed_fits_recover_gao_parameters_and_gao_fits_pool_every_strength():

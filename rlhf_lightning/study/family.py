@@ -33,15 +33,21 @@ from typing import Any
 
 from rlhf_lightning.study.best_of_n import BestOfNPoint, best_of_n_curve, powers_of_two, sample_reference
 from rlhf_lightning.study.evaluation import HeldOutEvaluation, MethodRun
-from rlhf_lightning.study.frontier import gao_fits, markdown_table, matched_kl_table
+from rlhf_lightning.study.frontier import (
+    compute_table,
+    gao_fits,
+    markdown_compute_table,
+    markdown_table,
+    matched_kl_table,
+)
 from rlhf_lightning.study.methods import BEST_OF_N, METHODS, run_arguments
 from rlhf_lightning.study.runs import build_cli
 
 log = logging.getLogger(__name__)
 
-FULL = {"seeds": [0, 1, 2], "kls": [2.0, 5.0, 10.0], "best_of_n": 64, "eval_prompts": 256, "fraction": 1.0,
+FULL = {"seeds": [0, 1, 2], "kls": [2.0, 5.0, 10.0], "budgets": [10.0, 20.0, 40.0, 80.0], "best_of_n": 64, "eval_prompts": 256, "fraction": 1.0,
         "out": "outputs/family"}
-QUICK = {"seeds": [0, 1], "kls": [0.5, 1.0, 2.0], "best_of_n": 16, "eval_prompts": 128, "fraction": 0.25,
+QUICK = {"seeds": [0, 1], "kls": [0.5, 1.0, 2.0], "budgets": [5.0, 10.0, 20.0], "best_of_n": 16, "eval_prompts": 128, "fraction": 0.25,
          "out": "outputs/family_quick", "sft_steps": 500, "reward_steps": 200}
 
 
@@ -66,6 +72,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "OUT/seed{seed}/reward/adapters/reward; trained with configs/reward.yaml when missing)")
     parser.add_argument("--kls", type=float, nargs="+", default=None,
                         help=f"matched KLs of the table (default {FULL['kls']}, quick {QUICK['kls']})")
+    parser.add_argument("--budgets", type=float, nargs="+", default=None,
+                        help=f"training CPU-seconds of the compute table (default {FULL['budgets']}, quick "
+                             f"{QUICK['budgets']})")
     parser.add_argument("--fraction", type=float, default=None,
                         help="share of each shipped config's training batches to run (default 1, quick 0.25)")
     parser.add_argument("--eval-prompts", type=int, default=None,
@@ -89,7 +98,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     defaults = QUICK if args.quick else FULL
-    for name in ("seeds", "kls", "best_of_n", "eval_prompts", "fraction", "out"):
+    for name in ("seeds", "kls", "budgets", "best_of_n", "eval_prompts", "fraction", "out"):
         if getattr(args, name) is None:
             setattr(args, name, defaults[name])
     args.sft_steps, args.reward_steps = defaults.get("sft_steps"), defaults.get("reward_steps")
@@ -309,14 +318,15 @@ def analyse(args: argparse.Namespace) -> dict[str, Any]:
     rows = matched_kl_table(runs, curves, args.kls, labels)
     out = Path(args.out)
     mode = "quick" if args.quick else "full"
-    title = (f"{len(args.seeds)} seeds of the pipeline ({mode} mode), {args.eval_prompts} held-out prompts, "
-             f"{args.fraction:g} of each config's training")
+    share = "each config's full training" if args.fraction == 1 else f"{args.fraction:g} of each config's training"
+    title = f"{len(args.seeds)} seeds of the pipeline ({mode} mode), {args.eval_prompts} held-out prompts, {share}"
     kl_png = plot_kl(out / "kl.png", runs, curves, labels, title)
     compute_png = plot_compute(out / "compute.png", runs, curves, seconds, labels, shipped, title)
-    table = markdown_table(rows, args.kls, fits)
+    compute_rows = compute_table(runs, curves, seconds, args.budgets, labels, shipped)
+    table = markdown_table(rows, args.kls, fits) + "\n\n" + markdown_compute_table(compute_rows, args.budgets)
     (out / "table.md").write_text(table + "\n")
-    summary = {"mode": mode, "seeds": args.seeds, "kls": args.kls, "fraction": args.fraction,
-               "eval_prompts": args.eval_prompts, "group": args.group, "table": rows, "gao_fits": fits,
+    summary = {"mode": mode, "seeds": args.seeds, "kls": args.kls, "budgets": args.budgets, "fraction": args.fraction,
+               "eval_prompts": args.eval_prompts, "group": args.group, "table": rows, "compute_table": compute_rows, "gao_fits": fits,
                "shipped_strengths": shipped,
                "strengths": {name: list(METHODS[name].quick_strengths() if args.quick else METHODS[name].strengths)
                              for name in names},
@@ -328,13 +338,13 @@ def analyse(args: argparse.Namespace) -> dict[str, Any]:
         target.mkdir(parents=True, exist_ok=True)
         for path in (kl_png, compute_png, out / "table.md"):
             (target / f"family_{mode}_{path.name}").write_bytes(path.read_bytes())
-    log_summary(args, summary, kl_png, compute_png, rows)
+    log_summary(args, kl_png, compute_png, rows, compute_rows)
     return summary
 
 
-def log_summary(args: argparse.Namespace, summary: dict[str, Any], kl_png: Path, compute_png: Path,
-                rows: Sequence[dict[str, Any]]) -> None:
-    """A ``summary`` run in the study's W&B group: both figures as images and the table."""
+def log_summary(args: argparse.Namespace, kl_png: Path, compute_png: Path, rows: Sequence[dict[str, Any]],
+                compute_rows: Sequence[dict[str, Any]]) -> None:
+    """A ``summary`` run in the study's W&B group: both figures as images and both tables."""
     import wandb
 
     from rlhf_lightning.loggers import WandbLogger
@@ -347,6 +357,9 @@ def log_summary(args: argparse.Namespace, summary: dict[str, Any], kl_png: Path,
         "study/family_kl": wandb.Image(str(kl_png), caption="gold and proxy gain against sqrt(KL)"),
         "study/family_compute": wandb.Image(str(compute_png), caption="gold gain against CPU-seconds"),
         "study/family_table": wandb.Table(columns=columns, data=data),
+        "study/family_compute_table": wandb.Table(
+            columns=["method", *[f"gold gain after {b:g} CPU-s" for b in args.budgets]],
+            data=[[row["label"], *[_mean(row[f"cpu_{b:g}"]) for b in args.budgets]] for row in compute_rows]),
     })
     logger.finalize("success")
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -139,6 +140,43 @@ def matched_kl_table(runs: Sequence[MethodRun], best_of_n: dict[int, Sequence[Be
     return rows
 
 
+def compute_table(runs: Sequence[MethodRun], best_of_n: dict[int, Sequence[BestOfNPoint]],
+                  best_of_n_seconds: dict[int, float], budgets: Sequence[float], labels: dict[str, str],
+                  shipped: dict[str, float]) -> list[dict[str, Any]]:
+    """One row per method at its shipped strength: gold gain over the seed's SFT policy after each budget of
+    training CPU-seconds (interpolated between evaluations), mean ± spread over the seeds whose run lasted that
+    long. Best-of-n costs its measured sampling and scoring time, scaled from N to n."""
+    baseline = sft_baseline(runs)
+    rows = []
+    for method, label in labels.items():
+        mine = [run for run in runs if run.method == method and run.strength == shipped[method]]
+        if not mine:
+            continue
+        row: dict[str, Any] = {"method": method, "label": f"{label} ({shipped[method]:g})", "seeds": len(mine)}
+        for budget in budgets:
+            row[f"cpu_{budget:g}"] = _cell([v - baseline[run.seed].gold for run in mine
+                                            if (v := value_at(run.points, budget, "cpu_seconds")) is not None])
+        rows.append(row)
+    if best_of_n:
+        row = {"method": "best_of_n", "label": "best-of-n (SFT policy)", "seeds": len(best_of_n)}
+        for budget in budgets:
+            gains = []
+            for seed, curve in best_of_n.items():
+                largest = max(point.n for point in curve)
+                costed = [_Costed(best_of_n_seconds[seed] * point.n / largest, point.gold) for point in curve]
+                if (v := value_at(costed, budget, "cpu_seconds")) is not None:
+                    gains.append(v - curve[0].gold)
+            row[f"cpu_{budget:g}"] = _cell(gains)
+        rows.append(row)
+    return rows
+
+
+@dataclass
+class _Costed:
+    cpu_seconds: float
+    gold: float
+
+
 def _cell(values: Sequence[float]) -> dict[str, Any] | None:
     if not values:
         return None
@@ -175,6 +213,16 @@ def format_cell(cell: dict[str, Any] | None, seeds: int, digits: int = 2) -> str
         return "–"
     text = f"{cell['mean']:+.{digits}f} ± {cell['spread']:.{digits}f}"
     return text if cell["seeds"] == seeds else f"{text} ({cell['seeds']}/{seeds})"
+
+
+def markdown_compute_table(rows: Sequence[dict[str, Any]], budgets: Sequence[float]) -> str:
+    """The compute table as Markdown: gold gain after each budget of training CPU-seconds."""
+    header = ["method (strength)", *[f"gold gain after {budget:g} CPU-s" for budget in budgets]]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        cells = [row["label"], *[format_cell(row[f"cpu_{budget:g}"], row["seeds"]) for budget in budgets]]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def markdown_table(rows: Sequence[dict[str, Any]], kls: Sequence[float], fits: dict[str, Any]) -> str:
