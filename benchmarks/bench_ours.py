@@ -142,12 +142,11 @@ def prompt_loader(settings: Settings, tokenizer):
 
 def run(settings: Settings, profile: bool = False) -> None:
     from rlhf_lightning import PPO, AdapterReward
-    from rlhf_lightning.models.spec import BaseModelSpec
 
     configure_threads(settings)
     torch.manual_seed(settings.seed)
     module = PPO(
-        base=BaseModelSpec(name_or_path=str(model_dir(settings))),
+        base=base_spec(settings),
         reward=AdapterReward(str(reward_dir(settings))),
         policy_lora=lora_spec(settings), critic_lora=lora_spec(settings),
         max_new_tokens=settings.response_length, temperature=1.0, stop_token=None,
@@ -157,6 +156,14 @@ def run(settings: Settings, profile: bool = False) -> None:
     )
     rows = fit(module, settings, profile, "ppo")
     report({"side": "ours", "iterations": rows})
+
+
+def base_spec(settings: Settings):
+    """The benchmark model as our base: fp32 weights, or bf16 weights under ``--precision bf16-true``."""
+    from rlhf_lightning.models.spec import BaseModelSpec
+
+    dtype = "bfloat16" if settings.precision == "bf16-true" else "float32"
+    return BaseModelSpec(name_or_path=str(model_dir(settings)), dtype=dtype)
 
 
 def fit(module, settings: Settings, profile: bool, prefix: str, datamodule=None, phases=ONLINE_PHASES,
@@ -186,12 +193,11 @@ def run_grpo(settings: GRPOSettings, beta: float, profile: bool = False) -> None
     other side (see ``grpo_vs_trl.py``): k3 KL in the loss weighted by the ratio, token-mean loss over each
     optimizer step, group-std scaling with eps 1e-4, clip 0.2, gradient norm clipped to 1, constant learning rate."""
     from rlhf_lightning import GRPO, FunctionReward
-    from rlhf_lightning.models.spec import BaseModelSpec
 
     configure_threads(settings)
     torch.manual_seed(settings.seed)
     module = GRPO(
-        base=BaseModelSpec(name_or_path=str(model_dir(settings))),
+        base=base_spec(settings),
         reward=FunctionReward(even_token_reward),
         policy_lora=lora_spec(settings),
         max_new_tokens=settings.response_length, temperature=1.0, top_k=0, top_p=1.0, stop_token=None,
@@ -218,12 +224,11 @@ def run_dpo(settings: DPOSettings, profile: bool = False) -> None:
     import time
 
     from rlhf_lightning import DPO, PreferenceDataModule
-    from rlhf_lightning.models.spec import BaseModelSpec
 
     configure_threads(settings)
     torch.manual_seed(settings.seed)
     module = DPO(
-        base=BaseModelSpec(name_or_path=str(model_dir(settings))), policy_lora=lora_spec(settings),
+        base=base_spec(settings), policy_lora=lora_spec(settings),
         beta=settings.beta, loss_type="sigmoid", label_smoothing=0.0, rpo_alpha=0.0,
         precompute_reference=settings.precompute, sample_eval_batches=0, temperature=1.0,
         lr=settings.lr, weight_decay=0.0, warmup_steps=0, lr_schedule="constant", adam_eps=1e-8, seed=settings.seed,

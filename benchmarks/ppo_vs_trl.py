@@ -43,7 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--response-length", type=int, default=64)
     parser.add_argument("--ppo-epochs", type=int, default=4)
     parser.add_argument("--minibatches", type=int, default=1)
-    parser.add_argument("--precision", choices=("32", "bf16-mixed"), default="32")
+    parser.add_argument("--precision", choices=("32", "bf16-mixed", "bf16-true"), default="32",
+                        help="bf16-true: our base loaded in bf16 (true bf16 weights; ours only)")
     parser.add_argument("--iterations", type=int, default=2, help="measured iterations per process")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured iterations first, per process")
     parser.add_argument("--repeats", type=int, default=2, help="alternating rounds of fresh processes")
