@@ -41,7 +41,7 @@ from rlhf_lightning.study.frontier import (
     matched_kl_table,
 )
 from rlhf_lightning.study.methods import BEST_OF_N, METHODS, run_arguments
-from rlhf_lightning.study.runs import build_cli
+from rlhf_lightning.study.runs import build_cli, held_out_batches
 
 log = logging.getLogger(__name__)
 
@@ -195,16 +195,7 @@ def held_out(args: argparse.Namespace, seed: int, sft: str, reward: str) -> tupl
                      "--trainer.callbacks=[]", "--trainer.enable_checkpointing=false", *args.override])
     cli.datamodule.tokenizer = cli.model.tokenizer
     cli.datamodule.setup("fit")
-    batches, left = [], args.eval_prompts
-    for batch in cli.datamodule.val_dataloader():
-        if left <= 0:
-            break
-        batches.append({key: {name: column[:left] for name, column in value.items()}
-                        if isinstance(value, dict) else value[:left] for key, value in batch.items()})
-        left -= len(batch["prompt"])
-    if not batches:
-        raise ValueError("the study needs held-out prompts: the GRPO config's data has no validation set")
-    _HELD_OUT[seed] = cli.model, batches
+    _HELD_OUT[seed] = cli.model, held_out_batches(cli.datamodule, args.eval_prompts, "the family study")
     return _HELD_OUT[seed]
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from rlhf_lightning.study.analysis import analyse
 from rlhf_lightning.study.best_of_n import BestOfNPoint, best_of_n_curve, powers_of_two, sample_reference
-from rlhf_lightning.study.runs import RunResult, build_cli, ppo_arguments, run_ppo
+from rlhf_lightning.study.runs import RunResult, build_cli, held_out_batches, ppo_arguments, run_ppo
 
 log = logging.getLogger(__name__)
 
@@ -102,15 +102,7 @@ def measure_best_of_n(args: argparse.Namespace) -> tuple[tuple[float, float], li
     data.tokenizer = module.tokenizer
     data.setup("fit")
     n_max = max(args.best_of_n, 1)
-    prompts_left, batches = args.best_of_n_prompts, []
-    for batch in data.val_dataloader():
-        if prompts_left <= 0:
-            break
-        batches.append({key: {name: column[:prompts_left] for name, column in value.items()}
-                        if isinstance(value, dict) else value[:prompts_left] for key, value in batch.items()})
-        prompts_left -= len(batch["prompt"])
-    if not batches:
-        raise ValueError("best-of-n needs held-out prompts: the PPO config's data has no validation set")
+    batches = held_out_batches(data, args.best_of_n_prompts, "best-of-n")
     proxy, gold = sample_reference(module, batches, n_max, seed=cli.config.get("seed_everything") or 0)
     baseline = (float(gold.mean()), float(proxy.mean()))
     curve = best_of_n_curve(proxy, gold, powers_of_two(n_max)) if args.best_of_n > 0 else []

@@ -125,6 +125,20 @@ def ppo_arguments(config: str | Path, sft_model: str | Path, reward_adapter: str
     ]
 
 
+def held_out_batches(datamodule: Any, prompts: int, needed_for: str) -> list[dict[str, Any]]:
+    """The first ``prompts`` held-out prompts of a prompt data module (set up), in its validation batches."""
+    left, batches = prompts, []
+    for batch in datamodule.val_dataloader():
+        if left <= 0:
+            break
+        batches.append({key: {name: column[:left] for name, column in value.items()}
+                        if isinstance(value, dict) else value[:left] for key, value in batch.items()})
+        left -= len(batch["prompt"])
+    if not batches:
+        raise ValueError(f"{needed_for} needs held-out prompts: the config's data has no validation set")
+    return batches
+
+
 def build_cli(arguments: Sequence[str]) -> RLHFCLI:
     """The framework's CLI, instantiated (model, data, Trainer) from ``arguments`` without running."""
     with warnings.catch_warnings():
