@@ -8,6 +8,7 @@ smaller ones) with a 32,000-id tokenizer, for ``scale.py``.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -274,6 +275,41 @@ def configure_threads(settings: Settings) -> None:
 
 
 # ---- measurements ---------------------------------------------------------------------------------------
+
+
+def add_common_arguments(parser, iterations: int, unit: str, precisions: tuple[str, ...] = ("32", "bf16-mixed")
+                         ) -> None:
+    """The options every side-by-side benchmark shares (``unit``: what one measured iteration is)."""
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
+    parser.add_argument("--precision", choices=precisions, default="32",
+                        help="Lightning's precision; bf16-true (where offered): our base in bf16 weights, ours only")
+    parser.add_argument("--iterations", type=int, default=iterations, help=f"measured {unit} per process")
+    parser.add_argument("--warmup", type=int, default=1, help=f"unmeasured {unit} first, per process")
+    parser.add_argument("--repeats", type=int, default=2, help="alternating rounds of fresh processes")
+    parser.add_argument("--lora-r", type=int, default=16)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads per process; 0 = torch's default")
+    parser.add_argument("--mmap-threshold", type=int, default=0,
+                        help="set glibc's MALLOC_MMAP_THRESHOLD_ (bytes) in every side's process, e.g. 1048576: "
+                             "large tensors are then returned to the OS when freed instead of fragmenting the "
+                             "heap; 0 = the allocator's default")
+    parser.add_argument("--workdir", default=None, help="folder for the model and logs (default: a temp dir)")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--settings", default=None, help=argparse.SUPPRESS)
+
+
+def load_trl_side(settings: Settings, version: str, script: str):
+    """``(tokenizer, policy)`` of a TRL side, after checking the TRL version and setting threads and seed."""
+    import trl
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not trl.__version__.startswith(version):
+        raise RuntimeError(f"this side measures TRL {version}.x, found {trl.__version__}: run the benchmark "
+                           f"with the TRL {version} environment's python (see {script})")
+    configure_threads(settings)
+    torch.manual_seed(settings.seed)
+    path = model_dir(settings)
+    return AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
 
 
 def peak_rss_bytes() -> int:

@@ -17,13 +17,11 @@ from __future__ import annotations
 import tempfile
 from typing import Any
 
-import torch
 from bench_common import (
     DPOSettings,
     Stopwatch,
-    configure_threads,
+    load_trl_side,
     lora_spec,
-    model_dir,
     read_preference_pairs,
     report,
 )
@@ -57,20 +55,12 @@ def dpo_config(settings: DPOSettings):
 
 
 def run(settings: DPOSettings, lora: bool = True) -> None:
-    import trl
     import trl.trainer.dpo_trainer as dpo_module
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import TrainerCallback
     from trl import DPOTrainer
 
-    if not trl.__version__.startswith(TRL_VERSION):
-        raise RuntimeError(f"this side measures TRL {TRL_VERSION}.x, found {trl.__version__}: run the benchmark "
-                           "with the TRL 1.16 environment's python (see dpo_vs_trl.py)")
-    configure_threads(settings)
-    torch.manual_seed(settings.seed)
-    path = model_dir(settings)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    policy = AutoModelForCausalLM.from_pretrained(path)
+    tokenizer, policy = load_trl_side(settings, TRL_VERSION, "dpo_vs_trl.py")
     # In memory (not load_dataset of the file): a dataset with cache files would let TRL reuse the precomputed
     # log-probs of an earlier process from the datasets cache instead of computing them.
     dataset = Dataset.from_list(read_preference_pairs(settings))

@@ -17,13 +17,11 @@ import functools
 import tempfile
 from typing import Any
 
-import torch
 from bench_common import (
     GRPOSettings,
     Stopwatch,
-    configure_threads,
     even_token_reward,
-    model_dir,
+    load_trl_side,
     peft_config,
     prompt_ids,
     report,
@@ -62,19 +60,11 @@ def grpo_config(settings: GRPOSettings, beta: float):
 
 
 def run(settings: GRPOSettings, beta: float, lora: bool = True) -> None:
-    import trl
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import TrainerCallback
     from trl import GRPOTrainer
 
-    if not trl.__version__.startswith(TRL_VERSION):
-        raise RuntimeError(f"this side measures TRL {TRL_VERSION}.x, found {trl.__version__}: run the benchmark "
-                           "with the TRL 1.16 environment's python (see grpo_vs_trl.py)")
-    configure_threads(settings)
-    torch.manual_seed(settings.seed)
-    path = model_dir(settings)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    policy = AutoModelForCausalLM.from_pretrained(path)
+    tokenizer, policy = load_trl_side(settings, TRL_VERSION, "grpo_vs_trl.py")
     ids = prompt_ids(settings, total_prompts(settings))
     # Text prompts, as TRL takes them; the word-level tokenizer maps them back to exactly these ids.
     texts = tokenizer.batch_decode(ids)

@@ -89,8 +89,8 @@ from typing import Any
 
 import bench_common
 from bench_common import (
-    PRESETS,
     DPOSettings,
+    add_common_arguments,
     prepare_workdir,
     summarise,
     weights_bytes,
@@ -112,21 +112,12 @@ TIMING = ("seconds: median wall-clock seconds per measured optimizer step (warm-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
+    add_common_arguments(parser, iterations=4, unit="optimizer steps")
     parser.add_argument("--pairs", type=int, default=8, help="preference pairs per optimizer step")
     parser.add_argument("--prompt-length", type=int, default=32)
     parser.add_argument("--chosen-length", type=int, default=64, help="chosen response tokens, EOS included")
     parser.add_argument("--rejected-length", type=int, default=48, help="rejected response tokens, EOS included")
     parser.add_argument("--beta", type=float, default=0.1)
-    parser.add_argument("--precision", choices=("32", "bf16-mixed"), default="32")
-    parser.add_argument("--iterations", type=int, default=4, help="measured optimizer steps per process")
-    parser.add_argument("--warmup", type=int, default=1, help="unmeasured optimizer steps first, per process")
-    parser.add_argument("--repeats", type=int, default=2, help="alternating rounds of fresh processes")
-    parser.add_argument("--lora-r", type=int, default=16)
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads per process; 0 = torch's default")
-    parser.add_argument("--mmap-threshold", type=int, default=0,
-                        help="set glibc's MALLOC_MMAP_THRESHOLD_ (bytes) in every side's process; 0 = default")
     parser.add_argument("--sides", default=DEFAULT_SIDES,
                         help=f"comma-separated subset of {','.join(SIDES)} (trl, trl_precomputed: TRL training "
                              "the whole model)")
@@ -136,9 +127,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="JSON of extra rlhf_lightning.DPO arguments for our side, e.g. '{\"logprob_chunk\": 16}'")
     parser.add_argument("--profile", action="store_true",
                         help="print torch.profiler's top operators of one of our steps (reference pass per step)")
-    parser.add_argument("--workdir", default=None, help="folder for the model, the pairs and logs (default: temp)")
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--settings", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 

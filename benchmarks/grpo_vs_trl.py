@@ -65,8 +65,8 @@ from typing import Any
 
 import bench_common
 from bench_common import (
-    PRESETS,
     GRPOSettings,
+    add_common_arguments,
     configure_threads,
     grpo_iteration_flops,
     matmul_flops_per_second,
@@ -83,7 +83,7 @@ GIB = 2**30
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
+    add_common_arguments(parser, iterations=2, unit="iterations")
     parser.add_argument("--prompts", type=int, default=4, help="prompts per iteration")
     parser.add_argument("--group-size", type=int, default=8,
                         help="responses per prompt (TRL's num_generations; its default 8)")
@@ -93,15 +93,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--minibatches", type=int, default=1,
                         help="optimizer steps per pass (TRL's steps_per_generation)")
     parser.add_argument("--beta", type=float, default=0.04, help="KL coefficient of the beta > 0 sides")
-    parser.add_argument("--precision", choices=("32", "bf16-mixed"), default="32")
-    parser.add_argument("--iterations", type=int, default=2, help="measured iterations per process")
-    parser.add_argument("--warmup", type=int, default=1, help="unmeasured iterations first, per process")
-    parser.add_argument("--repeats", type=int, default=2, help="alternating rounds of fresh processes")
-    parser.add_argument("--lora-r", type=int, default=16)
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads per process; 0 = torch's default")
-    parser.add_argument("--mmap-threshold", type=int, default=0,
-                        help="set glibc's MALLOC_MMAP_THRESHOLD_ (bytes) in every side's process; 0 = default")
     parser.add_argument("--sides", default=DEFAULT_SIDES,
                         help=f"comma-separated subset of {','.join(SIDES)},floor (trl, trl_beta0: TRL training "
                              "the whole model, reference a second copy)")
@@ -111,9 +102,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="JSON of extra rlhf_lightning.GRPO arguments for our side, e.g. '{\"logprob_chunk\": 16}'")
     parser.add_argument("--profile", action="store_true",
                         help="print torch.profiler's top operators of one of our iterations (beta > 0)")
-    parser.add_argument("--workdir", default=None, help="folder for the model and logs (default: a temp dir)")
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--settings", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import bench_common
 from bench_common import (
-    PRESETS,
     Settings,
+    add_common_arguments,
     configure_threads,
     iteration_flops,
     matmul_flops_per_second,
@@ -37,33 +37,18 @@ GIB = 2**30
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
+    add_common_arguments(parser, iterations=2, unit="iterations", precisions=("32", "bf16-mixed", "bf16-true"))
     parser.add_argument("--prompts", type=int, default=16, help="prompts per PPO iteration")
     parser.add_argument("--prompt-length", type=int, default=32)
     parser.add_argument("--response-length", type=int, default=64)
     parser.add_argument("--ppo-epochs", type=int, default=4)
     parser.add_argument("--minibatches", type=int, default=1)
-    parser.add_argument("--precision", choices=("32", "bf16-mixed", "bf16-true"), default="32",
-                        help="bf16-true: our base loaded in bf16 (true bf16 weights; ours only)")
-    parser.add_argument("--iterations", type=int, default=2, help="measured iterations per process")
-    parser.add_argument("--warmup", type=int, default=1, help="unmeasured iterations first, per process")
-    parser.add_argument("--repeats", type=int, default=2, help="alternating rounds of fresh processes")
-    parser.add_argument("--lora-r", type=int, default=16)
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads per process; 0 = torch's default")
-    parser.add_argument("--mmap-threshold", type=int, default=0,
-                        help="set glibc's MALLOC_MMAP_THRESHOLD_ (bytes) in every side's process, e.g. 1048576: "
-                             "large tensors are then returned to the OS when freed instead of fragmenting the "
-                             "heap; 0 = the allocator's default")
     parser.add_argument("--sides", default="ours,trl,trl_lora,floor", help="comma-separated subset to run")
     parser.add_argument("--ppo-options", default="{}",
                         help="JSON of extra rlhf_lightning.PPO arguments for our side, e.g. "
                              "'{\"logprob_chunk\": 16}'")
     parser.add_argument("--profile", action="store_true",
                         help="print torch.profiler's top operators of one of our iterations")
-    parser.add_argument("--workdir", default=None, help="folder for the model and logs (default: a temp dir)")
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--settings", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 

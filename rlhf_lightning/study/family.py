@@ -181,21 +181,26 @@ def ensure_pipeline(args: argparse.Namespace, seed: int) -> tuple[str, str]:
     return sft, reward
 
 
-_HELD_OUT: dict[int, tuple[Any, list[dict[str, Any]]]] = {}
+_HELD_OUT: dict[int, list[dict[str, Any]]] = {}
 
 
-def held_out(args: argparse.Namespace, seed: int, sft: str, reward: str) -> tuple[Any, list[dict[str, Any]]]:
-    """A GRPO module on the seed's models (best-of-n samples with it) and the seed's held-out prompt batches,
-    built once per seed and process."""
-    if seed in _HELD_OUT:
-        return _HELD_OUT[seed]
+def seed_module(args: argparse.Namespace, seed: int, sft: str, reward: str) -> tuple[Any, Any]:
+    """A GRPO module on the seed's models and its prompt data module (set up): what best-of-n samples with."""
     cli = build_cli(["--config", str(Path(args.configs) / METHODS["grpo"].config), f"--seed_everything={seed}",
                      f"--data.init_args.seed={seed}", f"--model.init_args.base.name_or_path={sft}",
                      f"--model.init_args.reward.init_args.path={reward}", "--trainer.logger=false",
                      "--trainer.callbacks=[]", "--trainer.enable_checkpointing=false", *args.override])
     cli.datamodule.tokenizer = cli.model.tokenizer
     cli.datamodule.setup("fit")
-    _HELD_OUT[seed] = cli.model, held_out_batches(cli.datamodule, args.eval_prompts, "the family study")
+    return cli.model, cli.datamodule
+
+
+def held_out(args: argparse.Namespace, seed: int, sft: str, reward: str) -> list[dict[str, Any]]:
+    """The seed's held-out prompt batches, built once per seed and process (only the batches are kept: a run
+    must not hold a second copy of the base beside its own)."""
+    if seed not in _HELD_OUT:
+        _, datamodule = seed_module(args, seed, sft, reward)
+        _HELD_OUT[seed] = held_out_batches(datamodule, args.eval_prompts, "the family study")
     return _HELD_OUT[seed]
 
 
@@ -204,9 +209,10 @@ def held_out(args: argparse.Namespace, seed: int, sft: str, reward: str) -> tupl
 def run_unit(args: argparse.Namespace, unit: Unit) -> None:
     """Run one unit and write its result (atomically: a half-written result is never reused)."""
     sft, reward = ensure_pipeline(args, unit.seed)
-    module, batches = held_out(args, unit.seed, sft, reward)
+    batches = held_out(args, unit.seed, sft, reward)
     started = time.perf_counter()
     if unit.method == BEST_OF_N:
+        module, _ = seed_module(args, unit.seed, sft, reward)
         cpu = time.process_time()
         proxy, gold = sample_reference(module, batches, args.best_of_n, seed=unit.seed)
         seconds = time.process_time() - cpu
