@@ -16,8 +16,9 @@ backward + AdamW step) on the minibatches through the base with the policy's LoR
 there is more than one optimizer step) are again taken to come free with sampling, and the reward is a function
 (no pass).
 
-LoRA layers use our fused forward (``rlhf_lightning.models.fused_lora``) and GPT-2's GELU the fused kernel, as on
-our side: the floor is the bare work done the fastest way we know, not peft's or transformers' defaults.
+LoRA layers use our fused forward (``rlhf_lightning.models.fused_lora``), GPT-2's GELU the fused kernel and the
+log-probs our fused LM head (``rlhf_lightning.algorithms.head``), as on our side: the floor is the bare work done
+the fastest way we know, not peft's or transformers' defaults.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from bench_common import (
     prompt_ids,
     report,
 )
+
+from rlhf_lightning.algorithms.head import logprobs_from_hidden
 
 PIECES = ("generate", "score", "policy_update", "critic_update")
 GRPO_PIECES = ("generate", "reference", "policy_update")
@@ -79,8 +82,8 @@ def _piece(settings: Settings, name: str) -> Callable[[], None]:
     labels = sequences[:, -response:]
 
     def logprobs(decoder_out: torch.Tensor, targets: torch.Tensor = labels) -> torch.Tensor:
-        logits = model.lm_head(decoder_out[:, -response - 1: -1]).float()
-        return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+        # Our fused head (the fastest way we know): no [N, V] logits kept beside their softmax.
+        return logprobs_from_hidden(decoder_out[:, -response - 1: -1], model.lm_head.weight, targets)[0]
 
     if name == "generate":
         from transformers import GenerationConfig
