@@ -483,6 +483,25 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+class IterationProfiler:
+    """torch.profiler over one iteration of a side: ``start()`` when it begins, ``stop()`` when it ends, which
+    prints the top operators by their own CPU time (the table ``--profile`` shows)."""
+
+    def __init__(self) -> None:
+        self.profiler = None
+
+    def start(self) -> None:
+        self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        self.profiler.__enter__()
+
+    def stop(self, rows: int = 25) -> None:
+        if self.profiler is None:
+            return
+        self.profiler.__exit__(None, None, None)
+        print(self.profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows), flush=True)
+        self.profiler = None
+
+
 class Stopwatch:
     """Wall-clock seconds of named pieces, synchronising the device so asynchronous kernels are counted."""
 

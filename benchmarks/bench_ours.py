@@ -14,6 +14,7 @@ import torch
 from bench_common import (
     DPOSettings,
     GRPOSettings,
+    IterationProfiler,
     Settings,
     Stopwatch,
     configure_threads,
@@ -98,7 +99,7 @@ def make_callback(timer: PhaseTimer, settings: Settings, profile: bool, prefix: 
 
         def __init__(self) -> None:
             self.rows: list[dict[str, Any]] = []
-            self.profiler = None
+            self.profiler = IterationProfiler()
 
         def on_train_start(self, trainer, pl_module) -> None:
             timer.attach_optimizer(trainer.optimizers[0].optimizer
@@ -108,8 +109,7 @@ def make_callback(timer: PhaseTimer, settings: Settings, profile: bool, prefix: 
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             if profile and batch_idx == settings.warmup + settings.iterations - 1:
-                self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-                self.profiler.__enter__()
+                self.profiler.start()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             now = timer.watch.now()
@@ -120,10 +120,7 @@ def make_callback(timer: PhaseTimer, settings: Settings, profile: bool, prefix: 
                 row["tokens"] = float(metrics[f"{prefix}/response/length"]) * settings.rollout_rows
             self.rows.append(row)
             self.last = now
-            if self.profiler is not None:
-                self.profiler.__exit__(None, None, None)
-                print(self.profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
-                self.profiler = None
+            self.profiler.stop()
 
     return IterationTimer()
 

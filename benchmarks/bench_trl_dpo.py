@@ -19,6 +19,7 @@ from typing import Any
 
 from bench_common import (
     DPOSettings,
+    IterationProfiler,
     Stopwatch,
     load_trl_side,
     lora_spec,
@@ -54,7 +55,7 @@ def dpo_config(settings: DPOSettings):
     )
 
 
-def run(settings: DPOSettings, lora: bool = True) -> None:
+def run(settings: DPOSettings, lora: bool = True, profile: bool = False) -> None:
     import trl.trainer.dpo_trainer as dpo_module
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -106,14 +107,23 @@ def run(settings: DPOSettings, lora: bool = True) -> None:
     rows: list[dict[str, Any]] = []
     marks: dict[str, float] = {}
 
+    profiler = IterationProfiler()
+
     class IterationTimer(TrainerCallback):
+        """A step is timed from the end of the one before (``profile``: the last one is profiled)."""
+
         def on_train_begin(self, args, state, control, **kwargs):
             marks["last"] = watch.now()
+            if profile and settings.steps == 1:
+                profiler.start()
 
         def on_step_end(self, args, state, control, **kwargs):
             now = watch.now()
             rows.append({"seconds": now - marks["last"]})
-            marks["last"] = now
+            profiler.stop()
+            if profile and len(rows) == settings.steps - 1:
+                profiler.start()
+            marks["last"] = watch.now()
 
     trainer.add_callback(IterationTimer())
     trainer.train()

@@ -19,6 +19,7 @@ from typing import Any
 
 from bench_common import (
     GRPOSettings,
+    IterationProfiler,
     Stopwatch,
     even_token_reward,
     load_trl_side,
@@ -59,7 +60,7 @@ def grpo_config(settings: GRPOSettings, beta: float):
     )
 
 
-def run(settings: GRPOSettings, beta: float, lora: bool = True) -> None:
+def run(settings: GRPOSettings, beta: float, lora: bool = True, profile: bool = False) -> None:
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOTrainer
@@ -89,11 +90,17 @@ def run(settings: GRPOSettings, beta: float, lora: bool = True) -> None:
 
     trainer._generate_and_score_completions = timed_rollout
 
+    profiler = IterationProfiler()
+    last = settings.warmup + settings.iterations
+
     class IterationTimer(TrainerCallback):
-        """An iteration ends at the ``on_step_end`` of its last optimizer step."""
+        """An iteration ends at the ``on_step_end`` of its last optimizer step (``profile``: the last one is
+        profiled)."""
 
         def on_train_begin(self, args, state, control, **kwargs):
             marks["last"] = watch.now()
+            if profile and last == 1:
+                profiler.start()
 
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step % settings.optimizer_steps:
@@ -101,7 +108,10 @@ def run(settings: GRPOSettings, beta: float, lora: bool = True) -> None:
             now = watch.now()
             rows.append({"seconds": now - marks["last"], "rollout": marks.pop("rollout"),
                          "tokens": float(settings.rollout_rows * settings.response_length)})
-            marks["last"] = now
+            profiler.stop()
+            if profile and len(rows) == last - 1:
+                profiler.start()
+            marks["last"] = watch.now()
 
     trainer.add_callback(IterationTimer())
     trainer.train()

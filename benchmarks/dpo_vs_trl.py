@@ -9,6 +9,7 @@ both sides use the same torch, transformers and peft::
     /work/venv-trl116/bin/python benchmarks/dpo_vs_trl.py --preset small
     /work/venv-trl116/bin/python benchmarks/dpo_vs_trl.py --preset gpt2 --iterations 4 --repeats 2
     /work/venv-trl116/bin/python benchmarks/dpo_vs_trl.py --preset gpt2 --sides ours --profile   # where ours goes
+    /work/venv-trl116/bin/python benchmarks/dpo_vs_trl.py --preset gpt2 --sides trl_lora --profile trl_lora   # TRL
 
 Every side runs in its own fresh process, alternating (ours, TRL+LoRA, ours precomputed, TRL+LoRA precomputed)
 x ``--repeats``, each after ``--warmup`` steps. An iteration is one optimizer step on a batch of ``--pairs``
@@ -125,8 +126,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="leave TRL's default gradient checkpointing on (ours has none)")
     parser.add_argument("--dpo-options", default="{}",
                         help="JSON of extra rlhf_lightning.DPO arguments for our side, e.g. '{\"logprob_chunk\": 16}'")
-    parser.add_argument("--profile", action="store_true",
-                        help="print torch.profiler's top operators of one of our steps (reference pass per step)")
+    parser.add_argument("--profile", nargs="?", const="ours", default=None, metavar="SIDE",
+                        help="print torch.profiler's top operators of SIDE's last measured iteration (first round; "
+                             "default side: ours)")
     return parser.parse_args(argv)
 
 
@@ -139,7 +141,7 @@ def child_main(side: str, settings: DPOSettings, profile: bool) -> None:
     elif base in ("trl", "trl_lora"):
         import bench_trl_dpo
 
-        bench_trl_dpo.run(settings, lora=base == "trl_lora")
+        bench_trl_dpo.run(settings, lora=base == "trl_lora", profile=profile)
     else:
         raise ValueError(f"unknown side {side!r}")
 
@@ -217,7 +219,7 @@ def dpo_settings(settings: DPOSettings) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.child:
-        child_main(args.child, DPOSettings.from_json(args.settings), args.profile)
+        child_main(args.child, DPOSettings.from_json(args.settings), bool(args.profile))
         return
     if min(args.prompt_length, args.chosen_length - 1, args.rejected_length - 1, args.pairs) < 1:
         raise SystemExit("--pairs and --prompt-length must be >= 1, --chosen-length and --rejected-length >= 2 "
@@ -244,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
         for side in order:
             side_settings = dataclasses.replace(settings, precompute=side.endswith(PRECOMPUTED))
             result = bench_common.run_child(__file__, side, side_settings,
-                                            args.profile and side == "ours" and round_index == 0)
+                                            side == args.profile and round_index == 0)
             if abs(result["first_loss"] - FIRST_LOSS) > 0.01:
                 raise RuntimeError(f"{side}: first step's loss {result['first_loss']:.4f}, not ln 2 = {FIRST_LOSS:.4f}: "
                                    "its reference is not the base its new adapter starts from, or its loss not DPO's")

@@ -11,6 +11,7 @@ that environment's python, so both sides use the same torch, transformers and pe
     /work/venv-trl116/bin/python benchmarks/grpo_vs_trl.py --preset small
     /work/venv-trl116/bin/python benchmarks/grpo_vs_trl.py --preset gpt2 --iterations 2 --repeats 2
     /work/venv-trl116/bin/python benchmarks/grpo_vs_trl.py --preset gpt2 --sides ours --profile   # where ours goes
+    /work/venv-trl116/bin/python benchmarks/grpo_vs_trl.py --preset gpt2 --sides trl_lora --profile trl_lora   # TRL
 
 (Measured with trl 1.16.0, transformers 5.23.0, peft 0.21.2, torch 2.13.0: the versions of the main environment.)
 
@@ -100,8 +101,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="leave TRL's default gradient checkpointing on (ours has none)")
     parser.add_argument("--grpo-options", default="{}",
                         help="JSON of extra rlhf_lightning.GRPO arguments for our side, e.g. '{\"logprob_chunk\": 16}'")
-    parser.add_argument("--profile", action="store_true",
-                        help="print torch.profiler's top operators of one of our iterations (beta > 0)")
+    parser.add_argument("--profile", nargs="?", const="ours", default=None, metavar="SIDE",
+                        help="print torch.profiler's top operators of SIDE's last measured iteration (first round; "
+                             "default side: ours)")
     return parser.parse_args(argv)
 
 
@@ -120,7 +122,7 @@ def child_main(side: str, settings: GRPOSettings, profile: bool) -> None:
     elif base in ("trl", "trl_lora"):
         import bench_trl_grpo
 
-        bench_trl_grpo.run(settings, beta, lora=base == "trl_lora")
+        bench_trl_grpo.run(settings, beta, lora=base == "trl_lora", profile=profile)
     else:
         raise ValueError(f"unknown side {side!r}")
 
@@ -199,7 +201,7 @@ def final_json(summary, floors, settings: GRPOSettings, weights: int, flops: dic
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.child:
-        child_main(args.child, GRPOSettings.from_json(args.settings), args.profile)
+        child_main(args.child, GRPOSettings.from_json(args.settings), bool(args.profile))
         return
     if (args.prompts * args.group_size) % args.minibatches:
         raise SystemExit(f"--prompts x --group-size = {args.prompts * args.group_size} responses do not split "
@@ -231,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     for round_index in range(settings.repeats):
         for side in order:
             result = bench_common.run_child(__file__, side, settings,
-                                            args.profile and side == "ours" and round_index == 0)
+                                            side == args.profile and round_index == 0)
             results[side].append(result)
             seconds = [f"{row['seconds']:.2f}" for row in result["iterations"]]
             print(f"round {round_index + 1}: {side:<22} s/iter {seconds} peak {result['peak_rss'] / GIB:.3f} GiB",
