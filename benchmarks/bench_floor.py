@@ -16,6 +16,11 @@ backward + AdamW step) on the minibatches through the base with the policy's LoR
 there is more than one optimizer step) are again taken to come free with sampling, and the reward is a function
 (no pass).
 
+DPO's floor (``DPO_PIECES``, on ``2 x pairs`` rows: every chosen response, then every rejected one, the shorter
+right-padded to the longer): ``reference``, the reference's summed log-probs (adapters off; gone when they are
+precomputed); ``policy_update``, one forward + backward + AdamW step of DPO's sigmoid loss through the base with
+the policy's LoRA.
+
 LoRA layers use our fused forward (``rlhf_lightning.models.fused_lora``), GPT-2's GELU the fused kernel and the
 log-probs our fused LM head (``rlhf_lightning.algorithms.head``), as on our side: the floor is the bare work done
 the fastest way we know, not peft's or transformers' defaults.
@@ -24,10 +29,12 @@ the fastest way we know, not peft's or transformers' defaults.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from bench_common import (
+    DPOSettings,
     GRPOSettings,
     Settings,
     Stopwatch,
@@ -42,6 +49,17 @@ from rlhf_lightning.algorithms.head import logprobs_from_hidden
 
 PIECES = ("generate", "score", "policy_update", "critic_update")
 GRPO_PIECES = ("generate", "reference", "policy_update")
+DPO_PIECES = ("reference", "policy_update")
+
+
+def combine(summary: dict[str, dict[str, Any]], pieces: Iterable[str], memory_key: str) -> dict[str, Any]:
+    """The floor made of ``pieces`` (their ``floor/<piece>`` entries in ``summary``): their seconds add up, the
+    peak is the largest piece's; empty when none of them ran."""
+    parts = {name: summary[f"floor/{name}"] for name in pieces if f"floor/{name}" in summary}
+    if not parts:
+        return {}
+    return {"seconds": sum(p["seconds"] for p in parts.values()), "peak": max(p[memory_key] for p in parts.values()),
+            "pieces": {name: p["seconds"] for name, p in parts.items()}}
 
 
 def _autocast(settings: Settings):
@@ -63,12 +81,19 @@ def _peft_model(settings: Settings, model, others: tuple[str, ...] = ("critic", 
     return peft_model
 
 
-def _sequences(settings: Settings) -> torch.Tensor:
-    """``[rollout_rows, prompt + response]``: each prompt repeated once per response to it, random responses."""
+def _sequences(settings: Settings) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, attention mask)``, ``[rollout_rows, prompt + response]``: each prompt repeated once per response to
+    it, random responses; for DPO the chosen rows then the rejected rows, the shorter responses right-padded."""
     prompts = prompt_ids(settings, settings.prompts).repeat_interleave(settings.rollout_rows // settings.prompts, 0)
-    responses = torch.randint(0, 50_000, (settings.rollout_rows, settings.response_length),
+    lengths = [settings.response_length] * settings.rollout_rows
+    if isinstance(settings, DPOSettings):
+        lengths = [settings.response_length] * settings.prompts + [settings.rejected_length] * settings.prompts
+    width = max(lengths)
+    responses = torch.randint(0, 50_000, (settings.rollout_rows, width),
                               generator=torch.Generator().manual_seed(settings.seed + 2))
-    return torch.cat([prompts, responses], 1).to(settings.device)
+    response_mask = torch.arange(width) < torch.tensor(lengths).unsqueeze(1)
+    mask = torch.cat([torch.ones_like(prompts), response_mask.long()], 1)
+    return torch.cat([prompts, responses], 1).to(settings.device), mask.to(settings.device)
 
 
 def _piece(settings: Settings, name: str) -> Callable[[], None]:
@@ -76,10 +101,10 @@ def _piece(settings: Settings, name: str) -> Callable[[], None]:
     model = load_base_model(settings).to(settings.device)
     model.requires_grad_(False)
     hidden = model.config.n_embd
-    response = settings.response_length
-    sequences = _sequences(settings)
-    mask = torch.ones_like(sequences)
+    sequences, mask = _sequences(settings)
+    response = sequences.shape[1] - settings.prompt_length
     labels = sequences[:, -response:]
+    response_mask = mask[:, -response:]
 
     def logprobs(decoder_out: torch.Tensor, targets: torch.Tensor = labels) -> torch.Tensor:
         # Our fused head (the fastest way we know): no [N, V] logits kept beside their softmax.
@@ -102,8 +127,8 @@ def _piece(settings: Settings, name: str) -> Callable[[], None]:
                                logits_processor=sampling_processors())
 
         return work
-    grpo = isinstance(settings, GRPOSettings)
-    peft_model = _peft_model(settings, model, () if grpo else ("critic", "reward"))
+    grpo, dpo = isinstance(settings, GRPOSettings), isinstance(settings, DPOSettings)
+    peft_model = _peft_model(settings, model, () if grpo or dpo else ("critic", "reward"))
     decoder = peft_model.get_base_model().transformer
     heads = {role: torch.nn.Linear(hidden, 1).to(settings.device) for role in ("critic", "reward")}
 
@@ -111,7 +136,8 @@ def _piece(settings: Settings, name: str) -> Callable[[], None]:
         @torch.no_grad()
         def work() -> None:
             with _autocast(settings), peft_model.disable_adapter():
-                logprobs(decoder(input_ids=sequences, attention_mask=mask).last_hidden_state)
+                out = decoder(input_ids=sequences, attention_mask=mask).last_hidden_state
+                (logprobs(out) * response_mask).sum(-1)
 
         return work
     if name == "score":
@@ -137,17 +163,21 @@ def _piece(settings: Settings, name: str) -> Callable[[], None]:
     target = torch.randn(sequences.shape[0], response, device=settings.device)
     # GRPO's floor steps on each minibatch, as both GRPO sides do; PPO's has always made one full-batch step per
     # epoch (the same forward and backward work; num_minibatches - 1 fewer AdamW steps).
-    minibatches = [slice(None)]
+    minibatches, passes = [slice(None)], 1 if dpo else settings.ppo_epochs
+    reference_sums = torch.randn(2, settings.prompts, device=settings.device)  # DPO's, given
     if grpo:
         size = sequences.shape[0] // settings.num_minibatches
         minibatches = [slice(index * size, (index + 1) * size) for index in range(settings.num_minibatches)]
 
     def work() -> None:
-        for _ in range(settings.ppo_epochs):
+        for _ in range(passes):
             for rows in minibatches:
                 with _autocast(settings):
                     out = decoder(input_ids=sequences[rows], attention_mask=mask[rows]).last_hidden_state
-                    if role == "policy":
+                    if dpo:
+                        chosen, rejected = (logprobs(out) * response_mask).sum(-1).view(2, -1) - reference_sums
+                        loss = -torch.nn.functional.logsigmoid(settings.beta * (chosen - rejected)).mean()
+                    elif role == "policy":
                         loss = -(logprobs(out, labels[rows]) * target[rows]).mean()
                     else:
                         values = heads["critic"](out[:, -response - 1: -1].float()).squeeze(-1)

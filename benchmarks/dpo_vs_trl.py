@@ -8,6 +8,7 @@ both sides use the same torch, transformers and peft::
     /work/venv-trl116/bin/pip install -e '.[bench_grpo]'  # this package + trl 1.16.x (see grpo_vs_trl.py)
     /work/venv-trl116/bin/python benchmarks/dpo_vs_trl.py --preset small
     /work/venv-trl116/bin/python benchmarks/dpo_vs_trl.py --preset gpt2 --iterations 4 --repeats 2
+    /work/venv-trl116/bin/python benchmarks/dpo_vs_trl.py --preset gpt2 --sides ours,ours_precomputed,floor
     /work/venv-trl116/bin/python benchmarks/dpo_vs_trl.py --preset gpt2 --sides ours --profile   # where ours goes
     /work/venv-trl116/bin/python benchmarks/dpo_vs_trl.py --preset gpt2 --sides trl_lora --profile trl_lora   # TRL
 
@@ -41,7 +42,10 @@ The last line printed is one JSON object: ``time_ratio_lora``, ``memory_ratio_lo
 pass per step); ``time_ratio_lora_precomputed`` (steps only, the pass excluded),
 ``time_ratio_lora_precomputed_amortised`` (the pass amortised as above), ``precompute_time_ratio_lora`` (the passes
 alone) and ``memory_ratio_lora_precomputed``; ``time_ratio``/``memory_ratio`` (and ``_precomputed``) against TRL
-training the whole model where the ``trl`` sides were asked for (``--sides``); the seconds, memory and settings.
+training the whole model where the ``trl`` sides were asked for (``--sides``); ``floor_time_ratio`` and
+``floor_memory_ratio`` (ours / the floor: the reference pass and one forward + backward + AdamW step of the policy,
+each alone in a fresh process, done the fastest way we know; ``_precomputed``: ours precomputed / the policy piece
+alone; see ``bench_floor``) where ``floor`` was asked for; the seconds, memory and settings.
 
 What both sides are set to compute alike (ours: ``rlhf_lightning.DPO`` and ``lightning.Trainer`` arguments; TRL:
 ``DPOConfig`` fields, as TRL 1.16.0's ``trl/trainer/dpo_config.py`` names them):
@@ -120,8 +124,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rejected-length", type=int, default=48, help="rejected response tokens, EOS included")
     parser.add_argument("--beta", type=float, default=0.1)
     parser.add_argument("--sides", default=DEFAULT_SIDES,
-                        help=f"comma-separated subset of {','.join(SIDES)} (trl, trl_precomputed: TRL training "
-                             "the whole model)")
+                        help=f"comma-separated subset of {','.join(SIDES)},floor (trl, trl_precomputed: TRL "
+                             "training the whole model)")
     parser.add_argument("--trl-gradient-checkpointing", action="store_true",
                         help="leave TRL's default gradient checkpointing on (ours has none)")
     parser.add_argument("--dpo-options", default="{}",
@@ -133,6 +137,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def child_main(side: str, settings: DPOSettings, profile: bool) -> None:
+    if side.startswith("floor/"):
+        import bench_floor
+
+        bench_floor.run(settings, side.split("/", 1)[1])
+        return
     base = side.removesuffix(PRECOMPUTED)
     if base == "ours":
         import bench_ours
@@ -150,7 +159,8 @@ def amortised(entry: dict[str, Any], settings: DPOSettings) -> float:
     return entry["seconds"] + entry.get("precompute", 0.0) / settings.steps
 
 
-def print_table(summary: dict[str, dict[str, Any]], settings: DPOSettings, weights: int, memory_key: str) -> None:
+def print_table(summary: dict[str, dict[str, Any]], floors: dict[str, dict[str, Any]], settings: DPOSettings,
+                weights: int, memory_key: str) -> None:
     print(f"\none copy of the weights: {weights / GIB:.3f} GiB; peak memory = {memory_key}; {TIMING}")
     print(f"{'side':<22} {'s/step':>8} {'precompute':>10} {'amortised':>9} {'pairs/s':>8} {'peak GiB':>9} "
           f"{'x weights':>9}")
@@ -160,6 +170,12 @@ def print_table(summary: dict[str, dict[str, Any]], settings: DPOSettings, weigh
             precompute = f"{s['precompute']:>10.2f}" if "precompute" in s else f"{'-':>10}"
             print(f"{side:<22} {s['seconds']:>8.3f} {precompute} {amortised(s, settings):>9.3f} "
                   f"{settings.prompts / s['seconds']:>8.1f} {s[memory_key] / GIB:>9.3f} {s[memory_key] / weights:>9.1f}")
+    for name, floor in floors.items():
+        if floor:
+            pieces = " + ".join(f"{piece} {seconds:.3f}" for piece, seconds in floor["pieces"].items())
+            print(f"{name:<22} {floor['seconds']:>8.3f} {'-':>10} {floor['seconds']:>9.3f} "
+                  f"{settings.prompts / floor['seconds']:>8.1f} {floor['peak'] / GIB:>9.3f} "
+                  f"{floor['peak'] / weights:>9.1f}   ({pieces})")
 
 
 def print_phases(side: str, ours: dict[str, Any]) -> None:
@@ -170,12 +186,17 @@ def print_phases(side: str, ours: dict[str, Any]) -> None:
     print(f"  {'other (data, loss, metrics, loop)':<38} {ours['seconds'] - accounted:>7.3f}")
 
 
-def final_json(summary: dict[str, dict[str, Any]], settings: DPOSettings, weights: int,
-               memory_key: str) -> dict[str, Any]:
+def final_json(summary: dict[str, dict[str, Any]], floors: dict[str, dict[str, Any]], settings: DPOSettings,
+               weights: int, memory_key: str) -> dict[str, Any]:
     def ratio(ours: str, theirs: str, value) -> float | None:
         if ours not in summary or theirs not in summary:
             return None
         return round(value(summary[ours]) / value(summary[theirs]), 3)
+
+    def floor_ratio(ours: str, floor: dict[str, Any], key: str, floor_key: str) -> float | None:
+        if ours not in summary or not floor:
+            return None
+        return round(summary[ours][key] / floor[floor_key], 3)
 
     def seconds(entry):
         return entry["seconds"]
@@ -192,12 +213,19 @@ def final_json(summary: dict[str, dict[str, Any]], settings: DPOSettings, weight
         result[f"time_ratio{label}{PRECOMPUTED}_amortised"] = ratio(mine, theirs, lambda e: amortised(e, settings))
         result[f"precompute_time_ratio{label}"] = ratio(mine, theirs, lambda e: e["precompute"])
         result[f"memory_ratio{label}{PRECOMPUTED}"] = ratio(mine, theirs, memory)
+    for suffix in ("", PRECOMPUTED):
+        result[f"floor_time_ratio{suffix}"] = floor_ratio("ours" + suffix, floors["floor" + suffix], "seconds",
+                                                          "seconds")
+        result[f"floor_memory_ratio{suffix}"] = floor_ratio("ours" + suffix, floors["floor" + suffix], memory_key,
+                                                            "peak")
     result.update({
-        "seconds": {side: round(s["seconds"], 4) for side, s in summary.items()},
+        "seconds": {side: round(s["seconds"], 4) for side, s in summary.items()}
+        | {name: round(f["seconds"], 4) for name, f in floors.items() if f},
         "precompute_seconds": {side: round(s["precompute"], 4) for side, s in summary.items() if "precompute" in s},
         "amortised_seconds": {side: round(amortised(s, settings), 4) for side, s in summary.items()
                               if "precompute" in s},
-        "peak_gib": {side: round(s[memory_key] / GIB, 3) for side, s in summary.items()},
+        "peak_gib": {side: round(s[memory_key] / GIB, 3) for side, s in summary.items()}
+        | {name: round(f["peak"] / GIB, 3) for name, f in floors.items() if f},
         "weights_gib": round(weights / GIB, 3),
         "timing": TIMING,
         "settings": dpo_settings(settings),
@@ -232,11 +260,15 @@ def main(argv: list[str] | None = None) -> None:
         device=args.device, threads=args.threads, workdir=workdir, ppo_options=json.loads(args.dpo_options),
         mmap_threshold=args.mmap_threshold, trl_gradient_checkpointing=args.trl_gradient_checkpointing,
     )
+    import bench_floor  # here, not at the top: the TRL children never import rlhf_lightning
+
     sides = args.sides.split(",")
-    unknown = set(sides) - set(SIDES)
+    unknown = set(sides) - set(SIDES) - {"floor"}
     if unknown:
-        raise SystemExit(f"unknown sides {sorted(unknown)}; choose from {','.join(SIDES)}")
+        raise SystemExit(f"unknown sides {sorted(unknown)}; choose from {','.join(SIDES)},floor")
     order = [side for side in SIDES if side in sides]
+    if "floor" in sides:
+        order += [f"floor/{piece}" for piece in bench_floor.DPO_PIECES]
     print(f"workdir {workdir}; settings {settings.to_json()}", flush=True)
     prepare_workdir(settings, reward_adapter=False)
     write_preference_pairs(settings)
@@ -247,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
             side_settings = dataclasses.replace(settings, precompute=side.endswith(PRECOMPUTED))
             result = bench_common.run_child(__file__, side, side_settings,
                                             side == args.profile and round_index == 0)
-            if abs(result["first_loss"] - FIRST_LOSS) > 0.01:
+            if "first_loss" in result and abs(result["first_loss"] - FIRST_LOSS) > 0.01:
                 raise RuntimeError(f"{side}: first step's loss {result['first_loss']:.4f}, not ln 2 = {FIRST_LOSS:.4f}: "
                                    "its reference is not the base its new adapter starts from, or its loss not DPO's")
             results[side].append(result)
@@ -259,11 +291,14 @@ def main(argv: list[str] | None = None) -> None:
                   f"{result['peak_rss'] / GIB:.3f} GiB", flush=True)
     summary = summarise(results)
     memory_key = "peak_cuda" if args.device.startswith("cuda") else "peak_rss"
-    print_table(summary, settings, weights, memory_key)
+    floors = {"floor": bench_floor.combine(summary, bench_floor.DPO_PIECES, memory_key),
+              "floor" + PRECOMPUTED: bench_floor.combine(summary, ["policy_update"], memory_key)}
+    summary = {side: entry for side, entry in summary.items() if not side.startswith("floor/")}
+    print_table(summary, floors, settings, weights, memory_key)
     for side in ("ours", "ours" + PRECOMPUTED):
         if side in summary:
             print_phases(side, summary[side])
-    print(json.dumps(final_json(summary, settings, weights, memory_key)))
+    print(json.dumps(final_json(summary, floors, settings, weights, memory_key)))
 
 
 if __name__ == "__main__":

@@ -127,15 +127,6 @@ def child_main(side: str, settings: GRPOSettings, profile: bool) -> None:
         raise ValueError(f"unknown side {side!r}")
 
 
-def floor_of(summary: dict[str, dict[str, Any]], pieces: list[str], memory_key: str) -> dict[str, Any]:
-    """The floor made of ``pieces``: their seconds add up, the peak is the largest piece's."""
-    parts = {name: summary[f"floor/{name}"] for name in pieces if f"floor/{name}" in summary}
-    if not parts:
-        return {}
-    return {"seconds": sum(p["seconds"] for p in parts.values()), "peak": max(p[memory_key] for p in parts.values()),
-            "pieces": {name: p["seconds"] for name, p in parts.items()}}
-
-
 def print_table(summary: dict[str, dict[str, Any]], floors: dict[str, dict[str, Any]], weights: int,
                 memory_key: str) -> None:
     print(f"\none copy of the weights: {weights / GIB:.3f} GiB; peak memory = {memory_key}")
@@ -240,9 +231,9 @@ def main(argv: list[str] | None = None) -> None:
                   flush=True)
     summary = summarise(results)
     memory_key = "peak_cuda" if args.device.startswith("cuda") else "peak_rss"
-    floors = {"floor": floor_of(summary, list(bench_floor.GRPO_PIECES), memory_key),
-              "floor_beta0": floor_of(summary, [p for p in bench_floor.GRPO_PIECES if p != "reference"],
-                                      memory_key)}
+    floors = {"floor": bench_floor.combine(summary, bench_floor.GRPO_PIECES, memory_key),
+              "floor_beta0": bench_floor.combine(summary, [p for p in bench_floor.GRPO_PIECES if p != "reference"],
+                                                 memory_key)}
     summary = {side: entry for side, entry in summary.items() if not side.startswith("floor/")}
     flops = {"ours": grpo_iteration_flops(settings, settings.beta), "ours_beta0": grpo_iteration_flops(settings, 0.0)}
     print_table(summary, floors, weights, memory_key)

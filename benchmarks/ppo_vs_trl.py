@@ -135,13 +135,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"round {round_index + 1}: {side:<22} s/iter {seconds} peak {result['peak_rss'] / GIB:.2f} GiB",
                   flush=True)
     summary = summarise(results)
-    floor = {}
-    if "floor" in sides:
-        pieces = {name.split("/", 1)[1]: summary.pop(name) for name in list(summary) if name.startswith("floor/")}
-        memory_key = "peak_cuda" if args.device.startswith("cuda") else "peak_rss"
-        floor = {"seconds": sum(p["seconds"] for p in pieces.values()),
-                 "peak": max(p[memory_key] for p in pieces.values()),
-                 "pieces": {name: p["seconds"] for name, p in pieces.items()}}
+    memory_key = "peak_cuda" if args.device.startswith("cuda") else "peak_rss"
+    floor = bench_floor.combine(summary, bench_floor.PIECES, memory_key)
+    summary = {side: entry for side, entry in summary.items() if not side.startswith("floor/")}
     flops = iteration_flops(settings)
     print_table(summary, weights, floor)
     if "ours" in summary:
