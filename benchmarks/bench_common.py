@@ -277,9 +277,10 @@ def configure_threads(settings: Settings) -> None:
 # ---- measurements ---------------------------------------------------------------------------------------
 
 
-def add_common_arguments(parser, iterations: int, unit: str, precisions: tuple[str, ...] = ("32", "bf16-mixed")
-                         ) -> None:
-    """The options every side-by-side benchmark shares (``unit``: what one measured iteration is)."""
+def add_common_arguments(parser, iterations: int, unit: str, precisions: tuple[str, ...] = ("32", "bf16-mixed"),
+                         profile_sides: tuple[str, ...] = ("ours",)) -> None:
+    """The options every side-by-side benchmark shares (``unit``: what one measured iteration is;
+    ``profile_sides``: the sides ``--profile`` can profile)."""
     parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
     parser.add_argument("--precision", choices=precisions, default="32",
                         help="Lightning's precision; bf16-true (where offered): our base in bf16 weights, ours only")
@@ -294,6 +295,10 @@ def add_common_arguments(parser, iterations: int, unit: str, precisions: tuple[s
                              "large tensors are then returned to the OS when freed instead of fragmenting the "
                              "heap; 0 = the allocator's default")
     parser.add_argument("--workdir", default=None, help="folder for the model and logs (default: a temp dir)")
+    parser.add_argument("--profile", nargs="?", const="ours", default=None, choices=profile_sides, metavar="SIDE",
+                        help=f"print torch.profiler's top operators of SIDE's last measured {unit.rstrip('s')} (first "
+                             f"round; SIDE: {', '.join(profile_sides)}; default ours); its time then includes the "
+                             "profiler's overhead")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--settings", default=None, help=argparse.SUPPRESS)
 

@@ -117,7 +117,7 @@ TIMING = ("seconds: median wall-clock seconds per measured optimizer step (warm-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_arguments(parser, iterations=4, unit="optimizer steps")
+    add_common_arguments(parser, iterations=4, unit="optimizer steps", profile_sides=SIDES)
     parser.add_argument("--pairs", type=int, default=8, help="preference pairs per optimizer step")
     parser.add_argument("--prompt-length", type=int, default=32)
     parser.add_argument("--chosen-length", type=int, default=64, help="chosen response tokens, EOS included")
@@ -130,9 +130,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="leave TRL's default gradient checkpointing on (ours has none)")
     parser.add_argument("--dpo-options", default="{}",
                         help="JSON of extra rlhf_lightning.DPO arguments for our side, e.g. '{\"logprob_chunk\": 16}'")
-    parser.add_argument("--profile", nargs="?", const="ours", default=None, metavar="SIDE",
-                        help="print torch.profiler's top operators of SIDE's last measured iteration (first round; "
-                             "default side: ours)")
     return parser.parse_args(argv)
 
 

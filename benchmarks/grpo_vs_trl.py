@@ -84,7 +84,7 @@ GIB = 2**30
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_arguments(parser, iterations=2, unit="iterations")
+    add_common_arguments(parser, iterations=2, unit="iterations", profile_sides=SIDES)
     parser.add_argument("--prompts", type=int, default=4, help="prompts per iteration")
     parser.add_argument("--group-size", type=int, default=8,
                         help="responses per prompt (TRL's num_generations; its default 8)")
@@ -101,9 +101,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="leave TRL's default gradient checkpointing on (ours has none)")
     parser.add_argument("--grpo-options", default="{}",
                         help="JSON of extra rlhf_lightning.GRPO arguments for our side, e.g. '{\"logprob_chunk\": 16}'")
-    parser.add_argument("--profile", nargs="?", const="ours", default=None, metavar="SIDE",
-                        help="print torch.profiler's top operators of SIDE's last measured iteration (first round; "
-                             "default side: ours)")
     return parser.parse_args(argv)
 
 

@@ -47,8 +47,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ppo-options", default="{}",
                         help="JSON of extra rlhf_lightning.PPO arguments for our side, e.g. "
                              "'{\"logprob_chunk\": 16}'")
-    parser.add_argument("--profile", action="store_true",
-                        help="print torch.profiler's top operators of one of our iterations")
     return parser.parse_args(argv)
 
 
@@ -105,7 +103,7 @@ def print_phases(ours: dict[str, Any], flops: dict[str, float], matmul: float) -
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.child:
-        child_main(args.child, Settings.from_json(args.settings), args.profile)
+        child_main(args.child, Settings.from_json(args.settings), bool(args.profile))
         return
     workdir = args.workdir or tempfile.mkdtemp(prefix="ppo-bench-")
     settings = Settings(
@@ -129,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, list[dict[str, Any]]] = {side: [] for side in order}
     for round_index in range(settings.repeats):
         for side in order:
-            result = run_child(side, settings, args.profile and side == "ours" and round_index == 0)
+            result = run_child(side, settings, side == args.profile and round_index == 0)
             results[side].append(result)
             seconds = [f"{row['seconds']:.2f}" for row in result["iterations"]]
             print(f"round {round_index + 1}: {side:<22} s/iter {seconds} peak {result['peak_rss'] / GIB:.2f} GiB",
