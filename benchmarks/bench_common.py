@@ -16,6 +16,7 @@ import resource
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ TINYLLAMA: dict[str, int] = {"num_hidden_layers": 22, "hidden_size": 2048, "inte
                              "num_attention_heads": 32, "num_key_value_heads": 4, "vocab_size": 32_000}
 EOS = "<|endoftext|>"
 RESULT_PREFIX = "BENCH_RESULT "
+GIB = 2**30
 
 
 @dataclass
@@ -404,8 +406,8 @@ class MemoryLimitExceeded(RuntimeError):
     """A child process grew past the resident memory it was allowed and was killed (see :func:`run_child`)."""
 
     def __init__(self, side: str, rss: int, limit: int, log: Path) -> None:
-        super().__init__(f"{side} was killed at {rss / 2**30:.2f} GiB resident, past its limit of "
-                         f"{limit / 2**30:.2f} GiB; see {log}")
+        super().__init__(f"{side} was killed at {rss / GIB:.2f} GiB resident, past its limit of "
+                         f"{limit / GIB:.2f} GiB; see {log}")
         self.rss, self.limit = rss, limit
 
 
@@ -486,6 +488,25 @@ def summarise(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, f
 
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
+
+
+def print_iteration_table(summary: dict[str, dict[str, Any]], sides: Sequence[str],
+                          floors: dict[str, dict[str, Any]], weights: int, memory_key: str) -> None:
+    """The online benchmarks' table: per side (in ``sides`` order) seconds per iteration, its rollout/update
+    split, generated tokens per second and peak memory; then each floor with its pieces."""
+    print(f"\none copy of the weights: {weights / GIB:.3f} GiB; peak memory = {memory_key}")
+    print(f"{'side':<16} {'s/iter':>8} {'rollout':>8} {'update':>8} {'tok/s':>8} {'peak GiB':>9} {'x weights':>9}")
+    for side in sides:
+        if side in summary:
+            s = summary[side]
+            print(f"{side:<16} {s['seconds']:>8.2f} {s['rollout']:>8.2f} {s['update']:>8.2f} "
+                  f"{s['tokens_per_second']:>8.1f} {s[memory_key] / GIB:>9.3f} {s[memory_key] / weights:>9.1f}")
+    for name, floor in floors.items():
+        if floor:
+            print(f"{name:<16} {floor['seconds']:>8.2f} {'':>8} {'':>8} {'':>8} {floor['peak'] / GIB:>9.3f} "
+                  f"{floor['peak'] / weights:>9.1f}")
+            for piece, seconds in floor["pieces"].items():
+                print(f"  {piece:<14} {seconds:>8.2f} s")
 
 
 class IterationProfiler:

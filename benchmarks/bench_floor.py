@@ -52,14 +52,17 @@ GRPO_PIECES = ("generate", "reference", "policy_update")
 DPO_PIECES = ("reference", "policy_update")
 
 
-def combine(summary: dict[str, dict[str, Any]], pieces: Iterable[str], memory_key: str) -> dict[str, Any]:
-    """The floor made of ``pieces`` (their ``floor/<piece>`` entries in ``summary``): their seconds add up, the
-    peak is the largest piece's; empty when none of them ran."""
-    parts = {name: summary[f"floor/{name}"] for name in pieces if f"floor/{name}" in summary}
-    if not parts:
-        return {}
-    return {"seconds": sum(p["seconds"] for p in parts.values()), "peak": max(p[memory_key] for p in parts.values()),
-            "pieces": {name: p["seconds"] for name, p in parts.items()}}
+def split(summary: dict[str, dict[str, Any]], floors: dict[str, Iterable[str]], memory_key: str
+          ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """``(summary without its floor/<piece> entries, {floor name: the floor made of its pieces})``. A floor's
+    seconds are its pieces' added up, its peak the largest piece's; it is empty when none of its pieces ran."""
+    made = {}
+    for name, pieces in floors.items():
+        parts = {piece: summary[f"floor/{piece}"] for piece in pieces if f"floor/{piece}" in summary}
+        made[name] = {"seconds": sum(p["seconds"] for p in parts.values()),
+                      "peak": max(p[memory_key] for p in parts.values()),
+                      "pieces": {piece: p["seconds"] for piece, p in parts.items()}} if parts else {}
+    return {side: entry for side, entry in summary.items() if not side.startswith("floor/")}, made
 
 
 def _autocast(settings: Settings):
@@ -164,7 +167,7 @@ def _piece(settings: Settings, name: str) -> Callable[[], None]:
     # GRPO's floor steps on each minibatch, as both GRPO sides do; PPO's has always made one full-batch step per
     # epoch (the same forward and backward work; num_minibatches - 1 fewer AdamW steps).
     minibatches, passes = [slice(None)], 1 if dpo else settings.ppo_epochs
-    reference_sums = torch.randn(2, settings.prompts, device=settings.device)  # DPO's, given
+    reference_sums = torch.randn(2, settings.prompts, device=settings.device) if dpo else None  # given
     if grpo:
         size = sequences.shape[0] // settings.num_minibatches
         minibatches = [slice(index * size, (index + 1) * size) for index in range(settings.num_minibatches)]
@@ -189,7 +192,9 @@ def _piece(settings: Settings, name: str) -> Callable[[], None]:
     return work
 
 
-def run(settings: Settings, name: str) -> None:
+def run(settings: Settings, side: str) -> None:
+    """Time piece ``side`` (``floor/<piece>``) in this process and report it."""
+    name = side.removeprefix("floor/")
     configure_threads(settings)
     torch.manual_seed(settings.seed)
     work = _piece(settings, name)

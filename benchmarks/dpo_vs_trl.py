@@ -94,6 +94,7 @@ from typing import Any
 
 import bench_common
 from bench_common import (
+    GIB,
     DPOSettings,
     add_common_arguments,
     prepare_workdir,
@@ -105,7 +106,6 @@ from bench_common import (
 SIDES = ("ours", "trl_lora", "trl", "ours_precomputed", "trl_lora_precomputed", "trl_precomputed")
 DEFAULT_SIDES = "ours,trl_lora,ours_precomputed,trl_lora_precomputed"
 PRECOMPUTED = "_precomputed"
-GIB = 2**30
 # A new adapter adds zero, so at the first step the policy is the reference and every side's loss is -log sigmoid(0)
 FIRST_LOSS = math.log(2)
 TIMING = ("seconds: median wall-clock seconds per measured optimizer step (warm-up dropped), the reference pass "
@@ -137,7 +137,7 @@ def child_main(side: str, settings: DPOSettings, profile: bool) -> None:
     if side.startswith("floor/"):
         import bench_floor
 
-        bench_floor.run(settings, side.split("/", 1)[1])
+        bench_floor.run(settings, side)
         return
     base = side.removesuffix(PRECOMPUTED)
     if base == "ours":
@@ -288,9 +288,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"{result['peak_rss'] / GIB:.3f} GiB", flush=True)
     summary = summarise(results)
     memory_key = "peak_cuda" if args.device.startswith("cuda") else "peak_rss"
-    floors = {"floor": bench_floor.combine(summary, bench_floor.DPO_PIECES, memory_key),
-              "floor" + PRECOMPUTED: bench_floor.combine(summary, ["policy_update"], memory_key)}
-    summary = {side: entry for side, entry in summary.items() if not side.startswith("floor/")}
+    summary, floors = bench_floor.split(
+        summary, {"floor": bench_floor.DPO_PIECES, "floor" + PRECOMPUTED: ["policy_update"]}, memory_key)
     print_table(summary, floors, settings, weights, memory_key)
     for side in ("ours", "ours" + PRECOMPUTED):
         if side in summary:

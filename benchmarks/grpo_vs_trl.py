@@ -66,19 +66,20 @@ from typing import Any
 
 import bench_common
 from bench_common import (
+    GIB,
     GRPOSettings,
     add_common_arguments,
     configure_threads,
     grpo_iteration_flops,
     matmul_flops_per_second,
     prepare_workdir,
+    print_iteration_table,
     summarise,
     weights_bytes,
 )
 
 SIDES = ("ours", "trl_lora", "trl", "ours_beta0", "trl_lora_beta0", "trl_beta0")
 DEFAULT_SIDES = "ours,trl_lora,ours_beta0,trl_lora_beta0,floor"
-GIB = 2**30
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -108,7 +109,7 @@ def child_main(side: str, settings: GRPOSettings, profile: bool) -> None:
     if side.startswith("floor/"):
         import bench_floor
 
-        bench_floor.run(settings, side.split("/", 1)[1])
+        bench_floor.run(settings, side)
         return
     base = side.removesuffix("_beta0")
     beta = 0.0 if side.endswith("_beta0") else settings.beta
@@ -122,23 +123,6 @@ def child_main(side: str, settings: GRPOSettings, profile: bool) -> None:
         bench_trl_grpo.run(settings, beta, lora=base == "trl_lora", profile=profile)
     else:
         raise ValueError(f"unknown side {side!r}")
-
-
-def print_table(summary: dict[str, dict[str, Any]], floors: dict[str, dict[str, Any]], weights: int,
-                memory_key: str) -> None:
-    print(f"\none copy of the weights: {weights / GIB:.3f} GiB; peak memory = {memory_key}")
-    print(f"{'side':<16} {'s/iter':>8} {'rollout':>8} {'update':>8} {'tok/s':>8} {'peak GiB':>9} {'x weights':>9}")
-    for side in SIDES:
-        if side in summary:
-            s = summary[side]
-            print(f"{side:<16} {s['seconds']:>8.2f} {s['rollout']:>8.2f} {s['update']:>8.2f} "
-                  f"{s['tokens_per_second']:>8.1f} {s[memory_key] / GIB:>9.3f} {s[memory_key] / weights:>9.1f}")
-    for name, floor in floors.items():
-        if floor:
-            print(f"{name:<16} {floor['seconds']:>8.2f} {'':>8} {'':>8} {'':>8} {floor['peak'] / GIB:>9.3f} "
-                  f"{floor['peak'] / weights:>9.1f}")
-            for piece, seconds in floor["pieces"].items():
-                print(f"  {piece:<14} {seconds:>8.2f} s")
 
 
 def print_phases(side: str, ours: dict[str, Any], flops: dict[str, float], matmul: float) -> None:
@@ -228,12 +212,11 @@ def main(argv: list[str] | None = None) -> None:
                   flush=True)
     summary = summarise(results)
     memory_key = "peak_cuda" if args.device.startswith("cuda") else "peak_rss"
-    floors = {"floor": bench_floor.combine(summary, bench_floor.GRPO_PIECES, memory_key),
-              "floor_beta0": bench_floor.combine(summary, [p for p in bench_floor.GRPO_PIECES if p != "reference"],
-                                                 memory_key)}
-    summary = {side: entry for side, entry in summary.items() if not side.startswith("floor/")}
+    summary, floors = bench_floor.split(summary, {
+        "floor": bench_floor.GRPO_PIECES,
+        "floor_beta0": [piece for piece in bench_floor.GRPO_PIECES if piece != "reference"]}, memory_key)
     flops = {"ours": grpo_iteration_flops(settings, settings.beta), "ours_beta0": grpo_iteration_flops(settings, 0.0)}
-    print_table(summary, floors, weights, memory_key)
+    print_iteration_table(summary, SIDES, floors, weights, memory_key)
     for side in ("ours", "ours_beta0"):
         if side in summary:
             print_phases(side, summary[side], flops[side], matmul)

@@ -20,18 +20,19 @@ from typing import Any
 
 import bench_common
 from bench_common import (
+    GIB,
     Settings,
     add_common_arguments,
     configure_threads,
     iteration_flops,
     matmul_flops_per_second,
     prepare_workdir,
+    print_iteration_table,
     summarise,
     weights_bytes,
 )
 
 SIDES = ("ours", "trl", "trl_lora")
-GIB = 2**30
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -67,23 +68,7 @@ def child_main(side: str, settings: Settings, profile: bool) -> None:
     else:
         import bench_floor
 
-        bench_floor.run(settings, side.split("/", 1)[1])
-
-
-def print_table(summary: dict[str, dict[str, float]], weights: int, floor: dict[str, float]) -> None:
-    memory_key = "peak_cuda" if "peak_cuda" in summary.get("ours", {}) else "peak_rss"
-    print(f"\none copy of the weights: {weights / GIB:.2f} GiB; peak memory = {memory_key}")
-    print(f"{'side':<10} {'s/iter':>8} {'rollout':>8} {'update':>8} {'tok/s':>8} {'peak GiB':>9} {'x weights':>9}")
-    for side in SIDES:
-        if side in summary:
-            s = summary[side]
-            print(f"{side:<10} {s['seconds']:>8.2f} {s['rollout']:>8.2f} {s['update']:>8.2f} "
-                  f"{s['tokens_per_second']:>8.1f} {s[memory_key] / GIB:>9.2f} {s[memory_key] / weights:>9.1f}")
-    if floor:
-        print(f"{'floor':<10} {floor['seconds']:>8.2f} {'':>8} {'':>8} {'':>8} {floor['peak'] / GIB:>9.2f} "
-              f"{floor['peak'] / weights:>9.1f}")
-        for name, seconds in floor["pieces"].items():
-            print(f"  {name:<16} {seconds:>8.2f} s")
+        bench_floor.run(settings, side)
 
 
 def print_phases(ours: dict[str, Any], flops: dict[str, float], matmul: float) -> None:
@@ -134,13 +119,12 @@ def main(argv: list[str] | None = None) -> None:
                   flush=True)
     summary = summarise(results)
     memory_key = "peak_cuda" if args.device.startswith("cuda") else "peak_rss"
-    floor = bench_floor.combine(summary, bench_floor.PIECES, memory_key)
-    summary = {side: entry for side, entry in summary.items() if not side.startswith("floor/")}
+    summary, floors = bench_floor.split(summary, {"floor": bench_floor.PIECES}, memory_key)
     flops = iteration_flops(settings)
-    print_table(summary, weights, floor)
+    print_iteration_table(summary, SIDES, floors, weights, memory_key)
     if "ours" in summary:
         print_phases(summary["ours"], flops, matmul)
-    print(json.dumps(final_json(summary, floor, settings, weights, flops, matmul, args.device)))
+    print(json.dumps(final_json(summary, floors["floor"], settings, weights, flops, matmul, args.device)))
 
 
 def final_json(summary, floor, settings: Settings, weights: int, flops, matmul: float, device: str) -> dict:

@@ -53,6 +53,7 @@ from typing import Any
 
 import bench_common
 from bench_common import (
+    GIB,
     TINYLLAMA,
     GRPOSettings,
     MemoryLimitExceeded,
@@ -62,7 +63,6 @@ from bench_common import (
     meminfo_bytes,
 )
 
-GIB = 2**30
 TARGET_RATIO = 2.5  # the target: our PPO iteration's peak <= 2.5 x one copy of the fp32 weights
 # side: (algorithm, environment, what it is)
 SIDES: dict[str, tuple[str, str, str]] = {

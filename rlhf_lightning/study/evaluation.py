@@ -10,7 +10,6 @@ so that their samples are scored by the very same reward model.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -20,6 +19,7 @@ import lightning as L
 import torch
 
 from rlhf_lightning.rollout.rewards import AdapterReward, RewardSet, reward_inputs
+from rlhf_lightning.study.gao import kl_distance
 
 
 @dataclass
@@ -35,8 +35,8 @@ class EvalPoint:
 
     @property
     def d(self) -> float:
-        """``sqrt(KL)``, Gao's distance from the SFT policy (a slightly negative KL estimate counts as 0)."""
-        return math.sqrt(max(self.kl, 0.0))
+        """``sqrt(KL)`` from the SFT policy: :func:`~rlhf_lightning.study.gao.kl_distance`."""
+        return kl_distance(self.kl)
 
 
 @dataclass

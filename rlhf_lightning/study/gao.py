@@ -21,6 +21,11 @@ import numpy as np
 Form = Literal["rl", "bon"]
 
 
+def kl_distance(kl: float) -> float:
+    """``d = sqrt(KL)``, Gao's distance from the initial policy (a slightly negative KL estimate counts as 0)."""
+    return math.sqrt(max(kl, 0.0))
+
+
 def gao_curve(d: np.ndarray | Sequence[float], alpha: float, beta: float, form: Form = "rl") -> np.ndarray:
     """``R(d)`` of the RL form ``d (alpha - beta ln d)`` or the best-of-n form ``d (alpha - beta d)``."""
     d = np.asarray(d, dtype=float)

@@ -21,6 +21,7 @@ from typing import Any
 import lightning as L
 
 from rlhf_lightning.cli import RLHFCLI
+from rlhf_lightning.study.gao import kl_distance
 
 
 @dataclass
@@ -34,9 +35,8 @@ class Point:
 
     @property
     def d(self) -> float:
-        """``sqrt(KL)``, Gao's distance from the initial policy (a slightly negative KL estimate counts as 0).
-        """
-        return math.sqrt(max(self.kl, 0.0))
+        """``sqrt(KL)``: :func:`~rlhf_lightning.study.gao.kl_distance`."""
+        return kl_distance(self.kl)
 
 
 @dataclass
