@@ -305,6 +305,28 @@ def add_common_arguments(parser, iterations: int, unit: str, precisions: tuple[s
     parser.add_argument("--settings", default=None, help=argparse.SUPPRESS)
 
 
+def common_settings(args, prefix: str) -> dict[str, Any]:
+    """The :class:`Settings` fields of :func:`add_common_arguments`' options (a temp workdir ``<prefix>-bench-*``
+    when none is given; LoRA's alpha = 2 r)."""
+    import tempfile
+
+    return {"preset": args.preset, "precision": args.precision, "iterations": args.iterations,
+            "warmup": args.warmup, "repeats": args.repeats, "lora_r": args.lora_r, "lora_alpha": 2.0 * args.lora_r,
+            "device": args.device, "threads": args.threads, "mmap_threshold": args.mmap_threshold,
+            "workdir": args.workdir or tempfile.mkdtemp(prefix=f"{prefix}-bench-")}
+
+
+def side_order(requested: str, sides: Sequence[str], floor_pieces: Sequence[str]) -> list[str]:
+    """The processes of one round: the requested ``sides`` (comma-separated) in ``sides`` order, then each floor
+    piece (``floor/<piece>``) when ``floor`` is requested; an unknown side is a clear error."""
+    asked = requested.split(",")
+    unknown = set(asked) - set(sides) - {"floor"}
+    if unknown:
+        raise SystemExit(f"unknown sides {sorted(unknown)}; choose from {','.join(sides)},floor")
+    return [side for side in sides if side in asked] + (
+        [f"floor/{piece}" for piece in floor_pieces] if "floor" in asked else [])
+
+
 def load_trl_side(settings: Settings, version: str, script: str):
     """``(tokenizer, policy)`` of a TRL side, after checking the TRL version and setting threads and seed."""
     import trl

@@ -89,7 +89,6 @@ import argparse
 import dataclasses
 import json
 import math
-import tempfile
 from typing import Any
 
 import bench_common
@@ -97,7 +96,9 @@ from bench_common import (
     GIB,
     DPOSettings,
     add_common_arguments,
+    common_settings,
     prepare_workdir,
+    side_order,
     summarise,
     weights_bytes,
     write_preference_pairs,
@@ -249,24 +250,15 @@ def main(argv: list[str] | None = None) -> None:
     if min(args.prompt_length, args.chosen_length - 1, args.rejected_length - 1, args.pairs) < 1:
         raise SystemExit("--pairs and --prompt-length must be >= 1, --chosen-length and --rejected-length >= 2 "
                          "(a response token and EOS)")
-    workdir = args.workdir or tempfile.mkdtemp(prefix="dpo-bench-")
     settings = DPOSettings(
-        preset=args.preset, prompts=args.pairs, prompt_length=args.prompt_length, response_length=args.chosen_length,
-        rejected_length=args.rejected_length, beta=args.beta, precision=args.precision, iterations=args.iterations,
-        warmup=args.warmup, repeats=args.repeats, lora_r=args.lora_r, lora_alpha=2.0 * args.lora_r,
-        device=args.device, threads=args.threads, workdir=workdir, ppo_options=json.loads(args.dpo_options),
-        mmap_threshold=args.mmap_threshold, trl_gradient_checkpointing=args.trl_gradient_checkpointing,
+        **common_settings(args, "dpo"), prompts=args.pairs, prompt_length=args.prompt_length,
+        response_length=args.chosen_length, rejected_length=args.rejected_length, beta=args.beta,
+        ppo_options=json.loads(args.dpo_options), trl_gradient_checkpointing=args.trl_gradient_checkpointing,
     )
     import bench_floor  # here, not at the top: the TRL children never import rlhf_lightning
 
-    sides = args.sides.split(",")
-    unknown = set(sides) - set(SIDES) - {"floor"}
-    if unknown:
-        raise SystemExit(f"unknown sides {sorted(unknown)}; choose from {','.join(SIDES)},floor")
-    order = [side for side in SIDES if side in sides]
-    if "floor" in sides:
-        order += [f"floor/{piece}" for piece in bench_floor.DPO_PIECES]
-    print(f"workdir {workdir}; settings {settings.to_json()}", flush=True)
+    order = side_order(args.sides, SIDES, bench_floor.DPO_PIECES)
+    print(f"workdir {settings.workdir}; settings {settings.to_json()}", flush=True)
     prepare_workdir(settings, reward_adapter=False)
     write_preference_pairs(settings)
     weights = weights_bytes(settings)

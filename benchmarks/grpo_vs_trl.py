@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 from typing import Any
 
 import bench_common
@@ -69,11 +68,13 @@ from bench_common import (
     GIB,
     GRPOSettings,
     add_common_arguments,
+    common_settings,
     configure_threads,
     grpo_iteration_flops,
     matmul_flops_per_second,
     prepare_workdir,
     print_iteration_table,
+    side_order,
     summarise,
     weights_bytes,
 )
@@ -178,25 +179,16 @@ def main(argv: list[str] | None = None) -> None:
     if (args.prompts * args.group_size) % args.minibatches:
         raise SystemExit(f"--prompts x --group-size = {args.prompts * args.group_size} responses do not split "
                          f"into --minibatches {args.minibatches}")
-    workdir = args.workdir or tempfile.mkdtemp(prefix="grpo-bench-")
     settings = GRPOSettings(
-        preset=args.preset, prompts=args.prompts, prompt_length=args.prompt_length,
+        **common_settings(args, "grpo"), prompts=args.prompts, prompt_length=args.prompt_length,
         response_length=args.response_length, ppo_epochs=args.epochs, num_minibatches=args.minibatches,
-        precision=args.precision, iterations=args.iterations, warmup=args.warmup, repeats=args.repeats,
-        lora_r=args.lora_r, lora_alpha=2.0 * args.lora_r, device=args.device, threads=args.threads,
-        workdir=workdir, ppo_options=json.loads(args.grpo_options), mmap_threshold=args.mmap_threshold,
-        group_size=args.group_size, beta=args.beta, trl_gradient_checkpointing=args.trl_gradient_checkpointing,
+        ppo_options=json.loads(args.grpo_options), group_size=args.group_size, beta=args.beta,
+        trl_gradient_checkpointing=args.trl_gradient_checkpointing,
     )
     import bench_floor
 
-    sides = args.sides.split(",")
-    unknown = set(sides) - set(SIDES) - {"floor"}
-    if unknown:
-        raise SystemExit(f"unknown sides {sorted(unknown)}; choose from {','.join(SIDES)},floor")
-    order = [side for side in SIDES if side in sides]
-    if "floor" in sides:
-        order += [f"floor/{piece}" for piece in bench_floor.GRPO_PIECES]
-    print(f"workdir {workdir}; settings {settings.to_json()}", flush=True)
+    order = side_order(args.sides, SIDES, bench_floor.GRPO_PIECES)
+    print(f"workdir {settings.workdir}; settings {settings.to_json()}", flush=True)
     prepare_workdir(settings, reward_adapter=False)
     weights = weights_bytes(settings)
     configure_threads(settings)  # the children's thread count, so the matmul peak is theirs

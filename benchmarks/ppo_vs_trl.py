@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 from typing import Any
 
 import bench_common
@@ -23,11 +22,13 @@ from bench_common import (
     GIB,
     Settings,
     add_common_arguments,
+    common_settings,
     configure_threads,
     iteration_flops,
     matmul_flops_per_second,
     prepare_workdir,
     print_iteration_table,
+    side_order,
     summarise,
     weights_bytes,
 )
@@ -90,21 +91,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.child:
         child_main(args.child, Settings.from_json(args.settings), bool(args.profile))
         return
-    workdir = args.workdir or tempfile.mkdtemp(prefix="ppo-bench-")
     settings = Settings(
-        preset=args.preset, prompts=args.prompts, prompt_length=args.prompt_length,
+        **common_settings(args, "ppo"), prompts=args.prompts, prompt_length=args.prompt_length,
         response_length=args.response_length, ppo_epochs=args.ppo_epochs, num_minibatches=args.minibatches,
-        precision=args.precision, iterations=args.iterations, warmup=args.warmup, repeats=args.repeats,
-        lora_r=args.lora_r, lora_alpha=2.0 * args.lora_r, device=args.device, threads=args.threads,
-        workdir=workdir, ppo_options=json.loads(args.ppo_options), mmap_threshold=args.mmap_threshold,
+        ppo_options=json.loads(args.ppo_options),
     )
     import bench_floor
 
-    sides = args.sides.split(",")
-    order = [side for side in SIDES if side in sides]
-    if "floor" in sides:
-        order += [f"floor/{piece}" for piece in bench_floor.PIECES]
-    print(f"workdir {workdir}; settings {settings.to_json()}", flush=True)
+    order = side_order(args.sides, SIDES, bench_floor.PIECES)
+    print(f"workdir {settings.workdir}; settings {settings.to_json()}", flush=True)
     prepare_workdir(settings)
     weights = weights_bytes(settings)
     configure_threads(settings)  # the children's thread count, so the matmul peak is theirs
