@@ -11,8 +11,12 @@ from typing import Any
 from urllib.parse import urlparse
 
 from lightning.pytorch.loggers import WandbLogger as LightningWandbLogger
+from lightning.pytorch.utilities import rank_zero_warn
+
+from rlhf_lightning.wandb_offline import wait_until_finished
 
 DEFAULT_HOST = "api.wandb.ai"
+FINISH_TIMEOUT_SECONDS = 60.0  # how long finalize waits for W&B's service process to write a finished run
 
 
 def wandb_host() -> str:
@@ -87,6 +91,10 @@ class WandbLogger(LightningWandbLogger):
         the same process (a sweep trial, a study, a test). A later use of this logger resumes the same run."""
         super().finalize(status)
         if self._experiment is not None:
+            run_file = self._experiment.settings.sync_file if self._experiment.settings.mode != "disabled" else None
             self._wandb_init.update(id=self._experiment.id, resume="allow")
             self._experiment.finish(exit_code=0 if status == "success" else 1)
             self._experiment = None
+            if run_file and not wait_until_finished(run_file, FINISH_TIMEOUT_SECONDS):
+                rank_zero_warn(f"W&B had not written the end of {run_file} {FINISH_TIMEOUT_SECONDS:.0f} s after the "
+                               "run finished: reading it now may miss its last rows")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,29 +18,61 @@ HEADER = 7
 FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
 
 
-def _records(path: Path):
+def _records(path: Path, start: int = 0):
+    """The records of ``path`` whose first chunk lies at or after byte ``start`` (rounded down to a block)."""
     from wandb.proto import wandb_internal_pb2
 
-    data = path.read_bytes()
-    if data[:4] != b":W&B":
-        raise ValueError(f"{path} is not a W&B run file")
-    position, pieces = HEADER, []
-    while position + HEADER <= len(data):
-        space_in_block = BLOCK - position % BLOCK
+    with path.open("rb") as file:
+        if file.read(4) != b":W&B":
+            raise ValueError(f"{path} is not a W&B run file")
+        position = max(HEADER, start // BLOCK * BLOCK)
+        file.seek(position)
+        data = file.read()
+    offset, pieces, in_record = position, [], False
+    while offset + HEADER <= position + len(data):
+        space_in_block = BLOCK - offset % BLOCK
         if space_in_block < HEADER:  # the writer pads the tail of a block that cannot hold a header
-            position += space_in_block
+            offset += space_in_block
             continue
-        _, length, kind = struct.unpack("<IHB", data[position : position + HEADER])
+        local = offset - position
+        _, length, kind = struct.unpack("<IHB", data[local : local + HEADER])
         if kind == 0 and length == 0:  # zero padding at the end of the file
             break
-        payload = data[position + HEADER : position + HEADER + length]
-        position += HEADER + length
+        if local + HEADER + length > len(data):  # a chunk the writer is still writing
+            break
+        payload = data[local + HEADER : local + HEADER + length]
+        offset += HEADER + length
+        if kind in (FULL, FIRST):
+            in_record, pieces = True, []
+        if not in_record:  # the tail of a record that began before ``start``
+            continue
         pieces.append(payload)
         if kind in (FULL, LAST):
             record = wandb_internal_pb2.Record()
             record.ParseFromString(b"".join(pieces))
-            pieces = []
+            in_record = False
             yield record
+
+
+def is_finished(run_file: str | Path) -> bool:
+    """Whether W&B has written the run's exit record, its last: everything the run logged is then on disk.
+    Only the file's last two blocks are read, so this is cheap on a long run."""
+    path = Path(run_file)
+    start = max(0, path.stat().st_size - 2 * BLOCK)
+    return any(record.WhichOneof("record_type") == "exit" for record in _records(path, start))
+
+
+def wait_until_finished(run_file: str | Path, timeout: float = 60.0) -> bool:
+    """Wait until :func:`is_finished`, at most ``timeout`` seconds; whether it is.
+
+    ``wandb.finish()`` returns before W&B's service process has written the run's last records, so a run read
+    straight after it (a study, a sweep trial, a test) may miss its last history rows."""
+    deadline = time.monotonic() + timeout
+    while not (Path(run_file).is_file() and is_finished(run_file)):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def has_history(run_file: str | Path) -> bool:

@@ -1,6 +1,5 @@
 """What a user sees from the command line: our errors as one line, a YAML error with its file and line, a
-checkpoint that does not belong to the config refused or its differences listed, the step progress bar, and
-offline W&B runs read back from their folder."""
+checkpoint that does not belong to the config refused or its differences listed, and the step progress bar."""
 
 from __future__ import annotations
 
@@ -16,7 +15,6 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from rlhf_lightning.callbacks.progress import StepRichProgressBar, StepTQDMProgressBar
 from rlhf_lightning.cli import RLHFCLI, main
 from rlhf_lightning.errors import TRACEBACK_ENV
-from rlhf_lightning.wandb_offline import find_run_file, read_history
 
 REPO = Path(__file__).resolve().parents[1]
 BAD_YAML = "model:\n  class_path: rlhf_lightning.SFT\n   init_args: {lr: 1}\n"
@@ -128,25 +126,3 @@ def test_a_step_bounded_run_shows_steps_of_max_steps():
     bar = StepTQDMProgressBar()
     boring_fit(bar, max_steps=5)
     assert (bar.train_progress_bar.desc, bar.train_progress_bar.n, bar.train_progress_bar.total) == ("Steps: ", 5, 5)
-
-
-def wandb_run(directory: Path, rows: list[dict]) -> Path:
-    import wandb
-
-    run = wandb.init(mode="offline", dir=str(directory), project="p", settings=wandb.Settings(silent=True))
-    for row in rows:
-        run.log(row)
-    run.finish(exit_code=0 if rows else 1)
-    return find_run_file(directory) if rows else next(iter(sorted(directory.rglob("run-*.wandb"), key=os.path.getmtime,
-                                                                   reverse=True)))
-
-
-def test_read_history_takes_the_folder_and_skips_runs_that_logged_nothing(tmp_path):
-    logged = wandb_run(tmp_path, [{"a": 1.0}, {"a": 2.0}])
-    empty = wandb_run(tmp_path, [])  # a run that failed before logging, newer than the good one
-    assert empty != logged and empty.stat().st_mtime >= logged.stat().st_mtime
-    assert [row["a"] for row in read_history(tmp_path / "wandb")] == [1.0, 2.0]
-    assert find_run_file(tmp_path) == logged
-    logged.unlink()
-    with pytest.raises(FileNotFoundError, match=r"no W&B run with logged history under .* \(1 empty run"):
-        read_history(tmp_path / "wandb")
