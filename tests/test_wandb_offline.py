@@ -1,9 +1,8 @@
-"""Offline W&B runs read back from their files: history and config from a run's folder, runs that logged nothing
+"""Offline W&B runs read back from their files: history from a run folder, runs that logged nothing
 skipped, and the wait for W&B's service process to finish writing a run (``wandb.finish`` returns before it has)."""
 
 from __future__ import annotations
 
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -15,7 +14,12 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 
 from rlhf_lightning.loggers import WandbLogger
 from rlhf_lightning.wandb_offline import (
-    BLOCK, _records, find_run_file, is_finished, read_history, wait_until_finished,
+    BLOCK,
+    _records,
+    find_run_file,
+    is_finished,
+    read_history,
+    wait_until_finished,
 )
 
 
