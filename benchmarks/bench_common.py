@@ -16,7 +16,7 @@ import resource
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -316,13 +316,15 @@ def common_settings(args, prefix: str) -> dict[str, Any]:
             "workdir": args.workdir or tempfile.mkdtemp(prefix=f"{prefix}-bench-")}
 
 
-def side_order(requested: str, sides: Sequence[str], floor_pieces: Sequence[str]) -> list[str]:
+def side_order(requested: str, sides: Sequence[str], floor_pieces: Sequence[str] = ()) -> list[str]:
     """The processes of one round: the requested ``sides`` (comma-separated) in ``sides`` order, then each floor
-    piece (``floor/<piece>``) when ``floor`` is requested; an unknown side is a clear error."""
+    piece (``floor/<piece>``) when ``floor`` is requested (a benchmark with ``floor_pieces``); an unknown side is
+    a clear error."""
     asked = requested.split(",")
-    unknown = set(asked) - set(sides) - {"floor"}
+    known = [*sides, "floor"] if floor_pieces else list(sides)
+    unknown = set(asked) - set(known)
     if unknown:
-        raise SystemExit(f"unknown sides {sorted(unknown)}; choose from {','.join(sides)},floor")
+        raise SystemExit(f"unknown sides {sorted(unknown)}; choose from {','.join(known)}")
     return [side for side in sides if side in asked] + (
         [f"floor/{piece}" for piece in floor_pieces] if "floor" in asked else [])
 
@@ -466,6 +468,31 @@ def run_child(script: str | Path, side: str, settings: Settings, profile: bool =
     return json.loads(line[len(RESULT_PREFIX):])
 
 
+def run_rounds(script: str | Path, order: Sequence[str], settings: Settings, profile_side: str | None,
+               settings_of: Callable[[str], Settings] | None = None, unit: str = "s/iter", digits: int = 2,
+               details: Callable[[str, dict[str, Any]], str] | None = None) -> dict[str, list[dict[str, Any]]]:
+    """``settings.repeats`` alternating rounds of fresh processes, every side of ``order`` in turn (its settings
+    ``settings_of(side)`` where given), ``profile_side`` profiled in the first round; each process's seconds
+    per ``unit``, ``details(side, result)`` (which may also check the result) and peak printed as it ends.
+    Returns every side's results."""
+    results: dict[str, list[dict[str, Any]]] = {side: [] for side in order}
+    for round_index in range(settings.repeats):
+        for side in order:
+            result = run_child(script, side, settings_of(side) if settings_of else settings,
+                               side == profile_side and round_index == 0)
+            extra = details(side, result) if details else ""
+            results[side].append(result)
+            seconds = [f"{row['seconds']:.{digits}f}" for row in result["iterations"]]
+            print(f"round {round_index + 1}: {side:<22} {unit} {seconds}{extra} peak "
+                  f"{result['peak_rss'] / GIB:.3f} GiB", flush=True)
+    return results
+
+
+def peak_memory_key(device: str) -> str:
+    """The summary's peak-memory entry for ``device``: CUDA's allocator peak on a GPU, else the peak RSS."""
+    return "peak_cuda" if device.startswith("cuda") else "peak_rss"
+
+
 def _run_watched(command: list[str], env: dict[str, str], side: str, rss_limit: int, log: Path):
     """``subprocess.run(command)`` with the child killed once its resident memory passes ``rss_limit``."""
     import subprocess
@@ -532,15 +559,18 @@ def print_iteration_table(summary: dict[str, dict[str, Any]], sides: Sequence[st
 
 
 class IterationProfiler:
-    """torch.profiler over one iteration of a side: ``start()`` when it begins, ``stop()`` when it ends, which
-    prints the top operators by their own CPU time (the table ``--profile`` shows)."""
+    """torch.profiler over iteration ``iteration`` of a side (0-based, warm-up included; None: no profile):
+    ``begin(index)`` as each iteration begins, ``stop()`` as it ends, which prints the top operators by their own
+    CPU time (the table ``--profile`` shows)."""
 
-    def __init__(self) -> None:
+    def __init__(self, iteration: int | None) -> None:
+        self.iteration = iteration
         self.profiler = None
 
-    def start(self) -> None:
-        self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-        self.profiler.__enter__()
+    def begin(self, index: int) -> None:
+        if index == self.iteration:
+            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            self.profiler.__enter__()
 
     def stop(self, rows: int = 25) -> None:
         if self.profiler is None:

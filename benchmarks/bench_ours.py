@@ -99,7 +99,7 @@ def make_callback(timer: PhaseTimer, settings: Settings, profile: bool, prefix: 
 
         def __init__(self) -> None:
             self.rows: list[dict[str, Any]] = []
-            self.profiler = IterationProfiler()
+            self.profiler = IterationProfiler(settings.warmup + settings.iterations - 1 if profile else None)
 
         def on_train_start(self, trainer, pl_module) -> None:
             timer.attach_optimizer(trainer.optimizers[0].optimizer
@@ -108,8 +108,7 @@ def make_callback(timer: PhaseTimer, settings: Settings, profile: bool, prefix: 
             self.last = timer.watch.now()
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            if profile and batch_idx == settings.warmup + settings.iterations - 1:
-                self.profiler.start()
+            self.profiler.begin(batch_idx)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             now = timer.watch.now()

@@ -10,11 +10,10 @@ from __future__ import annotations
 import tempfile
 from typing import Any
 
-import torch
 from bench_common import (
     Settings,
     Stopwatch,
-    configure_threads,
+    load_trl_side,
     model_dir,
     peft_config,
     prompt_ids,
@@ -22,22 +21,16 @@ from bench_common import (
     total_prompts,
 )
 
+TRL_VERSION = "1.12"
+
 
 def run(settings: Settings, lora: bool) -> None:
     from datasets import Dataset
-    from transformers import (
-        AutoModelForCausalLM,
-        AutoModelForSequenceClassification,
-        AutoTokenizer,
-        TrainerCallback,
-    )
-    from trl.experimental.ppo import PPOConfig, PPOTrainer
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, TrainerCallback
 
-    configure_threads(settings)
-    torch.manual_seed(settings.seed)
+    tokenizer, policy = load_trl_side(settings, TRL_VERSION, "ppo_vs_trl.py")  # before TRL 1.12's own imports
+    from trl.experimental.ppo import PPOConfig, PPOTrainer
     path = model_dir(settings)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    policy = AutoModelForCausalLM.from_pretrained(path)
     ref_policy = None if lora else AutoModelForCausalLM.from_pretrained(path)
     value_model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)
     reward_model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)

@@ -107,22 +107,20 @@ def run(settings: DPOSettings, lora: bool = True, profile: bool = False) -> None
     rows: list[dict[str, Any]] = []
     marks: dict[str, float] = {}
 
-    profiler = IterationProfiler()
+    profiler = IterationProfiler(settings.steps - 1 if profile else None)
 
     class IterationTimer(TrainerCallback):
         """A step is timed from the end of the one before (``profile``: the last one is profiled)."""
 
         def on_train_begin(self, args, state, control, **kwargs):
             marks["last"] = watch.now()
-            if profile and settings.steps == 1:
-                profiler.start()
+            profiler.begin(0)
 
         def on_step_end(self, args, state, control, **kwargs):
             now = watch.now()
             rows.append({"seconds": now - marks["last"]})
             profiler.stop()
-            if profile and len(rows) == settings.steps - 1:
-                profiler.start()
+            profiler.begin(len(rows))
             marks["last"] = watch.now()
 
     trainer.add_callback(IterationTimer())

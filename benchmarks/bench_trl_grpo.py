@@ -90,8 +90,7 @@ def run(settings: GRPOSettings, beta: float, lora: bool = True, profile: bool = 
 
     trainer._generate_and_score_completions = timed_rollout
 
-    profiler = IterationProfiler()
-    last = settings.warmup + settings.iterations
+    profiler = IterationProfiler(settings.warmup + settings.iterations - 1 if profile else None)
 
     class IterationTimer(TrainerCallback):
         """An iteration ends at the ``on_step_end`` of its last optimizer step (``profile``: the last one is
@@ -99,8 +98,7 @@ def run(settings: GRPOSettings, beta: float, lora: bool = True, profile: bool = 
 
         def on_train_begin(self, args, state, control, **kwargs):
             marks["last"] = watch.now()
-            if profile and last == 1:
-                profiler.start()
+            profiler.begin(0)
 
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step % settings.optimizer_steps:
@@ -109,8 +107,7 @@ def run(settings: GRPOSettings, beta: float, lora: bool = True, profile: bool = 
             rows.append({"seconds": now - marks["last"], "rollout": marks.pop("rollout"),
                          "tokens": float(settings.rollout_rows * settings.response_length)})
             profiler.stop()
-            if profile and len(rows) == last - 1:
-                profiler.start()
+            profiler.begin(len(rows))
             marks["last"] = watch.now()
 
     trainer.add_callback(IterationTimer())

@@ -91,13 +91,14 @@ import json
 import math
 from typing import Any
 
-import bench_common
 from bench_common import (
     GIB,
     DPOSettings,
     add_common_arguments,
     common_settings,
+    peak_memory_key,
     prepare_workdir,
+    run_rounds,
     side_order,
     summarise,
     weights_bytes,
@@ -151,6 +152,18 @@ def child_main(side: str, settings: DPOSettings, profile: bool) -> None:
         bench_trl_dpo.run(settings, lora=base == "trl_lora", profile=profile)
     else:
         raise ValueError(f"unknown side {side!r}")
+
+
+def checked_precompute(side: str, result: dict[str, Any]) -> str:
+    """A process's precompute seconds for its round line, after checking that its first step's loss is DPO's
+    at a policy equal to its reference."""
+    if "first_loss" in result and abs(result["first_loss"] - FIRST_LOSS) > 0.01:
+        raise RuntimeError(f"{side}: first step's loss {result['first_loss']:.4f}, not ln 2 = {FIRST_LOSS:.4f}: "
+                           "its reference is not the base its new adapter starts from, or its loss not DPO's")
+    precompute = f" precompute {result['precompute']:.2f} s" if "precompute" in result else ""
+    if "precompute_hash" in result:
+        precompute += f" (hashing the weights {result['precompute_hash']:.2f} s)"
+    return precompute
 
 
 def amortised(entry: dict[str, Any], settings: DPOSettings) -> float:
@@ -262,24 +275,11 @@ def main(argv: list[str] | None = None) -> None:
     prepare_workdir(settings, reward_adapter=False)
     write_preference_pairs(settings)
     weights = weights_bytes(settings)
-    results: dict[str, list[dict[str, Any]]] = {side: [] for side in order}
-    for round_index in range(settings.repeats):
-        for side in order:
-            side_settings = dataclasses.replace(settings, precompute=side.endswith(PRECOMPUTED))
-            result = bench_common.run_child(__file__, side, side_settings,
-                                            side == args.profile and round_index == 0)
-            if "first_loss" in result and abs(result["first_loss"] - FIRST_LOSS) > 0.01:
-                raise RuntimeError(f"{side}: first step's loss {result['first_loss']:.4f}, not ln 2 = {FIRST_LOSS:.4f}: "
-                                   "its reference is not the base its new adapter starts from, or its loss not DPO's")
-            results[side].append(result)
-            seconds = [f"{row['seconds']:.3f}" for row in result["iterations"]]
-            precompute = f" precompute {result['precompute']:.2f} s" if "precompute" in result else ""
-            if "precompute_hash" in result:
-                precompute += f" (hashing the weights {result['precompute_hash']:.2f} s)"
-            print(f"round {round_index + 1}: {side:<22} s/step {seconds}{precompute} peak "
-                  f"{result['peak_rss'] / GIB:.3f} GiB", flush=True)
+    results = run_rounds(
+        __file__, order, settings, args.profile, unit="s/step", digits=3, details=checked_precompute,
+        settings_of=lambda side: dataclasses.replace(settings, precompute=side.endswith(PRECOMPUTED)))
     summary = summarise(results)
-    memory_key = "peak_cuda" if args.device.startswith("cuda") else "peak_rss"
+    memory_key = peak_memory_key(args.device)
     summary, floors = bench_floor.split(
         summary, {"floor": bench_floor.DPO_PIECES, "floor" + PRECOMPUTED: ["policy_update"]}, memory_key)
     print_table(summary, floors, settings, weights, memory_key)

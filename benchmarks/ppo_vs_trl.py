@@ -17,7 +17,6 @@ import argparse
 import json
 from typing import Any
 
-import bench_common
 from bench_common import (
     GIB,
     Settings,
@@ -26,8 +25,10 @@ from bench_common import (
     configure_threads,
     iteration_flops,
     matmul_flops_per_second,
+    peak_memory_key,
     prepare_workdir,
     print_iteration_table,
+    run_rounds,
     side_order,
     summarise,
     weights_bytes,
@@ -50,11 +51,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="JSON of extra rlhf_lightning.PPO arguments for our side, e.g. "
                              "'{\"logprob_chunk\": 16}'")
     return parser.parse_args(argv)
-
-
-def run_child(side: str, settings: Settings, profile: bool) -> dict[str, Any]:
-    """Run one side in a fresh Python process and return its result."""
-    return bench_common.run_child(__file__, side, settings, profile)
 
 
 def child_main(side: str, settings: Settings, profile: bool) -> None:
@@ -104,16 +100,8 @@ def main(argv: list[str] | None = None) -> None:
     weights = weights_bytes(settings)
     configure_threads(settings)  # the children's thread count, so the matmul peak is theirs
     matmul = matmul_flops_per_second(args.device)
-    results: dict[str, list[dict[str, Any]]] = {side: [] for side in order}
-    for round_index in range(settings.repeats):
-        for side in order:
-            result = run_child(side, settings, side == args.profile and round_index == 0)
-            results[side].append(result)
-            seconds = [f"{row['seconds']:.2f}" for row in result["iterations"]]
-            print(f"round {round_index + 1}: {side:<22} s/iter {seconds} peak {result['peak_rss'] / GIB:.2f} GiB",
-                  flush=True)
-    summary = summarise(results)
-    memory_key = "peak_cuda" if args.device.startswith("cuda") else "peak_rss"
+    summary = summarise(run_rounds(__file__, order, settings, args.profile))
+    memory_key = peak_memory_key(args.device)
     summary, floors = bench_floor.split(summary, {"floor": bench_floor.PIECES}, memory_key)
     flops = iteration_flops(settings)
     print_iteration_table(summary, SIDES, floors, weights, memory_key)

@@ -61,6 +61,7 @@ from bench_common import (
     llama_parameters,
     llama_shape,
     meminfo_bytes,
+    side_order,
 )
 
 TARGET_RATIO = 2.5  # the target: our PPO iteration's peak <= 2.5 x one copy of the fp32 weights
@@ -150,14 +151,7 @@ def child_main(side: str, settings_json: str) -> None:
         bench_common.report({"side": side, "iterations": [], "weights": bench_common.weights_bytes(settings),
                              "parameters": llama_parameters(settings.llama)})
         return
-    algorithm, environment, _ = SIDES[side]
-    if environment in TRL_VERSIONS:
-        import trl
-
-        if not trl.__version__.startswith(TRL_VERSIONS[environment]):
-            raise RuntimeError(f"{side} measures TRL {TRL_VERSIONS[environment]}x, found {trl.__version__}: "
-                               f"pass --{environment}-python")
-    if algorithm == "ppo":
+    if SIDES[side][0] == "ppo":  # each TRL side checks its TRL version as it loads (load_trl_side)
         settings = Settings.from_json(settings_json)
         if side == "ours_ppo":
             import bench_ours
@@ -187,10 +181,7 @@ class Scale:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.sides = [side for side in SIDES if side in args.sides.split(",")]
-        unknown = set(args.sides.split(",")) - set(SIDES)
-        if unknown:
-            raise SystemExit(f"unknown sides {sorted(unknown)}; choose from {','.join(SIDES)}")
+        self.sides = side_order(args.sides, list(SIDES))
         if args.prompts % args.group_size:
             raise SystemExit(f"--prompts {args.prompts} is not a multiple of --group-size {args.group_size}")
         self.target = parse_shape(args.shape, args.vocab)

@@ -45,10 +45,10 @@ from rlhf_lightning.study.runs import build_cli, held_out_batches
 
 log = logging.getLogger(__name__)
 
-FULL = {"seeds": [0, 1, 2], "kls": [2.0, 5.0, 10.0], "budgets": [10.0, 20.0, 40.0, 80.0], "best_of_n": 64, "eval_prompts": 256, "fraction": 1.0,
-        "out": "outputs/family"}
-QUICK = {"seeds": [0, 1], "kls": [0.5, 1.0, 2.0], "budgets": [5.0, 10.0, 20.0], "best_of_n": 16, "eval_prompts": 128, "fraction": 0.25,
-         "out": "outputs/family_quick", "sft_steps": 500, "reward_steps": 200}
+FULL = {"seeds": [0, 1, 2], "kls": [2.0, 5.0, 10.0], "budgets": [10.0, 20.0, 40.0, 80.0], "best_of_n": 64,
+        "eval_prompts": 256, "fraction": 1.0, "out": "outputs/family"}
+QUICK = {"seeds": [0, 1], "kls": [0.5, 1.0, 2.0], "budgets": [5.0, 10.0, 20.0], "best_of_n": 16, "eval_prompts": 128,
+         "fraction": 0.25, "out": "outputs/family_quick", "sft_steps": 500, "reward_steps": 200}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -322,9 +322,9 @@ def analyse(args: argparse.Namespace) -> dict[str, Any]:
     compute_rows = compute_table(runs, curves, seconds, args.budgets, labels, shipped)
     table = markdown_table(rows, args.kls, fits) + "\n\n" + markdown_compute_table(compute_rows, args.budgets)
     (out / "table.md").write_text(table + "\n")
-    summary = {"mode": mode, "seeds": args.seeds, "kls": args.kls, "budgets": args.budgets, "fraction": args.fraction,
-               "eval_prompts": args.eval_prompts, "group": args.group, "table": rows, "compute_table": compute_rows, "gao_fits": fits,
-               "shipped_strengths": shipped,
+    summary = {"mode": mode, "seeds": args.seeds, "kls": args.kls, "budgets": args.budgets,
+               "fraction": args.fraction, "eval_prompts": args.eval_prompts, "group": args.group, "table": rows,
+               "compute_table": compute_rows, "gao_fits": fits, "shipped_strengths": shipped,
                "strengths": {name: list(METHODS[name].quick_strengths() if args.quick else METHODS[name].strengths)
                              for name in names},
                "sft": {run.seed: {"gold": run.points[0].gold, "proxy": run.points[0].proxy} for run in runs},
