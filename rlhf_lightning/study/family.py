@@ -195,11 +195,14 @@ def seed_module(args: argparse.Namespace, seed: int, sft: str, reward: str) -> t
     return cli.model, cli.datamodule
 
 
-def held_out(args: argparse.Namespace, seed: int, sft: str, reward: str) -> list[dict[str, Any]]:
-    """The seed's held-out prompt batches, built once per seed and process (only the batches are kept: a run
-    must not hold a second copy of the base beside its own)."""
+def held_out(args: argparse.Namespace, seed: int, sft: str, reward: str, datamodule: Any = None
+             ) -> list[dict[str, Any]]:
+    """The seed's held-out prompt batches, built once per seed and process from ``datamodule`` (the seed's, from
+    :func:`seed_module`; built here when None). Only the batches are kept: a run must not hold a second copy of
+    the base beside its own."""
     if seed not in _HELD_OUT:
-        _, datamodule = seed_module(args, seed, sft, reward)
+        if datamodule is None:
+            _, datamodule = seed_module(args, seed, sft, reward)
         _HELD_OUT[seed] = held_out_batches(datamodule, args.eval_prompts, "the family study")
     return _HELD_OUT[seed]
 
@@ -209,10 +212,10 @@ def held_out(args: argparse.Namespace, seed: int, sft: str, reward: str) -> list
 def run_unit(args: argparse.Namespace, unit: Unit) -> None:
     """Run one unit and write its result (atomically: a half-written result is never reused)."""
     sft, reward = ensure_pipeline(args, unit.seed)
-    batches = held_out(args, unit.seed, sft, reward)
+    module, datamodule = seed_module(args, unit.seed, sft, reward) if unit.method == BEST_OF_N else (None, None)
+    batches = held_out(args, unit.seed, sft, reward, datamodule)
     started = time.perf_counter()
     if unit.method == BEST_OF_N:
-        module, _ = seed_module(args, unit.seed, sft, reward)
         cpu = time.process_time()
         proxy, gold = sample_reference(module, batches, args.best_of_n, seed=unit.seed)
         seconds = time.process_time() - cpu
