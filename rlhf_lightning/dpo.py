@@ -83,7 +83,7 @@ class DPO(PolicyModule):
         nonfinite: NonFinite = "raise",
         **kwargs: Any,
     ) -> None:
-        # Checked before the base is loaded, so a typo fails in a second, not after loading a model.
+        super().__init__(*args, **kwargs)
         check_dpo_arguments(beta, loss_type, label_smoothing)
         checks.non_negative("rpo_alpha", rpo_alpha)
         checks.non_negative("simpo_gamma", simpo_gamma)
@@ -91,7 +91,6 @@ class DPO(PolicyModule):
         checks.check_optimizer("lr", lr, weight_decay, warmup_steps, lr_schedule)
         checks.positive("adam_eps", adam_eps)
         checks.one_of("nonfinite", nonfinite, get_args(NonFinite))
-        super().__init__(*args, **kwargs)
         if self.hparams.temperature != 1.0:
             log.warning("temperature %s divides the logits of the DPO log-probs too, not only of the samples",
                         self.hparams.temperature)
@@ -170,7 +169,8 @@ class DPO(PolicyModule):
         prompt_ids, prompt_mask = batch["prompt_input_ids"], batch["prompt_attention_mask"]
         # Generation needs at least one prompt token (transcript-only pairs may share no beginning).
         if (limit is None or batch_idx < limit) and bool(prompt_mask.sum(-1).min() > 0):
-            self.evaluate_samples(prompt_ids, prompt_mask, self.decode(prompt_ids, prompt_mask), batch_idx)
+            self.evaluate_samples(prompt_ids, prompt_mask, self.decode(prompt_ids, prompt_mask), batch_idx,
+                                  indices=batch["index"])
 
     def configure_optimizers(self):
         hp = self.hparams
@@ -199,15 +199,25 @@ class DPO(PolicyModule):
     @torch.no_grad()
     def compute_reference(self, pairs: Sequence[EncodedPair], collate: Callable[[list], dict],
                           batch_size: int) -> Tensor:
-        """Summed reference log-probs ``[2, N]`` of every pair; each rank computes every world-size-th pair."""
+        """Summed reference log-probs ``[2, N]`` of every pair; each rank computes every world-size-th pair.
+
+        Every rank runs the same number of batches (the last rank's share padded with a pair of its own, whose
+        values are not kept): a sharded model's forward passes are collective."""
         table = torch.zeros(2, len(pairs), device=self.device)
-        mine = list(range(self.global_rank, len(pairs), self.trainer.world_size))
-        for start in range(0, len(mine), batch_size):
-            batch = collate([pairs[i] for i in mine[start : start + batch_size]])
-            if bool((batch["index"] < 0).any()):
-                raise ValueError("precompute_reference needs numbered pairs (EncodedPair.index)")
-            batch = {name: value.to(self.device) for name, value in batch.items()}
-            table[:, batch["index"]] = self.sequence_logps(REFERENCE, batch).view(2, -1).float()
+        world = self.trainer.world_size
+        mine = list(range(self.global_rank, len(pairs), world))
+        share = -(-len(pairs) // world)
+        padded = mine + mine[-1:] * (share - len(mine)) if mine else [0] * share
+        with self.rollout_gathered():
+            for start in range(0, share, batch_size):
+                rows = padded[start : start + batch_size]
+                batch = collate([pairs[i] for i in rows])
+                if bool((batch["index"] < 0).any()):
+                    raise ValueError("precompute_reference needs numbered pairs (EncodedPair.index)")
+                batch = {name: value.to(self.device) for name, value in batch.items()}
+                values = self.sequence_logps(REFERENCE, batch).view(2, -1).float()
+                kept = [offset for offset in range(len(rows)) if start + offset < len(mine)]
+                table[:, batch["index"][kept]] = values[:, kept]
         return self.trainer.strategy.reduce(table, reduce_op="sum").cpu()
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

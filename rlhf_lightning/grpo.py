@@ -58,14 +58,13 @@ class GRPO(OnlineRL):
         loss_aggregation: LossAggregation = "token_mean",
         **kwargs: Any,
     ) -> None:
-        # Checked before the base is loaded (OnlineRL checks its own arguments before loading it too).
-        checks.one_of("scale_rewards", scale_rewards, ("group", "batch", "none"))
-        checks.non_negative("std_eps", std_eps)
-        if isinstance(samples_per_prompt, int) and samples_per_prompt < 2:
-            raise ValueError(f"GRPO needs samples_per_prompt >= 2 (a group of one has zero advantage), got "
-                             f"{samples_per_prompt}")
         super().__init__(*args, samples_per_prompt=samples_per_prompt, kl_coef=kl_coef, kl_estimator=kl_estimator,
                          kl_in=kl_in, loss_aggregation=loss_aggregation, **kwargs)
+        checks.one_of("scale_rewards", scale_rewards, ("group", "batch", "none"))
+        checks.non_negative("std_eps", std_eps)
+        if samples_per_prompt < 2:
+            raise ValueError(f"GRPO needs samples_per_prompt >= 2 (a group of one has zero advantage), got "
+                             f"{samples_per_prompt}")
 
     def estimate_advantages(self, experience: Experience) -> tuple[Experience, Stats]:
         """``(r - mean_group r) / (std + eps)`` (or unscaled), broadcast over each response's tokens."""

@@ -23,6 +23,7 @@ from rlhf_lightning.algorithms.surrogate import aggregate_loss
 from rlhf_lightning.core import checks
 from rlhf_lightning.core.online import OnlineRL, Stats
 from rlhf_lightning.core.policy import POLICY, without_dropout
+from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.models.spec import LoraSpec
 from rlhf_lightning.rollout.experience import Experience
 from rlhf_lightning.rollout.rewards import REWARD_ROLE, AdapterReward
@@ -74,21 +75,25 @@ class PPO(OnlineRL):
         backward: Literal["auto", "joint", "separate"] = "auto",
         **kwargs: Any,
     ) -> None:
-        # Checked before the base is loaded (OnlineRL checks its own arguments before loading it too).
+        super().__init__(*args, epochs=epochs, **kwargs)
         checks.one_of("backward", backward, ("auto", "joint", "separate"))
         checks.in_range("gamma", gamma, 0.0, 1.0)
         checks.in_range("lam", lam, 0.0, 1.0)
         checks.positive("critic_lr", critic_lr)
         checks.non_negative("vf_coef", vf_coef)
         checks.non_negative("clip_range_value", clip_range_value, optional=True)
-        super().__init__(*args, epochs=epochs, **kwargs)
-        self.model.add_adapter(CRITIC, without_dropout(critic_lora, CRITIC))
-        self.model.add_head(CRITIC)
-        if critic_from_reward:
-            if not any(isinstance(source, AdapterReward) for source in self.rewards.sources):
-                raise ValueError("critic_from_reward needs an AdapterReward: the critic copies its adapter and head")
-            self.model.copy_adapter(REWARD_ROLE, CRITIC)
-        self.model.train()
+        if critic_from_reward and not any(isinstance(source, AdapterReward) for source in self.rewards.sources):
+            raise ValueError("critic_from_reward needs an AdapterReward: the critic copies its adapter and head")
+        self.critic_lora = without_dropout(critic_lora, CRITIC)
+        self.critic_from_reward = critic_from_reward
+
+    def build_model(self, empty: bool) -> SharedBase:
+        model = super().build_model(empty)
+        model.add_adapter(CRITIC, self.critic_lora)
+        model.add_head(CRITIC)
+        if self.critic_from_reward:
+            model.copy_adapter(REWARD_ROLE, CRITIC)
+        return model
 
     # ---- the critic ---------------------------------------------------------------------------------------
 

@@ -31,13 +31,11 @@ class REINFORCEPlusPlus(OnlineRL):
 
     def __init__(self, *args: Any, baseline: Literal["none", "group"] = "none", gamma: float = 1.0,
                  kl_coef: float = 0.01, **kwargs: Any) -> None:
-        # Checked before the base is loaded (OnlineRL checks its own arguments before loading it too).
+        super().__init__(*args, kl_coef=kl_coef, **kwargs)
         checks.one_of("baseline", baseline, ("none", "group"))
         checks.in_range("gamma", gamma, 0.0, 1.0)
-        samples = kwargs.get("samples_per_prompt", 1)
-        if baseline == "group" and isinstance(samples, int) and samples < 2:
-            raise ValueError(f"baseline: group needs samples_per_prompt >= 2, got {samples}")
-        super().__init__(*args, kl_coef=kl_coef, **kwargs)
+        if baseline == "group" and self.hparams.samples_per_prompt < 2:
+            raise ValueError(f"baseline: group needs samples_per_prompt >= 2, got {self.hparams.samples_per_prompt}")
 
     def estimate_advantages(self, experience: Experience) -> tuple[Experience, Stats]:
         """Whitened return-to-go of ``-kl_coef * KL_t`` on every token plus the (baselined) score on the last."""

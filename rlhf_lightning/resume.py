@@ -68,6 +68,11 @@ def load_for_comparison(ckpt_path: str | Path) -> dict[str, Any]:
         return torch.load(ckpt_path, map_location="cpu", weights_only=False, mmap=True)
 
 
+def saved_state_keys(ckpt_path: str | Path) -> set[str]:
+    """The weight names in the checkpoint at ``ckpt_path`` (memory-mapped: no tensor is read)."""
+    return set(load_for_comparison(ckpt_path).get("state_dict", {}))
+
+
 def _plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return _plain(dataclasses.asdict(value))

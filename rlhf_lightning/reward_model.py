@@ -14,6 +14,9 @@ from rlhf_lightning.core import checks
 from rlhf_lightning.core.nonfinite import NonFinite, check_finite_weights
 from rlhf_lightning.core.stage import StageModule
 from rlhf_lightning.metrics import MeanStd, PairwiseAccuracy, reset_metrics
+from rlhf_lightning.models.heads import ScalarHead
+from rlhf_lightning.models.sharding import full_tensor
+from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
 from rlhf_lightning.optim import Schedule
 
@@ -56,23 +59,26 @@ class RewardModel(StageModule):
         export_dir: str | None = None,
         nonfinite: NonFinite = "raise",
     ) -> None:
-        # Checked before the base is loaded, so a typo fails in a second, not after loading a model.
         checks.non_negative("center_coef", center_coef)
         checks.check_optimizer("lr", lr, weight_decay, warmup_steps, lr_schedule)
         checks.one_of("nonfinite", nonfinite, get_args(NonFinite))
         export_dir = checks.optional_str(export_dir)
-        super().__init__()
+        super().__init__(base)
         self.save_hyperparameters()
-        self.model = self.load_base(base, train_base=lora is None)
-        if lora is not None:
-            self.model.add_adapter(REWARD_ROLE, lora)
-        self.model.add_head(REWARD_ROLE)
+        self.lora = lora
         self.adapter = REWARD_ROLE if lora is not None else None
         self.val_accuracy = PairwiseAccuracy()
         self.val_gold_accuracy = PairwiseAccuracy()
         self.val_rewards = MeanStd()
         self.val_loss = MeanStd()
         self.val_margin = MeanStd()
+
+    def build_model(self, empty: bool) -> SharedBase:
+        model = self.load_base(train_base=self.lora is None, empty=empty)
+        if self.lora is not None:
+            model.add_adapter(REWARD_ROLE, self.lora)
+        model.add_head(REWARD_ROLE)
+        return model
 
     def rewards(self, input_ids: Tensor, attention_mask: Tensor, last_index: Tensor) -> Tensor:
         """Scores ``[N]`` of right- or left-padded sequences, read at ``last_index``."""
@@ -139,7 +145,8 @@ class RewardModel(StageModule):
                                     hp.lr_schedule)
 
     def on_fit_end(self) -> None:
-        if self.hparams.export_dir and self.trainer.is_global_zero:
+        if self.hparams.export_dir:
+            # Every rank scores the same batches (a sharded model's forward passes are collective).
             datamodule = self.trainer.datamodule
             loader = datamodule.val_dataloader() if datamodule is not None else []
             if not loader:
@@ -148,27 +155,30 @@ class RewardModel(StageModule):
 
     def export(self, directory: str | Path, stats: dict[str, float] | None = None) -> Path:
         """Write the reward model to ``directory/reward``: the adapter (peft format) or, under full fine-tuning,
-        the whole model; the score head; and the reward statistics if given."""
+        the whole model; the score head; and the reward statistics if given. In a distributed fit every rank
+        takes part (a sharded model is gathered) and rank 0 writes."""
         directory = Path(directory)
-        check_finite_weights({name: p for name, p in self.named_parameters() if p.requires_grad},
-                             f"the reward model to {directory}")
         if stats is not None:
             checks.finite("reward statistics mean", stats["mean"])
             checks.finite("reward statistics std", stats["std"])
         if self.adapter is not None:
-            out = self.model.save_adapter(REWARD_ROLE, directory)
+            out = self.model.save_adapter(REWARD_ROLE, directory, write=self.is_writer)
         else:
-            out = self.model.save_merged(None, directory / REWARD_ROLE, self.tokenizer)
-            self.model.heads[REWARD_ROLE].save(out)
-        if stats is not None:
+            out = self.model.save_merged(None, directory / REWARD_ROLE, self.tokenizer, write=self.is_writer)
+            head = {key: full_tensor(value.detach()) for key, value in self.model.heads[REWARD_ROLE].state_dict().items()}
+            if self.is_writer:
+                check_finite_weights(head, f"the reward model's head to {directory}")
+                ScalarHead.save_state(out, head, self.model.hidden_size)
+        if stats is not None and self.is_writer:
             (out / REWARD_STATS).write_text(json.dumps(stats, indent=2))
         return out
 
 
 @torch.no_grad()
 def reward_statistics(module: RewardModel, loader) -> dict[str, float]:
-    """Mean and std of the scores of every sequence (chosen and rejected) served by ``loader``."""
-    stats = MeanStd().to(module.device)
+    """Mean and std of the scores of every sequence (chosen and rejected) served by ``loader`` (the same on
+    every rank: each rank scores every batch, so nothing is synchronised)."""
+    stats = MeanStd(sync_on_compute=False).to(module.device)
     was_training = module.training
     module.eval()
     for batch in loader:

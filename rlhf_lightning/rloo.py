@@ -30,10 +30,10 @@ class RLOO(OnlineRL):
 
     def __init__(self, *args: Any, samples_per_prompt: int = 4, kl_coef: float = 0.05,
                  whiten_advantages: bool = False, **kwargs: Any) -> None:
-        if isinstance(samples_per_prompt, int) and samples_per_prompt < 2:  # checked before the base is loaded
+        super().__init__(*args, samples_per_prompt=samples_per_prompt, kl_coef=kl_coef, **kwargs)
+        if samples_per_prompt < 2:
             raise ValueError(f"RLOO needs samples_per_prompt >= 2 (the baseline leaves one out), got "
                              f"{samples_per_prompt}")
-        super().__init__(*args, samples_per_prompt=samples_per_prompt, kl_coef=kl_coef, **kwargs)
 
     def estimate_advantages(self, experience: Experience) -> tuple[Experience, Stats]:
         """``r_i - mean_{j != i} r_j`` with ``r = score - kl_coef * KL(sequence)``, over each response's tokens."""

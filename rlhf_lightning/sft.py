@@ -15,6 +15,7 @@ from rlhf_lightning.core.nonfinite import NonFinite
 from rlhf_lightning.core.stage import StageModule
 from rlhf_lightning.data.collate import IGNORE_INDEX
 from rlhf_lightning.metrics import reset_metrics
+from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
 from rlhf_lightning.optim import Schedule
 
@@ -52,17 +53,20 @@ class SFT(StageModule):
         export_dir: str | None = None,
         nonfinite: NonFinite = "raise",
     ) -> None:
-        # Checked before the base is loaded, so a typo fails in a second, not after loading a model.
         checks.check_optimizer("lr", lr, weight_decay, warmup_steps, lr_schedule)
         checks.one_of("nonfinite", nonfinite, get_args(NonFinite))
         export_dir = checks.optional_str(export_dir)
-        super().__init__()
+        super().__init__(base)
         self.save_hyperparameters()
-        self.model = self.load_base(base, train_base=lora is None)
-        if lora is not None:
-            self.model.add_adapter(SFT_ADAPTER, lora)
+        self.lora = lora
         self.adapter = SFT_ADAPTER if lora is not None else None
         self.val_loss = MeanMetric()
+
+    def build_model(self, empty: bool) -> SharedBase:
+        model = self.load_base(train_base=self.lora is None, empty=empty)
+        if self.lora is not None:
+            model.add_adapter(SFT_ADAPTER, self.lora)
+        return model
 
     def loss(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         """Mean next-token cross-entropy over completion tokens, and the number of those tokens."""
@@ -96,10 +100,11 @@ class SFT(StageModule):
                                     hp.lr_schedule)
 
     def on_fit_end(self) -> None:
-        if self.hparams.export_dir and self.trainer.is_global_zero:
+        if self.hparams.export_dir:
             self.export(self.hparams.export_dir)
 
     def export(self, directory: str | Path) -> Path:
-        """Write the fine-tuned model (adapter merged) and tokenizer as a transformers folder."""
+        """Write the fine-tuned model (adapter merged) and tokenizer as a transformers folder. In a distributed
+        fit every rank takes part (a sharded model is gathered) and rank 0 writes."""
         with torch.no_grad():
-            return self.model.save_merged(self.adapter, directory, self.tokenizer)
+            return self.model.save_merged(self.adapter, directory, self.tokenizer, write=self.is_writer)

@@ -31,6 +31,12 @@ LORA = LoraSpec(r=4, alpha=8)
 TINY_ARCHITECTURE = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "n_positions": 64}
 
 
+def built(module):
+    """``module`` with its model built, as Lightning builds it when a fit starts (``configure_model``)."""
+    module.configure_model()
+    return module
+
+
 def tiny_spec(**overrides) -> BaseModelSpec:
     """A fresh 2-layer GPT-2 with the synthetic tokenizer."""
     return BaseModelSpec(architecture=dict(TINY_ARCHITECTURE), tokenizer="synthetic", **overrides)

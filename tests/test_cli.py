@@ -43,6 +43,8 @@ def test_overrides_reach_the_instantiated_module():
         run=False,
     )
     assert cli.model.hparams.lr == 3e-4
+    assert cli.model.model is None  # built when a fit starts (configure_model), not by the CLI
+    cli.model.configure_model()
     assert cli.model.model.hf_model.config.n_layer == 1
     assert cli.datamodule.batch_size == 5
 

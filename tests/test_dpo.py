@@ -20,7 +20,7 @@ from rlhf_lightning.merge import merge_adapter
 from rlhf_lightning.models.shared_base import adapter_of, position_ids_from_mask
 from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.tasks.synthetic import gold_rewards
-from tests.conftest import LORA
+from tests.conftest import LORA, built
 from tests.test_cli import logged_keys
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 def make_dpo(tiny_model_dir: Path, **kwargs) -> DPO:
     torch.manual_seed(0)
     defaults = dict(policy_lora=LORA, max_new_tokens=4, lr=1e-2, gold_reward=gold_rewards)
-    return DPO(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), **{**defaults, **kwargs})
+    return built(DPO(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), **{**defaults, **kwargs}))
 
 
 def pairs(module: DPO, n: int = 16, batch_size: int = 8, val_fraction: float = 0.25) -> PreferenceDataModule:

@@ -23,7 +23,7 @@ from rlhf_lightning.data.tokenize import encode_completion, encode_prompt, turn_
 from rlhf_lightning.models.shared_base import position_ids_from_mask
 from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.rollout.generate import stop_token_ids
-from tests.conftest import LORA
+from tests.conftest import LORA, built
 from tests.families import FAMILIES, Family, build_model_dir, build_tokenizer, prompts
 
 NAMES = sorted(FAMILIES)
@@ -37,7 +37,7 @@ def family_dir(request, tmp_path_factory) -> tuple[Family, Path]:
 
 
 def _perturbed_policy(directory: Path, **kwargs) -> PolicyModule:
-    module = PolicyModule(BaseModelSpec(name_or_path=str(directory)), LORA, max_new_tokens=12, **kwargs)
+    module = built(PolicyModule(BaseModelSpec(name_or_path=str(directory)), LORA, max_new_tokens=12, **kwargs))
     torch.manual_seed(1)
     with torch.no_grad():
         for name, parameter in module.model.model.named_parameters():
@@ -231,7 +231,7 @@ def test_sft_reward_ppo_and_merge_through_the_cli(family_dir, tmp_path):
                  "init_args": {"dataset": data["prompts"], "batch_size": 4, "max_length": 64, "val_fraction": 0.0}}})
     main(["merge", "--adapter", str(tmp_path / "ppo/policy"), "--out", str(tmp_path / "merged")])
 
-    module = PolicyModule(BaseModelSpec(name_or_path=str(tmp_path / "sft")), LORA)
+    module = built(PolicyModule(BaseModelSpec(name_or_path=str(tmp_path / "sft")), LORA))
     module.model.load_adapter(tmp_path / "ppo/policy", "trained")
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     ids = torch.tensor([encode_prompt(module.tokenizer, prompts(family, 1)[0], "test")])

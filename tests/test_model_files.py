@@ -14,12 +14,12 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from rlhf_lightning import GRPO, SFT, AdapterReward
-from rlhf_lightning.cli import RLHFCLI
+from rlhf_lightning import DPO, GRPO, PPO, RLOO, SFT, AdapterReward, REINFORCEPlusPlus, RewardModel
+from rlhf_lightning.cli import RLHFCLI, main
 from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer
 from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.models.spec import BaseModelSpec
-from tests.conftest import LORA
+from tests.conftest import LORA, built
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -39,7 +39,7 @@ def test_a_model_folder_without_a_tokenizer_is_refused(tmp_path):
     with pytest.raises(FileNotFoundError, match=rf"^{re.escape(str(folder))} holds no tokenizer \(none of "
                                                 rf"tokenizer.json, tokenizer_config.json, vocab.json\.\.\.\): set "
                                                 rf"base.tokenizer"):
-        SFT(base=BaseModelSpec(name_or_path=str(folder)))
+        built(SFT(base=BaseModelSpec(name_or_path=str(folder))))
 
 
 def test_a_tokenizer_without_a_vocabulary_is_refused(tmp_path):
@@ -65,13 +65,13 @@ def test_a_tokenizer_without_a_vocabulary_is_refused(tmp_path):
 ])
 def test_a_missing_local_folder_is_named_not_taken_for_a_hub_id(spec, message):
     with pytest.raises(FileNotFoundError, match=f"^{re.escape(message)}$"):
-        SFT(base=spec)
+        built(SFT(base=spec))
 
 
 def test_a_partly_existing_path_is_a_local_folder(tmp_path):
     (tmp_path / "checkpoints").mkdir()
     with pytest.raises(FileNotFoundError, match="^model folder checkpoints/sft does not exist$"):
-        SFT(base=BaseModelSpec(name_or_path="checkpoints/sft"))
+        built(SFT(base=BaseModelSpec(name_or_path="checkpoints/sft")))
 
 
 @pytest.mark.parametrize("vocab_size, reason", [
@@ -82,11 +82,11 @@ def test_the_synthetic_tokenizer_on_another_model_is_refused_before_its_weights_
     folder = save_gpt2(tmp_path / "model", vocab_size=vocab_size, weights=False)  # the config alone decides
     with pytest.raises(ValueError, match=rf"^tokenizer 'synthetic' \(\d+ tokens\) does not fit model "
                                          rf"'{re.escape(str(folder))}': {re.escape(reason)}; set base.tokenizer"):
-        SFT(base=BaseModelSpec(name_or_path=str(folder), tokenizer="synthetic"))
+        built(SFT(base=BaseModelSpec(name_or_path=str(folder), tokenizer="synthetic")))
 
 
 def test_the_synthetic_tokenizer_fits_a_model_trained_with_it(tiny_model_dir):
-    module = SFT(base=BaseModelSpec(name_or_path=str(tiny_model_dir), tokenizer="synthetic"))
+    module = built(SFT(base=BaseModelSpec(name_or_path=str(tiny_model_dir), tokenizer="synthetic")))
     assert len(module.tokenizer) == module.model.hf_model.get_input_embeddings().num_embeddings
 
 
@@ -97,6 +97,7 @@ def test_null_on_the_command_line_means_none(tiny_model_dir, value):
                         f"--model.init_args.base.name_or_path={tiny_model_dir}", "--trainer.logger=false"],
                   run=False)
     assert BaseModelSpec(**cli.model.hparams.base).tokenizer is None  # as a checkpoint's hparams rebuild it
+    cli.model.configure_model()
     # the tokenizer is the model folder's (a network error before: "None" was taken for a hub id)
     assert len(cli.model.tokenizer) == cli.model.model.hf_model.get_input_embeddings().num_embeddings
 
@@ -118,14 +119,40 @@ def test_a_reward_adapter_of_another_shape_is_refused_in_one_line(tiny_model_dir
                                          rf"{re.escape(str(other))}, loaded on {re.escape(str(tiny_model_dir))}\): "
                                          r"layer transformer.h.0.attn.c_attn maps 16 -> 48 features in the adapter "
                                          r"but 32 -> 96 in the base; load it on the model it was trained on"):
-        GRPO(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), reward=AdapterReward(str(adapter)),
-             policy_lora=LORA)
+        built(GRPO(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), reward=AdapterReward(str(adapter)),
+                   policy_lora=LORA))
 
 
 def test_a_reward_adapter_from_another_path_of_the_same_shape_warns_naming_both(tiny_model_dir, reward_dir,
                                                                                  tmp_path, caplog):
     copy = shutil.copytree(tiny_model_dir, tmp_path / "copy")
     with caplog.at_level(logging.WARNING):
-        GRPO(base=BaseModelSpec(name_or_path=str(copy)), reward=AdapterReward(str(reward_dir)), policy_lora=LORA)
+        built(GRPO(base=BaseModelSpec(name_or_path=str(copy)), reward=AdapterReward(str(reward_dir)), policy_lora=LORA))
     warnings = [r.getMessage() for r in caplog.records if "trained on" in r.getMessage()]
     assert len(warnings) == 1 and str(tiny_model_dir) in warnings[0] and str(copy) in warnings[0]
+
+
+@pytest.mark.parametrize("cls", [SFT, RewardModel, PPO, GRPO, RLOO, REINFORCEPlusPlus, DPO])
+def test_constructing_a_module_reads_no_weights(cls, tiny_model_dir, reward_dir, tmp_path):
+    """A weights file of garbage: every module is constructed (arguments stored and checked), and the error comes
+    when the model is built, as one line naming the folder."""
+    folder = shutil.copytree(tiny_model_dir, tmp_path / "garbage")
+    (folder / "model.safetensors").write_bytes(b"\x10" * 4 + bytes(range(256)) * 4)
+    kwargs = {"reward": AdapterReward(str(reward_dir))} if cls not in (SFT, RewardModel, DPO) else {}
+    module = cls(base=BaseModelSpec(name_or_path=str(folder)), **kwargs)
+    assert module.model is None and len(module.tokenizer) == 64  # the tokenizer is cheap and read on demand
+    with pytest.raises(ValueError, match=rf"^model {re.escape(str(folder))}: its weights cannot be read "
+                                         r"\(Error while deserializing header: .*\); copy or save the model again$"):
+        module.configure_model()
+
+
+def test_a_corrupt_weights_file_is_one_line_from_the_command_line(tiny_model_dir, tmp_path, capsys):
+    folder = shutil.copytree(tiny_model_dir, tmp_path / "garbage")
+    (folder / "model.safetensors").write_bytes(b"\x10" * 4 + bytes(range(256)) * 4)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(REPO / "configs" / "sft.yaml"), f"--model.init_args.base.name_or_path={folder}",
+              "--trainer.logger=false", "--trainer.max_steps=1",
+              "--trainer.enable_progress_bar=false", "--data.init_args.synthetic_rows=40"])
+    assert exit_info.value.code == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith(f"error: model {folder}: its weights cannot be read") and "Traceback" not in lines

@@ -19,7 +19,7 @@ from rlhf_lightning.core.nonfinite import NonFiniteError
 from rlhf_lightning.models.shared_base import adapter_of
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
 from rlhf_lightning.rollout.rewards import RewardInputs, RewardSource
-from tests.conftest import LORA, tiny_spec
+from tests.conftest import LORA, built, tiny_spec
 from tests.test_ppo import Recorder, prompts
 
 
@@ -48,7 +48,7 @@ def make(cls, tiny_model_dir, reward, **kwargs):
         defaults["critic_lora"] = LORA
     else:
         defaults["samples_per_prompt"] = 2
-    return cls(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), reward=reward, **{**defaults, **kwargs})
+    return built(cls(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), reward=reward, **{**defaults, **kwargs}))
 
 
 def fit(module, tmp_path: Path, iterations: int, prefix: str):

@@ -19,7 +19,7 @@ from rlhf_lightning.models.shared_base import adapter_of
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
 from rlhf_lightning.rollout.experience import sequence_kl
 from rlhf_lightning.tasks.synthetic import gold_rewards
-from tests.conftest import LORA
+from tests.conftest import LORA, built
 from tests.test_ppo import _fit, _perturb, assert_one_copy_of_the_base, prompts, run_under_ddp
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,8 +32,8 @@ def make(cls: type[OnlineRL], tiny_model_dir, reward_dir, **kwargs) -> OnlineRL:
                     policy_lr=1e-2, gold_reward=gold_rewards)
     if cls is PPO:
         defaults = {**defaults, "critic_lora": LORA}
-    return cls(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), reward=AdapterReward(str(reward_dir)),
-               **{**defaults, **kwargs})
+    return built(cls(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), reward=AdapterReward(str(reward_dir)),
+                     **{**defaults, **kwargs}))
 
 
 def prompt_batch(module: OnlineRL, n: int = 4) -> dict:
@@ -172,9 +172,9 @@ def test_reward_functions_with_trl_signature_columns_weights_and_none(tiny_model
     rows = [{"prompt": "the cat", "topic": "skip"}, {"prompt": "a dog", "topic": "animals"}]
     data_file = tmp_path / "prompts.jsonl"
     data_file.write_text("\n".join(json.dumps(row) for row in rows))
-    module = GRPO(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), policy_lora=LORA, max_new_tokens=5,
-                  samples_per_prompt=2, reward=[AdapterReward(str(reward_dir)), FunctionReward(length_bonus)],
-                  reward_weights=[1.0, 2.0])
+    module = built(GRPO(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), policy_lora=LORA, max_new_tokens=5,
+                        samples_per_prompt=2, reward=[AdapterReward(str(reward_dir)), FunctionReward(length_bonus)],
+                        reward_weights=[1.0, 2.0]))
     batch = next(iter(prompts(module, dataset=str(data_file), batch_size=2).train_dataloader()["prompts"]))
     assert batch["columns"] == {"topic": ["skip", "animals"]} or batch["columns"] == {"topic": ["animals", "skip"]}
     experience, stats = module.rollout(batch)
@@ -291,5 +291,6 @@ class DrGRPO(GRPO):
     grpo = RLHFCLI(args=["--config", str(REPO / "configs" / "grpo.yaml"), "--model.class_path=fixed_arguments.DrGRPO",
                          *common], run=False).model
     assert grpo.hparams.scale_rewards == "none" and grpo.hparams.loss_aggregation == "constant"
+    grpo.configure_model()
     experience, _ = grpo.rollout(prompt_batch(grpo))  # reads both during the iteration
     assert experience.advantages is not None

@@ -19,7 +19,7 @@ from rlhf_lightning.merge import merge_adapter
 from rlhf_lightning.models.shared_base import adapter_of, position_ids_from_mask
 from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.tasks.synthetic import gold_rewards
-from tests.conftest import LORA
+from tests.conftest import LORA, built
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -28,8 +28,8 @@ def make_ppo(tiny_model_dir, reward_dir, **kwargs) -> PPO:
     torch.manual_seed(0)
     defaults = dict(policy_lora=LORA, critic_lora=LORA, max_new_tokens=6, epochs=2, num_minibatches=2,
                     policy_lr=1e-2, critic_lr=1e-2, gold_reward=gold_rewards)
-    return PPO(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), reward=AdapterReward(str(reward_dir)),
-               **{**defaults, **kwargs})
+    return built(PPO(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), reward=AdapterReward(str(reward_dir)),
+                     **{**defaults, **kwargs}))
 
 
 def prompts(module: PPO, n: int = 8, **kwargs) -> PromptDataModule:
@@ -210,15 +210,16 @@ def test_scores_are_normalised_penalised_and_clipped(tiny_model_dir, reward_dir)
 
 def test_function_reward_scores_texts_and_config_errors_are_clear(tiny_model_dir, reward_dir):
     torch.manual_seed(0)
-    module = PPO(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), reward=FunctionReward(gold_rewards),
-                 policy_lora=LORA, critic_lora=LORA, max_new_tokens=6, gold_reward=gold_rewards)
+    module = built(PPO(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), reward=FunctionReward(gold_rewards),
+                       policy_lora=LORA, critic_lora=LORA, max_new_tokens=6, gold_reward=gold_rewards))
     rollout, stats = module.rollout(first_batch(module))
     torch.testing.assert_close(stats["objective/score"], stats["objective/gold"])  # the same function
     with pytest.raises(ValueError, match="critic_from_reward needs an AdapterReward"):
         PPO(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), reward=FunctionReward(gold_rewards),
             critic_from_reward=True)
+    unbuilt = PPO(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), reward=AdapterReward("missing/reward"))
     with pytest.raises(FileNotFoundError, match="run the reward stage first"):
-        PPO(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), reward=AdapterReward("missing/reward"))
+        unbuilt.configure_model()  # the reward adapter is read when the model is built
     with pytest.raises(ValueError, match="must split into num_minibatches=3"):
         make_ppo(tiny_model_dir, reward_dir, num_minibatches=3).minibatch_sizes(8)
 

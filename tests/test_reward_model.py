@@ -17,6 +17,7 @@ from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer
 from rlhf_lightning.models.shared_base import SharedBase, adapter_of
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
 from rlhf_lightning.reward_model import REWARD_STATS, RewardModel
+from tests.conftest import built
 
 
 def _log_sigmoid(x):
@@ -54,7 +55,8 @@ def data():
 
 def _reward_model(tiny_model_dir, **kwargs):
     torch.manual_seed(0)
-    return RewardModel(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), lora=LoraSpec(r=4, alpha=8), **kwargs)
+    return built(RewardModel(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), lora=LoraSpec(r=4, alpha=8),
+                             **kwargs))
 
 
 def test_gradients_reach_only_the_reward_adapter_and_head(tiny_model_dir, data):

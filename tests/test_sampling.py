@@ -11,7 +11,7 @@ import torch
 from rlhf_lightning.core.policy import PolicyModule
 from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.rollout.sampling import InverseCDFSampler, sampling_processors
-from tests.conftest import LORA
+from tests.conftest import LORA, built
 from tests.test_ppo import first_batch, make_ppo
 
 PROBS = torch.tensor([0.1, 0.2, 0.0, 0.3, 0.4])
@@ -67,8 +67,8 @@ def test_generation_is_the_same_with_a_static_or_dynamic_cache_and_honours_top_k
     for kv_cache in ("static", "dynamic"):
         # The sampling module (the online algorithms refuse top-k: their log-probs are of the full distribution)
         torch.manual_seed(0)
-        module = PolicyModule(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), policy_lora=LORA,
-                              kv_cache=kv_cache, top_k=3, max_new_tokens=8)
+        module = built(PolicyModule(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), policy_lora=LORA,
+                                    kv_cache=kv_cache, top_k=3, max_new_tokens=8))
         torch.manual_seed(11)
         results.append(module.generate(prompt_ids, prompt_mask))
     (ids, mask, response_mask), (other_ids, other_mask, other_response_mask) = results

@@ -12,7 +12,7 @@ from rlhf_lightning.data.modules import SFTDataModule
 from rlhf_lightning.models.shared_base import adapter_of, position_ids_from_mask
 from rlhf_lightning.models.spec import LoraSpec
 from rlhf_lightning.sft import SFT
-from tests.conftest import tiny_spec
+from tests.conftest import built, tiny_spec
 
 
 def _batch(tokenizer):
@@ -22,7 +22,7 @@ def _batch(tokenizer):
 
 def test_loss_is_cross_entropy_over_completion_tokens_only():
     torch.manual_seed(0)
-    module = SFT(base=tiny_spec())
+    module = built(SFT(base=tiny_spec()))
     batch = _batch(module.tokenizer)
     loss, tokens = module.loss(batch)
     logits = module.model.hf_model(
@@ -40,7 +40,7 @@ def test_loss_is_cross_entropy_over_completion_tokens_only():
 
 def test_changing_a_prompt_token_target_does_not_change_the_loss():
     torch.manual_seed(0)
-    module = SFT(base=tiny_spec())
+    module = built(SFT(base=tiny_spec()))
     batch = _batch(module.tokenizer)
     changed = {key: value.clone() for key, value in batch.items()}
     changed["labels"][0, 1] = 30  # pretend a prompt token were a target: it would change the loss
@@ -50,7 +50,7 @@ def test_changing_a_prompt_token_target_does_not_change_the_loss():
 
 def test_lora_sft_trains_only_the_adapter_and_exports_a_merged_model(tmp_path):
     torch.manual_seed(0)
-    module = SFT(base=tiny_spec(), lora=LoraSpec(r=4, alpha=8), lr=1e-2, export_dir=str(tmp_path / "model"))
+    module = built(SFT(base=tiny_spec(), lora=LoraSpec(r=4, alpha=8), lr=1e-2, export_dir=str(tmp_path / "model")))
     base_before = {n: p.clone() for n, p in module.model.base_parameters()}
     data = SFTDataModule(dataset="synthetic", synthetic_rows=64, batch_size=8, val_fraction=0.25, max_length=64)
     trainer = L.Trainer(max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,

@@ -53,7 +53,7 @@ from rlhf_lightning.core.nonfinite import (
 )
 from rlhf_lightning.core.policy import POLICY, PolicyModule, derive_seed
 from rlhf_lightning.data.collate import IGNORE_INDEX
-from rlhf_lightning.models.shared_base import REFERENCE
+from rlhf_lightning.models.shared_base import REFERENCE, SharedBase
 from rlhf_lightning.optim import Schedule
 from rlhf_lightning.rollout.experience import Experience, Samples, sequence_kl
 from rlhf_lightning.rollout.generate import stopped
@@ -159,50 +159,52 @@ class OnlineRL(PolicyModule):
         nonfinite: NonFinite = "raise",
         **kwargs: Any,
     ) -> None:
-        # Every check before the base is loaded: a typo fails in a second, not after loading a model.
-        own = {name: value for name, value in locals().items() if name not in ("self", "args", "kwargs", "reward")}
-        self._check_arguments({**checks.call_arguments(PolicyModule.__init__, args, kwargs), **own})
-        rewards = RewardSet(reward if isinstance(reward, list | tuple) else [reward], reward_weights)
         super().__init__(*args, **kwargs)
-        self.automatic_optimization = False
-        self.rewards = rewards
-        self.rewards.setup(self.model, self.tokenizer, normalize=reward_normalize)
-        self.kl_controller = (FixedKLController(kl_coef) if kl_target is None
-                              else AdaptiveKLController(kl_coef, kl_target, kl_horizon))
-        self.last_samples: Samples | None = None  # the latest rollout as text (see callbacks.CompletionsTable)
-        self.model.train()  # peft loads adapters in eval mode; with dropout off both modes compute the same
-
-    @staticmethod
-    def _check_arguments(hp: dict[str, Any]) -> None:
-        """One-line ``ValueError`` for any argument out of its range (``hp``: every constructor argument)."""
-        if hp["top_k"] or hp["top_p"] < 1.0:
+        hp = self.hparams
+        if hp.top_k or hp.top_p < 1.0:
             raise ValueError(
                 "top_k/top_p: the losses and the KL use log-probs of the full distribution (at the temperature), "
                 "so sampling from a truncated one would make every ratio and KL wrong; set top_k: 0, top_p: 1.0"
             )
-        for name in ("samples_per_prompt", "epochs", "num_minibatches", "gradient_accumulation", "kl_horizon"):
-            checks.at_least(name, hp[name])
-        checks.at_least("warmup_iterations", hp["warmup_iterations"], minimum=0)
-        for name in ("kl_coef", "clip_range", "ent_coef", "ptx_coef", "weight_decay"):
-            checks.non_negative(name, hp[name])
-        for name in ("clip_range_high", "missing_eos_penalty"):
-            checks.non_negative(name, hp[name], optional=True)
-        for name in ("reward_clip", "kl_target", "target_kl", "max_grad_norm"):
-            checks.positive(name, hp[name], optional=True)
-        for name in ("policy_lr", "adam_eps"):
-            checks.positive(name, hp[name])
-        for index, weight in enumerate(hp["reward_weights"] or []):
+        counts = {"samples_per_prompt": samples_per_prompt, "epochs": epochs, "num_minibatches": num_minibatches,
+                  "gradient_accumulation": gradient_accumulation, "kl_horizon": kl_horizon}
+        for name, value in counts.items():
+            checks.at_least(name, value)
+        checks.at_least("warmup_iterations", warmup_iterations, minimum=0)
+        for name, value in {"kl_coef": kl_coef, "clip_range": clip_range, "ent_coef": ent_coef, "ptx_coef": ptx_coef,
+                            "weight_decay": weight_decay}.items():
+            checks.non_negative(name, value)
+        for name, value in {"clip_range_high": clip_range_high, "missing_eos_penalty": missing_eos_penalty}.items():
+            checks.non_negative(name, value, optional=True)
+        for name, value in {"reward_clip": reward_clip, "kl_target": kl_target, "target_kl": target_kl,
+                            "max_grad_norm": max_grad_norm}.items():
+            checks.positive(name, value, optional=True)
+        checks.positive("policy_lr", policy_lr)
+        checks.positive("adam_eps", adam_eps)
+        for index, weight in enumerate(reward_weights or []):
             checks.finite(f"reward_weights[{index}]", weight)
-        choices = {"kl_estimator": KLEstimator, "kl_in": Literal["reward", "loss"],
-                   "ratio_level": Literal["token", "sequence"], "loss_aggregation": LossAggregation,
-                   "lr_schedule": Schedule, "nonfinite": NonFinite}
-        for name, kind in choices.items():
-            checks.one_of(name, hp[name], get_args(kind))
-        if hp["mask_truncated_completions"] and checks.optional_str(hp["stop_token"]) is None:
+        checks.one_of("kl_estimator", kl_estimator, get_args(KLEstimator))
+        checks.one_of("kl_in", kl_in, ("reward", "loss"))
+        checks.one_of("ratio_level", ratio_level, ("token", "sequence"))
+        checks.one_of("loss_aggregation", loss_aggregation, get_args(LossAggregation))
+        checks.one_of("lr_schedule", lr_schedule, get_args(Schedule))
+        checks.one_of("nonfinite", nonfinite, get_args(NonFinite))
+        if mask_truncated_completions and checks.optional_str(hp.stop_token) is None:
             raise ValueError("mask_truncated_completions needs a stop_token: without one no response ever stops, "
                              "so every response would be masked and nothing would train")
+        self.automatic_optimization = False
+        self.rewards = RewardSet(reward if isinstance(reward, list | tuple) else [reward], reward_weights)
+        self.kl_controller = (FixedKLController(kl_coef) if kl_target is None
+                              else AdaptiveKLController(kl_coef, kl_target, kl_horizon))
+        self.last_samples: Samples | None = None  # the latest rollout as text (see callbacks.CompletionsTable)
+
+    def build_model(self, empty: bool) -> SharedBase:
+        model = super().build_model(empty)
+        self.rewards.setup(model, self.tokenizer, normalize=self.hparams.reward_normalize)
+        return model
 
     def setup(self, stage: str) -> None:
+        super().setup(stage)
         # The rollout's split into minibatches is known once the data module is: checked before the first
         # rollout, not after it (minutes on a real model).
         datamodule = self.trainer.datamodule if self._trainer is not None else None
@@ -229,7 +231,8 @@ class OnlineRL(PolicyModule):
     @torch.no_grad()
     def rollout(self, prompts: dict[str, Any]) -> tuple[Experience, Stats]:
         """Steps 1 and 2 on a batch of prompts: the experience with its advantages, and its statistics."""
-        experience, stats = self.make_experience(prompts)
+        with self.rollout_gathered():  # a sharded base stays gathered for the whole rollout (sharded_rollout)
+            experience, stats = self.make_experience(prompts)
         experience, advantage_stats = self.estimate_advantages(experience)
         return experience, {**stats, **advantage_stats}
 
@@ -252,7 +255,8 @@ class OnlineRL(PolicyModule):
         group = self.hparams.samples_per_prompt
         prompt_ids = prompts["input_ids"].repeat_interleave(group, 0)
         input_ids, attention_mask, response_mask = self.generate(
-            prompt_ids, prompts["attention_mask"].repeat_interleave(group, 0))
+            prompt_ids, prompts["attention_mask"].repeat_interleave(group, 0),
+            seeds=self.row_seeds(f"train {self.iteration}", prompts.get("index"), group))
         responses = input_ids[:, prompt_ids.shape[1]:]
         logprobs = entropy = ref_logprobs = None
         kl_in_reward = self.needs_reference and self.hparams.kl_in == "reward"
@@ -612,7 +616,8 @@ class OnlineRL(PolicyModule):
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         self.evaluate_samples(batch["input_ids"], batch["attention_mask"], batch["prompt"], batch_idx,
-                              raw_prompts=batch.get("raw_prompt"), columns=batch.get("columns"))
+                              raw_prompts=batch.get("raw_prompt"), columns=batch.get("columns"),
+                              indices=batch.get("index"))
 
     def evaluate_extra(self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor,
                        prompts: Sequence[str], texts: list[str], raw_prompts: Sequence[Any] | None = None,

@@ -23,13 +23,16 @@ from torch.utils.checkpoint import checkpoint
 from torchmetrics import MeanMetric
 
 from rlhf_lightning.algorithms import entropy_from_logits, logprobs_from_hidden, logprobs_from_logits
+from rlhf_lightning.core import checks
 from rlhf_lightning.core.checks import check_sampling
 from rlhf_lightning.core.stage import StageModule
 from rlhf_lightning.metrics import reset_metrics
-from rlhf_lightning.models.shared_base import REFERENCE, adapter_of
+from rlhf_lightning.models.sharding import gathered, is_dtensor
+from rlhf_lightning.models.shared_base import REFERENCE, SharedBase, adapter_of
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
 from rlhf_lightning.rollout.experience import sequence_kl
 from rlhf_lightning.rollout.generate import SamplingSettings, sample_responses, stop_token_ids, stopped
+from rlhf_lightning.rollout.sampling import row_draws
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +80,16 @@ class PolicyModule(StageModule):
         logprob_chunk: compute log-probs over this many positions at a time, recomputing each chunk's logits in
             the backward pass instead of keeping them (less peak memory for large vocabularies, one more LM-head
             pass); null = all at once.
-        seed: sampling seed; iteration i on rank r samples with a seed drawn from (seed, i, r), so a resumed run
-            samples exactly what the uninterrupted one would have; evaluations use fixed seeds.
+        seed: sampling seed; a resumed run samples exactly what the uninterrupted one would have; evaluations use
+            fixed seeds.
+        seed_scope: ``rank``: iteration i on rank r samples from one random stream seeded by (seed, i, r);
+            ``prompt``: each response is drawn from a stream of its own, seeded by (seed, i, the prompt's row in
+            its dataset, the sample's number), so the responses do not depend on how prompts are split over ranks
+            and batches: one process and N ranks sample the same ones (the distributed equivalence tests use it).
+        sharded_rollout: under FSDP2 (``ModelParallelStrategy``), ``gathered`` all-gathers each decoder layer once
+            per rollout and keeps the whole base on every rank while it samples and scores (fast: one all-gather
+            per layer per rollout); ``per_layer`` gathers a layer for each forward pass and frees it after (the
+            memory of one layer, but one all-gather per layer per decoded token). Ignored without sharding.
         gold_reward: ``fn(prompts, responses) -> scores`` of the true reward when known (the synthetic task's
             ``gold_rewards``), measured on samples and logged; never used for training.
         export_dir: folder for the trained adapters (peft format) at the end of ``fit``.
@@ -100,23 +111,42 @@ class PolicyModule(StageModule):
         stop_token: str | None = "auto",
         logprob_chunk: int | None = None,
         seed: int = 0,
+        seed_scope: Literal["rank", "prompt"] = "rank",
+        sharded_rollout: Literal["gathered", "per_layer"] = "gathered",
         gold_reward: GoldReward | None = None,
         export_dir: str | None = None,
     ) -> None:
-        check_sampling(max_new_tokens, temperature, top_k, top_p, kv_cache, logprob_chunk)  # before any loading
-        super().__init__()
+        check_sampling(max_new_tokens, temperature, top_k, top_p, kv_cache, logprob_chunk)
+        checks.one_of("seed_scope", seed_scope, ("rank", "prompt"))
+        checks.one_of("sharded_rollout", sharded_rollout, ("gathered", "per_layer"))
+        super().__init__(base)
         self.save_hyperparameters(ignore=["reward", "gold_reward"])
         # Under LightningCLI the saved hyper-parameters are the config's, which lack what a subclass passes to its
         # parent itself (e.g. PPO(gamma=0.99) fixed in a subclass): add every __init__ level's own arguments.
         for level in collect_init_args(inspect.currentframe(), []):
             self.hparams.update({name: value for name, value in level.items()
                                  if name not in self.hparams and name not in ("reward", "gold_reward")})
-        self.model = self.load_base(base)
-        self.model.add_adapter(POLICY, without_dropout(policy_lora, POLICY))
-        self.sampling = SamplingSettings(max_new_tokens, temperature, top_k, top_p, kv_cache,
-                                         stop_token_ids(self.tokenizer, stop_token))
+        self.policy_lora = without_dropout(policy_lora, POLICY)
         self.gold_reward = gold_reward
         self.val_metrics = torch.nn.ModuleDict({name: MeanMetric() for name in self.validation_metrics})
+        self._sampling: SamplingSettings | None = None
+
+    def build_model(self, empty: bool) -> SharedBase:
+        model = self.load_base(empty=empty)
+        model.add_adapter(POLICY, self.policy_lora)
+        return model
+
+    @property
+    def sampling(self) -> SamplingSettings:
+        """How responses are sampled (the stop tokens come from the tokenizer)."""
+        if self._sampling is None:
+            hp = self.hparams
+            self._sampling = SamplingSettings(hp.max_new_tokens, hp.temperature, hp.top_k, hp.top_p, hp.kv_cache,
+                                              stop_token_ids(self.tokenizer, hp.stop_token))
+        return self._sampling
+
+    def setup(self, stage: str) -> None:
+        self.sampling  # noqa: B018 (a stop_token the tokenizer lacks fails here, before the model is built)
 
     @property
     def iteration(self) -> int:
@@ -217,7 +247,10 @@ class PolicyModule(StageModule):
                      entropy_grad: bool) -> tuple[Tensor, Tensor | None]:
         # logits * scale / temperature = hidden @ W.T / (temperature / scale)
         temperature = self.hparams.temperature / self.model.logit_transform.scale
-        return logprobs_from_hidden(hidden, self.model.lm_head.weight, labels, temperature, with_entropy)
+        weight = self.model.lm_head.weight
+        if is_dtensor(weight):  # FSDP2 keeps the root unit gathered after a forward pass; never a shard here
+            raise RuntimeError("the LM head's weight is a shard: log-probs must follow a hidden_states pass")
+        return logprobs_from_hidden(hidden, weight, labels, temperature, with_entropy)
 
     def _chunk_logprobs(self, hidden: Tensor, labels: Tensor, with_entropy: bool,
                         entropy_grad: bool) -> tuple[Tensor, Tensor | None]:
@@ -232,11 +265,35 @@ class PolicyModule(StageModule):
     # ---- sampling ---------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def generate(self, input_ids: Tensor, attention_mask: Tensor,
-                 role: str | None = POLICY) -> tuple[Tensor, Tensor, Tensor]:
-        """Sample responses: ``(prompt + response ids, attention mask, response mask [B, R])``."""
-        return sample_responses(self.model, role, input_ids, attention_mask, self.sampling,
-                                self.tokenizer.pad_token_id)
+    def generate(self, input_ids: Tensor, attention_mask: Tensor, role: str | None = POLICY,
+                 seeds: Sequence[int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """Sample responses: ``(prompt + response ids, attention mask, response mask [B, R])``. ``seeds``: one
+        per row, each row's tokens drawn from a generator of its own (``seed_scope: prompt``); None = the global
+        random stream."""
+        draws = None if seeds is None else row_draws(list(seeds), self.sampling.max_new_tokens, input_ids.device)
+        synced = self.model.is_sharded and self.hparams.sharded_rollout == "per_layer"
+        with self.rollout_gathered():
+            return sample_responses(self.model, role, input_ids, attention_mask, self.sampling,
+                                    self.tokenizer.pad_token_id, draws=draws, synced=synced)
+
+    def rollout_gathered(self):
+        """A block of no-grad passes over the sharded base (sampling and scoring), gathered as
+        ``sharded_rollout`` says; nothing without sharding."""
+        if self.model is None:
+            raise RuntimeError(f"{type(self).__name__}'s model is not built: call configure_model() first (a "
+                               "Trainer does when a fit, validation or test starts)")
+        return gathered(self.model, whole=self.hparams.sharded_rollout == "gathered")
+
+    def row_seeds(self, purpose: str, indices: Tensor | None, per_prompt: int = 1) -> list[int] | None:
+        """With ``seed_scope: prompt``, the seed of each response to the prompts numbered ``indices`` (their rows
+        in the dataset), ``per_prompt`` responses each (consecutive rows); None with ``seed_scope: rank``."""
+        if self.hparams.seed_scope != "prompt":
+            return None
+        if indices is None or bool((indices < 0).any()):
+            raise ValueError("seed_scope: prompt needs prompts numbered by their row in the dataset (the data "
+                             "modules' batches carry them as `index`)")
+        return [derive_seed(self.hparams.seed, purpose, int(index), sample)
+                for index in indices.tolist() for sample in range(per_prompt)]
 
     def decode(self, ids: Tensor, mask: Tensor) -> list[str]:
         """The texts of ``ids`` where ``mask`` is set, special tokens dropped."""
@@ -247,32 +304,36 @@ class PolicyModule(StageModule):
 
     @torch.no_grad()
     def evaluate_samples(self, input_ids: Tensor, attention_mask: Tensor, prompts: Sequence[str], batch_idx: int,
-                         raw_prompts: Sequence[Any] | None = None,
-                         columns: dict[str, list] | None = None) -> dict[str, Tensor]:
+                         raw_prompts: Sequence[Any] | None = None, columns: dict[str, list] | None = None,
+                         indices: Tensor | None = None) -> dict[str, Tensor]:
         """Sample one response per prompt (fixed seed per batch, training's random stream untouched) and
         update the validation metrics with its KL to the reference, length, stop rate and gold reward."""
-        values, (ids, mask, response_mask, texts) = self.measure_samples(input_ids, attention_mask, prompts,
-                                                                          batch_idx)
-        values.update(self.evaluate_extra(ids, mask, response_mask, prompts, texts, raw_prompts, columns))
+        with self.rollout_gathered():
+            values, (ids, mask, response_mask, texts) = self.measure_samples(input_ids, attention_mask, prompts,
+                                                                              batch_idx, indices)
+            values.update(self.evaluate_extra(ids, mask, response_mask, prompts, texts, raw_prompts, columns))
         for name, value in values.items():
             self.val_metrics[name].update(value)
         return values
 
     @torch.no_grad()
-    def measure_samples(self, input_ids: Tensor, attention_mask: Tensor, prompts: Sequence[str],
-                        batch_idx: int) -> tuple[dict[str, Tensor], tuple[Tensor, Tensor, Tensor, list[str]]]:
-        """One response per prompt, sampled with evaluation batch ``batch_idx``'s fixed seed, and its per-sample
-        ``kl`` (nats, to the reference), ``length``, ``eos_frac`` and ``gold`` (with a gold reward).
+    def measure_samples(self, input_ids: Tensor, attention_mask: Tensor, prompts: Sequence[str], batch_idx: int,
+                        indices: Tensor | None = None
+                        ) -> tuple[dict[str, Tensor], tuple[Tensor, Tensor, Tensor, list[str]]]:
+        """One response per prompt, sampled with evaluation batch ``batch_idx``'s fixed seed (with ``seed_scope:
+        prompt``, each prompt's own, from its number in ``indices``), and its per-sample ``kl`` (nats, to the
+        reference), ``length``, ``eos_frac`` and ``gold`` (with a gold reward).
 
         Returns the values and ``(sequences, attention_mask, response_mask, texts)`` of the samples.
         """
         devices = [self.device.index or 0] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=devices), self.rollout_gathered():
             torch.manual_seed(derive_seed(self.hparams.seed, "validation", batch_idx, self.global_rank))
-            ids, mask, response_mask = self.generate(input_ids, attention_mask)
-        responses = ids[:, input_ids.shape[1]:]
-        logprobs, _ = self.response_logprobs(POLICY, ids, mask, response_mask)
-        ref_logprobs, _ = self.response_logprobs(REFERENCE, ids, mask, response_mask)
+            ids, mask, response_mask = self.generate(input_ids, attention_mask,
+                                                     seeds=self.row_seeds("validation", indices))
+            responses = ids[:, input_ids.shape[1]:]
+            logprobs, _ = self.response_logprobs(POLICY, ids, mask, response_mask)
+            ref_logprobs, _ = self.response_logprobs(REFERENCE, ids, mask, response_mask)
         texts = self.decode(responses, response_mask)
         values = {
             "kl": sequence_kl(logprobs, ref_logprobs, response_mask),
@@ -305,13 +366,14 @@ class PolicyModule(StageModule):
         return parameters
 
     def on_fit_end(self) -> None:
-        if self.hparams.export_dir and self.trainer.is_global_zero:
+        if self.hparams.export_dir:
             self.export(self.hparams.export_dir)
 
     def export(self, directory: str | Path) -> dict[str, Path]:
-        """Write the trained adapters (and their heads) in peft format under ``directory``.
+        """Write the trained adapters (and their heads) in peft format under ``directory``. In a distributed fit
+        every rank takes part (sharded adapters are gathered) and rank 0 writes.
 
         ``python -m rlhf_lightning merge --adapter DIR/policy --out MERGED`` makes a standalone model of the
         policy.
         """
-        return {role: self.model.save_adapter(role, directory) for role in self.exported_roles}
+        return {role: self.model.save_adapter(role, directory, write=self.is_writer) for role in self.exported_roles}

@@ -1,5 +1,6 @@
-"""What every stage's LightningModule shares: loading the base, optimizers, checkpoints without frozen weights,
-and the guard that keeps NaN and infinity out of optimizer steps and checkpoints."""
+"""What every stage's LightningModule shares: building the base in ``configure_model`` (sharded under FSDP2),
+optimizers, checkpoints without frozen weights, and the guard that keeps NaN and infinity out of optimizer steps
+and checkpoints."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from torch import Tensor
 
 from rlhf_lightning.callbacks.atomic_io import CheckpointError
+from rlhf_lightning.core.distributed import sharding_mesh
 from rlhf_lightning.core.nonfinite import (
     SKIP_HINT,
     NonFiniteError,
@@ -21,16 +23,24 @@ from rlhf_lightning.core.nonfinite import (
     nonfinite_names,
 )
 from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer
+from rlhf_lightning.models.sharding import build_sharded, local_tensor
 from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.optim import Schedule, adamw, lr_lambda
-from rlhf_lightning.resume import CLASS_KEY, class_mismatch, class_path
+from rlhf_lightning.resume import CLASS_KEY, class_mismatch, class_path, saved_state_keys
 
 log = logging.getLogger(__name__)
 
 
 class StageModule(L.LightningModule):
     """Base class of the stage modules.
+
+    Construction stores and checks the arguments and reads nothing (``--help``, ``--print_config`` and a config
+    that fails its checks never touch a weight); :meth:`configure_model`, which Lightning calls inside the
+    strategy's context when a fit, validation or test starts, builds the base and every role on it
+    (:meth:`build_model`) and, under ``ModelParallelStrategy``, shards it with FSDP2. Outside a Trainer, call
+    ``configure_model()`` yourself before using the model. The tokenizer (``tokenizer``) is read on first use:
+    the data module needs it before the model is built.
 
     Lightning checkpoints keep only what trains (adapters, heads, or every weight under full fine-tuning) and
     the optimizer state; a frozen base is loaded again from its own path, so a checkpoint of a LoRA run is
@@ -45,20 +55,70 @@ class StageModule(L.LightningModule):
 
     metric_prefix = "stage"  # namespace of the logged metrics
 
-    def __init__(self) -> None:
+    def __init__(self, base: BaseModelSpec) -> None:
         super().__init__()
+        self.base_spec = base
+        self.model: SharedBase | None = None  # built by configure_model
+        self._tokenizer = None
         # Frozen base weights are not in the checkpoint; `on_load_checkpoint` checks for what must be.
         self.strict_loading = False
         self.skipped_steps = 0  # optimizer steps skipped for non-finite values (nonfinite: skip)
         # The coming optimizer step's loss terms, with where they came from, checked by `guard_step`.
         self._step_losses: list[tuple[str, dict[str, Tensor]]] = []
 
-    def load_base(self, spec: BaseModelSpec, train_base: bool = False) -> SharedBase:
-        """Load ``spec``'s tokenizer (as ``self.tokenizer``) and model, wrapped as a :class:`SharedBase`."""
-        self.tokenizer = load_tokenizer(spec)
-        model = load_causal_lm(spec, self.tokenizer)
-        model.train()  # from_pretrained returns eval mode; with dropout off the two modes compute the same
-        return SharedBase(model, train_base=train_base, fused_lora=spec.fused_lora)
+    # ---- the model ----------------------------------------------------------------------------------------
+
+    @property
+    def tokenizer(self):
+        """The base's tokenizer (read on first use; no weights are read)."""
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.base_spec)
+        return self._tokenizer
+
+    def configure_model(self) -> None:
+        """Build the base model and its roles (:meth:`build_model`); under Lightning's ``ModelParallelStrategy``,
+        shard it with FSDP2 (see :mod:`rlhf_lightning.models.sharding`): rank 0 reads the weights, the other
+        ranks build on the meta device and receive their shards. Does nothing once the model is built."""
+        if self.model is not None:
+            return
+        mesh = sharding_mesh(self._trainer)
+        if mesh is None:
+            model = self.build_model(empty=False)
+        else:
+            model = build_sharded(self.build_model, mesh, lambda built: built.decoder_layers(), self.device)
+            model.after_sharding()
+        model.train()  # from_pretrained and peft give eval mode; with dropout off the two modes compute the same
+        self.model = model
+
+    @property
+    def is_writer(self) -> bool:
+        """Whether this process writes files (exports): rank 0, or the only process."""
+        return self._trainer is None or self.trainer.is_global_zero
+
+    def build_model(self, empty: bool) -> SharedBase:
+        """The base with every role of the stage (adapters, heads, reward sources). ``empty``: build the same
+        modules on the meta device without reading a weight (see :func:`~rlhf_lightning.models.sharding.
+        build_sharded`)."""
+        raise NotImplementedError
+
+    def load_base(self, train_base: bool = False, empty: bool = False) -> SharedBase:
+        """The base model of ``base``, wrapped as a :class:`SharedBase` (``empty``: on the meta device)."""
+        spec = self.base_spec
+        return SharedBase(load_causal_lm(spec, self.tokenizer, empty=empty), train_base=train_base,
+                          fused_lora=spec.fused_lora)
+
+    def state_dict(self, *args: Any, destination: dict[str, Any] | None = None, prefix: str = "",
+                   keep_vars: bool = False) -> dict[str, Any]:
+        """What trains (adapters and heads; every weight under full fine-tuning): a frozen base is loaded again
+        from its own path, so it is never part of the module's state. Under FSDP2 this is also what the
+        strategy gathers for a checkpoint, so the frozen shards are never sent to rank 0."""
+        state = super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if all(parameter.requires_grad for parameter in self.parameters()):
+            return state
+        keep = {prefix + name for name in self.checkpointed_keys()}
+        for key in [key for key in state if key.startswith(prefix) and key not in keep]:
+            del state[key]
+        return state
 
     def configure_adamw(
         self, parameter_groups: list[dict], weight_decay: float, warmup_steps: int, schedule: Schedule,
@@ -120,8 +180,9 @@ class StageModule(L.LightningModule):
         ``nonfinite: skip`` drop the gradients, count the skipped step and return False."""
         step_losses, self._step_losses = self._step_losses, []
         losses = [value for _, terms in step_losses for value in terms.values()]
+        # Sharded gradients are checked shard by shard: the ranks decide together below.
         named = [] if self._gradient_scaler_active() else [
-            (name, p.grad) for name, p in self.named_parameters() if p.grad is not None]
+            (name, local_tensor(p.grad)) for name, p in self.named_parameters() if p.grad is not None]
         problem = None
         if not all_finite(losses + [grad for _, grad in named]):
             problem = self._loss_problem(step_losses)
@@ -162,10 +223,8 @@ class StageModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint[CLASS_KEY] = class_path(type(self))  # so that another stage's module refuses the file
-        if any(not parameter.requires_grad for parameter in self.parameters()):
-            keep = self.checkpointed_keys()
-            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
         where = "" if self._trainer is None else f" at {self.training_position()}"
+        # Under FSDP2 the state is gathered on rank 0; the other ranks hold an empty one.
         check_finite_weights(checkpoint["state_dict"], f"a checkpoint{where}")
         checkpoint["skipped_steps"] = self.skipped_steps
 
@@ -175,7 +234,10 @@ class StageModule(L.LightningModule):
         if refusal:
             raise CheckpointError(refusal)
         self.skipped_steps = int(checkpoint.get("skipped_steps", 0))
-        missing = self.checkpointed_keys() - checkpoint["state_dict"].keys()
+        # ModelParallelStrategy loads the weights into the shards itself and hands over the rest of the file.
+        saved = (checkpoint["state_dict"].keys() if "state_dict" in checkpoint
+                 else saved_state_keys(self.trainer.ckpt_path))
+        missing = self.checkpointed_keys() - saved
         if missing:
             raise KeyError(
                 f"the checkpoint lacks {len(missing)} trained weights of this model (e.g. {sorted(missing)[0]}); "

@@ -43,6 +43,7 @@ class EncodedPrompt:
     text: str
     raw: Any = None  # the prompt column: text, or a list of messages
     columns: dict[str, Any] = field(default_factory=dict)  # the row's other columns
+    index: int = -1  # the prompt's position in its dataset (-1 = not numbered)
 
 
 def pad(sequences: list[list[int]], pad_id: int, side: Literal["left", "right"]) -> tuple[Tensor, Tensor]:
@@ -100,10 +101,12 @@ def collate_pairs(examples: list[EncodedPair], pad_id: int) -> dict[str, Tensor]
 
 
 def collate_prompts(examples: list[EncodedPrompt], pad_id: int) -> dict[str, Tensor | list[str]]:
-    """Left-padded prompts (generation appends on the right), their texts, the raw prompts and the other columns
-    (one list per column; a column missing from a row holds None there)."""
+    """Left-padded prompts (generation appends on the right), their texts, the raw prompts, the other columns
+    (one list per column; a column missing from a row holds None there) and each prompt's ``index`` in its
+    dataset."""
     ids, mask = pad([example.input_ids for example in examples], pad_id, side="left")
     names = sorted({name for example in examples for name in example.columns})
     return {"input_ids": ids, "attention_mask": mask, "prompt": [example.text for example in examples],
+            "index": torch.tensor([example.index for example in examples], dtype=torch.long),
             "raw_prompt": [example.text if example.raw is None else example.raw for example in examples],
             "columns": {name: [example.columns.get(name) for example in examples] for name in names}}

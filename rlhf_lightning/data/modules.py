@@ -257,7 +257,8 @@ class PromptDataModule(StageDataModule):
 
     Rows have a ``prompt`` column of text or messages (the chat template opens the assistant turn).
     ``batch_size`` is the number of prompts per rollout on each device, and ``max_length`` limits the prompt.
-    Training batches are ``{"prompts": ..., "ptx": ...}`` (``ptx`` only when ``ptx_dataset`` is set).
+    Training batches are ``{"prompts": ..., "ptx": ...}`` (``ptx`` only when ``ptx_dataset`` is set); prompts are
+    numbered by their position in the training and validation sets (``index``).
 
     Args:
         ptx_dataset: SFT-format data (``text``, ``prompt``/``completion`` or ``messages``) for the pretraining
@@ -293,6 +294,9 @@ class PromptDataModule(StageDataModule):
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
+        # Numbered by position, as pairs are: a prompt's number seeds its samples under seed_scope: prompt.
+        self.train_set = [replace(prompt, index=i) for i, prompt in enumerate(self.train_set)]
+        self.val_set = [replace(prompt, index=i) for i, prompt in enumerate(self.val_set)]
         if self.ptx is not None and self.ptx.train_set is None:
             self.ptx.tokenizer = self.tokenizer
             self.ptx.setup(stage)

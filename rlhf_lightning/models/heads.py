@@ -37,15 +37,19 @@ class ScalarHead(nn.Module):
 
     def save(self, directory: str | Path) -> None:
         """Write ``head.safetensors`` and ``head_config.json`` into ``directory``."""
+        self.save_state(directory, self.state_dict(), self.hidden_size)
+
+    @staticmethod
+    def save_state(directory: str | Path, state: dict[str, Tensor], hidden_size: int) -> None:
+        """Write a head's ``state`` (its ``state_dict``, gathered when sharded) as :meth:`save` does."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        save_file({key: value.detach().contiguous().cpu() for key, value in self.state_dict().items()},
-                  directory / HEAD_WEIGHTS)
-        (directory / HEAD_CONFIG).write_text(json.dumps({"hidden_size": self.hidden_size}))
+        save_file({key: value.detach().contiguous().cpu() for key, value in state.items()}, directory / HEAD_WEIGHTS)
+        (directory / HEAD_CONFIG).write_text(json.dumps({"hidden_size": hidden_size}))
 
-    @classmethod
-    def load(cls, directory: str | Path, expected_hidden_size: int | None = None) -> ScalarHead:
-        """Read a head written by :meth:`save`; check its width against the base model's."""
+    @staticmethod
+    def saved_hidden_size(directory: str | Path, expected_hidden_size: int | None = None) -> int:
+        """The width of the head saved in ``directory``, checked against the base model's."""
         directory = Path(directory)
         config_path = directory / HEAD_CONFIG
         if not config_path.exists():
@@ -56,7 +60,13 @@ class ScalarHead(nn.Module):
                 f"the head in {directory} expects hidden size {hidden_size}, "
                 f"but the base model's hidden size is {expected_hidden_size}"
             )
-        head = cls(hidden_size)
+        return hidden_size
+
+    @classmethod
+    def load(cls, directory: str | Path, expected_hidden_size: int | None = None) -> ScalarHead:
+        """Read a head written by :meth:`save`; check its width against the base model's."""
+        directory = Path(directory)
+        head = cls(cls.saved_hidden_size(directory, expected_hidden_size))
         head.load_state_dict(load_file(directory / HEAD_WEIGHTS))
         return head
 

@@ -11,6 +11,7 @@ import logging
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 from transformers import (
     AutoConfig,
@@ -132,25 +133,32 @@ def ensure_pad_token(tokenizer: PreTrainedTokenizerBase) -> bool:
     return True
 
 
-def load_causal_lm(spec: BaseModelSpec, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
+def load_causal_lm(spec: BaseModelSpec, tokenizer: PreTrainedTokenizerBase, empty: bool = False) -> PreTrainedModel:
     """The causal LM of ``spec``: ``from_pretrained`` when a name or path is set, else a fresh model.
 
     The model's embeddings are grown to fit the tokenizer (e.g. an added pad token), its config learns the pad
-    and EOS ids, and dropout is switched off (see :func:`disable_dropout`).
+    and EOS ids, and dropout is switched off (see :func:`disable_dropout`). ``empty`` builds the same modules on
+    the ``meta`` device without reading a weight (the ranks of a sharded build that receive rank 0's values).
     """
     dtype = spec.dtype if spec.dtype == "auto" else getattr(torch, spec.dtype)
-    if spec.name_or_path is not None:
+    if empty:
+        model = empty_causal_lm(spec, tokenizer, dtype)
+    elif spec.name_or_path is not None:
         check_local_folder(spec.name_or_path)
         rows = configured_vocab_size(spec)
         if rows is not None:  # before the weights are read: a mismatch fails in a second
             check_tokenizer_fits(tokenizer, rows, spec)
-        model = AutoModelForCausalLM.from_pretrained(
-            spec.name_or_path,
-            revision=spec.revision,
-            trust_remote_code=spec.trust_remote_code,
-            dtype=dtype,
-            attn_implementation=spec.attn_implementation,
-        )
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                spec.name_or_path,
+                revision=spec.revision,
+                trust_remote_code=spec.trust_remote_code,
+                dtype=dtype,
+                attn_implementation=spec.attn_implementation,
+            )
+        except SafetensorError as error:  # a cut-short copy or a file that is not safetensors: say which
+            raise ValueError(f"model {spec.name_or_path}: its weights cannot be read ({error}); copy or save the "
+                             "model again") from error
         check_tokenizer_fits(tokenizer, model.get_input_embeddings().num_embeddings, spec)
     else:
         model = AutoModelForCausalLM.from_config(
@@ -160,7 +168,8 @@ def load_causal_lm(spec: BaseModelSpec, tokenizer: PreTrainedTokenizerBase) -> P
             trust_remote_code=spec.trust_remote_code,
         )
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
-        model.resize_token_embeddings(len(tokenizer))
+        # On the meta device there are no rows to average for the new ones; rank 0's values replace them anyway.
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=not empty)
     for config in (model.config, model.generation_config):
         config.pad_token_id = tokenizer.pad_token_id
         config.eos_token_id = tokenizer.eos_token_id
@@ -171,6 +180,26 @@ def load_causal_lm(spec: BaseModelSpec, tokenizer: PreTrainedTokenizerBase) -> P
         # Non-reentrant checkpointing works with a frozen base whose inputs do not require grad.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def empty_causal_lm(spec: BaseModelSpec, tokenizer: PreTrainedTokenizerBase, dtype: torch.dtype | str) -> PreTrainedModel:
+    """``spec``'s model on the ``meta`` device, from its config alone, in the dtype ``from_pretrained`` would
+    give it."""
+    if spec.name_or_path is not None:
+        check_local_folder(spec.name_or_path)
+        config = AutoConfig.from_pretrained(spec.name_or_path, revision=spec.revision,
+                                            trust_remote_code=spec.trust_remote_code)
+        rows = configured_vocab_size(spec)
+        if rows is not None:
+            check_tokenizer_fits(tokenizer, rows, spec)
+    else:
+        config = fresh_config(spec, tokenizer)
+    if dtype == "auto":  # the checkpoint's own dtype, as from_pretrained(dtype="auto") reads it
+        dtype = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config, "dtype", None)
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype or torch.float32
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=spec.attn_implementation,
+                                                trust_remote_code=spec.trust_remote_code)
 
 
 def configured_vocab_size(spec: BaseModelSpec) -> int | None:

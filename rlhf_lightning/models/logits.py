@@ -59,11 +59,12 @@ def candidate_transforms(config) -> list[LogitTransform]:
 
 
 @torch.no_grad()
-def find_logit_transform(model: nn.Module, hidden_states) -> LogitTransform | None:
+def find_logit_transform(model: nn.Module, hidden_states, full_logits=None) -> LogitTransform | None:
     """The transform that turns ``lm_head(hidden_states(ids, mask))`` into ``model(ids, mask).logits``, or None
     when no candidate reproduces the model's forward pass (then use the forward pass itself).
 
-    ``hidden_states(input_ids, attention_mask)`` is the caller's decoder-only pass.
+    ``hidden_states(input_ids, attention_mask)`` is the caller's decoder-only pass, ``full_logits(input_ids,
+    attention_mask)`` its full forward pass (default: ``model(...).logits``).
     """
     was_training = model.training
     model.eval()
@@ -73,7 +74,8 @@ def find_logit_transform(model: nn.Module, hidden_states) -> LogitTransform | No
         # Ordinary tokens (past the first few ids, where special tokens usually sit), one sequence, no padding.
         input_ids = (torch.arange(PROBE_LENGTH, device=device) * 7 + min(10, vocab - 1)) % vocab
         input_ids, attention_mask = input_ids[None], torch.ones(1, PROBE_LENGTH, dtype=torch.long, device=device)
-        expected = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits.float()
+        expected = (full_logits(input_ids, attention_mask) if full_logits is not None
+                    else model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits).float()
         raw = model.get_output_embeddings()(hidden_states(input_ids, attention_mask)).float()
     finally:
         model.train(was_training)

@@ -7,7 +7,9 @@ Every role is a view of the same base weights::
     critic    = adapter "critic" + value head    (trainable)
     reward    = adapter "reward" + score head    (frozen during PPO)
 
-so the base weights are in memory once, whatever the number of roles.
+so the base weights are in memory once, whatever the number of roles. Sharded over ranks with FSDP2
+(:mod:`rlhf_lightning.models.sharding`), each rank holds 1/world of them and every role still reads the same
+shards.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from peft import PeftModel, get_peft_model
+from peft import PeftConfig, PeftModel, get_peft_model
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 from transformers.pytorch_utils import Conv1D
@@ -27,6 +29,7 @@ from rlhf_lightning.models.adapter_fit import check_adapter_fits
 from rlhf_lightning.models.fused_lora import fuse_lora_layers
 from rlhf_lightning.models.heads import ScalarHead
 from rlhf_lightning.models.logits import LogitTransform, find_logit_transform
+from rlhf_lightning.models.sharding import decoder_layers, full_tensor, is_sharded
 from rlhf_lightning.models.spec import LoraSpec
 
 REFERENCE = None  # the role name of the plain base model
@@ -67,8 +70,11 @@ class SharedBase(nn.Module):
         self.fused_lora = fused_lora
         self.trainable_adapters: set[str] = set()
         self._requires_grad: list[tuple[nn.Parameter, bool]] = []
-        # None: the model post-processes its logits in a way we cannot reproduce from the hidden states.
-        self.logit_transform: LogitTransform | None = find_logit_transform(model, self.hidden_states)
+        # None: the model post-processes its logits in a way we cannot reproduce from the hidden states. A base
+        # built on the meta device has no values to probe: `inspect_logits` runs once it has them.
+        self.logit_transform: LogitTransform | None = None
+        if not self.is_empty:
+            self.inspect_logits()
         self._adapters_changed()
 
     # ---- structure -------------------------------------------------------------------------------------
@@ -77,6 +83,31 @@ class SharedBase(nn.Module):
     def hf_model(self) -> PreTrainedModel:
         """The underlying transformers model (with adapter layers injected, if any)."""
         return self.model.get_base_model() if isinstance(self.model, PeftModel) else self.model
+
+    @property
+    def is_empty(self) -> bool:
+        """Whether the base was built on the ``meta`` device (shapes only, no values: a rank of a sharded build
+        that receives its values from rank 0)."""
+        return self.hf_model.get_input_embeddings().weight.is_meta
+
+    @property
+    def is_sharded(self) -> bool:
+        """Whether FSDP2 has sharded the base over ranks (see :mod:`rlhf_lightning.models.sharding`)."""
+        return is_sharded(self)
+
+    def decoder_layers(self) -> list[nn.Module]:
+        """The decoder layers: the units FSDP2 shards one by one."""
+        return decoder_layers(self.hf_model)
+
+    def after_sharding(self) -> None:
+        """Once FSDP2 has replaced the parameters by their shards (on every rank, together): track the new
+        parameter objects' trainability and probe the logits (a collective forward pass)."""
+        self._update_requires_grad()
+        self.inspect_logits()
+
+    def inspect_logits(self) -> None:
+        """Find how the model turns its LM head's output into logits (:func:`find_logit_transform`)."""
+        self.logit_transform = find_logit_transform(self.hf_model, self.hidden_states, self.full_logits)
 
     @property
     def hidden_size(self) -> int:
@@ -93,10 +124,7 @@ class SharedBase(nn.Module):
             raise ValueError(f"adapter {name!r} already exists")
         # GPT-2-style Conv1D layers store weights transposed; telling peft avoids a warning per adapter.
         config = lora.to_peft(fan_in_fan_out=any(isinstance(m, Conv1D) for m in self.hf_model.modules()))
-        if isinstance(self.model, PeftModel):
-            self.model.add_adapter(name, config)
-        else:
-            self.model = get_peft_model(self.model, config, adapter_name=name)
+        self._inject_adapter(name, config)
         if trainable:
             self.trainable_adapters.add(name)
         self._adapters_changed()
@@ -107,16 +135,30 @@ class SharedBase(nn.Module):
         if not (Path(directory) / "adapter_config.json").exists():
             raise FileNotFoundError(f"{directory}/adapter_config.json not found: not a peft adapter folder")
         check_adapter_fits(directory, self.hf_model, self.hf_model.config.name_or_path)
-        if isinstance(self.model, PeftModel):
+        if self.is_empty:
+            # The shapes without the values, which rank 0 sends once the base is sharded.
+            config = PeftConfig.from_pretrained(directory)
+            config.inference_mode = not trainable
+            self._inject_adapter(name, config)
+        elif isinstance(self.model, PeftModel):
             self.model.load_adapter(directory, adapter_name=name, is_trainable=trainable)
         else:
             self.model = PeftModel.from_pretrained(self.model, directory, adapter_name=name, is_trainable=trainable)
         if trainable:
             self.trainable_adapters.add(name)
         if ScalarHead.exists(directory):
-            self.heads[name] = ScalarHead.load(directory, expected_hidden_size=self.hidden_size)
+            if self.is_empty:
+                self.heads[name] = ScalarHead(ScalarHead.saved_hidden_size(directory, self.hidden_size)).to("meta")
+            else:
+                self.heads[name] = ScalarHead.load(directory, expected_hidden_size=self.hidden_size)
             self.heads[name].requires_grad_(trainable)
         self._adapters_changed()
+
+    def _inject_adapter(self, name: str, config) -> None:
+        if isinstance(self.model, PeftModel):
+            self.model.add_adapter(name, config)
+        else:
+            self.model = get_peft_model(self.model, config, adapter_name=name)
 
     def add_head(self, name: str) -> ScalarHead:
         """A fresh scalar head for role ``name`` (trainable)."""
@@ -143,52 +185,64 @@ class SharedBase(nn.Module):
         if copied == 0:
             raise ValueError(f"adapter {target!r} has no parameters to copy into")
 
-    def save_adapter(self, name: str, directory: str | Path) -> Path:
+    def save_adapter(self, name: str, directory: str | Path, write: bool = True) -> Path:
         """Write adapter ``name`` in peft format (readable by ``PeftModel.from_pretrained``) plus its head.
 
+        Sharded, every rank must call it (the weights are gathered) and only the one with ``write`` writes.
         Returns the folder holding the adapter: ``directory/name``.
         """
         directory = Path(directory)
-        weights = {key: value for key, value in self.model.named_parameters() if adapter_of(key) == name}
-        if name in self.heads:
-            weights.update({f"heads.{name}.{key}": value for key, value in self.heads[name].named_parameters()})
-        check_finite_weights(weights, f"adapter {name!r} to {directory}")
-        self.model.save_pretrained(str(directory), selected_adapters=[name])
+        weights = {key: full_tensor(value.detach()) for key, value in self.model.named_parameters()
+                   if adapter_of(key) == name}
+        head = ({key: full_tensor(value.detach()) for key, value in self.heads[name].named_parameters()}
+                if name in self.heads else {})
         # peft writes every adapter but "default" into a sub-folder named after it.
         adapter_dir = directory if name == "default" else directory / name
-        if name in self.heads:
-            self.heads[name].save(adapter_dir)
+        if not write:
+            return adapter_dir
+        check_finite_weights({**weights, **{f"heads.{name}.{key}": value for key, value in head.items()}},
+                             f"adapter {name!r} to {directory}")
+        self.model.save_pretrained(str(directory), selected_adapters=[name], state_dict=weights)
+        if head:
+            ScalarHead.save_state(adapter_dir, head, self.heads[name].hidden_size)
         return adapter_dir
 
     def merged_state_dict(self, adapter: str | None) -> dict[str, Tensor]:
         """Weights of a plain transformers model equal to the base with ``adapter`` folded in.
 
         Non-destructive: the base is not touched (merging in place and unmerging would leave rounding drift in
-        weights the reference relies on). ``None`` gives the base alone.
+        weights the reference relies on). ``None`` gives the base alone. Sharded, every rank must call it (each
+        weight is gathered in turn) and gets the whole state.
         """
+        state = {key: full_tensor(value) for key, value in self.hf_model.state_dict().items()}
+        merged = {}
         modules = dict(self.hf_model.named_modules())
-        state = {}
-        for key, value in self.hf_model.state_dict().items():
+        for key, value in state.items():
             if adapter_of(key) is not None:
                 continue
             if ".base_layer." in key:
                 module_name, _, parameter_name = key.partition(".base_layer.")
                 layer = modules[module_name]
                 if parameter_name == "weight" and adapter is not None and adapter in getattr(layer, "lora_A", {}):
-                    value = value + layer.get_delta_weight(adapter).to(value.dtype)
+                    delta = lora_delta(state[f"{module_name}.lora_A.{adapter}.weight"],
+                                       state[f"{module_name}.lora_B.{adapter}.weight"],
+                                       layer.scaling[adapter], layer.fan_in_fan_out)
+                    value = value + delta.to(value.dtype)
                 key = f"{module_name}.{parameter_name}"
-            state[key] = value
-        return state
+            merged[key] = value
+        return merged
 
-    def save_merged(self, adapter: str | None, directory: str | Path, tokenizer=None) -> Path:
-        """Write a standalone transformers model (``from_pretrained``-able) with ``adapter`` merged in."""
+    def save_merged(self, adapter: str | None, directory: str | Path, tokenizer=None, write: bool = True) -> Path:
+        """Write a standalone transformers model (``from_pretrained``-able) with ``adapter`` merged in.
+
+        Sharded, every rank must call it (the weights are gathered) and only the one with ``write`` writes.
+        """
         directory = Path(directory)
-        state = self.merged_state_dict(adapter) if isinstance(self.model, PeftModel) else self.hf_model.state_dict()
+        state = self.merged_state_dict(adapter)
+        if not write:
+            return directory
         check_finite_weights(state, f"the model to {directory}")
-        if isinstance(self.model, PeftModel):
-            self.hf_model.save_pretrained(directory, state_dict=state)
-        else:
-            self.hf_model.save_pretrained(directory)
+        self.hf_model.save_pretrained(directory, state_dict=state)
         if tokenizer is not None:
             tokenizer.save_pretrained(directory)
         return directory
@@ -287,10 +341,14 @@ class SharedBase(nn.Module):
         if self.logit_transform is not None:
             hidden = self.hidden_states(input_ids, attention_mask)
             return self.logits(hidden[:, start - 1 : -1].contiguous())
-        output = self.hf_model(input_ids=input_ids, attention_mask=attention_mask,
-                               position_ids=position_ids_from_mask(attention_mask), use_cache=False,
-                               logits_to_keep=input_ids.shape[1] - start + 1)
-        return output.logits[:, :-1]
+        return self.full_logits(input_ids, attention_mask, logits_to_keep=input_ids.shape[1] - start + 1)[:, :-1]
+
+    def full_logits(self, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int = 0) -> Tensor:
+        """The logits of the model's own forward pass (LM head and post-processing), on the last
+        ``logits_to_keep`` positions (0 = all)."""
+        return self.hf_model(input_ids=input_ids, attention_mask=attention_mask,
+                             position_ids=position_ids_from_mask(attention_mask), use_cache=False,
+                             logits_to_keep=logits_to_keep).logits
 
     def score(self, role: str, input_ids: Tensor, attention_mask: Tensor, last_index: Tensor) -> Tensor:
         """The scalar head of ``role`` applied at token ``last_index[b]`` of each row: ``[B]``."""
@@ -298,3 +356,11 @@ class SharedBase(nn.Module):
             hidden = self.hidden_states(input_ids, attention_mask)
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         return self.heads[role](hidden[rows, last_index])
+
+
+def lora_delta(lora_a: Tensor, lora_b: Tensor, scaling: float, fan_in_fan_out: bool) -> Tensor:
+    """The weight update of a plain LoRA layer, ``scaling * B @ A`` (transposed for layers that store their
+    weight transposed, GPT-2's ``Conv1D``): peft's ``get_delta_weight``, from the matrices themselves so that
+    gathered shards can be merged."""
+    delta = (lora_b.float() @ lora_a.float()) * scaling
+    return delta.t() if fan_in_fan_out else delta

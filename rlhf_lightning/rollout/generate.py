@@ -64,8 +64,13 @@ def stop_token_ids(tokenizer: PreTrainedTokenizerBase, stop_token: str | None) -
 
 @torch.no_grad()
 def sample_responses(model: SharedBase, role: str | None, input_ids: Tensor, attention_mask: Tensor,
-                     settings: SamplingSettings, pad_token_id: int) -> tuple[Tensor, Tensor, Tensor]:
+                     settings: SamplingSettings, pad_token_id: int, draws: Tensor | None = None,
+                     synced: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """Sample a response to each prompt from ``role`` (eval mode, KV cache) and cut it after its stop token.
+
+    ``draws``: the uniform numbers of each row's tokens (see :class:`~rlhf_lightning.rollout.sampling.
+    InverseCDFSampler`); None = the global random stream. ``synced``: every rank keeps decoding until all have
+    finished (a base sharded layer by layer gathers each layer at every step, a collective).
 
     Returns ``(prompt + response ids [B, P + R], attention mask [B, P + R], response mask [B, R])``; ``R`` is
     at most ``max_new_tokens`` (less once every row has stopped).
@@ -80,7 +85,9 @@ def sample_responses(model: SharedBase, role: str | None, input_ids: Tensor, att
             sequences = model.hf_model.generate(
                 input_ids=input_ids, attention_mask=attention_mask,
                 generation_config=settings.generation_config(pad_token_id),
-                logits_processor=sampling_processors(settings.temperature, settings.top_k, settings.top_p),
+                logits_processor=sampling_processors(settings.temperature, settings.top_k, settings.top_p, draws,
+                                                     input_ids.shape[1]),
+                synced_gpus=synced,
             )
     finally:
         model.train(was_training)

@@ -145,7 +145,7 @@ class AdapterReward(RewardSource):
 
 class ModelReward(RewardSource):
     """A separate reward model with weights and a tokenizer of its own (policy and reward model may tokenize
-    differently).
+    differently). It is held whole by every process (never sharded), on the device of the responses it scores.
 
     Each response is encoded for the reward model exactly as the reward stage encodes a completion with that
     tokenizer: a conversational prompt (the original messages) through the reward model's own chat template with
@@ -194,11 +194,14 @@ class ModelReward(RewardSource):
         self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.model.requires_grad_(False).eval()
         disable_dropout(self.model)
-        device = base.hf_model.device
-        self.model.to(device)
-        if self.head is not None:
-            self.head.to(device)
         self.statistics = _read_statistics(Path(self.name_or_path))
+
+    def _to(self, device: torch.device) -> None:
+        # Not a submodule of the LightningModule, so the strategy does not move it: it follows the rollout.
+        if self.model.device != device:
+            self.model.to(device)
+            if self.head is not None:
+                self.head.to(device)
 
     @property
     def name(self) -> str:
@@ -216,6 +219,7 @@ class ModelReward(RewardSource):
 
     @torch.no_grad()
     def score(self, inputs: RewardInputs) -> Tensor:
+        self._to(inputs.input_ids.device)
         sequences = [self.encode(prompt, completion, row)
                      for row, (prompt, completion) in enumerate(zip(inputs.prompts, inputs.completions, strict=True))]
         # Left padding: every sequence ends at the last column, where the score is read.

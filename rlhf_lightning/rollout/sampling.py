@@ -24,8 +24,18 @@ class InverseCDFSampler(LogitsProcessor):
 
     Returns scores that are 0 at the drawn token and -inf elsewhere, so a greedy step picks it. Tokens whose
     probability is 0 (filtered by top-k or top-p) are never drawn. Draws from torch's global generator, so
-    ``torch.manual_seed`` makes them reproducible. Non-finite scores raise instead of sampling garbage.
+    ``torch.manual_seed`` makes them reproducible, or, given ``draws``, reads the uniform number of each row and
+    step from it. Non-finite scores raise instead of sampling garbage.
+
+    Args:
+        draws: ``[B, max_new_tokens]`` uniform numbers in [0, 1): row b's token t is drawn with ``draws[b, t]``,
+            so each row's tokens depend on nothing else in the batch; None = the global generator.
+        prompt_length: columns of ``input_ids`` before the first generated token (to count the steps).
     """
+
+    def __init__(self, draws: Tensor | None = None, prompt_length: int = 0) -> None:
+        self.draws = draws
+        self.prompt_length = prompt_length
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
         # float64: the running sum over a large vocabulary keeps every token's share exact to ~1e-16 (Apple's MPS
@@ -39,17 +49,23 @@ class InverseCDFSampler(LogitsProcessor):
                 f"next-token scores of rows {bad.nonzero().flatten().tolist()} (of {scores.shape[0]}) are NaN or all "
                 f"-inf after {input_ids.shape[1]} tokens: the sampling model's weights or activations are not finite"
             )
-        draws = torch.rand(total.shape, device=cdf.device, dtype=cdf.dtype) * total
+        if self.draws is None:
+            uniform = torch.rand(total.shape, device=cdf.device, dtype=cdf.dtype)
+        else:
+            step = input_ids.shape[1] - self.prompt_length
+            uniform = self.draws[:, step : step + 1].to(device=cdf.device, dtype=cdf.dtype)
+        draws = uniform * total
         # The first token whose cumulative probability exceeds the draw; the second bound (the last token with a
         # positive probability) only matters when rounding makes the draw equal the total.
         tokens = torch.minimum(torch.searchsorted(cdf, draws, right=True), torch.searchsorted(cdf, total))
         return torch.full_like(scores, float("-inf")).scatter_(-1, tokens, 0.0)
 
 
-def sampling_processors(temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> LogitsProcessorList:
+def sampling_processors(temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, draws: Tensor | None = None,
+                        prompt_length: int = 0) -> LogitsProcessorList:
     """Logits processors for ``generate(do_sample=False, logits_processor=...)`` that sample: transformers' own
     temperature, top-k and top-p warpers (in that order, as ``do_sample=True`` applies them), then
-    :class:`InverseCDFSampler`."""
+    :class:`InverseCDFSampler` (with ``draws``, see there)."""
     processors = LogitsProcessorList()
     if temperature != 1.0:
         processors.append(TemperatureLogitsWarper(temperature))
@@ -57,5 +73,12 @@ def sampling_processors(temperature: float = 1.0, top_k: int = 0, top_p: float =
         processors.append(TopKLogitsWarper(top_k))
     if top_p < 1.0:
         processors.append(TopPLogitsWarper(top_p))
-    processors.append(InverseCDFSampler())
+    processors.append(InverseCDFSampler(draws, prompt_length))
     return processors
+
+
+def row_draws(seeds: list[int], length: int, device: torch.device | str = "cpu") -> Tensor:
+    """``[len(seeds), length]`` uniform numbers (float64), row b from a generator seeded with ``seeds[b]``: the
+    ``draws`` of :class:`InverseCDFSampler` for rows that must sample alike wherever they are batched."""
+    rows = [torch.rand(length, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) for seed in seeds]
+    return torch.stack(rows).to(device)

@@ -99,6 +99,7 @@ def sample_reference(module: Any, batches: Iterable[dict[str, Any]], samples_per
     """
     if module.gold_reward is None:
         raise ValueError("best-of-n needs the task's gold reward (model.init_args.gold_reward)")
+    module.configure_model()  # outside a Trainer: build it here (nothing happens once built)
     torch.manual_seed(seed)
     was_training = module.model.training
     module.model.eval()

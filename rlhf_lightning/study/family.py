@@ -185,7 +185,8 @@ _HELD_OUT: dict[int, list[dict[str, Any]]] = {}
 
 
 def seed_module(args: argparse.Namespace, seed: int, sft: str, reward: str) -> tuple[Any, Any]:
-    """A GRPO module on the seed's models and its prompt data module (set up): what best-of-n samples with."""
+    """A GRPO module on the seed's models and its prompt data module (set up): what best-of-n samples with. The
+    module's model is built when it is first sampled from (:func:`sample_reference`)."""
     cli = build_cli(["--config", str(Path(args.configs) / METHODS["grpo"].config), f"--seed_everything={seed}",
                      f"--data.init_args.seed={seed}", f"--model.init_args.base.name_or_path={sft}",
                      f"--model.init_args.reward.init_args.path={reward}", "--trainer.logger=false",

@@ -1,0 +1,49 @@
+"""Which of Lightning's strategies a stage runs under, and the device mesh it shards the base over.
+
+DDP (``strategy: ddp``) replicates the module and needs nothing here. Lightning's ``ModelParallelStrategy``
+(FSDP2) asks the module to shard itself in ``configure_model``: ours shard the shared base over the strategy's
+``data_parallel`` mesh (see :mod:`rlhf_lightning.models.sharding`). Strategies our modules cannot run under are
+refused with one line that says what to use instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+
+
+def sharding_mesh(trainer: L.Trainer | None) -> Any | None:
+    """The device mesh to shard the base over: the ``data_parallel`` mesh of a ``ModelParallelStrategy``, None
+    for any strategy that leaves the module whole (single device, DDP). Raises ``ValueError`` for a strategy our
+    modules do not support, or a ``ModelParallelStrategy`` set up for tensor parallelism or folder
+    checkpoints."""
+    if trainer is None:
+        return None
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+
+    strategy = trainer.strategy
+    name = type(strategy).__name__
+    if isinstance(strategy, FSDPStrategy | DeepSpeedStrategy):
+        raise ValueError(
+            f"trainer.strategy {name} is not supported: its wrapping cannot keep one frozen base under the "
+            "adapters of every role; use lightning.pytorch.strategies.ModelParallelStrategy (FSDP2: the base "
+            "sharded over ranks) or ddp (the base whole on each rank)")
+    if not isinstance(strategy, ModelParallelStrategy):
+        return None
+    world = trainer.world_size
+    mesh = strategy.device_mesh
+    if mesh["tensor_parallel"].size() > 1:
+        raise ValueError(
+            f"trainer.strategy ModelParallelStrategy with tensor_parallel_size={mesh['tensor_parallel'].size()}: "
+            "our modules shard the base with FSDP2 over data-parallel ranks and apply no tensor parallelism; "
+            f"set trainer.strategy.init_args.data_parallel_size={world} (devices x num_nodes) and "
+            "tensor_parallel_size=1")
+    # Lightning's attribute: the option is stored, not exposed.
+    if getattr(strategy, "_save_distributed_checkpoint", False):
+        raise ValueError(
+            "trainer.strategy ModelParallelStrategy with save_distributed_checkpoint=true writes a folder per "
+            "checkpoint, which the atomic checkpoints and the resume fallback do not cover; set "
+            "trainer.strategy.init_args.save_distributed_checkpoint=false (the checkpoint holds only the "
+            "adapters, heads and optimizer state, gathered on rank 0)")
+    return mesh["data_parallel"]
