@@ -24,7 +24,7 @@ from rlhf_lightning import (
     SFTDataModule,
 )
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
-from tests.conftest import LORA, built
+from tests.conftest import LORA
 
 # A base that does not exist: a check that ran after loading would fail with FileNotFoundError instead.
 MISSING = BaseModelSpec(name_or_path="/nonexistent/model")
