@@ -155,10 +155,11 @@ class DPO(PolicyModule):
         self.guard_losses({f"dpo/loss ({self.hparams.loss_type})": loss, "dpo/logps/chosen": values["logps/chosen"],
                            "dpo/logps/rejected": values["logps/rejected"]})
         pairs = batch["index"].shape[0]
-        self.log_dict({f"dpo/{name}": value.mean() for name, value in values.items()}, batch_size=pairs)
+        self.log_dict({f"dpo/{name}": value.mean() for name, value in values.items()}, batch_size=pairs,
+                      sync_dist=True)  # the global batch's values, not rank 0's share
         self.log("dpo/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         self.log_dict({"loss": values["loss"].mean(), "acc": values["rewards/accuracy"].mean()}, prog_bar=True,
-                      logger=False, batch_size=pairs)
+                      logger=False, batch_size=pairs, sync_dist=True)
         return loss
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:

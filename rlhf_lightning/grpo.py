@@ -72,7 +72,7 @@ class GRPO(OnlineRL):
         if self.reward_kl_coef:
             rewards = rewards - self.reward_kl_coef * self.sequence_kl_penalty(experience)
         advantages = group_advantages(rewards, experience.group_size, self.hparams.scale_rewards,
-                                      self.hparams.std_eps)
+                                      self.hparams.std_eps, over_ranks=self.sum_over_ranks)
         stats = {"objective/frac_zero_std": zero_std_fraction(rewards, experience.group_size),
                  "objective/advantage_abs": advantages.abs().mean()}
         return experience.with_advantages(broadcast_to_tokens(advantages, experience.response_mask)), stats

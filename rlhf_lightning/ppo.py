@@ -143,11 +143,11 @@ class PPO(OnlineRL):
         rewards, kl = self.shape_rewards(experience)
         stats = {"objective/kl_penalty": torch.where(mask, kl, 0.0).sum(-1).mean(),
                  "objective/rlhf_reward": torch.where(mask, rewards, 0.0).sum(-1).mean()}  # score - coef * KL
-        if hp.whiten_rewards:
-            rewards = masked_whiten(rewards, mask, shift_mean=False)
+        if hp.whiten_rewards:  # over the global batch (every rank's tokens)
+            rewards = masked_whiten(rewards, mask, shift_mean=False, over_ranks=self.sum_over_ranks)
         advantages, returns = gae(rewards, experience.values, mask, hp.gamma, hp.lam)
         if hp.whiten_advantages:
-            advantages = masked_whiten(advantages, mask)
+            advantages = masked_whiten(advantages, mask, over_ranks=self.sum_over_ranks)
         stats["value/explained_variance"] = explained_variance(experience.values, returns, mask)
         stats["value/mean"] = masked_mean(experience.values, mask)
         return experience.with_advantages(advantages, returns), stats

@@ -46,5 +46,7 @@ class REINFORCEPlusPlus(OnlineRL):
         kl = (self.token_kl(experience) if self.reward_kl_coef else mask.float() * 0.0)
         rewards = token_rewards(scores, kl, mask, self.reward_kl_coef)
         stats = {"objective/rlhf_reward": rewards.where(mask, 0.0).sum(-1).mean()}
-        advantages = masked_whiten(returns_to_go(rewards, mask, self.hparams.gamma), mask)
+        # Whitened over the global batch (every rank's tokens), which stands in for a baseline.
+        advantages = masked_whiten(returns_to_go(rewards, mask, self.hparams.gamma), mask,
+                                   over_ranks=self.sum_over_ranks)
         return experience.with_advantages(advantages), stats

@@ -108,7 +108,7 @@ class RewardModel(StageModule):
                 "rm/reward_std": both.std(),
                 "rm/lr": self.trainer.optimizers[0].param_groups[0]["lr"],
             },
-            prog_bar=False,
+            prog_bar=False, sync_dist=True,  # the global batch's values, not rank 0's share
         )
 
         return loss

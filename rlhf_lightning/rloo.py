@@ -44,7 +44,8 @@ class RLOO(OnlineRL):
             stats["objective/rlhf_reward"] = rewards.mean()
         advantages = rloo_advantages(rewards, experience.group_size)
         if self.hparams.whiten_advantages:  # over the responses, one value each (not over their tokens)
-            advantages = masked_whiten(advantages, torch.ones_like(advantages, dtype=torch.bool))
+            advantages = masked_whiten(advantages, torch.ones_like(advantages, dtype=torch.bool),
+                                       over_ranks=self.sum_over_ranks)
         advantages = broadcast_to_tokens(advantages, experience.response_mask)
         stats["objective/frac_zero_std"] = zero_std_fraction(rewards, experience.group_size)
         return experience.with_advantages(advantages), stats

@@ -68,19 +68,28 @@ class SFT(StageModule):
             model.add_adapter(SFT_ADAPTER, self.lora)
         return model
 
-    def loss(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-        """Mean next-token cross-entropy over completion tokens, and the number of those tokens."""
+    def summed_loss(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """Next-token cross-entropy summed over completion tokens, and the number of those tokens."""
         with self.model.role(self.adapter):
             logits = self.model.next_token_logits(batch["input_ids"], batch["attention_mask"])
         labels = batch["labels"][:, 1:]
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                               reduction="sum")
         return loss, (labels != IGNORE_INDEX).sum()
 
+    def loss(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """Mean next-token cross-entropy over completion tokens, and the number of those tokens."""
+        summed, tokens = self.summed_loss(batch)
+        return summed / tokens.clamp(min=1), tokens
+
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        loss, tokens = self.loss(batch)
+        summed, tokens = self.summed_loss(batch)
+        # Divided by the ranks' mean token count, not this rank's: DDP and FSDP average the ranks' gradients, so
+        # every completion token of the global batch weighs the same wherever it is (one process: the mean).
+        loss = summed / self.mean_over_ranks(tokens.float()).clamp(min=1)
         self.guard_losses({"sft/loss": loss})
-        self.log("sft/loss", loss, prog_bar=True)
-        self.log("sft/tokens", tokens.float(), reduce_fx="sum")
+        self.log("sft/loss", loss, prog_bar=True, sync_dist=True)  # the global batch's token mean
+        self.log("sft/tokens", tokens.float(), reduce_fx="sum", sync_dist=True)
         self.log("sft/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         return loss
 

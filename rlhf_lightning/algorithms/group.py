@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from rlhf_lightning.algorithms.advantages import _discount_matrix
+from rlhf_lightning.algorithms.masked import SumOverRanks, total
 
 ScaleRewards = Literal["group", "batch", "none"]
 _SCALES: tuple[str, ...] = get_args(ScaleRewards)
@@ -33,24 +34,30 @@ def _grouped(rewards: Tensor, group_size: int) -> Tensor:
     return rewards.to(dtype).view(-1, group_size)
 
 
-def _unbiased_std(values: Tensor, dim: int | None = None) -> Tensor:
-    """Bessel-corrected std, 0 (not NaN as ``torch.std`` gives) when there is a single value."""
-    count = values.numel() if dim is None else values.shape[dim]
-    mean = values.mean() if dim is None else values.mean(dim, keepdim=True)
-    squared_error = (values - mean).pow(2)
-    squared_error = squared_error.sum() if dim is None else squared_error.sum(dim)
+def _unbiased_std(values: Tensor, dim: int | None = None, over_ranks: SumOverRanks | None = None) -> Tensor:
+    """Bessel-corrected std, 0 (not NaN as ``torch.std`` gives) when there is a single value. ``over_ranks``
+    (with ``dim`` None): the std of every rank's values together."""
+    if dim is not None:
+        count = values.new_tensor(float(values.shape[dim]))
+        squared_error = (values - values.mean(dim, keepdim=True)).pow(2).sum(dim)
+    else:
+        count = total(values.new_tensor(float(values.numel())), over_ranks)
+        mean = total(values.sum(), over_ranks) / count.clamp(min=1)
+        squared_error = total((values - mean).pow(2).sum(), over_ranks)
     # A single value deviates by exactly 0 from its mean, so max(n - 1, 1) turns 0/0 into the 0 we document.
-    return (squared_error / max(count - 1, 1)).sqrt()
+    return (squared_error / (count - 1).clamp(min=1)).sqrt()
 
 
 def group_advantages(
-    rewards: Tensor, group_size: int, scale: ScaleRewards = "group", eps: float = 1e-4
+    rewards: Tensor, group_size: int, scale: ScaleRewards = "group", eps: float = 1e-4,
+    over_ranks: SumOverRanks | None = None,
 ) -> Tensor:
     """GRPO advantages: the reward minus its group's mean, optionally divided by a std.
 
     ``scale="group"``: (r - mean_group) / (std_group + eps), std with Bessel's correction (as TRL, verl).
     ``scale="batch"``: (r - mean_group) / (std_batch + eps), std of all N rewards (TRL's
-    ``scale_rewards="batch"``; still centred on the group mean). ``scale="none"`` (Dr. GRPO): r - mean_group.
+    ``scale_rewards="batch"``; still centred on the group mean; of every rank's rewards with ``over_ranks``).
+    ``scale="none"`` (Dr. GRPO): r - mean_group.
     A group of one has std 0 and advantage 0; so does any group whose rewards are all equal.
     Shapes: ``rewards`` ``[N]``, ``N`` a multiple of ``group_size`` -> ``[N]`` (at least float32).
     """
@@ -61,7 +68,7 @@ def group_advantages(
     if scale == "group":
         centred = centred / (_unbiased_std(grouped, dim=1).unsqueeze(1) + eps)
     elif scale == "batch":
-        centred = centred / (_unbiased_std(grouped) + eps)
+        centred = centred / (_unbiased_std(grouped, over_ranks=over_ranks) + eps)
     return centred.reshape(-1)
 
 

@@ -37,6 +37,7 @@ def nonfinite_names(named: Iterable[tuple[str, Tensor | None]]) -> list[str]:
 def all_finite(tensors: Sequence[Tensor]) -> bool:
     """Whether every tensor is finite, in a few fused kernels: the max-norm of each is NaN or inf exactly when it
     holds one (unlike the 2-norm, whose sum of squares overflows for large finite values)."""
+    tensors = [t for t in tensors if t.numel()]  # a rank's shard of a small weight may be empty
     if not tensors:
         return True
     norms = torch._foreach_norm([t.detach().float() for t in tensors], ord=float("inf"))

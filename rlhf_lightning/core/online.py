@@ -53,6 +53,7 @@ from rlhf_lightning.core.nonfinite import (
 )
 from rlhf_lightning.core.policy import POLICY, PolicyModule, derive_seed
 from rlhf_lightning.data.collate import IGNORE_INDEX
+from rlhf_lightning.models.sharding import full_tensor
 from rlhf_lightning.models.shared_base import REFERENCE, SharedBase
 from rlhf_lightning.optim import Schedule
 from rlhf_lightning.rollout.experience import Experience, Samples, sequence_kl
@@ -449,8 +450,8 @@ class OnlineRL(PolicyModule):
         hp = self.hparams
         policy = sum(loss_normaliser(self.loss_mask(m), hp.loss_aggregation, hp.max_new_tokens) for m in micros)
         tokens = sum(loss_normaliser(m.response_mask, "token_mean") for m in micros)
-        return {"policy": self._all_mean_tensor(policy.float()).clamp(min=1e-8),
-                "tokens": self._all_mean_tensor(tokens.float()).clamp(min=1e-8)}
+        return {"policy": self.mean_over_ranks(policy.float()).clamp(min=1e-8),
+                "tokens": self.mean_over_ranks(tokens.float()).clamp(min=1e-8)}
 
     def losses(self, experience: Experience, ptx: dict[str, Tensor] | None = None) -> Stats:
         """Every term of the loss of ``experience`` taken as one optimizer step, differentiable, without a
@@ -563,16 +564,14 @@ class OnlineRL(PolicyModule):
         return minibatch_size, minibatch_size // hp.gradient_accumulation
 
     def _gradient_norm(self) -> Tensor:
+        """The 2-norm of every gradient together (of the whole gradients: sharded ones are combined over ranks)."""
         grads = [p.grad for p in self.parameters() if p.grad is not None]
-        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])) if grads \
-            else torch.zeros((), device=self.device)
-
-    def _all_mean_tensor(self, value: Tensor) -> Tensor:
-        """The mean of ``value`` over ranks (itself outside a distributed fit)."""
-        return value if self._trainer is None else self.trainer.strategy.reduce(value, reduce_op="mean")
+        if not grads:
+            return torch.zeros((), device=self.device)
+        return full_tensor(torch.nn.utils.get_total_norm(grads))
 
     def _all_mean(self, value: Tensor) -> float:
-        return float(self._all_mean_tensor(value))
+        return float(self.mean_over_ranks(value))
 
     # ---- 4. the iteration's bookkeeping -------------------------------------------------------------------
 
@@ -600,7 +599,7 @@ class OnlineRL(PolicyModule):
         self.log_dict({"iteration": stats["iteration"], "reward": stats["objective/score"],
                        **({"kl": stats["objective/kl"]} if "objective/kl" in stats else {}),
                        **({"gold": stats["objective/gold"]} if "objective/gold" in stats else {})},
-                      prog_bar=True, logger=False)
+                      prog_bar=True, logger=False, sync_dist=True)
 
     def parameter_groups(self) -> list[dict[str, Any]]:
         """Optimizer parameter groups, each with a ``name`` (its learning rate is logged as ``lr/<name>``)."""

@@ -90,6 +90,19 @@ class StageModule(L.LightningModule):
         model.train()  # from_pretrained and peft give eval mode; with dropout off the two modes compute the same
         self.model = model
 
+    def mean_over_ranks(self, value: Tensor) -> Tensor:
+        """The mean of ``value`` over the ranks of a distributed fit (itself outside one)."""
+        if self._trainer is None or self.trainer.world_size == 1:
+            return value
+        return self.trainer.strategy.reduce(value.clone(), reduce_op="mean")  # Lightning reduces in place
+
+    def sum_over_ranks(self, value: Tensor) -> Tensor:
+        """``value`` summed over the ranks of a distributed fit (itself outside one): what batch statistics take
+        (``over_ranks``) to be those of the global batch."""
+        if self._trainer is None or self.trainer.world_size == 1:
+            return value
+        return self.trainer.strategy.reduce(value.clone(), reduce_op="sum")
+
     @property
     def is_writer(self) -> bool:
         """Whether this process writes files (exports): rank 0, or the only process."""

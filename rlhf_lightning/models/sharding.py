@@ -135,6 +135,14 @@ def build_sharded(build: Callable[[bool], nn.Module], mesh: Any, layers_of: Call
     return model
 
 
+def reshard_all(module: nn.Module) -> None:
+    """Free every gathered FSDP2 unit of ``module`` (the root stays gathered after a forward pass, by FSDP2's
+    design): afterwards each rank holds only its shards."""
+    for unit in module.modules():
+        if is_sharded(unit):
+            unit.reshard()
+
+
 def local_numel(parameters: Iterable[Tensor]) -> int:
     """Elements of ``parameters`` held by this rank (a ``DTensor``'s local shard, any other tensor whole)."""
     return sum(local_tensor(parameter).numel() for parameter in parameters)

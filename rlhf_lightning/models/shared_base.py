@@ -214,7 +214,12 @@ class SharedBase(nn.Module):
         weights the reference relies on). ``None`` gives the base alone. Sharded, every rank must call it (each
         weight is gathered in turn) and gets the whole state.
         """
-        state = {key: full_tensor(value) for key, value in self.hf_model.state_dict().items()}
+        state, gathered = {}, {}
+        for key, value in self.hf_model.state_dict(keep_vars=True).items():
+            # Tied weights (an LM head that is the embeddings) are one object: gathered once, kept one tensor.
+            if id(value) not in gathered:
+                gathered[id(value)] = full_tensor(value.detach())
+            state[key] = gathered[id(value)]
         merged = {}
         modules = dict(self.hf_model.named_modules())
         for key, value in state.items():

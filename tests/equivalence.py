@@ -1,0 +1,82 @@
+"""Runs of the distributed equivalence tests (``tests/test_distributed.py``), outside pytest.
+
+``python tests/equivalence.py RUNS.json`` runs each ``fit`` listed in the file, in order, through the real command
+line (``rlhf_lightning.cli.main``), with :class:`Probe` recording what the test compares. A run on two devices
+starts the second process by running this script again (Lightning's launcher), and the later runs reuse the
+processes, so one launch serves every two-process run of a test.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from rlhf_lightning.models.sharding import full_tensor, local_numel, reshard_all  # noqa: E402
+
+SKIPPED_METRICS = ("time/", "throughput/", "reward_std", "score_std", "iteration")
+
+
+class Probe(L.Callback):
+    """Records, on rank 0, what the equivalence tests compare: the training metrics of every batch (already
+    averaged over ranks), the gradients of every trainable parameter before every optimizer step and the trained
+    weights at the end, both whole (gathered from the shards under FSDP2), the validation metrics, and each
+    rank's share of the base's parameters.
+
+    Args:
+        out: the file to write (``torch.save``).
+    """
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+        self.metrics: list[dict[str, float]] = []
+        self.gradients: list[dict[str, torch.Tensor]] = []
+
+    @staticmethod
+    def _trainable(pl_module: L.LightningModule) -> dict[str, torch.Tensor]:
+        return {name: parameter for name, parameter in pl_module.named_parameters() if parameter.requires_grad}
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        self.gradients.append({name: full_tensor(parameter.grad).detach().clone()
+                               for name, parameter in self._trainable(pl_module).items()
+                               if parameter.grad is not None})
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.metrics.append({name: float(value) for name, value in trainer.callback_metrics.items()
+                             if "/val/" not in name and not any(skip in name for skip in SKIPPED_METRICS)})
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        weights = {name: full_tensor(parameter.detach()).clone() for name, parameter in self._trainable(pl_module).items()}
+        reshard_all(pl_module.model)  # count the shards, not the root unit FSDP2 keeps gathered after a pass
+        base = [parameter for name, parameter in pl_module.model.base_parameters()]
+        shares = [local_numel(base)]
+        if dist.is_available() and dist.is_initialized():
+            shares = [None] * dist.get_world_size()
+            dist.all_gather_object(shares, local_numel(base))
+        validation = {name: float(value) for name, value in trainer.callback_metrics.items() if "/val/" in name}
+        if trainer.is_global_zero:
+            torch.save({"metrics": self.metrics, "gradients": self.gradients, "weights": weights,
+                        "validation": validation, "base_shares": shares,
+                        "base_numel": sum(parameter.numel() for parameter in base),
+                        "sharded": pl_module.model.is_sharded}, self.out)
+
+
+def main(runs_file: str) -> None:
+    from rlhf_lightning.cli import main as cli_main
+
+    for run in json.loads(Path(runs_file).read_text()):
+        probe = {"class_path": "tests.equivalence.Probe", "init_args": {"out": run["out"]}}
+        cli_main(["fit", *run["args"], f"--trainer.callbacks=[{json.dumps(probe)}]"])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
