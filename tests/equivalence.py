@@ -9,6 +9,8 @@ processes, so one launch serves every two-process run of a test.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -67,7 +69,29 @@ class Probe(L.Callback):
             torch.save({"metrics": self.metrics, "gradients": self.gradients, "weights": weights,
                         "validation": validation, "base_shares": shares,
                         "base_numel": sum(parameter.numel() for parameter in base),
-                        "sharded": pl_module.model.is_sharded}, self.out)
+                        "sharded": pl_module.model.is_sharded,
+                        "checkpoint_io": type(trainer.strategy.checkpoint_io).__name__}, self.out)
+
+
+class KillAt(L.Callback):
+    """Kills every process of the run (``SIGKILL`` to its process group, as ``kill -9`` of a job would) just
+    before optimizer step ``step`` of iteration ``iteration`` (both from 1): mid-update, after the checkpoints of
+    the iterations before.
+
+    Args:
+        iteration: the training batch (on-policy iteration) to die in.
+        step: the optimizer step of that iteration to die before.
+    """
+
+    def __init__(self, iteration: int, step: int) -> None:
+        self.iteration, self.step, self.steps = iteration, step, 0
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        if trainer.fit_loop.epoch_loop.total_batch_idx + 1 != self.iteration:
+            return
+        self.steps += 1
+        if self.steps == self.step and trainer.is_global_zero:
+            os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
 def main(runs_file: str) -> None:
@@ -75,7 +99,8 @@ def main(runs_file: str) -> None:
 
     for run in json.loads(Path(runs_file).read_text()):
         probe = {"class_path": "tests.equivalence.Probe", "init_args": {"out": run["out"]}}
-        cli_main(["fit", *run["args"], f"--trainer.callbacks=[{json.dumps(probe)}]"])
+        callbacks = [probe, *run.get("callbacks", [])]
+        cli_main(["fit", *run["args"], f"--trainer.callbacks={json.dumps(callbacks)}"])
 
 
 if __name__ == "__main__":

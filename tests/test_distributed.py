@@ -62,10 +62,11 @@ def stages(model_dir: Path, reward_dir: Path) -> dict[str, tuple[str, list[str],
                              "--model.init_args.precompute_reference=false", *OFFLINE], 8, None),
         "dpo_precomputed": ("dpo.yaml", [base, "--model.init_args.policy_lora={r: 4, alpha: 8}",
                                          "--model.init_args.precompute_reference=true", *OFFLINE], 8, None),
+        # two micro-batches per step; log-probs two positions at a time, recomputed in the backward pass
         "ppo": ("ppo.yaml", [base, reward, *ONLINE, "--model.init_args.critic_lora={r: 4, alpha: 8}",
-                             "--model.init_args.gradient_accumulation=2"], 8, 8),
+                             "--model.init_args.gradient_accumulation=2", "--model.init_args.logprob_chunk=2"], 8, 8),
         "grpo": ("grpo.yaml", [base, reward, *ONLINE, "--model.init_args.sharded_rollout=per_layer"], 4, 8),
-        "rloo": ("rloo.yaml", [base, reward, *ONLINE], 4, 8),
+        "rloo": ("rloo.yaml", [base, reward, *ONLINE, "--model.init_args.base.gradient_checkpointing=true"], 4, 8),
         "reinforce_pp": ("reinforce_pp.yaml", [base, reward, *ONLINE], 4, 8),
     }
 
@@ -165,6 +166,22 @@ def test_fsdp2_exports_the_files_one_process_writes(results, stage):
 
 
 @pytest.mark.slow
+def test_adapters_exported_under_fsdp2_load_in_peft_and_merge(results, tiny_model_dir, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_lightning.merge import merge_adapter
+
+    policy = results["ppo"]["fsdp2"]["export"] / "policy"
+    ids = torch.arange(5, 15)[None]
+    with torch.no_grad():
+        peft_logits = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), policy)(ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(merge_adapter(policy, tmp_path / "merged"))(ids).logits
+    torch.testing.assert_close(merged, peft_logits, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(peft_logits, AutoModelForCausalLM.from_pretrained(tiny_model_dir)(ids).logits)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", ["sft", "reward", "ppo", "grpo", "dpo"])
 def test_under_fsdp2_each_rank_holds_half_of_the_base(results, stage):
     fsdp, ddp = results[stage]["fsdp2"], results[stage]["ddp"]
@@ -174,3 +191,91 @@ def test_under_fsdp2_each_rank_holds_half_of_the_base(results, stage):
     assert sum(fsdp["base_shares"]) >= total
     for share in fsdp["base_shares"]:
         assert share <= 0.5 * total * 1.05, (share, total)
+
+
+def checkpointed_grpo(model_dir: Path, reward_dir: Path, directory: Path) -> list[str]:
+    """Four GRPO iterations under FSDP2 on two ranks, a checkpoint after each."""
+    config, overrides, batch, _ = stages(model_dir, reward_dir)["grpo"]
+    args = ["--config", str(REPO / "configs" / config), *COMMON, *overrides, f"--data.init_args.batch_size={batch // 2}",
+            "--trainer.enable_checkpointing=true", "--trainer.limit_train_batches=4", "--trainer.limit_val_batches=0",
+            "--model.init_args.sharded_rollout=gathered", "--model.init_args.export_dir=null", *STRATEGIES["fsdp2"]]
+    return args
+
+
+@pytest.mark.slow
+def test_fsdp2_resume_after_kill_9_is_exact(tiny_model_dir, reward_dir, tmp_path):
+    """Both ranks killed with SIGKILL in the middle of iteration 3's update; resumed with ``--ckpt_path last``, the
+    run logs the values and reaches the weights of an uninterrupted run; its checkpoints hold no base weight."""
+    args = checkpointed_grpo(tiny_model_dir, reward_dir, tmp_path)
+    checkpoint = {"class_path": "rlhf_lightning.callbacks.IterationCheckpoint",
+                  "init_args": {"every_n_iterations": 1, "save_last": True, "save_top_k": -1,
+                                "enable_version_counter": False}}
+
+    def plan(name: str, *extra: dict, resume: bool = False) -> list[dict]:
+        directory = {**checkpoint, "init_args": {**checkpoint["init_args"], "dirpath": str(tmp_path / name)}}
+        return [{"args": [*args, *(["--ckpt_path=last"] if resume else [])], "out": str(tmp_path / f"{name}.pt"),
+                 "callbacks": [directory, *extra]}]
+
+    run_all(plan("uninterrupted"), tmp_path, "uninterrupted")
+    runs_file = tmp_path / "killed.json"
+    runs_file.write_text(json.dumps(plan("killed", {"class_path": "tests.equivalence.KillAt",
+                                                    "init_args": {"iteration": 3, "step": 2}})))
+    killed = subprocess.run([sys.executable, str(REPO / "tests" / "equivalence.py"), str(runs_file)], cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=600,
+                            start_new_session=True)  # its own process group: the kill takes both ranks, not pytest
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    saved = sorted(path.name for path in (tmp_path / "killed").iterdir())
+    # iterations 1 and 2 (two optimizer steps each: two epochs of one minibatch)
+    assert saved == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "last.ckpt"], saved
+    state = torch.load(tmp_path / "killed" / "last.ckpt", weights_only=False)["state_dict"]
+    assert state and all("lora_" in key for key in state), sorted(state)[:3]  # adapters only, never the base
+    run_all(plan("killed", resume=True), tmp_path, "resumed")
+
+    full, resumed = torch.load(tmp_path / "uninterrupted.pt"), torch.load(tmp_path / "killed.pt")
+    assert resumed["checkpoint_io"] == "AtomicCheckpointIO"  # temp file, fsync, rename: as on one device
+    assert len(full["metrics"]) == 4 and len(resumed["metrics"]) == 2  # iterations 3 and 4, run again
+    for expected, actual in zip(full["metrics"][2:], resumed["metrics"], strict=True):
+        assert expected.keys() == actual.keys()
+        for name, value in expected.items():
+            assert actual[name] == value, name  # bit for bit
+    for expected, actual in zip(full["gradients"][-4:], resumed["gradients"], strict=True):
+        for name, value in expected.items():
+            assert torch.equal(actual[name], value), name
+    for name, value in full["weights"].items():
+        assert torch.equal(resumed["weights"][name], value), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("devices, settings, error", [
+    (1, ["data_parallel_size=1", "tensor_parallel_size=1", "save_distributed_checkpoint=false"], None),
+    (1, ["data_parallel_size=1", "tensor_parallel_size=1", "save_distributed_checkpoint=false", "bf16-true"], None),
+    (1, ["data_parallel_size=1", "tensor_parallel_size=1", "save_distributed_checkpoint=true"],
+     "error: trainer.strategy ModelParallelStrategy with save_distributed_checkpoint=true writes a folder per "
+     "checkpoint, which the atomic checkpoints and the resume fallback do not cover; set "
+     "trainer.strategy.init_args.save_distributed_checkpoint=false (the checkpoint holds only the adapters, heads "
+     "and optimizer state, gathered on rank 0)"),
+    (2, ["data_parallel_size=1", "tensor_parallel_size=2", "save_distributed_checkpoint=false"],
+     "error: trainer.strategy ModelParallelStrategy with tensor_parallel_size=2: our modules shard the base with "
+     "FSDP2 over data-parallel ranks and apply no tensor parallelism; set "
+     "trainer.strategy.init_args.data_parallel_size=2 (devices x num_nodes) and tensor_parallel_size=1"),
+])
+def test_model_parallel_settings_run_or_are_refused_in_one_line(tiny_model_dir, reward_dir, tmp_path, devices,
+                                                                settings, error):
+    """FSDP2 over a world of one runs (a single GPU's case), in fp32 and in bf16-true (the plugin's conversion is
+    applied before sharding); folder checkpoints and tensor parallelism are refused before any weight is read."""
+    command = [sys.executable, "-m", "rlhf_lightning", "fit", "--config", str(REPO / "configs" / "grpo.yaml"), *COMMON,
+               *stages(tiny_model_dir, reward_dir)["grpo"][1], "--data.init_args.batch_size=2",
+               "--trainer.limit_val_batches=0", f"--trainer.devices={devices}", f"--trainer.strategy={MODEL_PARALLEL}",
+               *(f"--trainer.strategy.init_args.{setting}" for setting in settings if "=" in setting),
+               *(f"--trainer.precision={setting}" for setting in settings if "=" not in setting),
+               f"--model.init_args.export_dir={tmp_path / 'export'}", "--trainer.callbacks=[]"]
+    result = subprocess.run(command, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+                            text=True, timeout=300)
+    if error is None:
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert (tmp_path / "export" / "policy" / "adapter_model.safetensors").exists()
+    else:
+        assert result.returncode == 1, result.stderr[-3000:]
+        lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert lines and set(lines) == {error}, result.stderr[-3000:]
+        assert "Traceback" not in result.stderr

@@ -1,11 +1,11 @@
-"""Argument checks that run in constructors, before any model is loaded: one line each, naming the argument, its
-value and what was expected, so a typo in a config fails in a second rather than after minutes of loading."""
+"""Argument checks that run in constructors (which load nothing: the model is built in ``configure_model``): one
+line each, naming the argument, its value and what was expected, so a typo in a config fails in a second rather
+than after minutes of loading."""
 
 from __future__ import annotations
 
-import inspect
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 # What the command line's parser hands over for `--...=null` inside a nested dataclass (e.g. BaseModelSpec):
@@ -76,14 +76,6 @@ def one_of(name: str, value: Any, choices: Iterable[Any]) -> None:
     choices = tuple(choices)
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(str, choices))}, got {value!r}")
-
-
-def call_arguments(function: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The arguments ``function(self, *args, **kwargs)`` would receive, defaults filled in: lets a subclass check
-    its parent's arguments before calling the parent's constructor (which loads the model)."""
-    bound = inspect.signature(function).bind_partial(None, *args, **kwargs)
-    bound.apply_defaults()
-    return dict(bound.arguments)
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float, kv_cache: str,

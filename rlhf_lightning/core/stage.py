@@ -85,7 +85,10 @@ class StageModule(L.LightningModule):
         if mesh is None:
             model = self.build_model(empty=False)
         else:
-            model = build_sharded(self.build_model, mesh, lambda built: built.decoder_layers(), self.device)
+            # The strategy's device: the module itself is moved there only after configure_model. The precision
+            # plugin's conversion (bf16-true) too is applied by Lightning later, which a sharded model cannot take.
+            model = build_sharded(self.build_model, mesh, lambda built: built.decoder_layers(),
+                                  self.trainer.strategy.root_device, self.trainer.precision_plugin.convert_module)
             model.after_sharding()
         model.train()  # from_pretrained and peft give eval mode; with dropout off the two modes compute the same
         self.model = model

@@ -98,19 +98,21 @@ def shard(base: nn.Module, mesh: Any, layers: Iterable[nn.Module]) -> None:
 
 
 def build_sharded(build: Callable[[bool], nn.Module], mesh: Any, layers_of: Callable[[nn.Module], list[nn.Module]],
-                  device: torch.device) -> nn.Module:
+                  device: torch.device, convert: Callable[[nn.Module], nn.Module] = lambda model: model) -> nn.Module:
     """Build a model with ``build(empty)``, shard it over ``mesh`` and give every rank its shard of rank 0's
     values.
 
     ``build(False)`` (rank 0) reads the weights; ``build(True)`` (the other ranks) must build the same modules,
     with the same names and shapes, on the ``meta`` device. ``layers_of(model)`` are the units to shard per layer.
+    ``convert(model)`` runs before sharding (a precision plugin's ``convert_module``: a sharded model's dtype
+    cannot change afterwards).
     """
     rank = dist.get_rank()
     if rank == 0:
-        model = build(False)
+        model = convert(build(False))
     else:
         with torch.device("meta"):
-            model = build(True)
+            model = convert(build(True))
     # Rank 0's whole values, kept until they are sent: after sharding, rank 0's parameters hold only its shard.
     full_state = dict(model.state_dict()) if rank == 0 else {}
     buffers = [(owner, name) for owner in model.modules() for name in owner._buffers
