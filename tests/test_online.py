@@ -1,6 +1,7 @@
 """The critic-free on-policy algorithms (GRPO, RLOO, REINFORCE++) on the shared machinery, on a tiny GPT-2: their
 advantages are the pure functions' on real rollouts, gradients reach exactly the policy adapter, the loss of a
-step does not depend on how it is split, reward functions with TRL's signature, resume, DDP."""
+step does not depend on how it is split, reward functions with TRL's signature, resume (DDP and FSDP2:
+tests/test_distributed.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
 from rlhf_lightning.rollout.experience import sequence_kl
 from rlhf_lightning.tasks.synthetic import gold_rewards
 from tests.conftest import LORA, built
-from tests.test_ppo import _fit, _perturb, assert_one_copy_of_the_base, prompts, run_under_ddp
+from tests.test_ppo import _fit, _perturb, assert_one_copy_of_the_base, prompts
 
 REPO = Path(__file__).resolve().parents[1]
 CRITIC_FREE = [GRPO, RLOO, REINFORCEPlusPlus]
@@ -229,14 +230,6 @@ def test_grpo_fit_logs_its_terms_and_resumes_exactly(tiny_model_dir, reward_dir,
 @pytest.mark.parametrize("cls", [PPO, *CRITIC_FREE], ids=lambda cls: cls.__name__)
 def test_every_module_holds_one_copy_of_the_base(cls, tiny_model_dir, reward_dir):
     assert_one_copy_of_the_base(make(cls, tiny_model_dir, reward_dir), tiny_model_dir)
-
-
-@pytest.mark.slow
-def test_grpo_runs_under_ddp_on_two_cpu_processes(tiny_model_dir, reward_dir, tmp_path):
-    run_under_ddp("grpo.yaml", tmp_path, f"--model.init_args.base.name_or_path={tiny_model_dir}",
-                  f"--model.init_args.reward.init_args.path={reward_dir}", "--model.init_args.policy_lora={r: 4, alpha: 8}",
-                  "--model.init_args.kl_coef=0.05", "--data.init_args.batch_size=4")
-    assert not (tmp_path / "adapters" / "critic").exists()
 
 
 def test_the_cli_takes_a_list_of_weighted_reward_sources(tiny_model_dir, reward_dir, tmp_path):
