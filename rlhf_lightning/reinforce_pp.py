@@ -1,9 +1,13 @@
-"""REINFORCE++ (Hu 2025), as OpenRLHF's ``reinforce`` and ``reinforce_baseline`` estimators.
+"""REINFORCE++ (Hu 2025), as OpenRLHF 0.11's ``reinforce`` and ``reinforce_baseline`` estimators.
 
 No critic and, by default, no group: the KL penalty is shaped into every token's reward (the score on the last
 token), the advantage of a token is its return-to-go, and advantages are whitened over the whole batch's valid
 tokens, which stands in for a baseline. ``baseline: group`` (REINFORCE++-baseline) first subtracts the mean score
 of the prompt's group.
+
+The whitening is OpenRLHF's, number for number: (A - mean) / sqrt(max(var, 1e-8)) with the biased variance over
+every valid token of the batch (every rank's). OpenRLHF also clamps each per-token KL estimate to [-10, 10]; here
+that is ``kl_clamp: 10``, off by default (the unclamped estimator is the unbiased one).
 """
 
 from __future__ import annotations
@@ -46,7 +50,8 @@ class REINFORCEPlusPlus(OnlineRL):
         kl = (self.token_kl(experience) if self.reward_kl_coef else mask.float() * 0.0)
         rewards = token_rewards(scores, kl, mask, self.reward_kl_coef)
         stats = {"objective/rlhf_reward": rewards.where(mask, 0.0).sum(-1).mean()}
-        # Whitened over the global batch (every rank's tokens), which stands in for a baseline.
+        # Whitened over the global batch (every rank's tokens), which stands in for a baseline; OpenRLHF's biased
+        # variance and floor.
         advantages = masked_whiten(returns_to_go(rewards, mask, self.hparams.gamma), mask,
-                                   over_ranks=self.sum_over_ranks)
+                                   over_ranks=self.sum_over_ranks, unbiased=False, floor=True)
         return experience.with_advantages(advantages), stats

@@ -1,17 +1,28 @@
-"""RLOO: REINFORCE with a leave-one-out baseline (Kool et al. 2019; Ahmadian et al. 2024), as TRL's RLOOTrainer.
+"""RLOO: REINFORCE with a leave-one-out baseline (Kool et al. 2019; Ahmadian et al. 2024), TRL's RLOOTrainer's
+advantages.
 
 Each response's reward is its score minus ``kl_coef`` times its sequence KL to the reference (k1); its advantage
-is that reward minus the mean reward of the other responses to the same prompt.
+is that reward minus the mean reward of the other responses to the same prompt; ``whiten_advantages`` is TRL's
+``normalize_advantages``, (A - mean) / (std + 1e-4) over the batch's responses.
+
+The loss. TRL 1.16's RLOOTrainer clips one ratio per response, the exponential of its summed log-ratio, and
+averages over responses: ``ratio_level: sequence_sum`` with ``loss_aggregation: sequence_mean`` here, number for
+number. The default is the family's instead, a ratio per token and the token mean over the step (as GRPO, PPO
+and REINFORCE++ here): the two are identical on the first optimizer step of a rollout, and on the later ones (the
+shipped config makes four: two epochs of two minibatches) a per-token clip bounds each token's update, where a
+product of 30 token ratios leaves the clip range after small moves of each and silences whole responses.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
-
-from rlhf_lightning.algorithms import masked_whiten
-from rlhf_lightning.algorithms.group import broadcast_to_tokens, rloo_advantages, zero_std_fraction
+from rlhf_lightning.algorithms.group import (
+    broadcast_to_tokens,
+    normalize_advantages,
+    rloo_advantages,
+    zero_std_fraction,
+)
 from rlhf_lightning.core.online import OnlineRL, Stats
 from rlhf_lightning.rollout.experience import Experience
 
@@ -23,7 +34,8 @@ class RLOO(OnlineRL):
         samples_per_prompt: responses per prompt (at least 2: the baseline leaves one out).
         kl_coef: coefficient of the sequence KL (``kl_estimator`` summed over the response; k1 as TRL) subtracted
             from each reward.
-        whiten_advantages: standardise the advantages over the batch (TRL's ``normalize_advantages``).
+        whiten_advantages: standardise the advantages over the batch's responses as TRL's
+            ``normalize_advantages``: (A - mean) / (std + 1e-4), Bessel's std.
     """
 
     metric_prefix = "rloo"
@@ -44,8 +56,7 @@ class RLOO(OnlineRL):
             stats["objective/rlhf_reward"] = rewards.mean()
         advantages = rloo_advantages(rewards, experience.group_size)
         if self.hparams.whiten_advantages:  # over the responses, one value each (not over their tokens)
-            advantages = masked_whiten(advantages, torch.ones_like(advantages, dtype=torch.bool),
-                                       over_ranks=self.sum_over_ranks)
+            advantages = normalize_advantages(advantages, over_ranks=self.sum_over_ranks)
         advantages = broadcast_to_tokens(advantages, experience.response_mask)
         stats["objective/frac_zero_std"] = zero_std_fraction(rewards, experience.group_size)
         return experience.with_advantages(advantages), stats

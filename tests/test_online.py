@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rlhf_lightning import GRPO, PPO, RLOO, AdapterReward, FunctionReward, REINFORCEPlusPlus
-from rlhf_lightning.algorithms import kl_penalty, masked_whiten, token_rewards
+from rlhf_lightning.algorithms import kl_penalty, token_rewards
 from rlhf_lightning.algorithms.group import group_advantages, returns_to_go, rloo_advantages
 from rlhf_lightning.core.online import OnlineRL
 from rlhf_lightning.models.shared_base import adapter_of
@@ -59,7 +59,11 @@ def test_rollout_advantages_are_the_pure_functions_on_the_experience(cls, tiny_m
     else:
         rewards = token_rewards(experience.scores, kl_penalty(experience.logprobs, experience.ref_logprobs), mask,
                                 0.1)
-        expected = masked_whiten(returns_to_go(rewards, mask), mask)
+        returns = returns_to_go(rewards, mask)
+        # OpenRLHF 0.11's normalisation, written out: biased variance over the valid tokens, floored at 1e-8
+        mean = (returns * mask).sum() / mask.sum()
+        variance = ((returns - mean).pow(2) * mask).sum() / mask.sum()
+        expected = (returns - mean) * variance.clamp(min=1e-8).rsqrt()
     torch.testing.assert_close(experience.advantages, torch.where(mask, expected, 0.0))
     assert stats["objective/kl"] > 0 and experience.returns is None and experience.values is None
 

@@ -72,6 +72,18 @@ def group_advantages(
     return centred.reshape(-1)
 
 
+def normalize_advantages(advantages: Tensor, eps: float = 1e-4, over_ranks: SumOverRanks | None = None) -> Tensor:
+    """TRL's RLOO ``normalize_advantages``: (A - mean) / (std + eps) over the batch's responses (every rank's
+    with ``over_ranks``), std with Bessel's correction, ``eps`` 1e-4 added to the std.
+
+    Shapes: ``advantages`` ``[N]`` -> ``[N]`` (at least float32).
+    """
+    values = advantages.to(torch.promote_types(advantages.dtype, torch.float32))
+    count = total(values.new_tensor(float(values.numel())), over_ranks)
+    mean = total(values.sum(), over_ranks) / count.clamp(min=1)
+    return (values - mean) / (_unbiased_std(values, over_ranks=over_ranks) + eps)
+
+
 def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
     """REINFORCE leave-one-out: r_i - mean of the other G - 1 rewards of its group = G / (G - 1) (r_i - mean).
 

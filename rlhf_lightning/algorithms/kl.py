@@ -12,22 +12,27 @@ KLEstimator = Literal["k1", "k2", "k3"]
 _ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
 
 
-def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator = "k1") -> Tensor:
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator = "k1",
+               clamp: float | None = None) -> Tensor:
     """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi, with r = logprobs - ref_logprobs.
 
     k1 = r (unbiased, can be negative); k2 = r^2 / 2 (biased, low variance);
     k3 = exp(-r) - 1 + r (unbiased and non-negative; Schulman, "Approximating KL Divergence").
+    ``clamp``: limit each estimate to [-clamp, clamp], as OpenRLHF 0.11's ``compute_approx_kl`` does with 10
+    (which biases the estimate where the policy has moved far; None = the estimator itself).
     Shapes: ``[B, T]`` (any shape, elementwise) -> same shape.
     """
     log_ratio = logprobs - ref_logprobs
     if estimator == "k1":
-        return log_ratio
-    if estimator == "k2":
-        return 0.5 * log_ratio**2
-    if estimator == "k3":
+        kl = log_ratio
+    elif estimator == "k2":
+        kl = 0.5 * log_ratio**2
+    elif estimator == "k3":
         # expm1 keeps precision when pi and pi_ref nearly agree (small r), the usual case.
-        return torch.expm1(-log_ratio) + log_ratio
-    raise ValueError(f"Unknown KL estimator {estimator!r}; expected one of {', '.join(_ESTIMATORS)}.")
+        kl = torch.expm1(-log_ratio) + log_ratio
+    else:
+        raise ValueError(f"Unknown KL estimator {estimator!r}; expected one of {', '.join(_ESTIMATORS)}.")
+    return kl if clamp is None else kl.clamp(min=-clamp, max=clamp)
 
 
 def _check_coef(coef: float) -> float:

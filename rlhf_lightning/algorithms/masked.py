@@ -73,16 +73,19 @@ def masked_var(values: Tensor, mask: Tensor, unbiased: bool = True, over_ranks: 
 
 
 def masked_whiten(values: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8,
-                  over_ranks: SumOverRanks | None = None) -> Tensor:
-    """Standardise valid entries: (x - mean) / sqrt(var + eps), with mean and unbiased var over valid entries
-    (of every rank, with ``over_ranks``).
+                  over_ranks: SumOverRanks | None = None, unbiased: bool = True, floor: bool = False) -> Tensor:
+    """Standardise valid entries: (x - mean) / sqrt(var + eps), with mean and var over valid entries (of every
+    rank, with ``over_ranks``).
 
+    The defaults are TRL's ``masked_whiten`` (Bessel's variance, ``eps`` added); ``unbiased=False, floor=True``
+    is OpenRLHF 0.11's advantage normalisation, (x - mean) / sqrt(max(var, eps)) with the biased variance.
     With ``shift_mean=False`` the mean is added back, so only the scale changes (used for rewards, whose sign
     matters). Padded entries of the output are 0. Shape: same as ``values``.
     """
     valid = _valid(values, mask)
     mean = masked_mean(values, valid, over_ranks=over_ranks)
-    whitened = (values - mean) * torch.rsqrt(masked_var(values, valid, over_ranks=over_ranks) + eps)
+    variance = masked_var(values, valid, unbiased=unbiased, over_ranks=over_ranks)
+    whitened = (values - mean) * torch.rsqrt(variance.clamp(min=eps) if floor else variance + eps)
     if not shift_mean:
         whitened = whitened + mean
     return torch.where(valid, whitened, torch.zeros_like(whitened))

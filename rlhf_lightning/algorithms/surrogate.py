@@ -1,5 +1,5 @@
-"""Clipped surrogate of the critic-free family (token ratio as in GRPO/DAPO, sequence ratio as in GSPO) and
-loss aggregation that stays exact under gradient accumulation and data parallelism.
+"""Clipped surrogate of the critic-free family (token ratio as in GRPO/DAPO, sequence ratio as in GSPO or TRL's
+RLOO) and loss aggregation that stays exact under gradient accumulation and data parallelism.
 
 Why a separate normaliser. "Mean" in these losses has three meanings (see ALGORITHMS.md, "Loss aggregation"):
 the token mean over the batch (DAPO, verl's and TRL's default), the mean over sequences of per-sequence token
@@ -25,7 +25,7 @@ from torch import Tensor
 
 from rlhf_lightning.algorithms.masked import masked_mean, masked_sum
 
-RatioLevel = Literal["token", "sequence"]
+RatioLevel = Literal["token", "sequence", "sequence_sum"]
 LossAggregation = Literal["token_mean", "sequence_mean", "constant"]
 _LEVELS: tuple[str, ...] = get_args(RatioLevel)
 _AGGREGATIONS: tuple[str, ...] = get_args(LossAggregation)
@@ -58,7 +58,10 @@ def clipped_surrogate(
 
     ``level="token"``: rho_t = exp(lp_t - lp_old_t). ``level="sequence"`` (GSPO, Zheng et al. 2025; TRL's
     ``importance_sampling_level="sequence"``): one ratio per response, rho = exp(sum_t m (lp - lp_old) / sum_t m),
-    the geometric mean of its token ratios, on each of its tokens. Unequal bounds give DAPO's clip-higher.
+    the geometric mean of its token ratios, on each of its tokens. ``level="sequence_sum"`` (TRL 1.16's
+    ``RLOOTrainer``): one ratio per response, rho = exp(sum_t m (lp - lp_old)), the product of its token ratios,
+    on each of its tokens (aggregated with ``sequence_mean`` it is TRL's per-response loss, averaged over
+    responses). Unequal bounds give DAPO's clip-higher.
     clipped_low = rho < 1 - clip_low and A < 0; clipped_high = rho > 1 + clip_high and A > 0 (TRL's flags).
     Computed in at least float32 (a bf16 sum of log-ratios over a long response loses the ratio).
     Shapes: ``logprobs``, ``old_logprobs``, ``advantages`` (a sequence advantage already broadcast), ``mask``
@@ -77,6 +80,8 @@ def clipped_surrogate(
     if level == "sequence":
         lengths = valid.sum(dim=1, keepdim=True).clamp(min=1).to(dtype)
         log_ratio = torch.where(valid, log_ratio.sum(dim=1, keepdim=True) / lengths, zero)
+    elif level == "sequence_sum":
+        log_ratio = torch.where(valid, log_ratio.sum(dim=1, keepdim=True), zero)
     advantages = torch.where(valid, advantages.to(dtype), zero)
     ratio = torch.exp(log_ratio)
     surrogate = torch.minimum(

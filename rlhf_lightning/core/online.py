@@ -86,6 +86,8 @@ class OnlineRL(PolicyModule):
         kl_coef: coefficient of the KL penalty to the reference (the initial one when ``kl_target`` is set);
             0 with no ``kl_target`` = no reference pass at all.
         kl_estimator: per-token KL estimator: ``k1`` (log-ratio), ``k2`` or ``k3`` (Schulman).
+        kl_clamp: clamp every per-token KL estimate to [-kl_clamp, kl_clamp], as OpenRLHF does with 10 (it biases
+            the estimate where the policy has moved far from the reference); null = off.
         kl_in: where the KL penalty goes: ``reward`` (shaped into the rewards before the advantages) or
             ``loss`` (a per-token term of the loss, GRPO's way).
         kl_ratio_weighting: with ``kl_in: loss``, weight each token's KL term by the importance ratio (TRL
@@ -97,8 +99,8 @@ class OnlineRL(PolicyModule):
         gradient_accumulation: micro-batches per minibatch (less memory; same result).
         clip_range: epsilon of the clipped objective below 1 (and above, unless ``clip_range_high``).
         clip_range_high: epsilon above 1 (DAPO's clip-higher, e.g. 0.28); null = ``clip_range``.
-        ratio_level: ``token`` ratios (PPO, GRPO) or one ``sequence`` ratio per response, the geometric mean of
-            its token ratios (GSPO).
+        ratio_level: ``token`` ratios (PPO, GRPO); one ``sequence`` ratio per response, the geometric mean of
+            its token ratios (GSPO); or ``sequence_sum``, the product of its token ratios (TRL's RLOO).
         loss_aggregation: ``token_mean`` over every token of the optimizer step (DAPO, verl, OpenRLHF);
             ``sequence_mean`` of per-response token means (the original GRPO); ``constant``: token sum divided
             by responses x ``max_new_tokens`` (Dr. GRPO).
@@ -137,6 +139,7 @@ class OnlineRL(PolicyModule):
         reward_clip: float | None = None,
         kl_coef: float = 0.05,
         kl_estimator: KLEstimator = "k1",
+        kl_clamp: float | None = None,
         kl_in: Literal["reward", "loss"] = "reward",
         kl_ratio_weighting: bool = True,
         kl_target: float | None = None,
@@ -146,7 +149,7 @@ class OnlineRL(PolicyModule):
         gradient_accumulation: int = 1,
         clip_range: float = 0.2,
         clip_range_high: float | None = None,
-        ratio_level: Literal["token", "sequence"] = "token",
+        ratio_level: Literal["token", "sequence", "sequence_sum"] = "token",
         loss_aggregation: LossAggregation = "token_mean",
         ent_coef: float = 0.0,
         ptx_coef: float = 0.0,
@@ -178,15 +181,19 @@ class OnlineRL(PolicyModule):
         for name, value in {"clip_range_high": clip_range_high, "missing_eos_penalty": missing_eos_penalty}.items():
             checks.non_negative(name, value, optional=True)
         for name, value in {"reward_clip": reward_clip, "kl_target": kl_target, "target_kl": target_kl,
-                            "max_grad_norm": max_grad_norm}.items():
+                            "max_grad_norm": max_grad_norm, "kl_clamp": kl_clamp}.items():
             checks.positive(name, value, optional=True)
+        if clip_range_high is not None and clip_range_high < clip_range:
+            raise ValueError(f"clip_range_high={clip_range_high} is below clip_range={clip_range}: the upper bound of "
+                             "the clip would be tighter than the lower one; clip-higher (DAPO) raises it, e.g. "
+                             "clip_range 0.2 with clip_range_high 0.28 (null = the same as clip_range)")
         checks.positive("policy_lr", policy_lr)
         checks.positive("adam_eps", adam_eps)
         for index, weight in enumerate(reward_weights or []):
             checks.finite(f"reward_weights[{index}]", weight)
         checks.one_of("kl_estimator", kl_estimator, get_args(KLEstimator))
         checks.one_of("kl_in", kl_in, ("reward", "loss"))
-        checks.one_of("ratio_level", ratio_level, ("token", "sequence"))
+        checks.one_of("ratio_level", ratio_level, ("token", "sequence", "sequence_sum"))
         checks.one_of("loss_aggregation", loss_aggregation, get_args(LossAggregation))
         checks.one_of("lr_schedule", lr_schedule, get_args(Schedule))
         checks.one_of("nonfinite", nonfinite, get_args(NonFinite))
@@ -369,7 +376,8 @@ class OnlineRL(PolicyModule):
 
     def token_kl(self, experience: Experience) -> Tensor:
         """Per-token KL estimate ``[B, R]`` of the rollout's policy to the reference (``kl_estimator``)."""
-        return kl_penalty(experience.logprobs, experience.ref_logprobs, self.hparams.kl_estimator)
+        return kl_penalty(experience.logprobs, experience.ref_logprobs, self.hparams.kl_estimator,
+                          self.hparams.kl_clamp)
 
     def sequence_kl_penalty(self, experience: Experience) -> Tensor:
         """``[B]``: the ``kl_estimator``'s per-token KL summed over each response (with k1, the log-ratio sum)."""
@@ -519,10 +527,13 @@ class OnlineRL(PolicyModule):
         if hp.kl_in == "loss" and self.kl_controller.value > 0:
             # Padding gets the reference's own log-prob (KL 0 there): garbage could overflow k3's exp and turn
             # the masked-out zero gradient into NaN.
-            kl = kl_penalty(torch.where(mask, logprobs, micro.ref_logprobs), micro.ref_logprobs, hp.kl_estimator)
+            kl = kl_penalty(torch.where(mask, logprobs, micro.ref_logprobs), micro.ref_logprobs, hp.kl_estimator,
+                            hp.kl_clamp)
             if hp.kl_ratio_weighting:  # by the surrogate's own ratio: per token, or per response (GSPO)
                 if hp.ratio_level == "sequence":
                     log_ratio = (log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1))
+                elif hp.ratio_level == "sequence_sum":
+                    log_ratio = log_ratio.sum(-1, keepdim=True)
                 kl = kl * torch.exp(log_ratio)
             per_token = per_token + self.kl_controller.value * kl
             terms["loss/kl"] = masked_mean(kl.detach(), mask)
