@@ -50,13 +50,27 @@ class LogConfigCallback(SaveConfigCallback):
 class OneLineArgumentParser(LightningArgumentParser):
     """LightningArgumentParser whose errors are one line (``error: model.init_args.lr: Expected a <class
     'float'>. Got value: abc``) instead of the usage and jsonargparse's nested union report;
-    ``RLHF_LIGHTNING_TRACEBACK=1`` restores the full report."""
+    ``RLHF_LIGHTNING_TRACEBACK=1`` restores the full report. Abbreviated options are refused: argparse would
+    otherwise take ``--trainer.max_step`` for ``--trainer.max_steps`` without a word."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         if not self.exit_on_error or want_traceback():
             super().error(message, ex)
-        print(f"error: {condense_parser_error(message)}", file=sys.stderr)
+        print(f"error: {condense_parser_error(message, self.option_names())}", file=sys.stderr)
         sys.exit(2)
+
+    def option_names(self) -> list[str]:
+        """Every ``--option`` of this parser and its subcommands' (for the closest name to a misspelled one)."""
+        names = [option for action in self._actions for option in action.option_strings]
+        for action in self._actions:
+            for parser in (getattr(action, "choices", None) or {}).values():
+                if isinstance(parser, LightningArgumentParser):
+                    names += [option for sub in parser._actions for option in sub.option_strings]
+        return names
 
 
 class RLHFCLI(LightningCLI):

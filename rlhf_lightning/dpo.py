@@ -104,6 +104,10 @@ class DPO(PolicyModule):
     def needs_reference(self) -> bool:
         return self.hparams.loss_type != "simpo"
 
+    @property
+    def samples(self) -> bool:
+        return self.hparams.sample_eval_batches != 0
+
     # ---- log-probs ----------------------------------------------------------------------------------------
 
     def sequence_logps(self, role: str | None, batch: dict[str, Tensor]) -> Tensor:

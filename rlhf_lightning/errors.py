@@ -1,7 +1,8 @@
 """Our own errors reach the user as one line, not under the parser's or the Trainer's traceback.
 
-A ``ValueError``/``TypeError``/``FileNotFoundError``/``KeyError`` (``DataFormatError`` and ``CheckpointError`` are
-``ValueError``) that a ``raise`` statement of this package threw is a message written for the user: it names the
+A ``ValueError``/``TypeError``/``OSError``/``KeyError``/``RuntimeError``/``FloatingPointError`` (``DataFormatError``
+and ``CheckpointError`` are ``ValueError``, ``NonFiniteError`` a ``FloatingPointError``) that a ``raise`` statement of
+this package threw is a message written for the user: it names the
 file, row, key or argument and what was expected. jsonargparse wraps an error raised in a module's
 constructor into a ~150-line "Does not validate against any of the Union subtypes" report; the message the
 user needs is the innermost cause from this package. Anything else (a bug, a library's error) keeps its full
@@ -10,6 +11,9 @@ traceback. ``RLHF_LIGHTNING_TRACEBACK=1`` shows the full traceback of every erro
 
 from __future__ import annotations
 
+import difflib
+import importlib
+import inspect
 import linecache
 import os
 import re
@@ -19,7 +23,9 @@ from types import TracebackType
 import yaml
 
 TRACEBACK_ENV = "RLHF_LIGHTNING_TRACEBACK"
-USER_ERRORS = (ValueError, TypeError, FileNotFoundError, KeyError)
+# What a `raise` of ours throws for the user (NonFiniteError is a FloatingPointError; a module used before its model
+# is built raises RuntimeError); an AssertionError or a library's error keeps its traceback.
+USER_ERRORS = (ValueError, TypeError, OSError, KeyError, FloatingPointError, RuntimeError)
 PACKAGE = Path(__file__).resolve().parent
 RAISE = re.compile(r"\braise\b")
 
@@ -93,17 +99,44 @@ def config_file_problem(path: str) -> str | None:
 
 PARSER_KEY = re.compile(r'^(\s*)Parser key "([^"]+)":\s*$')
 CLASS_PATH = re.compile(r"Problem with given class_path '([^']+)'")
+UNKNOWN_OPTION = re.compile(r"Option '([^']+)' is not accepted")
+# What TRL calls our arguments: a name taken from a TRL config gets its name here.
+TRL_NAMES = {
+    "beta": "kl_coef",
+    "num_generations": "samples_per_prompt",
+    "learning_rate": "policy_lr (lr in SFT, the reward model and DPO)",
+    "max_completion_length": "max_new_tokens",
+    "max_prompt_length": "data.init_args.max_length",
+    "epsilon": "clip_range",
+    "cliprange": "clip_range",
+    "epsilon_high": "clip_range_high",
+    "num_iterations": "epochs",
+    "num_ppo_epochs": "epochs",
+    "importance_sampling_level": "ratio_level",
+    "per_device_train_batch_size": "data.init_args.batch_size",
+    "gradient_accumulation_steps": "gradient_accumulation",
+    "cliprange_value": "clip_range_value",
+    "output_dir": "trainer.default_root_dir",
+}
 
 
-def condense_parser_error(message: str) -> str:
+UNRECOGNIZED = re.compile(r"^unrecognized arguments: (\S+)")
+
+
+def condense_parser_error(message: str, options: list[str] = ()) -> str:
     """jsonargparse's report of a bad value, down to one line: the full key as typed on the command line and
     the innermost problem, e.g. ``model.init_args.lr: Expected a <class 'float'>. Got value: abc``.
 
     The report nests ``Parser key "k":`` blocks, one level per group or class (with ``Problem with given
     class_path`` where a subclass's ``init_args`` start) inside "Does not validate against any of the Union
-    subtypes" lists; a message without that shape comes back unchanged.
+    subtypes" lists; a message without that shape comes back unchanged. An unrecognized option gets the closest
+    of ``options`` (the parser's own).
     """
     lines = message.splitlines()
+    unrecognized = UNRECOGNIZED.match(lines[0]) if lines else None
+    if unrecognized and options:
+        given = unrecognized.group(1).split("=")[0]
+        return f"{lines[0]}{suggestion(given, list(options))}"
     path: list[str] = []
     depth, in_class, detail = -1, False, ""
     for index, line in enumerate(lines):
@@ -121,4 +154,70 @@ def condense_parser_error(message: str) -> str:
         detail = next((rest.strip() for rest in lines[index + 1:] if rest.strip()), "")
     if not path or not detail or PARSER_KEY.match(detail):
         return message if len(lines) < 2 else lines[0]
+    if "Does not validate against any of the Union subtypes" in detail:
+        return class_problem(lines, path) or f"{'.'.join(path)}: {detail}"
     return f"{'.'.join(path)}: {detail}"
+
+
+def class_problem(lines: list[str], path: list[str]) -> str | None:
+    """The one line for a union report whose cause is a class given by ``class_path``: an argument it does not
+    take (with the closest names it does, and TRL's name where the user took one from TRL), or a class that
+    cannot be imported. None when the report is about something else."""
+    for index, line in enumerate(lines):
+        found = CLASS_PATH.search(line)
+        if found is None:
+            continue
+        class_name = found.group(1)
+        problem = next((rest.strip() for rest in lines[index + 1:] if rest.strip()), "")
+        key = ".".join(path)
+        unknown = UNKNOWN_OPTION.search(problem)
+        if unknown:
+            name = unknown.group(1)
+            return (f"{key}.init_args.{name}: {class_name} takes no argument {name!r}"
+                    f"{suggestion(name, accepted_arguments(class_name))}; --{key}.help {class_name} lists them all")
+        module, _, attribute = class_name.rpartition(".")
+        if "has no attribute" in problem:
+            return (f"{key}.class_path {class_name}: {module} has no {attribute!r}"
+                    f"{suggestion(attribute, module_names(module))}")
+        if "No module named" in problem or "does not have" in problem or "Unable to" in problem:
+            return (f"{key}.class_path {class_name}: it cannot be imported ({problem.rstrip('.')}); a class of your "
+                    f"own must be importable from where you run: {module}.py in the current folder, or its "
+                    "folder on PYTHONPATH")
+        return f"{key}: {class_name}: {problem}"
+    return None
+
+
+def accepted_arguments(class_path: str) -> list[str]:
+    """Every argument ``class_path``'s constructor takes, its parents' included where it passes ``**kwargs`` up."""
+    from rlhf_lightning.resume import import_class
+
+    cls = import_class(class_path)
+    names: list[str] = []
+    for klass in (cls.__mro__ if cls is not None else ()):
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        try:
+            parameters = inspect.signature(init).parameters.values()
+        except (TypeError, ValueError):
+            break
+        names += [p.name for p in parameters if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if not any(p.kind == p.VAR_KEYWORD for p in parameters):
+            break
+    return list(dict.fromkeys(names))
+
+
+def module_names(module: str) -> list[str]:
+    """The public names of ``module`` (nothing when it cannot be imported)."""
+    try:
+        return [name for name in dir(importlib.import_module(module)) if not name.startswith("_")]
+    except ImportError:
+        return []
+
+
+def suggestion(name: str, accepted: list[str]) -> str:
+    """`` (did you mean kl_coef?)`` for a misspelled name, TRL's equivalent for a TRL name, or ``""``."""
+    if name in TRL_NAMES:
+        return f" (TRL's {name} is {TRL_NAMES[name]} here)"
+    close = difflib.get_close_matches(name, accepted, n=3, cutoff=0.6)
+    return f" (did you mean {', '.join(close[:-1]) + ' or ' if len(close) > 1 else ''}{close[-1]}?)" if close else ""

@@ -7,7 +7,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer
+from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer, looks_local
 from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.models.spec import BaseModelSpec
 
@@ -21,9 +21,16 @@ def merge_adapter(adapter: str | Path, out: str | Path, base: str | None = None)
     config_path = adapter / "adapter_config.json"
     if not config_path.exists():
         raise FileNotFoundError(f"{config_path} not found: {adapter} is not a peft adapter folder")
-    base = base or json.loads(config_path.read_text()).get("base_model_name_or_path")
-    if not base:
-        raise ValueError(f"{config_path} does not name its base model; pass --base")
+    recorded = json.loads(config_path.read_text()).get("base_model_name_or_path")
+    if base is None:
+        if not recorded:
+            raise ValueError(f"{config_path} does not name its base model; pass --base")
+        if looks_local(recorded) and not Path(recorded).expanduser().is_dir():
+            where = "relative to the folder it was trained from, " if not Path(recorded).is_absolute() else ""
+            raise FileNotFoundError(
+                f"the adapter {adapter} records its base as {recorded} ({where}not a folder from here): give the "
+                "base with --base PATH (the model the adapter was trained on, e.g. the SFT stage's export)")
+        base = recorded
     spec = BaseModelSpec(name_or_path=base)
     tokenizer = load_tokenizer(spec)
     shared = SharedBase(load_causal_lm(spec, tokenizer))

@@ -6,14 +6,8 @@ import json
 import os
 from pathlib import Path
 
-import pytest
-import torch
-
-from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer
-from rlhf_lightning.models.shared_base import SharedBase
-from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
-
-# Set before anything imports wandb or the hub clients: tests never touch the network.
+# Set before anything imports wandb or the hub clients (which read them once, at import): tests never touch the
+# network.
 os.environ.update(
     WANDB_MODE="offline",
     WANDB_SILENT="true",
@@ -26,6 +20,13 @@ os.environ.update(
     NETRC=os.devnull,
 )
 os.environ.pop("WANDB_API_KEY", None)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer  # noqa: E402
+from rlhf_lightning.models.shared_base import SharedBase  # noqa: E402
+from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec  # noqa: E402
 
 LORA = LoraSpec(r=4, alpha=8)
 TINY_ARCHITECTURE = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "n_positions": 64}

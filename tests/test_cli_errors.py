@@ -51,7 +51,8 @@ def test_cli_errors_are_one_line_and_exit_non_zero(tmp_path, case):
     ("--model.init_args.lr=abc", "error: model.init_args.lr: Expected a <class 'float'>. Got value: abc"),
     ("--model.init_args.lr_schedule=bogus", "error: model.init_args.lr_schedule: Expected a "
                                             "typing.Literal['constant', 'linear', 'cosine']. Got value: bogus"),
-    ("--trainer.max_stepz=3", "error: unrecognized arguments: --trainer.max_stepz=3"),
+    ("--trainer.max_stepz=3", "error: unrecognized arguments: --trainer.max_stepz=3 (did you mean "
+                              "--trainer.max_steps, --trainer.max_time or --trainer.min_steps?)"),
 ])
 def test_a_bad_value_is_one_line_not_the_usage_and_the_union_report(capsys, argument, expected):
     with pytest.raises(SystemExit) as exit_info:

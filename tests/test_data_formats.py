@@ -312,16 +312,22 @@ def test_margin_and_gold_scores_pass_through(tmp_path):
     assert type(example.margin) is float and type(example.gold_rejected) is float
 
 
-def test_null_columns_from_parquet_count_as_absent(tmp_path):
-    # Arrow fills the second row's missing prompt/margin with nulls; it must parse as the HH form.
+def test_null_columns_from_parquet_count_as_absent_but_a_null_prompt_is_a_hole(tmp_path):
+    # Arrow fills the second row's missing margin with null: absent, the default margin. A null prompt in a file
+    # that has a prompt column is a hole in the data, not the transcript form (which has no prompt column).
     rows = [
         {"prompt": "Q", "chosen": "a", "rejected": "b", "margin": 1.5},
+        {"prompt": "R", "chosen": "yes", "rejected": "no"},
         {"chosen": "Q: yes", "rejected": "Q: no"},
     ]
     records = read_records(write_parquet(tmp_path / "mixed.parquet", rows))
-    assert records[1].fields["prompt"] is None
+    assert records[1].fields["margin"] is None and records[2].fields["prompt"] is None
     assert parse_preference(records[0]) == PreferenceExample("Q", "a", "b", margin=1.5)
-    assert parse_preference(records[1]) == PreferenceExample("Q:", " yes", " no", margin=0.0)
+    assert parse_preference(records[1]) == PreferenceExample("R", "yes", "no", margin=0.0)
+    with pytest.raises(DataFormatError, match=r"mixed.parquet row 3: column 'prompt' is null; give the row a prompt"):
+        parse_preference(records[2])
+    transcripts = read_records(write_parquet(tmp_path / "hh.parquet", rows[2:]))  # no prompt column at all
+    assert parse_preference(transcripts[0]) == PreferenceExample("Q:", " yes", " no", margin=0.0)
 
 
 # --- formats: SFT and prompts -------------------------------------------------------------------------

@@ -221,6 +221,13 @@ class OnlineRL(PolicyModule):
             self.minibatch_sizes(batch_size * self.hparams.samples_per_prompt,
                                  f"data.init_args.batch_size={batch_size} prompts x samples_per_prompt="
                                  f"{self.hparams.samples_per_prompt}")
+        # A reward function that cannot take TRL's keywords or the data's columns fails now, not after a rollout.
+        for source in self.rewards.sources:
+            source.check_columns(getattr(datamodule, "columns", []))
+        ptx = getattr(datamodule, "ptx", None)
+        if ptx is not None and ptx.train_set is not None:
+            self.check_positions(ptx.longest(), "the longest pretraining (ptx) example",
+                                 "lower data.init_args.ptx_max_length (longer examples are then skipped)")
 
     # ---- the iteration ------------------------------------------------------------------------------------
 

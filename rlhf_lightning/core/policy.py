@@ -147,6 +147,24 @@ class PolicyModule(StageModule):
 
     def setup(self, stage: str) -> None:
         self.sampling  # noqa: B018 (a stop_token the tokenizer lacks fails here, before the model is built)
+        super().setup(stage)
+
+    def check_lengths(self, datamodule: Any) -> None:
+        """Prompts and the responses sampled after them must fit the model's positions (pairs too, for DPO)."""
+        longest_prompt = getattr(datamodule, "longest_prompt", datamodule.longest)()
+        if hasattr(datamodule, "longest_prompt"):  # preference pairs: the pairs themselves, then their prompts
+            super().check_lengths(datamodule)
+        if not self.samples:
+            return
+        max_new_tokens = self.hparams.max_new_tokens
+        self.check_positions(longest_prompt + max_new_tokens,
+                             f"the longest prompt ({longest_prompt} tokens) and max_new_tokens={max_new_tokens}",
+                             "lower max_new_tokens or data.init_args.max_length (longer prompts are then skipped)")
+
+    @property
+    def samples(self) -> bool:
+        """Whether the module samples responses from the policy (DPO only in validation, and maybe not at all)."""
+        return True
 
     @property
     def iteration(self) -> int:

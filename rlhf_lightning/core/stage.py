@@ -22,7 +22,7 @@ from rlhf_lightning.core.nonfinite import (
     listing,
     nonfinite_names,
 )
-from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer
+from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer, position_limit
 from rlhf_lightning.models.sharding import build_sharded, local_tensor
 from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.models.spec import BaseModelSpec
@@ -116,6 +116,29 @@ class StageModule(L.LightningModule):
         modules on the meta device without reading a weight (see :func:`~rlhf_lightning.models.sharding.
         build_sharded`)."""
         raise NotImplementedError
+
+    def setup(self, stage: str) -> None:
+        datamodule = self.trainer.datamodule if self._trainer is not None else None
+        if datamodule is not None and hasattr(datamodule, "longest"):
+            self.check_lengths(datamodule)
+
+    def check_lengths(self, datamodule: Any) -> None:
+        """Before the model is built: the data's longest sequences must fit the model's positions."""
+        self.check_positions(datamodule.longest(), "the longest example of the data",
+                             "lower data.init_args.max_length (longer examples are then skipped)")
+
+    def check_positions(self, tokens: int, what: str, fix: str) -> None:
+        """Refuse sequences of ``tokens`` positions beyond the model's limit before any training, with one line
+        (``what`` they are, ``fix``: the settings that shorten them); warn instead for rotary positions, which
+        run past the trained length."""
+        limit, field, learned = position_limit(self.base_spec, self.tokenizer)
+        if limit is None or tokens <= limit:
+            return
+        message = (f"{what} reach{'es' if what.endswith('prompt') else ''} {tokens} positions, beyond the "
+                   f"{limit} of model {self.base_spec.name_or_path or 'base'} ({field})")
+        if learned:
+            raise ValueError(f"{message}, whose learned position embeddings stop there; {fix}")
+        log.warning("%s: its rotary positions run past the length it was trained on", message)
 
     def load_base(self, train_base: bool = False, empty: bool = False) -> SharedBase:
         """The base model of ``base``, wrapped as a :class:`SharedBase` (``empty``: on the meta device)."""

@@ -73,6 +73,10 @@ def parse_preference(record: Record) -> PreferenceExample:
     leading whitespace); for conversations, the shared leading messages.
     """
     fields = _present(record)
+    if {"chosen", "rejected"} <= fields.keys() and "prompt" in record.fields and "prompt" not in fields:
+        # A null in a prompt column is a hole in the data, not the transcript form (which has no prompt column).
+        raise _error(record, "column 'prompt' is null; give the row a prompt (text or messages), or drop the "
+                             "column to give every row as chosen/rejected transcripts")
     if {"prompt", "chosen", "rejected"} <= fields.keys():
         prompt = _text(record, "prompt", fields["prompt"])
         chosen = _text(record, "chosen", fields["chosen"])

@@ -35,6 +35,14 @@ from rlhf_lightning.tasks import TASKS, make_task
 log = logging.getLogger(__name__)
 
 SYNTHETIC = "synthetic"
+UNKNOWN_SHARE_WARNING = 0.1  # above this share of unknown tokens, the tokenizer does not fit the data
+
+
+def token_ids(example: Any) -> list[int]:
+    """Every token id of an encoded example (prompt, demonstration or pair)."""
+    if isinstance(example, EncodedPair):
+        return [*example.chosen_ids, *example.rejected_ids]
+    return list(example.input_ids)
 
 
 class StageDataModule(L.LightningDataModule):
@@ -114,6 +122,10 @@ class StageDataModule(L.LightningDataModule):
         """Length in tokens that ``max_length`` limits."""
         raise NotImplementedError
 
+    def longest(self) -> int:
+        """The longest example of the training and validation data, in tokens (see :meth:`length`)."""
+        return max((self.length(example) for example in [*(self.train_set or []), *self.val_set]), default=0)
+
     def collate(self, examples: list[Any]) -> dict:
         raise NotImplementedError
 
@@ -181,7 +193,22 @@ class StageDataModule(L.LightningDataModule):
             )
         if not examples:
             raise DataFormatError(f"{source}: no usable examples (all {len(records)} longer than max_length?)")
+        self._warn_unknown_tokens(examples, source)
         return examples
+
+    def _warn_unknown_tokens(self, examples: list[Any], source: str) -> None:
+        """Text the tokenizer cannot spell becomes its unknown token: say so when that is much of the data (the
+        embedded tasks' word-level tokenizers on other text, say), where training would learn nothing of it."""
+        unknown = self.tokenizer.unk_token_id
+        if unknown is None:
+            return
+        ids = [token for example in examples for token in token_ids(example)]
+        share = sum(token == unknown for token in ids) / max(len(ids), 1)
+        if share > UNKNOWN_SHARE_WARNING:
+            log.warning("%s: %.0f%% of its tokens are %s under tokenizer %r (%d tokens): it does not spell this "
+                        "text; set base.tokenizer or base.name_or_path to a model of the data's language",
+                        source, 100 * share, self.tokenizer.unk_token, getattr(self.tokenizer, "name_or_path", "?"),
+                        len(self.tokenizer))
 
 
 class SFTDataModule(StageDataModule):
@@ -248,6 +275,10 @@ class PreferenceDataModule(StageDataModule):
     def length(self, example: EncodedPair) -> int:
         return max(len(example.chosen_ids), len(example.rejected_ids))
 
+    def longest_prompt(self) -> int:
+        """The longest prompt of the pairs, in tokens (what DPO samples from in validation)."""
+        return max((example.prompt_length for example in [*(self.train_set or []), *self.val_set]), default=0)
+
     def collate(self, examples: list[EncodedPair]) -> dict:
         return collate_pairs(examples, self.tokenizer.pad_token_id)
 
@@ -311,6 +342,11 @@ class PromptDataModule(StageDataModule):
 
     def length(self, example: EncodedPrompt) -> int:
         return len(example.input_ids)
+
+    @property
+    def columns(self) -> list[str]:
+        """The dataset's columns besides ``prompt`` (what reward functions receive as keywords)."""
+        return sorted({name for example in [*(self.train_set or []), *self.val_set] for name in example.columns})
 
     def collate(self, examples: list[EncodedPrompt]) -> dict:
         return collate_prompts(examples, self.tokenizer.pad_token_id)

@@ -7,7 +7,9 @@ loading, the tokenizer must fit the model (:func:`check_tokenizer_fits`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -58,6 +60,20 @@ def check_local_folder(name_or_path: str, role: str = "model") -> None:
     raise FileNotFoundError(f"{role} folder {name_or_path} does not exist{hint}")
 
 
+@contextlib.contextmanager
+def hub_errors(name: str, role: str = "model") -> Iterator[None]:
+    """Turn transformers' ``OSError`` for a name that is neither a local folder nor reachable on the hub (a typo,
+    or no network) into one line naming it."""
+    try:
+        yield
+    except OSError as error:
+        if Path(name).expanduser().exists():
+            raise
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"{role} {name!r} is not a local folder and could not be fetched from the Hugging Face "
+                         f"hub ({first}): check the name, or give the folder it is saved in") from error
+
+
 def load_tokenizer(spec: BaseModelSpec) -> PreTrainedTokenizerBase:
     """The tokenizer of ``spec``, with a dedicated pad token and left padding (what generation needs)."""
     source = spec.tokenizer or spec.name_or_path
@@ -75,9 +91,10 @@ def load_tokenizer(spec: BaseModelSpec) -> PreTrainedTokenizerBase:
                 f"{folder} holds no tokenizer (none of {', '.join(TOKENIZER_FILES[:3])}...): set base.tokenizer "
                 "to the model's tokenizer (a hub id or folder), or save it there with tokenizer.save_pretrained"
             )
-        tokenizer = AutoTokenizer.from_pretrained(
-            source, revision=spec.revision, trust_remote_code=spec.trust_remote_code
-        )
+        with hub_errors(source, "tokenizer" if spec.tokenizer else "model"):
+            tokenizer = AutoTokenizer.from_pretrained(
+                source, revision=spec.revision, trust_remote_code=spec.trust_remote_code
+            )
     if spec.chat_template is not None:
         tokenizer.chat_template = spec.chat_template
     if tokenizer.eos_token_id is None:
@@ -202,11 +219,33 @@ def empty_causal_lm(spec: BaseModelSpec, tokenizer: PreTrainedTokenizerBase, dty
                                                 trust_remote_code=spec.trust_remote_code)
 
 
+def position_limit(spec: BaseModelSpec, tokenizer: PreTrainedTokenizerBase) -> tuple[int | None, str, bool]:
+    """``(limit, field, learned)``: how many positions ``spec``'s model takes (its config's ``n_positions`` or
+    ``max_position_embeddings``; None when it says neither), the config field it came from, and whether its
+    positions are learned embeddings (GPT-2, OPT: a longer sequence indexes past the table and fails) rather
+    than rotary or ALiBi (a longer sequence runs, beyond what the model was trained on). Reads the config only."""
+    if spec.name_or_path is not None:
+        config = AutoConfig.from_pretrained(spec.name_or_path, revision=spec.revision,
+                                            trust_remote_code=spec.trust_remote_code)
+    else:
+        config = fresh_config(spec, tokenizer)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for field in ("n_positions", "max_position_embeddings"):
+        limit = getattr(config, field, None)
+        if isinstance(limit, int) and limit > 0:
+            rotary = any(getattr(config, name, None) is not None for name in
+                         ("rope_theta", "rope_scaling", "rope_parameters", "rotary_pct", "rotary_dim",
+                          "partial_rotary_factor", "alibi"))
+            return limit, field, not rotary
+    return None, "", False
+
+
 def configured_vocab_size(spec: BaseModelSpec) -> int | None:
     """The vocabulary size in the config of ``spec``'s pretrained model (its text model's, for multimodal ones),
     or None when the config does not say."""
-    config = AutoConfig.from_pretrained(spec.name_or_path, revision=spec.revision,
-                                        trust_remote_code=spec.trust_remote_code)
+    with hub_errors(spec.name_or_path):
+        config = AutoConfig.from_pretrained(spec.name_or_path, revision=spec.revision,
+                                            trust_remote_code=spec.trust_remote_code)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     size = getattr(text_config, "vocab_size", None)
     return size if isinstance(size, int) and size > 0 else None

@@ -7,6 +7,7 @@ ensemble, an API).
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import math
@@ -90,6 +91,10 @@ class RewardSource:
 
     def setup(self, base: SharedBase, tokenizer: PreTrainedTokenizerBase) -> None:
         """Attach to the policy's base (adapter sources) or load own weights (separate models)."""
+
+    def check_columns(self, columns: Sequence[str]) -> None:
+        """Raise a one-line error, before any rollout, if the source cannot score rows with these dataset
+        ``columns`` (a reward function's signature); nothing to check by default."""
 
     def score(self, inputs: RewardInputs) -> Tensor:
         """Scores ``[B]`` (float); NaN marks a response the source does not apply to."""
@@ -248,11 +253,46 @@ class FunctionReward(RewardSource):
     """
 
     def __init__(self, fn: Callable[..., Sequence[float | None]]) -> None:
+        if not callable(fn):
+            raise TypeError(f"FunctionReward: fn must be a function, got {fn!r}")
         self.fn = fn
 
     @property
     def name(self) -> str:
         return getattr(self.fn, "__name__", type(self.fn).__name__)
+
+    @property
+    def label(self) -> str:
+        """``module.name`` of the function, for messages."""
+        return f"{getattr(self.fn, '__module__', '?')}.{self.name}"
+
+    def check_columns(self, columns: Sequence[str]) -> None:
+        """The function must take TRL's keywords and every column it asks for must be in the data."""
+        try:
+            signature = inspect.signature(self.fn)
+        except (TypeError, ValueError):  # a builtin or C function: nothing to inspect
+            return
+        given = ["prompts", "completions", "completion_ids", *columns]
+        try:
+            signature.bind(**{name: [] for name in given})
+        except TypeError as error:
+            parameters = signature.parameters
+            takes_kwargs = any(p.kind == p.VAR_KEYWORD for p in parameters.values())
+            unknown = [name for name in given if name not in parameters and not takes_kwargs]
+            missing = [name for name, p in parameters.items() if p.default is p.empty
+                       and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and name not in given]
+            if unknown and set(unknown) & {"prompts", "completions", "completion_ids"}:
+                raise TypeError(
+                    f"reward function {self.label}{signature} cannot take TRL's keywords: it is called as "
+                    "fn(prompts=..., completions=..., completion_ids=..., **columns) and should accept **kwargs "
+                    f"for the dataset's columns ({error})") from error
+            if missing:
+                raise ValueError(
+                    f"reward function {self.label} needs column{'s' if len(missing) > 1 else ''} "
+                    f"{', '.join(map(repr, missing))}, which the prompt data lacks (its columns: "
+                    f"{', '.join(columns) or 'only prompt'})") from error
+            raise TypeError(f"reward function {self.label}{signature} cannot take the dataset's columns "
+                            f"{', '.join(unknown)}: accept **kwargs ({error})") from error
 
     def score(self, inputs: RewardInputs) -> Tensor:
         where = f"reward function {getattr(self.fn, '__module__', '?')}.{self.name}"
@@ -288,6 +328,9 @@ class RewardSet:
     """
 
     def __init__(self, sources: Sequence[RewardSource], weights: Sequence[float] | None = None) -> None:
+        if not sources:
+            raise ValueError("reward: no reward source given (an empty list); give at least one, e.g. "
+                             "{class_path: rlhf_lightning.AdapterReward, init_args: {path: ...}}")
         self.sources = list(sources)
         self.weights = [1.0] * len(self.sources) if weights is None else [float(w) for w in weights]
         if len(self.weights) != len(self.sources):
