@@ -84,7 +84,7 @@ class PPO(OnlineRL):
         checks.non_negative("clip_range_value", clip_range_value, optional=True)
         if critic_from_reward and not any(isinstance(source, AdapterReward) for source in self.rewards.sources):
             raise ValueError("critic_from_reward needs an AdapterReward: the critic copies its adapter and head")
-        self.critic_lora = without_dropout(critic_lora, CRITIC)
+        self.critic_lora = without_dropout(critic_lora.check("critic_lora"), CRITIC)
         self.critic_from_reward = critic_from_reward
 
     def build_model(self, empty: bool) -> SharedBase:

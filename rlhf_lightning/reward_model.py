@@ -65,7 +65,7 @@ class RewardModel(StageModule):
         export_dir = checks.optional_str(export_dir)
         super().__init__(base)
         self.save_hyperparameters()
-        self.lora = lora
+        self.lora = lora.check("lora") if lora is not None else None
         self.adapter = REWARD_ROLE if lora is not None else None
         self.val_accuracy = PairwiseAccuracy()
         self.val_gold_accuracy = PairwiseAccuracy()

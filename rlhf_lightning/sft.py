@@ -58,7 +58,7 @@ class SFT(StageModule):
         export_dir = checks.optional_str(export_dir)
         super().__init__(base)
         self.save_hyperparameters()
-        self.lora = lora
+        self.lora = lora.check("lora") if lora is not None else None
         self.adapter = SFT_ADAPTER if lora is not None else None
         self.val_loss = MeanMetric()
 

@@ -112,12 +112,13 @@ def test_bad_data_arguments_fail_in_the_constructor(cls, bad, message):
 
 
 @pytest.mark.parametrize("make, message", [
-    (lambda: LoraSpec(r=0), "lora.r must be an integer >= 1, got 0"),
-    (lambda: LoraSpec(alpha=0), "lora.alpha must be > 0, got 0"),
-    (lambda: LoraSpec(dropout=1.0), "lora.dropout must lie in [0.0, 1.0), got 1.0"),
+    (lambda: LoraSpec(r=0).check(), "lora.r must be an integer >= 1, got 0"),
+    (lambda: LoraSpec(alpha=0).to_peft(), "lora.alpha must be > 0, got 0"),
+    (lambda: LoraSpec(dropout=1.0).check("policy_lora"), "policy_lora.dropout must lie in [0.0, 1.0), got 1.0"),
+    (lambda: DPO(base=BaseModelSpec(), policy_lora=LoraSpec(r=0)), "policy_lora.r must be an integer >= 1, got 0"),
     (lambda: BaseModelSpec(dtype="float8"), "base.dtype must be one of auto, float32, bfloat16, float16, got 'float8'"),
 ])
-def test_bad_model_specs_fail_when_built(make, message):
+def test_bad_model_specs_fail_when_checked_or_used(make, message):
     with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
         make()
 

@@ -126,7 +126,7 @@ class PolicyModule(StageModule):
         for level in collect_init_args(inspect.currentframe(), []):
             self.hparams.update({name: value for name, value in level.items()
                                  if name not in self.hparams and name not in ("reward", "gold_reward")})
-        self.policy_lora = without_dropout(policy_lora, POLICY)
+        self.policy_lora = without_dropout(policy_lora.check("policy_lora"), POLICY)
         self.gold_reward = gold_reward
         self.val_metrics = torch.nn.ModuleDict({name: MeanMetric() for name in self.validation_metrics})
         self._sampling: SamplingSettings | None = None

@@ -83,17 +83,21 @@ class LoraSpec:
     use_rslora: bool = False
     bias: Literal["none", "all", "lora_only"] = "none"
 
-    def __post_init__(self) -> None:
-        at_least("lora.r", self.r)
-        positive("lora.alpha", self.alpha)
-        in_range("lora.dropout", self.dropout, 0.0, 1.0, high_open=True)
-        one_of("lora.bias", self.bias, ("none", "all", "lora_only"))
+    def check(self, name: str = "lora") -> LoraSpec:
+        """Raise a one-line error naming ``name`` (the module argument: ``policy_lora``...) for a value out of
+        range; the modules check their adapters when constructed, where the argument's name is known."""
+        at_least(f"{name}.r", self.r)
+        positive(f"{name}.alpha", self.alpha)
+        in_range(f"{name}.dropout", self.dropout, 0.0, 1.0, high_open=True)
+        one_of(f"{name}.bias", self.bias, ("none", "all", "lora_only"))
+        return self
 
     def to_peft(self, fan_in_fan_out: bool = False):
         """The equivalent ``peft.LoraConfig``; ``fan_in_fan_out`` for layers that store weights transposed
         (GPT-2's ``Conv1D``)."""
         from peft import LoraConfig
 
+        self.check()
         return LoraConfig(
             r=self.r,
             lora_alpha=self.alpha,
