@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -11,9 +12,12 @@ import yaml
 from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from rlhf_lightning.callbacks.atomic_io import CheckpointError
+from rlhf_lightning.callbacks.checkpoint import Checkpoint
+from rlhf_lightning.callbacks.preemption import Preemption
 from rlhf_lightning.callbacks.progress import default_progress_bar
 from rlhf_lightning.errors import (
     condense_parser_error,
@@ -32,6 +36,7 @@ from rlhf_lightning.resume import (
     load_for_comparison,
     saved_class_of,
 )
+from rlhf_lightning.run_folder import export_path, refuse_overwrite
 
 # `ckpt_path` values that Lightning resolves itself rather than naming a file.
 SPECIAL_CKPT_PATHS = ("last", "best", "hpc")
@@ -126,7 +131,11 @@ class RLHFCLI(LightningCLI):
                 TrainerFn(subcommand), "last", model_provided=True, model_connected=False)
             if resolved:
                 self.check_checkpoint_against_config(subcommand, str(resolved))
-            self.config_init[subcommand]["ckpt_path"] = resolved  # resolved once: one warning, one file
+            self.config_init[subcommand]["ckpt_path"] = ckpt_path = resolved  # resolved once: one warning, one file
+        if subcommand == "fit" and not ckpt_path:
+            # Before the model is built: a fresh run must not write over another run's exports or checkpoints.
+            refuse_overwrite(self.trainer, export_path(self.trainer, getattr(self.model, "hparams", {}).get(
+                "export_dir")))
         super()._run_subcommand(subcommand)
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> L.Trainer:
@@ -134,7 +143,17 @@ class RLHFCLI(LightningCLI):
         listed = list(config.get("callbacks") or []) + list(callbacks)
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in listed):
             callbacks = [*callbacks, default_progress_bar()]
-        return super()._instantiate_trainer(config, callbacks)
+        if not any(isinstance(c, Preemption) for c in listed):  # a signal ends the fit with a checkpoint
+            callbacks = [*callbacks, Preemption()]
+        trainer = super()._instantiate_trainer(config, callbacks)
+        # The run folder: loggers and checkpoint callbacks given no folder of their own write under it.
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                logger.use_run_folder(trainer.default_root_dir)
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, Checkpoint):
+                callback.use_run_folder(trainer)
+        return trainer
 
 
 def main(args: Sequence[str] | None = None) -> None:
@@ -157,6 +176,10 @@ def main(args: Sequence[str] | None = None) -> None:
             merge_main(argv[1:])
             return
         RLHFCLI(args=None if args is None else argv)
+    except SIGTERMException:
+        # Lightning's own handling (outside a fit's training, where Preemption takes over) ends with status 0.
+        print("error: stopped by SIGTERM outside a training step (nothing to save)", file=sys.stderr)
+        sys.exit(128 + signal.SIGTERM)
     except Exception as error:
         ours = None if want_traceback() else user_error(error)
         if ours is None:

@@ -64,10 +64,20 @@ def user_error(error: BaseException) -> BaseException | None:
     return None
 
 
+def process_rank() -> int:
+    """This process's rank in a distributed run (0 outside one), from the launcher's environment."""
+    for name in ("RANK", "LOCAL_RANK", "SLURM_PROCID"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
+
+
 def one_line(error: BaseException) -> str:
-    """``error: <message>``, the line printed for a user error (a ``KeyError``'s quotes dropped)."""
+    """``error: <message>``, the line printed for a user error (a ``KeyError``'s quotes dropped); the other ranks
+    of a distributed run prefix theirs with ``[rank N]``, so that the job's log holds one ``error:`` line."""
     message = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
-    return f"error: {message}"
+    rank = process_rank()
+    return f"{f'[rank {rank}] ' if rank else ''}error: {message}"
 
 
 def config_files(argv: list[str]) -> list[str]:

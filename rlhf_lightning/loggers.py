@@ -56,7 +56,8 @@ class WandbLogger(LightningWandbLogger):
     Args:
         project: W&B project.
         name: run name; null lets W&B choose.
-        save_dir: folder that receives the ``wandb`` run folder.
+        save_dir: folder that receives the ``wandb`` run folder; null = the run folder (the Trainer's
+            ``default_root_dir``) when run from the command line, ``outputs`` otherwise.
         offline: force offline (true) or online (false); null = offline unless an API key is configured.
         log_model: upload checkpoints as W&B artifacts (online only).
         tags: W&B tags of the run.
@@ -67,7 +68,7 @@ class WandbLogger(LightningWandbLogger):
         self,
         project: str = "rlhf-lightning",
         name: str | None = None,
-        save_dir: str = "outputs",
+        save_dir: str | None = None,
         offline: bool | None = None,
         log_model: bool = False,
         tags: list[str] | None = None,
@@ -76,15 +77,27 @@ class WandbLogger(LightningWandbLogger):
     ) -> None:
         if offline is None:
             offline = not wandb_api_key_configured()
-        Path(save_dir).mkdir(parents=True, exist_ok=True)
+        self.follows_run_folder = save_dir is None
+        save_dir = save_dir or "outputs"
         super().__init__(
             project=project, name=name, save_dir=save_dir, offline=offline, log_model=log_model and not offline,
             tags=tags, group=group, **kwargs,
         )
         self._wandb_init.pop("anonymous", None)  # deprecated in wandb, which warns about it on every run
+        self.set_save_dir(save_dir)
+
+    def set_save_dir(self, save_dir: str) -> None:
+        """Write the run under ``save_dir`` (before the run starts)."""
+        Path(save_dir).mkdir(parents=True, exist_ok=True)
+        self._save_dir = save_dir
         # W&B's service process resolves a relative folder against its own working directory, which is the one
         # of the first run in the process: a later run from another folder would write its files elsewhere.
         self._wandb_init["dir"] = str(Path(save_dir).absolute())
+
+    def use_run_folder(self, run_folder: str) -> None:
+        """Write under the run folder when no ``save_dir`` was given."""
+        if self.follows_run_folder and self._experiment is None:
+            self.set_save_dir(run_folder)
 
     def finalize(self, status: str) -> None:
         """Finish the W&B run when the Trainer is done, so its data is complete on disk before the next run in

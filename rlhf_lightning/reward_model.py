@@ -40,7 +40,8 @@ class RewardModel(StageModule):
         weight_decay: AdamW weight decay (not applied to biases and norms).
         warmup_steps: optimizer steps of linear warm-up.
         lr_schedule: decay after warm-up: ``constant``, ``linear`` or ``cosine``.
-        export_dir: folder for the trained reward model; null = do not export.
+        export_dir: folder for the trained reward model, under the run folder (``trainer.default_root_dir``)
+            unless absolute; null = do not export.
         nonfinite: what a NaN or infinite loss or gradient does: ``raise`` stops the run naming the step and the
             loss term or parameters; ``skip`` skips that optimizer step and counts it in ``rm/skipped_steps``.
     """
@@ -145,13 +146,13 @@ class RewardModel(StageModule):
                                     hp.lr_schedule)
 
     def on_fit_end(self) -> None:
-        if self.hparams.export_dir:
+        if self.export_folder is not None:
             # Every rank scores the same batches (a sharded model's forward passes are collective).
             datamodule = self.trainer.datamodule
             loader = datamodule.val_dataloader() if datamodule is not None else []
             if not loader:
                 loader = datamodule.train_dataloader()
-            self.export(self.hparams.export_dir, reward_statistics(self, loader))
+            self.export(self.export_folder, reward_statistics(self, loader))
 
     def export(self, directory: str | Path, stats: dict[str, float] | None = None) -> Path:
         """Write the reward model to ``directory/reward``: the adapter (peft format) or, under full fine-tuning,

@@ -35,7 +35,8 @@ class SFT(StageModule):
         weight_decay: AdamW weight decay (not applied to biases and norms).
         warmup_steps: optimizer steps of linear warm-up.
         lr_schedule: decay after warm-up: ``constant``, ``linear`` or ``cosine`` (to 0 at the last step).
-        export_dir: folder for the final model and tokenizer; null = do not export.
+        export_dir: folder for the final model and tokenizer, under the run folder (``trainer.default_root_dir``)
+            unless absolute; null = do not export.
         nonfinite: what a NaN or infinite loss or gradient does: ``raise`` stops the run naming the step and the
             loss term or parameters; ``skip`` skips that optimizer step and counts it in ``sft/skipped_steps``.
     """
@@ -109,8 +110,8 @@ class SFT(StageModule):
                                     hp.lr_schedule)
 
     def on_fit_end(self) -> None:
-        if self.hparams.export_dir:
-            self.export(self.hparams.export_dir)
+        if self.export_folder is not None:
+            self.export(self.export_folder)
 
     def export(self, directory: str | Path) -> Path:
         """Write the fine-tuned model (adapter merged) and tokenizer as a transformers folder. In a distributed

@@ -1,9 +1,11 @@
-"""Runs of the distributed equivalence tests (``tests/test_distributed.py``), outside pytest.
+"""Runs of the distributed equivalence and preemption tests (``tests/test_distributed.py``,
+``tests/test_preemption.py``), outside pytest.
 
 ``python tests/equivalence.py RUNS.json`` runs each ``fit`` listed in the file, in order, through the real command
-line (``rlhf_lightning.cli.main``), with :class:`Probe` recording what the test compares. A run on two devices
-starts the second process by running this script again (Lightning's launcher), and the later runs reuse the
-processes, so one launch serves every two-process run of a test.
+line (``rlhf_lightning.cli.main``), with :class:`Probe` recording what the test compares and the run's extra
+callbacks (:class:`KillAt`, :class:`SignalAt`, :class:`KillInValidation`, checkpoints). A run on two devices starts
+the second process by running this script again (Lightning's launcher), and the later runs reuse the processes,
+so one launch serves every two-process run of a test.
 """
 
 from __future__ import annotations
@@ -41,6 +43,17 @@ class Probe(L.Callback):
         self.out = out
         self.metrics: list[dict[str, float]] = []
         self.gradients: list[dict[str, torch.Tensor]] = []
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Each validation's metrics as a line of ``{out}.validations.jsonl`` at once (a killed run keeps them)."""
+        if trainer.sanity_checking or not trainer.is_global_zero:
+            return
+        record = {"step": trainer.global_step, "batch": trainer.fit_loop.epoch_loop.total_batch_idx + 1,
+                  **{name: float(value) for name, value in trainer.callback_metrics.items() if "/val/" in name}}
+        with open(f"{self.out}.validations.jsonl", "a") as file:
+            file.write(json.dumps(record) + "\n")
+            file.flush()
+            os.fsync(file.fileno())
 
     @staticmethod
     def _trainable(pl_module: L.LightningModule) -> dict[str, torch.Tensor]:
@@ -91,6 +104,49 @@ class KillAt(L.Callback):
             return
         self.steps += 1
         if self.steps == self.step and trainer.is_global_zero:
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+class SignalAt(L.Callback):
+    """Sends ``signal`` to this process (rank 0's, or every rank's with ``every_rank``) just before optimizer step
+    ``step`` of training batch ``batch`` (both from 1), as a scheduler's ``kill -TERM`` would mid-step.
+
+    Args:
+        batch: the training batch (an on-policy iteration) to signal in.
+        step: the optimizer step of that batch.
+        name: the signal's name (``SIGTERM``, ``SIGINT``, ``SIGUSR1``).
+        every_rank: signal every rank (as a terminal's Ctrl-C or SLURM does), not rank 0 alone.
+    """
+
+    def __init__(self, batch: int, step: int = 1, name: str = "SIGTERM", every_rank: bool = False) -> None:
+        self.batch, self.step, self.name, self.every_rank, self.steps = batch, step, name, every_rank, 0
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        if trainer.fit_loop.epoch_loop.total_batch_idx + 1 != self.batch:
+            return
+        self.steps += 1
+        if self.steps == self.step and (self.every_rank or trainer.is_global_zero):
+            os.kill(os.getpid(), getattr(signal, self.name))
+
+
+class KillInValidation(L.Callback):
+    """``SIGKILL`` to every process of the run in the middle of its ``number``-th validation (after its first
+    batch), as a ``kill -9`` would.
+
+    Args:
+        number: the validation (from 1, sanity checks not counted) to die in.
+    """
+
+    def __init__(self, number: int) -> None:
+        self.number, self.seen = number, 0
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self.seen += 1
+
+    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        if self.seen == self.number and batch_idx == 0 and trainer.is_global_zero:
             os.killpg(os.getpgrp(), signal.SIGKILL)
 
 

@@ -96,8 +96,8 @@ def test_a_checkpoint_must_match_the_config_class_and_its_differences_are_listed
         f"checkpoint {checkpoint} was saved with other model arguments than the config; the config's are used "
         "(outputs go where the config says):\n"
         "  model.init_args.lr: checkpoint 0.004, config 0.001\n"
-        "  model.init_args.export_dir: checkpoint 'outputs/sft/model', config 'other'"]
-    assert (tmp_path / "other" / "config.json").exists()  # the config's export_dir, not the checkpoint's
+        "  model.init_args.export_dir: checkpoint 'model', config 'other'"]
+    assert (tmp_path / "outputs/sft/other/config.json").exists()  # the config's export_dir, in the run folder
 
 
 def test_the_cli_counts_steps_in_the_progress_bar():

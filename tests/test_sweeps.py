@@ -62,15 +62,15 @@ def stage_config(sweep: dict[str, Any]) -> str:
 
 
 def stage_save_dir(config: str) -> str:
-    """Where the stage config's W&B logger writes (the main run's outputs)."""
-    return yaml.safe_load((REPO / config).read_text())["trainer"]["logger"]["init_args"]["save_dir"]
+    """Where the stage config's W&B logger writes (the main run's outputs): its run folder."""
+    return yaml.safe_load((REPO / config).read_text())["trainer"]["default_root_dir"]
 
 
 def trial_save_dir(sweep: dict[str, Any]) -> str:
-    """Where the sweep's trials write their W&B runs: the command's logger ``save_dir``, else the stage's."""
+    """Where the sweep's trials write their W&B runs: the command's run folder, else the stage's."""
     fixed = dict(str(part).removeprefix("--").split("=", 1) for part in sweep["command"]
                  if str(part).startswith("--") and "=" in str(part))
-    return fixed.get("trainer.logger.init_args.save_dir", stage_save_dir(stage_config(sweep)))
+    return fixed.get("trainer.default_root_dir", stage_save_dir(stage_config(sweep)))
 
 
 def option_key(argument: str) -> str:

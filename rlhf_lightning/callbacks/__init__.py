@@ -3,5 +3,7 @@
 from rlhf_lightning.callbacks.atomic_io import AtomicCheckpointIO, CheckpointError
 from rlhf_lightning.callbacks.checkpoint import Checkpoint, IterationCheckpoint
 from rlhf_lightning.callbacks.completions import CompletionsTable
+from rlhf_lightning.callbacks.preemption import Preemption
 
-__all__ = ["AtomicCheckpointIO", "Checkpoint", "CheckpointError", "CompletionsTable", "IterationCheckpoint"]
+__all__ = ["AtomicCheckpointIO", "Checkpoint", "CheckpointError", "CompletionsTable", "IterationCheckpoint",
+           "Preemption"]

@@ -19,6 +19,7 @@ from rlhf_lightning.callbacks.atomic_io import (
     remove_leftovers,
     temp_path,
 )
+from rlhf_lightning.callbacks.preemption import validation_follows
 
 
 class Checkpoint(ModelCheckpoint):
@@ -32,11 +33,45 @@ class Checkpoint(ModelCheckpoint):
       the temp files of interrupted writes are removed at the next start and save.
     - ``fit(ckpt_path="last")`` checks the last checkpoint; when it is cut short or corrupt it resumes from the
       newest complete checkpoint in the folder instead, with a warning naming both files.
+    - Without a ``dirpath``, checkpoints go to ``<run folder>/checkpoints`` (the Trainer's ``default_root_dir``).
+    - A checkpoint due after a training batch that validation follows is written once that validation has run
+      (and been logged): a run resumed from it never skips a validation, and one killed during the validation
+      resumes from the checkpoint before, which runs it again.
 
     Takes every ``ModelCheckpoint`` argument (``dirpath``, ``save_last``, ``every_n_train_steps``...).
     """
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._after_validation = False  # a save due at the last training batch waits for its validation
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if validation_follows(trainer):
+            self._after_validation = True
+            return
+        self.save_if_due(trainer, pl_module, outputs, batch, batch_idx)
+
+    def save_if_due(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                    batch_idx: int) -> None:
+        """Save when this training batch's step is one to save at (``every_n_train_steps``...)."""
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._after_validation:
+            self._after_validation = False
+            # The same step as at the batch's end, so the same decision; the validation is now in the state.
+            self.save_if_due(trainer, pl_module, None, None, trainer.fit_loop.epoch_loop.batch_idx)
+            return
+        super().on_validation_end(trainer, pl_module)
+
+    def use_run_folder(self, trainer: L.Trainer) -> None:
+        """Take ``<default_root_dir>/checkpoints`` as the folder when none was given."""
+        if self.dirpath is None:
+            self.dirpath = os.path.realpath(os.path.join(trainer.default_root_dir, "checkpoints"))
+
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.use_run_folder(trainer)
         super().setup(trainer, pl_module, stage)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # leave custom IO (async, cloud) alone
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
@@ -44,6 +79,7 @@ class Checkpoint(ModelCheckpoint):
             remove_leftovers(Path(self.dirpath))
 
     def _find_last_checkpoints(self, trainer: L.Trainer) -> set[str]:
+        self.use_run_folder(trainer)  # `--ckpt_path last` is resolved before setup
         found = super()._find_last_checkpoints(trainer)
         complete = {path for path in found if checkpoint_problem(path) is None}
         if complete or not found:
@@ -88,8 +124,8 @@ class IterationCheckpoint(Checkpoint):
         super().__init__(**kwargs)
         self.every_n_iterations = every_n_iterations
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def save_if_due(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                    batch_idx: int) -> None:
         iterations = trainer.fit_loop.epoch_loop.total_batch_idx + 1
         if self.every_n_iterations < 1 or iterations % self.every_n_iterations:
             return

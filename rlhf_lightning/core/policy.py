@@ -92,7 +92,8 @@ class PolicyModule(StageModule):
             memory of one layer, but one all-gather per layer per decoded token). Ignored without sharding.
         gold_reward: ``fn(prompts, responses) -> scores`` of the true reward when known (the synthetic task's
             ``gold_rewards``), measured on samples and logged; never used for training.
-        export_dir: folder for the trained adapters (peft format) at the end of ``fit``.
+        export_dir: folder for the trained adapters (peft format) at the end of ``fit``, under the run folder
+            (``trainer.default_root_dir``) unless absolute; null = do not export.
     """
 
     metric_prefix = "policy"  # namespace of the logged metrics (``ppo``, ``grpo``, ``dpo``...)
@@ -384,8 +385,8 @@ class PolicyModule(StageModule):
         return parameters
 
     def on_fit_end(self) -> None:
-        if self.hparams.export_dir:
-            self.export(self.hparams.export_dir)
+        if self.export_folder is not None:
+            self.export(self.export_folder)
 
     def export(self, directory: str | Path) -> dict[str, Path]:
         """Write the trained adapters (and their heads) in peft format under ``directory``. In a distributed fit

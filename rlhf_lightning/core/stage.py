@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -28,6 +29,7 @@ from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.optim import Schedule, adamw, lr_lambda
 from rlhf_lightning.resume import CLASS_KEY, class_mismatch, class_path, saved_state_keys
+from rlhf_lightning.run_folder import export_path, refuse_overwrite
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +107,19 @@ class StageModule(L.LightningModule):
         if self._trainer is None or self.trainer.world_size == 1:
             return value
         return self.trainer.strategy.reduce(value.clone(), reduce_op="sum")
+
+    @property
+    def export_folder(self) -> Path | None:
+        """Where ``fit`` exports the model: ``export_dir`` under the run folder (``trainer.default_root_dir``)
+        unless absolute; None without an export."""
+        return export_path(self._trainer, self.hparams.get("export_dir"))
+
+    def on_train_start(self) -> None:
+        # A fresh fit must not write over another run's exports or checkpoints (the command line checks this
+        # before the model is built; this covers a Trainer used from Python: only now, once every strategy has
+        # restored its checkpoint, does the Trainer say whether it resumed).
+        if self.trainer.ckpt_path is None:
+            refuse_overwrite(self.trainer, self.export_folder)
 
     @property
     def is_writer(self) -> bool:

@@ -170,7 +170,7 @@ def ensure_pipeline(args: argparse.Namespace, seed: int) -> tuple[str, str]:
         export = path if marker == "config.json" else str(Path(path).parent)
         log.warning("seed %d: %s is missing: training it with %s", seed, path, config)
         cli_main(["fit", "--config", str(Path(args.configs) / config), f"--seed_everything={seed}",
-                  f"--data.init_args.seed={seed}", f"--model.init_args.export_dir={export}",
+                  f"--data.init_args.seed={seed}", f"--model.init_args.export_dir={Path(export).absolute()}",
                   f"--trainer.default_root_dir={root}", f"--trainer.logger.init_args.save_dir={root}",
                   f"--trainer.logger.init_args.group={args.group}",
                   f"--trainer.logger.init_args.name={Path(config).stem}-seed{seed}",

@@ -78,7 +78,7 @@ def run_arguments(method: Method, strength: float, seed: int, configs: str | Pat
         f"--seed_everything={seed}", f"--data.init_args.seed={seed}",
         f"--model.init_args.base.name_or_path={sft_model}",
         f"--model.init_args.{method.strength}={strength}",
-        f"--model.init_args.export_dir={directory / 'adapters'}",
+        f"--model.init_args.export_dir={(directory / 'adapters').absolute()}",
         f"--trainer.default_root_dir={directory}",
         f"--trainer.logger.init_args.save_dir={directory}",
         f"--trainer.logger.init_args.group={group}",

@@ -110,7 +110,7 @@ def ppo_arguments(config: str | Path, sft_model: str | Path, reward_adapter: str
         f"--model.init_args.reward.init_args.path={reward_adapter}",
         f"--model.init_args.kl_coef={kl_coef}",
         "--model.init_args.kl_target=null",  # the coefficient under study stays fixed
-        f"--model.init_args.export_dir={directory / 'adapters'}",
+        f"--model.init_args.export_dir={(directory / 'adapters').absolute()}",
         f"--trainer.default_root_dir={directory}",
         f"--trainer.logger.init_args.save_dir={directory}",
         f"--trainer.logger.init_args.group={group}",
