@@ -212,3 +212,30 @@ def test_the_refusal_is_one_line_naming_the_folder_and_the_ways_on(tiny_model_di
     assert lines == [f"error: run folder outputs/sft already holds a run: {Path('outputs/sft/model')} (exports); "
                      "continue that run with --ckpt_path last, or give this one its own folder with "
                      "--trainer.default_root_dir=DIR (or remove those files)"]
+
+
+@pytest.mark.slow
+def test_under_slurm_sigusr1_checkpoints_and_requeues_the_job(tiny_model_dir, reward_dir, tmp_path):
+    """Lightning's SLURM environment (found from SLURM's variables) with its default auto_requeue: SIGUSR1 writes
+    the checkpoint, then ``scontrol requeue <job>`` (a stand-in on PATH records the call: there is no SLURM here)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path / 'scontrol.args'}\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    arguments, _ = stage("sft", tiny_model_dir, reward_dir)
+    arguments = [*arguments, *COMMON, "--trainer.limit_train_batches=4", "--trainer.limit_val_batches=0"]
+    runs_file = tmp_path / "slurm.json"
+    runs_file.write_text(json.dumps([run(tmp_path, "slurm", arguments, checkpoint("sft", 50),
+                                         {"class_path": "tests.equivalence.SignalAt",
+                                          "init_args": {"batch": 2, "name": "SIGUSR1"}})]))
+    slurm = {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "rlhf", "SLURM_JOB_ID": "4242", "SLURM_PROCID": "0",
+             "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NTASKS_PER_NODE": "1"}
+    env = {**os.environ, **slurm, "PYTHONPATH": str(REPO), "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    result = subprocess.run([sys.executable, str(REPO / "tests" / "equivalence.py"), str(runs_file)], cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=600, start_new_session=True)
+    assert result.returncode == 128 + signal.SIGUSR1, result.stderr[-3000:]
+    last = tmp_path / "slurm" / "checkpoints" / "last.ckpt"
+    assert error_lines(result.stderr) == [f"error: stopped by SIGUSR1 after step 2 (training batch 2): checkpoint {last} "
+                                          "written; resume with --ckpt_path last; SLURM job 4242 requeued"]
+    assert (tmp_path / "scontrol.args").read_text().split() == ["requeue", "4242"]
+    assert torch.load(last, weights_only=False)["global_step"] == 2
