@@ -412,7 +412,8 @@ def load_base_model(settings: Settings):
     """The floor's base: the plain transformers model with the fused GELU kernel, the fastest pieces we know."""
     from transformers import AutoModelForCausalLM
 
-    from rlhf_lightning.models.loading import disable_dropout, fuse_tanh_gelu
+    from rlhf_lightning.models.loading import disable_dropout
+    from rlhf_lightning.ops.activations import fuse_tanh_gelu
 
     model = AutoModelForCausalLM.from_pretrained(model_dir(settings))
     disable_dropout(model)

@@ -21,8 +21,8 @@ right-padded to the longer): ``reference``, the reference's summed log-probs (ad
 precomputed); ``policy_update``, one forward + backward + AdamW step of DPO's sigmoid loss through the base with
 the policy's LoRA.
 
-LoRA layers use our fused forward (``rlhf_lightning.models.fused_lora``), GPT-2's GELU the fused kernel and the
-log-probs our fused LM head (``rlhf_lightning.algorithms.head``), as on our side: the floor is the bare work done
+LoRA layers use our fused forward (``rlhf_lightning.ops.lora``), GPT-2's GELU the fused kernel and the
+log-probs our fused LM head (``rlhf_lightning.ops.lm_head``), as on our side: the floor is the bare work done
 the fastest way we know, not peft's or transformers' defaults.
 """
 
@@ -45,7 +45,7 @@ from bench_common import (
     report,
 )
 
-from rlhf_lightning.algorithms.head import logprobs_from_hidden
+from rlhf_lightning.ops.lm_head import logprobs_from_hidden
 
 PIECES = ("generate", "score", "policy_update", "critic_update")
 GRPO_PIECES = ("generate", "reference", "policy_update")
@@ -74,7 +74,7 @@ def _autocast(settings: Settings):
 def _peft_model(settings: Settings, model, others: tuple[str, ...] = ("critic", "reward")):
     from peft import get_peft_model
 
-    from rlhf_lightning.models.fused_lora import fuse_lora_layers
+    from rlhf_lightning.ops.lora import fuse_lora_layers
 
     config = lora_spec(settings).to_peft(fan_in_fan_out=True)
     peft_model = get_peft_model(model, config, adapter_name="policy")
@@ -116,7 +116,7 @@ def _piece(settings: Settings, name: str) -> Callable[[], None]:
     if name == "generate":
         from transformers import GenerationConfig
 
-        from rlhf_lightning.rollout.sampling import sampling_processors
+        from rlhf_lightning.ops.sampling import sampling_processors
 
         config = GenerationConfig(do_sample=False, max_new_tokens=response, min_new_tokens=0, eos_token_id=[],
                                   pad_token_id=model.config.pad_token_id, cache_implementation="static",

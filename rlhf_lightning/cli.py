@@ -15,7 +15,6 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from rlhf_lightning.callbacks.atomic_io import CheckpointError
 from rlhf_lightning.callbacks.checkpoint import Checkpoint
 from rlhf_lightning.callbacks.preemption import Preemption
 from rlhf_lightning.callbacks.progress import default_progress_bar
@@ -37,6 +36,7 @@ from rlhf_lightning.resume import (
     saved_class_of,
 )
 from rlhf_lightning.run_folder import export_path, refuse_overwrite
+from rlhf_lightning.utils.atomic_io import CheckpointError
 
 # `ckpt_path` values that Lightning resolves itself rather than naming a file.
 SPECIAL_CKPT_PATHS = ("last", "best", "hpc")

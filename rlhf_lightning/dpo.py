@@ -20,12 +20,12 @@ import torch
 from torch import Tensor
 
 from rlhf_lightning.algorithms.dpo import DPOLossType, check_dpo_arguments, dpo_loss
-from rlhf_lightning.core import checks
-from rlhf_lightning.core.nonfinite import NonFinite
 from rlhf_lightning.core.policy import POLICY, PolicyModule
 from rlhf_lightning.data.collate import EncodedPair
 from rlhf_lightning.models.shared_base import REFERENCE
 from rlhf_lightning.optim import Schedule
+from rlhf_lightning.utils import checks
+from rlhf_lightning.utils.nonfinite import NonFinite
 
 log = logging.getLogger(__name__)
 

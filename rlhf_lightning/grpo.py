@@ -24,9 +24,9 @@ from rlhf_lightning.algorithms.group import (
 )
 from rlhf_lightning.algorithms.kl import KLEstimator
 from rlhf_lightning.algorithms.surrogate import LossAggregation
-from rlhf_lightning.core import checks
 from rlhf_lightning.core.online import OnlineRL, Stats
 from rlhf_lightning.rollout.experience import Experience
+from rlhf_lightning.utils import checks
 
 
 class GRPO(OnlineRL):

@@ -20,13 +20,13 @@ from rlhf_lightning.algorithms import (
     value_errors,
 )
 from rlhf_lightning.algorithms.surrogate import aggregate_loss
-from rlhf_lightning.core import checks
 from rlhf_lightning.core.online import OnlineRL, Stats
 from rlhf_lightning.core.policy import POLICY, without_dropout
 from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.models.spec import LoraSpec
 from rlhf_lightning.rollout.experience import Experience
 from rlhf_lightning.rollout.rewards import REWARD_ROLE, AdapterReward
+from rlhf_lightning.utils import checks
 
 CRITIC = "critic"
 

@@ -16,9 +16,9 @@ from typing import Any, Literal
 
 from rlhf_lightning.algorithms import masked_whiten, token_rewards
 from rlhf_lightning.algorithms.group import group_advantages, returns_to_go
-from rlhf_lightning.core import checks
 from rlhf_lightning.core.online import OnlineRL, Stats
 from rlhf_lightning.rollout.experience import Experience
+from rlhf_lightning.utils import checks
 
 
 class REINFORCEPlusPlus(OnlineRL):

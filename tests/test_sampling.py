@@ -10,7 +10,7 @@ import torch
 
 from rlhf_lightning.core.policy import PolicyModule
 from rlhf_lightning.models.spec import BaseModelSpec
-from rlhf_lightning.rollout.sampling import InverseCDFSampler, sampling_processors
+from rlhf_lightning.ops.sampling import InverseCDFSampler, sampling_processors
 from tests.conftest import LORA, built
 from tests.test_ppo import first_batch, make_ppo
 

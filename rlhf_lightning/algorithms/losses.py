@@ -1,14 +1,13 @@
-"""PPO losses and per-token quantities derived from logits."""
+"""Per-token quantities of the losses: log-probs and entropies from logits, the clipped value error, explained
+variance. (The policy loss is :func:`~rlhf_lightning.algorithms.surrogate.clipped_surrogate` aggregated by
+:func:`~rlhf_lightning.algorithms.surrogate.aggregate_loss`.)"""
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from rlhf_lightning.algorithms.masked import masked_mean, masked_var
-from rlhf_lightning.algorithms.surrogate import clipped_surrogate
+from rlhf_lightning.algorithms.masked import masked_var
 
 
 def logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
@@ -25,43 +24,6 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
 
 
-class PolicyLossOutput(NamedTuple):
-    """PPO clipped policy loss (differentiable) and detached diagnostics, all 0-dim tensors."""
-
-    loss: Tensor
-    clipfrac: Tensor
-    approx_kl: Tensor
-    ratio_mean: Tensor
-
-
-def policy_loss(
-    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, clip_range: float
-) -> PolicyLossOutput:
-    """PPO-clip loss: masked mean of max(-A * ratio, -A * clamp(ratio, 1 - c, 1 + c)), ratio = pi / pi_old.
-
-    The mean runs over all valid tokens of the minibatch. clipfrac is the share of valid tokens where the
-    clipped term is the larger one (no gradient flows there); approx_kl = masked mean of (ratio - 1) - log ratio
-    (k3, non-negative). Shapes: ``[B, T]`` inputs -> 0-dim outputs.
-    """
-    if clip_range < 0:
-        raise ValueError(f"clip_range must be >= 0, got {clip_range}.")
-    valid = mask.bool()
-    surrogate = clipped_surrogate(logprobs, old_logprobs, advantages, valid, clip_range, clip_range)
-    loss = masked_mean(surrogate.loss, valid)
-    with torch.no_grad():
-        clipfrac = masked_mean((surrogate.clipped_low | surrogate.clipped_high).to(surrogate.ratio.dtype), valid)
-        approx_kl = masked_mean((surrogate.ratio - 1.0) - torch.log(surrogate.ratio), valid)
-        ratio_mean = masked_mean(surrogate.ratio, valid)
-    return PolicyLossOutput(loss, clipfrac, approx_kl, ratio_mean)
-
-
-class ValueLossOutput(NamedTuple):
-    """Value-function loss (differentiable) and the detached share of clipped tokens, both 0-dim tensors."""
-
-    loss: Tensor
-    clipfrac: Tensor
-
-
 def value_errors(
     values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip_range_value: float | None
 ) -> tuple[Tensor, Tensor]:
@@ -71,7 +33,7 @@ def value_errors(
     With ``clip_range_value=None`` it is the plain ``0.5 * (V - R)^2`` and nothing is clipped.
     """
     valid = mask.bool()
-    # Same reason as in policy_loss: keep padding finite so masked-out tokens get a zero, not NaN, gradient.
+    # Keep padding finite so masked-out tokens get a zero, not NaN, gradient.
     values = torch.where(valid, values, torch.zeros_like(values))
     old_values = torch.where(valid, old_values, torch.zeros_like(old_values))
     returns = torch.where(valid, returns, torch.zeros_like(returns))
@@ -83,18 +45,6 @@ def value_errors(
     clipped_values = old_values + torch.clamp(values - old_values, -clip_range_value, clip_range_value)
     clipped = (clipped_values - returns) ** 2
     return 0.5 * torch.maximum(unclipped, clipped), (clipped > unclipped) & valid
-
-
-def value_loss(
-    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip_range_value: float | None
-) -> ValueLossOutput:
-    """Value loss: the masked mean of :func:`value_errors` over the valid tokens, and the share of them where
-    the clipped error is the larger one (0 when unclipped). Shapes: ``[B, T]`` inputs -> 0-dim outputs.
-    """
-    errors, clipped = value_errors(values, old_values, returns, mask, clip_range_value)
-    with torch.no_grad():
-        clipfrac = masked_mean(clipped.to(errors.dtype), mask)
-    return ValueLossOutput(masked_mean(errors, mask), clipfrac)
 
 
 @torch.no_grad()

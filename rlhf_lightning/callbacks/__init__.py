@@ -1,9 +1,9 @@
 """Lightning callbacks of the framework."""
 
-from rlhf_lightning.callbacks.atomic_io import AtomicCheckpointIO, CheckpointError
 from rlhf_lightning.callbacks.checkpoint import Checkpoint, IterationCheckpoint
 from rlhf_lightning.callbacks.completions import CompletionsTable
 from rlhf_lightning.callbacks.preemption import Preemption
+from rlhf_lightning.utils.atomic_io import AtomicCheckpointIO, CheckpointError
 
 __all__ = ["AtomicCheckpointIO", "Checkpoint", "CheckpointError", "CompletionsTable", "IterationCheckpoint",
            "Preemption"]

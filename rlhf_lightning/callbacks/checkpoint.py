@@ -11,7 +11,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from rlhf_lightning.callbacks.atomic_io import (
+from rlhf_lightning.callbacks.preemption import validation_follows
+from rlhf_lightning.utils.atomic_io import (
     AtomicCheckpointIO,
     CheckpointError,
     checkpoint_problem,
@@ -19,7 +20,6 @@ from rlhf_lightning.callbacks.atomic_io import (
     remove_leftovers,
     temp_path,
 )
-from rlhf_lightning.callbacks.preemption import validation_follows
 
 
 class Checkpoint(ModelCheckpoint):
@@ -27,7 +27,7 @@ class Checkpoint(ModelCheckpoint):
     broken file.
 
     - Every checkpoint (``last.ckpt`` included) is written to a temp file in its own folder, flushed, fsynced,
-      then renamed into place (:class:`~rlhf_lightning.callbacks.atomic_io.AtomicCheckpointIO`, installed on
+      then renamed into place (:class:`~rlhf_lightning.utils.atomic_io.AtomicCheckpointIO`, installed on
       the Trainer's strategy unless it already has a custom ``CheckpointIO``). ``last.ckpt`` is replaced only
       after the new file is complete, so a crash (``kill -9``, a full disk) leaves the previous one in place;
       the temp files of interrupted writes are removed at the next start and save.

@@ -43,14 +43,6 @@ from rlhf_lightning.algorithms.surrogate import (
     clipped_surrogate,
     loss_normaliser,
 )
-from rlhf_lightning.core import checks
-from rlhf_lightning.core.nonfinite import (
-    SKIP_HINT,
-    NonFinite,
-    NonFiniteError,
-    listing,
-    score_problems,
-)
 from rlhf_lightning.core.policy import POLICY, PolicyModule, derive_seed
 from rlhf_lightning.data.collate import IGNORE_INDEX
 from rlhf_lightning.models.sharding import full_tensor
@@ -59,6 +51,14 @@ from rlhf_lightning.optim import Schedule
 from rlhf_lightning.rollout.experience import Experience, Samples, sequence_kl
 from rlhf_lightning.rollout.generate import stopped
 from rlhf_lightning.rollout.rewards import RewardSet, RewardSource, reward_inputs
+from rlhf_lightning.utils import checks
+from rlhf_lightning.utils.nonfinite import (
+    SKIP_HINT,
+    NonFinite,
+    NonFiniteError,
+    listing,
+    score_problems,
+)
 
 Stats = dict[str, Tensor]
 log = logging.getLogger(__name__)

@@ -22,17 +22,18 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 from torchmetrics import MeanMetric
 
-from rlhf_lightning.algorithms import entropy_from_logits, logprobs_from_hidden, logprobs_from_logits
-from rlhf_lightning.core import checks
-from rlhf_lightning.core.checks import check_sampling
+from rlhf_lightning.algorithms import entropy_from_logits, logprobs_from_logits
 from rlhf_lightning.core.stage import StageModule
 from rlhf_lightning.metrics import reset_metrics
 from rlhf_lightning.models.sharding import gathered, is_dtensor
 from rlhf_lightning.models.shared_base import REFERENCE, SharedBase, adapter_of
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
+from rlhf_lightning.ops.lm_head import logprobs_from_hidden
+from rlhf_lightning.ops.sampling import row_draws
 from rlhf_lightning.rollout.experience import sequence_kl
 from rlhf_lightning.rollout.generate import SamplingSettings, sample_responses, stop_token_ids, stopped
-from rlhf_lightning.rollout.sampling import row_draws
+from rlhf_lightning.utils import checks
+from rlhf_lightning.utils.checks import check_sampling
 
 log = logging.getLogger(__name__)
 

@@ -13,16 +13,7 @@ import lightning as L
 import torch
 from torch import Tensor
 
-from rlhf_lightning.callbacks.atomic_io import CheckpointError
 from rlhf_lightning.core.distributed import sharding_mesh
-from rlhf_lightning.core.nonfinite import (
-    SKIP_HINT,
-    NonFiniteError,
-    all_finite,
-    check_finite_weights,
-    listing,
-    nonfinite_names,
-)
 from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer, position_limit
 from rlhf_lightning.models.sharding import build_sharded, local_tensor
 from rlhf_lightning.models.shared_base import SharedBase
@@ -30,6 +21,15 @@ from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.optim import Schedule, adamw, lr_lambda
 from rlhf_lightning.resume import CLASS_KEY, class_mismatch, class_path, saved_state_keys
 from rlhf_lightning.run_folder import export_path, refuse_overwrite
+from rlhf_lightning.utils.atomic_io import CheckpointError
+from rlhf_lightning.utils.nonfinite import (
+    SKIP_HINT,
+    NonFiniteError,
+    all_finite,
+    check_finite_weights,
+    listing,
+    nonfinite_names,
+)
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class StageModule(L.LightningModule):
     megabytes, not the size of the model.
 
     Non-finite values: the loss (:meth:`guard_losses`) and the gradients are checked before every optimizer
-    step. A non-finite one stops the run with a :class:`~rlhf_lightning.core.nonfinite.NonFiniteError` naming the
+    step. A non-finite one stops the run with a :class:`~rlhf_lightning.utils.nonfinite.NonFiniteError` naming the
     step, the loss term or the parameters; with the hyper-parameter ``nonfinite: skip`` the step is skipped
     instead (no update, optimizer state untouched) and counted in ``<metric_prefix>/skipped_steps``. A
     checkpoint with non-finite weights is never written.

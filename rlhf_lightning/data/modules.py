@@ -17,7 +17,6 @@ import lightning as L
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
-from rlhf_lightning.core import checks
 from rlhf_lightning.data.collate import (
     EncodedPair,
     EncodedPrompt,
@@ -31,6 +30,7 @@ from rlhf_lightning.data.loader import ResumableLoader
 from rlhf_lightning.data.sources import DataFormatError, Record, read_records
 from rlhf_lightning.data.tokenize import encode_completion, encode_prompt
 from rlhf_lightning.tasks import TASKS, make_task
+from rlhf_lightning.utils import checks
 
 log = logging.getLogger(__name__)
 

@@ -22,9 +22,9 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
-from transformers.activations import GELUTanh, NewGELUActivation
 
 from rlhf_lightning.models.spec import BaseModelSpec
+from rlhf_lightning.ops.activations import fuse_tanh_gelu
 from rlhf_lightning.tasks import TASKS, build_task_tokenizer
 
 log = logging.getLogger(__name__)
@@ -272,23 +272,6 @@ def fresh_config(spec: BaseModelSpec, tokenizer: PreTrainedTokenizerBase):
 
 
 _DROPOUT_ATTRIBUTES = ("attention_dropout", "dropout", "dropout_p", "attn_dropout_p")
-
-
-def fuse_tanh_gelu(model: nn.Module) -> int:
-    """Replace transformers' Python tanh-GELU modules (``gelu_new``) in ``model`` by the fused ``GELUTanh``.
-
-    The Python formula runs six element-wise kernels over the MLP's widest activation and keeps their outputs
-    for the backward; the fused kernel computes the same function in one pass and keeps only its input. The
-    saved config is unchanged, so an exported model reloads with its original activation. Returns the number
-    of modules replaced.
-    """
-    replaced = 0
-    for module in model.modules():
-        for name, child in module.named_children():
-            if type(child) is NewGELUActivation:
-                setattr(module, name, GELUTanh())
-                replaced += 1
-    return replaced
 
 
 def disable_dropout(model: nn.Module) -> None:

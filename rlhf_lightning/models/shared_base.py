@@ -24,13 +24,13 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 from transformers.pytorch_utils import Conv1D
 
-from rlhf_lightning.core.nonfinite import check_finite_weights
 from rlhf_lightning.models.adapter_fit import check_adapter_fits
-from rlhf_lightning.models.fused_lora import fuse_lora_layers
 from rlhf_lightning.models.heads import ScalarHead
 from rlhf_lightning.models.logits import LogitTransform, find_logit_transform
 from rlhf_lightning.models.sharding import decoder_layers, full_tensor, is_sharded
 from rlhf_lightning.models.spec import LoraSpec
+from rlhf_lightning.ops.lora import fuse_lora_layers
+from rlhf_lightning.utils.nonfinite import check_finite_weights
 
 REFERENCE = None  # the role name of the plain base model
 
@@ -58,7 +58,7 @@ class SharedBase(nn.Module):
     Args:
         model: the Hugging Face causal LM. Its weights are frozen here unless ``train_base`` is set.
         train_base: fine-tune the base weights too (full fine-tuning instead of adapters).
-        fused_lora: run LoRA layers through :mod:`rlhf_lightning.models.fused_lora` (the same numbers, fewer
+        fused_lora: run LoRA layers through :mod:`rlhf_lightning.ops.lora` (the same numbers, fewer
             passes over activations); off = peft's own forward.
     """
 

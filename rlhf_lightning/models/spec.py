@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 import torch
 
-from rlhf_lightning.core.checks import at_least, in_range, one_of, optional_str, positive
+from rlhf_lightning.utils.checks import at_least, in_range, one_of, optional_str, positive
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -37,7 +37,7 @@ class BaseModelSpec:
             instead of transformers' Python formula: the same function to float rounding, faster, and it keeps
             only its input for the backward instead of four ``[tokens, 4 x hidden]`` tensors per layer.
         fused_lora: add each LoRA adapter's low-rank update inside the base layer's matmul, forward and backward
-            (``rlhf_lightning.models.fused_lora``), instead of peft's separate scaling and addition passes over
+            (``rlhf_lightning.ops.lora``), instead of peft's separate scaling and addition passes over
             the activations: the same numbers to float rounding, faster; off = peft's own forward.
     """
 

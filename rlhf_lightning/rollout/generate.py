@@ -11,7 +11,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from rlhf_lightning.data.tokenize import completion_end_id
 from rlhf_lightning.models.shared_base import SharedBase
-from rlhf_lightning.rollout.sampling import sampling_processors
+from rlhf_lightning.ops.sampling import sampling_processors
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ def sample_responses(model: SharedBase, role: str | None, input_ids: Tensor, att
                      synced: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """Sample a response to each prompt from ``role`` (eval mode, KV cache) and cut it after its stop token.
 
-    ``draws``: the uniform numbers of each row's tokens (see :class:`~rlhf_lightning.rollout.sampling.
+    ``draws``: the uniform numbers of each row's tokens (see :class:`~rlhf_lightning.ops.sampling.
     InverseCDFSampler`); None = the global random stream. ``synced``: every rank keeps decoding until all have
     finished (a base sharded layer by layer gathers each layer at every step, a collective).
 

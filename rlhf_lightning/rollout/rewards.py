@@ -84,6 +84,7 @@ class RewardSource:
     """
 
     statistics: tuple[float, float] | None = None
+    may_abstain = True  # NaN means "not applicable to this response"; a reward model's NaN is a failure
 
     @property
     def name(self) -> str:
@@ -117,6 +118,8 @@ class AdapterReward(RewardSource):
     Args:
         path: folder of the adapter, as written by the reward stage (``outputs/reward/adapters/reward``).
     """
+
+    may_abstain = False  # a reward model scores every response
 
     def __init__(self, path: str) -> None:
         self.path = Path(path)
@@ -167,6 +170,8 @@ class ModelReward(RewardSource):
         chat_template: Jinja chat template for conversational prompts, instead of the reward tokenizer's own.
         trust_remote_code: run code shipped with a hub model.
     """
+
+    may_abstain = False  # a reward model scores every response
 
     def __init__(self, name_or_path: str, dtype: str = "float32", max_length: int = 1024,
                  chat_template: str | None = None, trust_remote_code: bool = False) -> None:

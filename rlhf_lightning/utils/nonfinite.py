@@ -61,15 +61,10 @@ def source_label(source: Any) -> str:
 
 
 def may_abstain(source: Any) -> bool:
-    """Whether NaN from ``source`` means "not applicable to this response" (``RewardSource.score``'s convention).
-
-    Reward models (``AdapterReward``, ``ModelReward``) score every response, so a NaN from them is a numerical
-    failure; Python functions say "not applicable" with None, which ``FunctionReward`` turns into NaN. A source
-    may declare ``may_abstain = False`` itself.
-    """
-    from rlhf_lightning.rollout.rewards import AdapterReward, ModelReward
-
-    return getattr(source, "may_abstain", not isinstance(source, AdapterReward | ModelReward))
+    """Whether NaN from ``source`` means "not applicable to this response" (``RewardSource.score``'s convention):
+    the source's own ``may_abstain`` (reward models score every response, so a NaN from them is a numerical
+    failure; Python functions say "not applicable" with None, which ``FunctionReward`` turns into NaN)."""
+    return bool(getattr(source, "may_abstain", True))
 
 
 def score_problems(scores: Tensor, sources: Sequence[Any]) -> tuple[list[str], Tensor]:

@@ -7,10 +7,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from rlhf_lightning.models.fused_lora import FusedLoraLinear
 from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer
 from rlhf_lightning.models.shared_base import SharedBase, adapter_of
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
+from rlhf_lightning.ops.lora import FusedLoraLinear
 
 LORA = LoraSpec(r=4, alpha=8)
 
