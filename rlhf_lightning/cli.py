@@ -18,6 +18,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from rlhf_lightning.callbacks.checkpoint import Checkpoint
 from rlhf_lightning.callbacks.preemption import Preemption
 from rlhf_lightning.callbacks.progress import default_progress_bar
+from rlhf_lightning.callbacks.progress_lines import ProgressLines
+from rlhf_lightning.callbacks.run_report import RunReport
 from rlhf_lightning.errors import (
     condense_parser_error,
     config_file_problem,
@@ -40,6 +42,13 @@ from rlhf_lightning.utils.atomic_io import CheckpointError
 
 # `ckpt_path` values that Lightning resolves itself rather than naming a file.
 SPECIAL_CKPT_PATHS = ("last", "best", "hpc")
+
+
+def print_error(line: str) -> None:
+    """``line`` on stderr in one write: the ranks of a distributed run print theirs at the same moment, and a
+    separate write of the newline would let another rank's line land in the middle."""
+    sys.stderr.write(f"{line}\n")
+    sys.stderr.flush()
 
 
 class LogConfigCallback(SaveConfigCallback):
@@ -65,7 +74,7 @@ class OneLineArgumentParser(LightningArgumentParser):
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         if not self.exit_on_error or want_traceback():
             super().error(message, ex)
-        print(f"error: {condense_parser_error(message, self.option_names())}", file=sys.stderr)
+        print_error(f"error: {condense_parser_error(message, self.option_names())}")
         sys.exit(2)
 
     def option_names(self) -> list[str]:
@@ -137,14 +146,27 @@ class RLHFCLI(LightningCLI):
             refuse_overwrite(self.trainer, export_path(self.trainer, getattr(self.model, "hparams", {}).get(
                 "export_dir")))
         super()._run_subcommand(subcommand)
+        for callback in self.trainer.callbacks:
+            if isinstance(callback, RunReport) and not callback.print_at_fit_end and callback.summary_text:
+                print(callback.summary_text, flush=True)
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> L.Trainer:
-        # Lightning's default bar reads "Epoch 0/-2" in a run bounded by max_steps; ours counts its steps.
         listed = list(config.get("callbacks") or []) + list(callbacks)
-        if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in listed):
-            callbacks = [*callbacks, default_progress_bar()]
-        if not any(isinstance(c, Preemption) for c in listed):  # a signal ends the fit with a checkpoint
+
+        def missing(kind: type) -> bool:
+            return not any(isinstance(c, kind) for c in listed)
+
+        if config.get("enable_progress_bar") is not False and missing(ProgressBar) and missing(ProgressLines):
+            if sys.stdout.isatty():
+                # Lightning's default bar reads "Epoch 0/-2" in a run bounded by max_steps; ours counts its steps.
+                callbacks = [*callbacks, default_progress_bar()]
+            else:  # a log file would show a bar only when the run ends: plain lines instead
+                config["enable_progress_bar"] = False
+                callbacks = [*callbacks, ProgressLines()]
+        if missing(Preemption):  # a signal ends the fit with a checkpoint
             callbacks = [*callbacks, Preemption()]
+        if missing(RunReport):  # printed by _run_subcommand, after the loggers' own last words
+            callbacks = [*callbacks, RunReport(print_at_fit_end=False)]
         trainer = super()._instantiate_trainer(config, callbacks)
         # The run folder: loggers and checkpoint callbacks given no folder of their own write under it.
         for logger in trainer.loggers:
@@ -167,7 +189,7 @@ def main(args: Sequence[str] | None = None) -> None:
     for path in config_files(argv):
         problem = config_file_problem(path)
         if problem:
-            print(f"error: {problem}", file=sys.stderr)
+            print_error(f"error: {problem}")
             sys.exit(2)
     try:
         if argv[:1] == ["merge"]:
@@ -178,13 +200,13 @@ def main(args: Sequence[str] | None = None) -> None:
         RLHFCLI(args=None if args is None else argv)
     except SIGTERMException:
         # Lightning's own handling (outside a fit's training, where Preemption takes over) ends with status 0.
-        print("error: stopped by SIGTERM outside a training step (nothing to save)", file=sys.stderr)
+        print_error("error: stopped by SIGTERM outside a training step (nothing to save)")
         sys.exit(128 + signal.SIGTERM)
     except Exception as error:
         ours = None if want_traceback() else user_error(error)
         if ours is None:
             raise
-        print(one_line(ours), file=sys.stderr)
+        print_error(one_line(ours))
         sys.exit(1)
 
 

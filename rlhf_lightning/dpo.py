@@ -24,6 +24,7 @@ from rlhf_lightning.core.policy import POLICY, PolicyModule
 from rlhf_lightning.data.collate import EncodedPair
 from rlhf_lightning.models.shared_base import REFERENCE
 from rlhf_lightning.optim import Schedule
+from rlhf_lightning.timing import phase
 from rlhf_lightning.utils import checks
 from rlhf_lightning.utils.nonfinite import NonFinite
 
@@ -123,7 +124,7 @@ class DPO(PolicyModule):
         if split in self.verified_splits:
             table = self.reference_tables[split][1]
             return table[:, batch["index"].cpu()].flatten().to(self.device)
-        with torch.no_grad():
+        with torch.no_grad(), phase("update/reference forward"):
             return self.sequence_logps(REFERENCE, batch)
 
     # ---- loss ---------------------------------------------------------------------------------------------
@@ -132,7 +133,8 @@ class DPO(PolicyModule):
         """``(loss to minimise, per-pair detached values [B] named as in PAIR_METRICS)``."""
         hp = self.hparams
         chosen_lengths, rejected_lengths = batch["response_mask"].sum(-1).chunk(2)
-        chosen, rejected = self.sequence_logps(POLICY, batch).chunk(2)
+        with phase("update/policy forward"):
+            chosen, rejected = self.sequence_logps(POLICY, batch).chunk(2)
         reference = self.reference_logps(batch, split)
         ref_chosen, ref_rejected = reference.chunk(2) if reference is not None else (None, None)
         out = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, chosen_lengths, rejected_lengths, hp.beta,

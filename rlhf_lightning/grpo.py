@@ -22,7 +22,7 @@ from rlhf_lightning.algorithms.group import (
     group_advantages,
     zero_std_fraction,
 )
-from rlhf_lightning.algorithms.kl import KLEstimator
+from rlhf_lightning.algorithms.kl import KLEstimator, sequence_kl_penalty
 from rlhf_lightning.algorithms.surrogate import LossAggregation
 from rlhf_lightning.core.online import OnlineRL, Stats
 from rlhf_lightning.rollout.experience import Experience
@@ -66,11 +66,15 @@ class GRPO(OnlineRL):
             raise ValueError(f"GRPO needs samples_per_prompt >= 2 (a group of one has zero advantage), got "
                              f"{samples_per_prompt}")
 
-    def estimate_advantages(self, experience: Experience) -> tuple[Experience, Stats]:
-        """``(r - mean_group r) / (std + eps)`` (or unscaled), broadcast over each response's tokens."""
+    def estimate_advantages(self, experience: Experience, kl_coef: float) -> tuple[Experience, Stats]:
+        """``(r - mean_group r) / (std + eps)`` (or unscaled), broadcast over each response's tokens; with the KL in
+        the reward, ``r = score - kl_coef * KL(sequence)``."""
+        hp = self.hparams
         rewards = experience.scores
-        if self.reward_kl_coef:
-            rewards = rewards - self.reward_kl_coef * self.sequence_kl_penalty(experience)
+        if kl_coef:
+            rewards = rewards - kl_coef * sequence_kl_penalty(experience.logprobs, experience.ref_logprobs,
+                                                              experience.response_mask, hp.kl_estimator,
+                                                              hp.kl_clamp)
         advantages = group_advantages(rewards, experience.group_size, self.hparams.scale_rewards,
                                       self.hparams.std_eps, over_ranks=self.sum_over_ranks)
         stats = {"objective/frac_zero_std": zero_std_fraction(rewards, experience.group_size),

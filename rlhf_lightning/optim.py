@@ -42,6 +42,12 @@ def lr_lambda(schedule: Schedule, warmup_steps: int, total_steps: int | Callable
     """Multiplier of the base learning rate at each step: linear warm-up, then constant/linear/cosine decay.
 
     ``total_steps`` may be a function, called only once a decaying schedule first needs it (after warm-up).
+
+    Kept rather than transformers' ``get_{linear,cosine}_schedule_with_warmup``: their warm-up starts at a
+    learning rate of 0 (``step / warmup``, so the first optimizer step changes nothing), ours at
+    ``1 / (warmup + 1)``, and every published figure of this project was trained with ours; and they need the
+    total when built, where ours asks the Trainer's estimate only if and when a decay needs it. The decays
+    after warm-up are theirs (``1 - progress``; ``(1 + cos(pi * progress)) / 2``).
     """
     resolved: list[int] = []
 

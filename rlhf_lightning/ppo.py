@@ -6,6 +6,8 @@ value head on the same base), rewards shaped per token with the KL penalty, GAE 
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
@@ -14,18 +16,20 @@ from torch import Tensor
 from rlhf_lightning.algorithms import (
     explained_variance,
     gae,
+    kl_penalty,
     masked_mean,
     masked_whiten,
     token_rewards,
     value_errors,
 )
-from rlhf_lightning.algorithms.surrogate import aggregate_loss
+from rlhf_lightning.algorithms.surrogate import aggregate_loss, loss_normaliser
 from rlhf_lightning.core.online import OnlineRL, Stats
 from rlhf_lightning.core.policy import POLICY, without_dropout
 from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.models.spec import LoraSpec
 from rlhf_lightning.rollout.experience import Experience
 from rlhf_lightning.rollout.rewards import REWARD_ROLE, AdapterReward
+from rlhf_lightning.timing import phase
 from rlhf_lightning.utils import checks
 
 CRITIC = "critic"
@@ -97,29 +101,62 @@ class PPO(OnlineRL):
 
     # ---- the critic ---------------------------------------------------------------------------------------
 
-    @property
-    def has_critic(self) -> bool:
-        return True
+    STEP_LOSSES = OnlineRL.STEP_LOSSES | {"loss/value"}
 
     def response_values(self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor) -> Tensor:
         """Critic values ``[B, R]`` of the states before each response token."""
         return self.model.heads[CRITIC](self.response_hidden_states(CRITIC, input_ids, attention_mask,
                                                                     response_mask))
 
-    def rollout_values(self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor) -> Tensor:
-        return torch.where(response_mask, self.response_values(input_ids, attention_mask, response_mask), 0.0)
+    @torch.no_grad()
+    def make_experience(self, prompts: dict[str, Any]) -> tuple[Experience, Stats]:
+        """The loop's experience, with the critic's values ``[B, R]`` (0 after each response's end)."""
+        experience, stats = super().make_experience(prompts)
+        mask = experience.response_mask
+        with phase("rollout/values"):
+            values = self.response_values(experience.input_ids, experience.attention_mask, mask)
+        return dataclasses.replace(experience, values=torch.where(mask, values, 0.0)), stats
+
+    def step_normalisers(self, micros: Sequence[Experience]) -> dict[str, Tensor]:
+        """The policy's denominator and the value loss's: the step's response tokens (a token mean)."""
+        tokens = sum(loss_normaliser(m.response_mask, "token_mean") for m in micros)
+        return {**super().step_normalisers(micros), "tokens": self.mean_over_ranks(tokens.float()).clamp(min=1e-8)}
 
     def critic_losses(self, micro: Experience, normaliser: Tensor) -> tuple[Tensor, Stats]:
         """``(vf_coef x clipped value loss, its terms)``, a token mean over the optimizer step."""
         hp = self.hparams
         mask = micro.response_mask
-        values = self.response_values(micro.input_ids, micro.attention_mask, mask)
+        with phase("update/critic forward"):
+            values = self.response_values(micro.input_ids, micro.attention_mask, mask)
         errors, clipped = value_errors(values, micro.values, micro.returns, mask, hp.clip_range_value)
         loss = aggregate_loss(errors, mask, "token_mean", normaliser)
         return hp.vf_coef * loss, {"loss/value": loss, "value/clipfrac": masked_mean(clipped.float(), mask)}
 
+    def losses(self, experience: Experience, ptx: dict[str, Tensor] | None = None,
+               kl_coef: float | None = None) -> Stats:
+        """The policy's terms and the critic's; ``loss/total`` is their sum."""
+        terms = super().losses(experience, ptx, kl_coef)
+        critic_total, critic_terms = self.critic_losses(experience, self.step_normalisers([experience])["tokens"])
+        return {**terms, **critic_terms, "loss/total": terms["loss/total"] + critic_total}
+
+    def micro_step(self, micro: Experience, normalisers: dict[str, Tensor], ptx: dict[str, Tensor] | None,
+                   kl_coef: float) -> Stats:
+        """Policy and critic losses of one micro-batch, backpropagated together or one after the other."""
+        policy_total, terms = self.policy_losses(micro, normalisers["policy"], ptx, kl_coef)
+        if self.joint_backward:
+            critic_total, critic_terms = self.critic_losses(micro, normalisers["tokens"])
+            self.manual_backward(policy_total + critic_total)
+        else:
+            # The policy graph is freed by its backward before the critic's forward pass builds the next one.
+            self.manual_backward(policy_total)
+            critic_total, critic_terms = self.critic_losses(micro, normalisers["tokens"])
+            self.manual_backward(critic_total)
+        return {**terms, **critic_terms, "loss/total": policy_total.detach() + critic_total.detach()}
+
     @property
     def joint_backward(self) -> bool:
+        """One backward for the policy and critic losses (``backward``; ``auto``: joint under DDP, whose reducer
+        needs every gradient in one pass)."""
         if self.hparams.backward == "auto":
             return self._trainer is not None and self.trainer.world_size > 1
         return self.hparams.backward == "joint"
@@ -130,17 +167,20 @@ class PPO(OnlineRL):
 
     # ---- rewards and advantages ---------------------------------------------------------------------------
 
-    def shape_rewards(self, experience: Experience) -> tuple[Tensor, Tensor]:
-        """Per-token rewards ``[B, R]`` (KL penalty on every token, score on the last) and the per-token KL."""
+    def shape_rewards(self, experience: Experience, kl_coef: float) -> tuple[Tensor, Tensor]:
+        """Per-token rewards ``[B, R]`` (``-kl_coef * KL_t`` on every token, the score on the last) and the
+        per-token KL ``[B, R]`` (``kl_estimator``; 0 without reference log-probs)."""
+        hp = self.hparams
         kl = (torch.zeros_like(experience.response_mask, dtype=torch.float32) if experience.ref_logprobs is None
-              else self.token_kl(experience))
-        return token_rewards(experience.scores, kl, experience.response_mask, self.reward_kl_coef), kl
+              else kl_penalty(experience.logprobs, experience.ref_logprobs, hp.kl_estimator, hp.kl_clamp))
+        return token_rewards(experience.scores, kl, experience.response_mask, kl_coef), kl
 
-    def estimate_advantages(self, experience: Experience) -> tuple[Experience, Stats]:
-        """GAE advantages and returns ``[B, R]``; advantages whitened over the batch's valid tokens."""
+    def estimate_advantages(self, experience: Experience, kl_coef: float) -> tuple[Experience, Stats]:
+        """GAE advantages and returns ``[B, R]`` of the shaped rewards (``kl_coef``: the KL coefficient in them);
+        advantages whitened over the batch's valid tokens."""
         hp = self.hparams
         mask = experience.response_mask
-        rewards, kl = self.shape_rewards(experience)
+        rewards, kl = self.shape_rewards(experience, kl_coef)
         stats = {"objective/kl_penalty": torch.where(mask, kl, 0.0).sum(-1).mean(),
                  "objective/rlhf_reward": torch.where(mask, rewards, 0.0).sum(-1).mean()}  # score - coef * KL
         if hp.whiten_rewards:  # over the global batch (every rank's tokens)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from rlhf_lightning.algorithms import masked_whiten, token_rewards
+from rlhf_lightning.algorithms import kl_penalty, masked_whiten, token_rewards
 from rlhf_lightning.algorithms.group import group_advantages, returns_to_go
 from rlhf_lightning.core.online import OnlineRL, Stats
 from rlhf_lightning.rollout.experience import Experience
@@ -41,14 +41,16 @@ class REINFORCEPlusPlus(OnlineRL):
         if baseline == "group" and self.hparams.samples_per_prompt < 2:
             raise ValueError(f"baseline: group needs samples_per_prompt >= 2, got {self.hparams.samples_per_prompt}")
 
-    def estimate_advantages(self, experience: Experience) -> tuple[Experience, Stats]:
+    def estimate_advantages(self, experience: Experience, kl_coef: float) -> tuple[Experience, Stats]:
         """Whitened return-to-go of ``-kl_coef * KL_t`` on every token plus the (baselined) score on the last."""
+        hp = self.hparams
         mask = experience.response_mask
         scores = experience.scores
-        if self.hparams.baseline == "group":
+        if hp.baseline == "group":
             scores = group_advantages(scores, experience.group_size, "none")
-        kl = (self.token_kl(experience) if self.reward_kl_coef else mask.float() * 0.0)
-        rewards = token_rewards(scores, kl, mask, self.reward_kl_coef)
+        kl = (kl_penalty(experience.logprobs, experience.ref_logprobs, hp.kl_estimator, hp.kl_clamp) if kl_coef
+              else mask.float() * 0.0)
+        rewards = token_rewards(scores, kl, mask, kl_coef)
         stats = {"objective/rlhf_reward": rewards.where(mask, 0.0).sum(-1).mean()}
         # Whitened over the global batch (every rank's tokens), which stands in for a baseline; OpenRLHF's biased
         # variance and floor.

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlhf_lightning.algorithms import sequence_kl_penalty
 from rlhf_lightning.algorithms.group import (
     broadcast_to_tokens,
     normalize_advantages,
@@ -47,12 +48,15 @@ class RLOO(OnlineRL):
             raise ValueError(f"RLOO needs samples_per_prompt >= 2 (the baseline leaves one out), got "
                              f"{samples_per_prompt}")
 
-    def estimate_advantages(self, experience: Experience) -> tuple[Experience, Stats]:
+    def estimate_advantages(self, experience: Experience, kl_coef: float) -> tuple[Experience, Stats]:
         """``r_i - mean_{j != i} r_j`` with ``r = score - kl_coef * KL(sequence)``, over each response's tokens."""
+        hp = self.hparams
         rewards = experience.scores
         stats: Stats = {}
-        if self.reward_kl_coef:
-            rewards = rewards - self.reward_kl_coef * self.sequence_kl_penalty(experience)
+        if kl_coef:
+            rewards = rewards - kl_coef * sequence_kl_penalty(experience.logprobs, experience.ref_logprobs,
+                                                              experience.response_mask, hp.kl_estimator,
+                                                              hp.kl_clamp)
             stats["objective/rlhf_reward"] = rewards.mean()
         advantages = rloo_advantages(rewards, experience.group_size)
         if self.hparams.whiten_advantages:  # over the responses, one value each (not over their tokens)

@@ -122,7 +122,11 @@ def test_a_step_bounded_run_shows_steps_of_max_steps():
     bar = StepRichProgressBar()
     boring_fit(bar, max_epochs=2)
     task = bar.progress.tasks[bar.train_progress_bar_id]
-    assert (task.description.strip(), task.completed, task.total) == ("Epoch 1/1", 2, 2)
+    assert (task.description.strip(), task.completed, task.total) == ("Epoch 2/2", 2, 2)  # counted from 1
+
+    bar = StepTQDMProgressBar()
+    boring_fit(bar, max_epochs=3)
+    assert (bar.train_progress_bar.desc, bar.train_progress_bar.n) == ("Epoch 3/3: ", 2)
 
     bar = StepTQDMProgressBar()
     boring_fit(bar, max_steps=5)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import logging
 
+import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from rlhf_lightning.data.collate import IGNORE_INDEX
 from rlhf_lightning.data.loader import ResumableLoader
@@ -155,3 +157,38 @@ def test_resumable_loader_continues_exactly_and_reshuffles_per_epoch():
     assert list(at_end) == epoch1
     with pytest.raises(ValueError, match="no batch"):
         ResumableLoader([1, 2], batch_size=3, collate_fn=list)
+
+
+class _RecordingModule(L.LightningModule):
+    """Trains a scalar on the loader's batches (lists of ints) and records them."""
+
+    def __init__(self, data: list[int]) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(()))
+        self.data, self.seen = data, []
+
+    def train_dataloader(self) -> ResumableLoader:
+        return ResumableLoader(self.data, batch_size=3, collate_fn=list, seed=5)
+
+    def training_step(self, batch: list[int], batch_idx: int) -> torch.Tensor:
+        self.seen.append(batch)
+        return self.weight * float(sum(batch))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_an_epoch_cut_by_limit_train_batches_is_followed_by_a_whole_new_one(tmp_path):
+    data = list(range(10))
+    reference = ResumableLoader(data, batch_size=3, collate_fn=list, seed=5)
+    epochs = [list(reference) for _ in range(3)]
+    settings = dict(limit_train_batches=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                    default_root_dir=tmp_path)
+    module = _RecordingModule(data)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_epochs=1)
+    L.Trainer(max_epochs=3, callbacks=[checkpoint], **settings).fit(module)
+    assert module.seen == epochs[0][:2] + epochs[1][:2] + epochs[2][:2]
+    # resumed from the checkpoint written when the cut first epoch ended: the second epoch from its start
+    resumed = _RecordingModule(data)
+    L.Trainer(max_epochs=3, **settings).fit(resumed, ckpt_path=str(tmp_path / "epoch=0-step=2.ckpt"))
+    assert resumed.seen == epochs[1][:2] + epochs[2][:2]

@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "rlhf_lightning"
 
 # bottom up: a module may import its own layer and the ones before it
 LAYERS = [
-    ("utils", "metrics", "optim", "resume", "run_folder", "wandb_offline"),  # no model, no data
+    ("utils", "metrics", "optim", "resume", "run_folder", "timing", "wandb_offline"),  # no model, no data
     ("algorithms", "ops", "tasks"),  # pure math, speed code, the embedded tasks
     ("models", "data"),  # the shared base and its roles; datasets and batches
     ("rollout",),  # sampling, experience, reward sources

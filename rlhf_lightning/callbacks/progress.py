@@ -9,17 +9,21 @@ from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar
 from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 
+from rlhf_lightning.callbacks.run_shape import step_bounded
+
 STEPS = "Steps"
 
 
-def step_bounded(trainer: L.Trainer) -> bool:
-    """Whether the run ends at ``max_steps`` (``max_epochs`` left at -1, as the SFT, reward and DPO configs do)."""
-    return trainer.max_epochs in (-1, None) and trainer.max_steps is not None and trainer.max_steps > 0
+def epoch_description(trainer: L.Trainer, current_epoch: int) -> str:
+    """``Epoch 3/3`` in the last of three epochs (Lightning's bars count from 0: ``Epoch 2/2``)."""
+    total = f"/{trainer.max_epochs}" if trainer.max_epochs not in (None, -1) else ""
+    return f"Epoch {current_epoch + 1}{total}"
 
 
 class StepRichProgressBar(RichProgressBar):
     """Lightning's rich progress bar; a step-bounded run reads ``Steps 412/1000`` (optimizer steps of
-    ``max_steps``) instead of ``Epoch 0/-2`` with the batches of the current epoch.
+    ``max_steps``) instead of ``Epoch 0/-2`` with the batches of the current epoch, and epochs count from 1
+    (``Epoch 3/3`` in the last of three).
 
     Takes every ``RichProgressBar`` argument.
     """
@@ -31,7 +35,8 @@ class StepRichProgressBar(RichProgressBar):
     def _get_train_description(self, current_epoch: int) -> str:
         if step_bounded(self.trainer):
             return f"{STEPS:{len(self.validation_description)}}"  # padded like Lightning's, against flicker
-        return super()._get_train_description(current_epoch)
+        description = epoch_description(self.trainer, current_epoch)
+        return f"{description:{len(self.validation_description)}}"
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_epoch_start(trainer, pl_module)
@@ -66,6 +71,8 @@ class StepTQDMProgressBar(TQDMProgressBar):
         if step_bounded(trainer):
             self.train_progress_bar.n = trainer.global_step
             self.train_progress_bar.set_description(STEPS)
+        else:
+            self.train_progress_bar.set_description(epoch_description(trainer, trainer.current_epoch))
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:

@@ -4,11 +4,16 @@ One ``training_step`` is one iteration on a batch of prompts, four steps read to
 
 1. **sample** ``samples_per_prompt`` responses per prompt from the policy and **make experience** once (eval
    mode, no grad): old log-probs (when the update makes more than one optimizer step), reference log-probs
-   (when a KL term needs them), values (algorithms with a critic), scores from the reward sources;
-2. :meth:`estimate_advantages`: the algorithm (GAE, group baselines, return-to-go...);
+   (when a KL term needs them), scores from the reward sources;
+2. :meth:`estimate_advantages`: the algorithm (GAE, group baselines, return-to-go...), given the KL
+   coefficient in the rewards;
 3. :meth:`update`: ``epochs`` passes over shuffled minibatches of micro-batches: clipped surrogate (token or
-   sequence ratio, clip-higher), KL in the loss when the algorithm puts it there, entropy bonus, PPO-ptx,
-   the critic's loss when there is one; gradient clipping, optimizer step, optional target-KL stop.
+   sequence ratio, clip-higher), the KL term at the coefficient in the loss, entropy bonus, PPO-ptx; gradient
+   clipping, optimizer step, optional target-KL stop.
+
+The loop knows no algorithm: PPO adds its critic by overriding :meth:`make_experience` (the values),
+:meth:`micro_step` and :meth:`losses` (the value loss); the critic-free family only defines
+:meth:`estimate_advantages`.
 
 Experience is never modified during the update. The loss of an optimizer step is normalised over the whole
 step (every micro-batch and rank), so micro-batches of unequal token counts weigh what they would in one batch.
@@ -51,6 +56,7 @@ from rlhf_lightning.optim import Schedule
 from rlhf_lightning.rollout.experience import Experience, Samples, sequence_kl
 from rlhf_lightning.rollout.generate import stopped
 from rlhf_lightning.rollout.rewards import RewardSet, RewardSource, reward_inputs
+from rlhf_lightning.timing import phase
 from rlhf_lightning.utils import checks
 from rlhf_lightning.utils.nonfinite import (
     SKIP_HINT,
@@ -124,7 +130,7 @@ class OnlineRL(PolicyModule):
     # critic-free algorithms skip that pass at kl_coef 0, as TRL's GRPO does).
     measure_kl = False
     # Losses normalised over the whole optimizer step: their micro-batch parts add up to the step's loss.
-    STEP_LOSSES = frozenset({"loss/policy", "loss/value", "loss/total"})
+    STEP_LOSSES = frozenset({"loss/policy", "loss/total"})
     validation_metrics = ("score", "kl", "length", "eos_frac", "gold")
 
     def __init__(
@@ -234,21 +240,30 @@ class OnlineRL(PolicyModule):
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         start = time.perf_counter()
         torch.manual_seed(derive_seed(self.hparams.seed, "train", self.iteration, self.global_rank))
+        # This iteration's KL coefficient where the KL goes (the adaptive controller moves it after the iteration).
+        reward_kl_coef, loss_kl_coef = self.kl_coef_in("reward"), self.kl_coef_in("loss")
         try:
-            experience, stats = self.rollout(batch["prompts"])  # 1. sample, make experience; 2. advantages
+            experience, stats = self.rollout(batch["prompts"], reward_kl_coef)  # 1. experience; 2. advantages
         except SkipIteration:
             self.skip_iteration()
             return
         rollout_seconds = time.perf_counter() - start
-        stats.update(self.update(experience, batch.get("ptx")))  # 3. update
+        stats.update(self.update(experience, batch.get("ptx"), loss_kl_coef))  # 3. update
         self.end_iteration(experience, stats, start, rollout_seconds)  # 4. bookkeeping
 
+    def kl_coef_in(self, place: Literal["reward", "loss"]) -> float:
+        """The current KL coefficient if the KL penalty goes into ``place`` (``kl_in``), else 0."""
+        return self.kl_controller.value if self.hparams.kl_in == place else 0.0
+
     @torch.no_grad()
-    def rollout(self, prompts: dict[str, Any]) -> tuple[Experience, Stats]:
-        """Steps 1 and 2 on a batch of prompts: the experience with its advantages, and its statistics."""
+    def rollout(self, prompts: dict[str, Any], reward_kl_coef: float | None = None) -> tuple[Experience, Stats]:
+        """Steps 1 and 2 on a batch of prompts: the experience with its advantages, and its statistics.
+        ``reward_kl_coef``: the KL coefficient in the rewards; null = the current one (``kl_coef_in("reward")``)."""
+        if reward_kl_coef is None:
+            reward_kl_coef = self.kl_coef_in("reward")
         with self.rollout_gathered():  # a sharded base stays gathered for the whole rollout (sharded_rollout)
             experience, stats = self.make_experience(prompts)
-        experience, advantage_stats = self.estimate_advantages(experience)
+        experience, advantage_stats = self.estimate_advantages(experience, reward_kl_coef)
         return experience, {**stats, **advantage_stats}
 
     # ---- 1. experience ------------------------------------------------------------------------------------
@@ -269,26 +284,28 @@ class OnlineRL(PolicyModule):
         """Sample ``samples_per_prompt`` responses per prompt and run every scoring pass once."""
         group = self.hparams.samples_per_prompt
         prompt_ids = prompts["input_ids"].repeat_interleave(group, 0)
-        input_ids, attention_mask, response_mask = self.generate(
-            prompt_ids, prompts["attention_mask"].repeat_interleave(group, 0),
-            seeds=self.row_seeds(f"train {self.iteration}", prompts.get("index"), group))
+        with phase("rollout/generate"):
+            input_ids, attention_mask, response_mask = self.generate(
+                prompt_ids, prompts["attention_mask"].repeat_interleave(group, 0),
+                seeds=self.row_seeds(f"train {self.iteration}", prompts.get("index"), group))
         responses = input_ids[:, prompt_ids.shape[1]:]
         logprobs = entropy = ref_logprobs = None
         kl_in_reward = self.needs_reference and self.hparams.kl_in == "reward"
-        if self.steps_per_rollout > 1 or kl_in_reward:
-            logprobs, entropy = self.response_logprobs(POLICY, input_ids, attention_mask, response_mask,
-                                                       with_entropy=True)
-        if self.needs_reference:
-            ref_logprobs, _ = self.response_logprobs(REFERENCE, input_ids, attention_mask, response_mask)
-        values = self.rollout_values(input_ids, attention_mask, response_mask)
+        with phase("rollout/logprobs"):
+            if self.steps_per_rollout > 1 or kl_in_reward:
+                logprobs, entropy = self.response_logprobs(POLICY, input_ids, attention_mask, response_mask,
+                                                           with_entropy=True)
+            if self.needs_reference:
+                ref_logprobs, _ = self.response_logprobs(REFERENCE, input_ids, attention_mask, response_mask)
         texts = [text for text in prompts["prompt"] for _ in range(group)]
         completions = self.decode(responses, response_mask)
         try:
-            source_scores = self.score_responses(
-                input_ids, attention_mask, response_mask, completions,
-                prompts=[p for p in prompts.get("raw_prompt", prompts["prompt"]) for _ in range(group)],
-                columns={name: [v for v in column for _ in range(group)]
-                         for name, column in prompts.get("columns", {}).items()})
+            with phase("rollout/reward"):
+                source_scores = self.score_responses(
+                    input_ids, attention_mask, response_mask, completions,
+                    prompts=[p for p in prompts.get("raw_prompt", prompts["prompt"]) for _ in range(group)],
+                    columns={name: [v for v in column for _ in range(group)]
+                             for name, column in prompts.get("columns", {}).items()})
         except ValueError as error:  # e.g. FunctionReward's refusal of a NaN, which names the row: add when
             raise ValueError(f"iteration {self.iteration + 1}: {error}") from error
         self.guard_scores(score_problems(source_scores, self.rewards.sources)[0])
@@ -298,7 +315,7 @@ class OnlineRL(PolicyModule):
         bad = ~torch.isfinite(scores)
         self.guard_scores([f"the combined reward is non-finite for rows {listing(bad.nonzero().flatten().tolist())} "
                            f"of {bad.shape[0]} (reward_normalize statistics or reward_weights?)"] if bad.any() else [])
-        experience = Experience(input_ids, attention_mask, response_mask, scores, logprobs, ref_logprobs, values,
+        experience = Experience(input_ids, attention_mask, response_mask, scores, logprobs, ref_logprobs,
                                 group_size=group)
         kl = None if logprobs is None or ref_logprobs is None else sequence_kl(logprobs, ref_logprobs, response_mask)
         stats = self.experience_stats(experience, source_scores, raw_scores, is_stopped, entropy, kl)
@@ -334,10 +351,6 @@ class OnlineRL(PolicyModule):
             scheduler.step()
         self.log_dict({f"{self.metric_prefix}/skipped_steps": float(self.skipped_steps),
                        f"{self.metric_prefix}/iteration": float(self.iteration + 1)}, sync_dist=True)
-
-    def rollout_values(self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor) -> Tensor | None:
-        """Critic values ``[B, R]`` for the experience; None without a critic (see PPO)."""
-        return None
 
     def score_responses(self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor,
                         completions: list[str], prompts: Sequence[Any],
@@ -381,31 +394,20 @@ class OnlineRL(PolicyModule):
             stats["policy/entropy"] = masked_mean(entropy, mask)
         return stats
 
-    def token_kl(self, experience: Experience) -> Tensor:
-        """Per-token KL estimate ``[B, R]`` of the rollout's policy to the reference (``kl_estimator``)."""
-        return kl_penalty(experience.logprobs, experience.ref_logprobs, self.hparams.kl_estimator,
-                          self.hparams.kl_clamp)
-
-    def sequence_kl_penalty(self, experience: Experience) -> Tensor:
-        """``[B]``: the ``kl_estimator``'s per-token KL summed over each response (with k1, the log-ratio sum)."""
-        return torch.where(experience.response_mask, self.token_kl(experience), 0.0).sum(-1)
-
-    @property
-    def reward_kl_coef(self) -> float:
-        """The KL coefficient applied in the reward (0 when the KL goes into the loss)."""
-        return self.kl_controller.value if self.hparams.kl_in == "reward" else 0.0
-
     # ---- 2. advantages ------------------------------------------------------------------------------------
 
-    def estimate_advantages(self, experience: Experience) -> tuple[Experience, Stats]:
-        """The experience with its advantages (and returns, with a critic), and statistics. The algorithm."""
+    def estimate_advantages(self, experience: Experience, kl_coef: float) -> tuple[Experience, Stats]:
+        """The experience with its advantages (and returns, with a critic), and statistics: the algorithm.
+        ``kl_coef``: this iteration's coefficient of the KL penalty in the rewards (0 when it goes into the loss);
+        the per-token KL is ``kl_penalty(experience.logprobs, experience.ref_logprobs, kl_estimator, kl_clamp)``."""
         raise NotImplementedError
 
     # ---- 3. update ----------------------------------------------------------------------------------------
 
-    def update(self, experience: Experience, ptx: dict[str, Tensor] | None) -> Stats:
-        """``epochs`` passes of minibatch updates. Returns each loss (``STEP_LOSSES``) as the mean over optimizer
-        steps of what the step backpropagated, every other term as its mean over the micro-batches."""
+    def update(self, experience: Experience, ptx: dict[str, Tensor] | None, kl_coef: float) -> Stats:
+        """``epochs`` passes of minibatch updates; ``kl_coef``: the KL term's coefficient in the loss (0 = none).
+        Returns each loss (``STEP_LOSSES``) as the mean over optimizer steps of what the step backpropagated,
+        every other term as its mean over the micro-batches."""
         hp = self.hparams
         optimizer = self.optimizers()
         minibatch_size, micro_size = self.minibatch_sizes(experience.response_mask.shape[0])
@@ -423,7 +425,7 @@ class OnlineRL(PolicyModule):
                 minibatch_kl = torch.zeros((), device=self.device)
                 step_terms: list[Stats] = []
                 for index, micro in enumerate(micros):
-                    terms = self.micro_step(micro, normalisers, ptx if index == 0 else None)
+                    terms = self.micro_step(micro, normalisers, ptx if index == 0 else None, kl_coef)
                     self.guard_losses({name: value for name, value in terms.items() if name.startswith("loss/")},
                                       f"{where}, micro-batch {index + 1} of {len(micros)}")
                     step_terms.append({name: value.detach() for name, value in terms.items()})
@@ -439,7 +441,8 @@ class OnlineRL(PolicyModule):
                 if hp.max_grad_norm is not None:
                     self.clip_gradients(optimizer, gradient_clip_val=hp.max_grad_norm,
                                         gradient_clip_algorithm="norm")
-                optimizer.step()
+                with phase("update/optimizer step"):
+                    optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 # Every rank must take the same decision, or DDP would wait for a backward that never comes.
                 if hp.target_kl is not None and self._all_mean(minibatch_kl) > hp.target_kl:
@@ -464,52 +467,34 @@ class OnlineRL(PolicyModule):
         averages gradients, so each rank divides by the global total / world size)."""
         hp = self.hparams
         policy = sum(loss_normaliser(self.loss_mask(m), hp.loss_aggregation, hp.max_new_tokens) for m in micros)
-        tokens = sum(loss_normaliser(m.response_mask, "token_mean") for m in micros)
-        return {"policy": self.mean_over_ranks(policy.float()).clamp(min=1e-8),
-                "tokens": self.mean_over_ranks(tokens.float()).clamp(min=1e-8)}
+        return {"policy": self.mean_over_ranks(policy.float()).clamp(min=1e-8)}
 
-    def losses(self, experience: Experience, ptx: dict[str, Tensor] | None = None) -> Stats:
+    def losses(self, experience: Experience, ptx: dict[str, Tensor] | None = None,
+               kl_coef: float | None = None) -> Stats:
         """Every term of the loss of ``experience`` taken as one optimizer step, differentiable, without a
-        backward (``loss/total`` is what the update would backpropagate): for analysis and tests."""
-        normalisers = self.step_normalisers([experience])
-        policy_total, terms = self.policy_losses(experience, normalisers["policy"], ptx)
-        if not self.has_critic:
-            return {**terms, "loss/total": policy_total}
-        critic_total, critic_terms = self.critic_losses(experience, normalisers["tokens"])
-        return {**terms, **critic_terms, "loss/total": policy_total + critic_total}
+        backward (``loss/total`` is what the update would backpropagate): for analysis and tests. ``kl_coef``:
+        the KL term's coefficient in the loss; null = the current one (``kl_coef_in("loss")``)."""
+        kl_coef = self.kl_coef_in("loss") if kl_coef is None else kl_coef
+        total, terms = self.policy_losses(experience, self.step_normalisers([experience])["policy"], ptx, kl_coef)
+        return {**terms, "loss/total": total}
 
-    @property
-    def joint_backward(self) -> bool:
-        """One backward for the policy and critic losses (always without a critic, and under DDP, whose
-        reducer needs every gradient in one pass)."""
-        return True
+    def micro_step(self, micro: Experience, normalisers: dict[str, Tensor], ptx: dict[str, Tensor] | None,
+                   kl_coef: float) -> Stats:
+        """Losses and backward of one micro-batch (``kl_coef``: the KL term's coefficient in the loss)."""
+        total, terms = self.policy_losses(micro, normalisers["policy"], ptx, kl_coef)
+        self.manual_backward(total)
+        return {**terms, "loss/total": total.detach()}
 
-    def micro_step(self, micro: Experience, normalisers: dict[str, Tensor],
-                   ptx: dict[str, Tensor] | None) -> Stats:
-        """Losses and backward of one micro-batch."""
-        policy_total, terms = self.policy_losses(micro, normalisers["policy"], ptx)
-        if not self.has_critic:
-            self.manual_backward(policy_total)
-            return {**terms, "loss/total": policy_total.detach()}
-        if self.joint_backward:
-            critic_total, critic_terms = self.critic_losses(micro, normalisers["tokens"])
-            self.manual_backward(policy_total + critic_total)
-        else:
-            # The policy graph is freed by its backward before the critic's forward pass builds the next one.
-            self.manual_backward(policy_total)
-            critic_total, critic_terms = self.critic_losses(micro, normalisers["tokens"])
-            self.manual_backward(critic_total)
-        return {**terms, **critic_terms, "loss/total": policy_total.detach() + critic_total.detach()}
-
-    def policy_losses(self, micro: Experience, normaliser: Tensor,
-                      ptx: dict[str, Tensor] | None) -> tuple[Tensor, Stats]:
-        """``(policy part of the loss, its terms)``: clipped surrogate, + KL term (``kl_in: loss``),
-        - entropy bonus, aggregated over the step; + PPO-ptx."""
+    def policy_losses(self, micro: Experience, normaliser: Tensor, ptx: dict[str, Tensor] | None,
+                      kl_coef: float) -> tuple[Tensor, Stats]:
+        """``(policy part of the loss, its terms)``: clipped surrogate, + ``kl_coef`` x KL term, - entropy bonus,
+        aggregated over the step (``normaliser``); + PPO-ptx."""
         hp = self.hparams
         mask, loss_mask = micro.response_mask, self.loss_mask(micro)
-        logprobs, entropy = self.response_logprobs(
-            POLICY, micro.input_ids, micro.attention_mask, mask,
-            with_entropy=bool(hp.ent_coef) or micro.logprobs is None, entropy_grad=bool(hp.ent_coef))
+        with phase("update/policy forward"):
+            logprobs, entropy = self.response_logprobs(
+                POLICY, micro.input_ids, micro.attention_mask, mask,
+                with_entropy=bool(hp.ent_coef) or micro.logprobs is None, entropy_grad=bool(hp.ent_coef))
         # One optimizer step per rollout: the policy has not moved since sampling, so its own pass, detached,
         # gives the old log-probs (ratio 1 in value, the policy gradient in gradient).
         old_logprobs = logprobs.detach() if micro.logprobs is None else micro.logprobs
@@ -531,7 +516,7 @@ class OnlineRL(PolicyModule):
             if micro.ref_logprobs is not None:
                 terms["objective/kl"] = sequence_kl(logprobs.detach(), micro.ref_logprobs, mask).mean()
         terms["loss/policy"] = aggregate_loss(per_token, loss_mask, hp.loss_aggregation, normaliser)
-        if hp.kl_in == "loss" and self.kl_controller.value > 0:
+        if kl_coef > 0:
             # Padding gets the reference's own log-prob (KL 0 there): garbage could overflow k3's exp and turn
             # the masked-out zero gradient into NaN.
             kl = kl_penalty(torch.where(mask, logprobs, micro.ref_logprobs), micro.ref_logprobs, hp.kl_estimator,
@@ -542,7 +527,7 @@ class OnlineRL(PolicyModule):
                 elif hp.ratio_level == "sequence_sum":
                     log_ratio = log_ratio.sum(-1, keepdim=True)
                 kl = kl * torch.exp(log_ratio)
-            per_token = per_token + self.kl_controller.value * kl
+            per_token = per_token + kl_coef * kl
             terms["loss/kl"] = masked_mean(kl.detach(), mask)
         if hp.ent_coef:
             per_token = per_token - hp.ent_coef * entropy
@@ -552,14 +537,6 @@ class OnlineRL(PolicyModule):
             terms["loss/ptx"] = self.ptx_loss(ptx)
             total = total + hp.ptx_coef * terms["loss/ptx"]
         return total, terms
-
-    @property
-    def has_critic(self) -> bool:
-        return False
-
-    def critic_losses(self, micro: Experience, normaliser: Tensor) -> tuple[Tensor, Stats]:
-        """``(critic part of the loss, its terms)``; algorithms with a critic define it (see PPO)."""
-        raise NotImplementedError
 
     def ptx_loss(self, batch: dict[str, Tensor]) -> Tensor:
         """Next-token loss of the policy on pretraining/SFT text (the PPO-ptx term of InstructGPT)."""

@@ -19,7 +19,6 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch.utilities.parsing import collect_init_args
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 from torchmetrics import MeanMetric
 
 from rlhf_lightning.algorithms import entropy_from_logits, logprobs_from_logits
@@ -28,7 +27,7 @@ from rlhf_lightning.metrics import reset_metrics
 from rlhf_lightning.models.sharding import gathered, is_dtensor
 from rlhf_lightning.models.shared_base import REFERENCE, SharedBase, adapter_of
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
-from rlhf_lightning.ops.lm_head import logprobs_from_hidden
+from rlhf_lightning.ops.lm_head import head_logprobs
 from rlhf_lightning.ops.sampling import row_draws
 from rlhf_lightning.rollout.experience import sequence_kl
 from rlhf_lightning.rollout.generate import SamplingSettings, sample_responses, stop_token_ids, stopped
@@ -190,27 +189,11 @@ class PolicyModule(StageModule):
         if self.model.logit_transform is None:
             return self._forward_logprobs(role, input_ids, attention_mask, response_mask, with_entropy, entropy_grad)
         hidden, start = self.predicting_hidden_states(role, input_ids, attention_mask, response_mask)
-        labels = input_ids[:, start:]
-        chunk = self.hparams.logprob_chunk or labels.shape[1]
-        recompute = self.hparams.logprob_chunk is not None and torch.is_grad_enabled() and hidden.requires_grad
-        # The fused head keeps one [B, T, V] tensor for the backward; an entropy bonus needs the plain path, and
-        # so does a soft cap (a scale folds into the temperature).
-        fused = (self._fused_head() and self.model.logit_transform.is_linear
-                 and not (with_entropy and entropy_grad and torch.is_grad_enabled()))
-        compute = self._fused_chunk if fused else self._chunk_logprobs
-        logprobs, entropies = [], []
-        for first in range(0, labels.shape[1], chunk):
-            piece, piece_labels = hidden[:, first : first + chunk], labels[:, first : first + chunk]
-            if recompute:
-                logprob, entropy = checkpoint(compute, piece, piece_labels, with_entropy, entropy_grad,
-                                              use_reentrant=False)
-            else:
-                logprob, entropy = compute(piece, piece_labels, with_entropy, entropy_grad)
-            logprobs.append(logprob)
-            entropies.append(entropy)
-        left = input_ids.new_zeros((input_ids.shape[0], start), dtype=logprobs[0].dtype)
-        return (torch.cat([left, *logprobs], 1),
-                torch.cat([left, *entropies], 1) if with_entropy else None)
+        logprobs, entropy = head_logprobs(hidden, input_ids[:, start:], self.model.logits, self.hparams.temperature,
+                                          chunk=self.hparams.logprob_chunk, with_entropy=with_entropy,
+                                          entropy_grad=entropy_grad, **self._fused_head())
+        left = input_ids.new_zeros((input_ids.shape[0], start), dtype=logprobs.dtype)
+        return torch.cat([left, logprobs], 1), None if entropy is None else torch.cat([left, entropy], 1)
 
     def _forward_logprobs(self, role: str | None, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor,
                           with_entropy: bool, entropy_grad: bool) -> tuple[Tensor, Tensor | None]:
@@ -259,28 +242,14 @@ class PolicyModule(StageModule):
                                                   pad_to_sequence(response_mask, input_ids.shape[1]))
         return hidden[:, -response_mask.shape[1]:]
 
-    def _fused_head(self) -> bool:
-        head = self.model.lm_head
-        return isinstance(head, torch.nn.Linear) and head.bias is None
-
-    def _fused_chunk(self, hidden: Tensor, labels: Tensor, with_entropy: bool,
-                     entropy_grad: bool) -> tuple[Tensor, Tensor | None]:
-        # logits * scale / temperature = hidden @ W.T / (temperature / scale)
-        temperature = self.hparams.temperature / self.model.logit_transform.scale
-        weight = self.model.lm_head.weight
-        if is_dtensor(weight):  # FSDP2 keeps the root unit gathered after a forward pass; never a shard here
+    def _fused_head(self) -> dict[str, Any]:
+        """The fused log-prob head's arguments when the logits are a scaled bias-free linear head, else none."""
+        head, transform = self.model.lm_head, self.model.logit_transform
+        if not (isinstance(head, torch.nn.Linear) and head.bias is None and transform.is_linear):
+            return {}
+        if is_dtensor(head.weight):  # FSDP2 keeps the root unit gathered after a forward pass; never a shard here
             raise RuntimeError("the LM head's weight is a shard: log-probs must follow a hidden_states pass")
-        return logprobs_from_hidden(hidden, weight, labels, temperature, with_entropy)
-
-    def _chunk_logprobs(self, hidden: Tensor, labels: Tensor, with_entropy: bool,
-                        entropy_grad: bool) -> tuple[Tensor, Tensor | None]:
-        # Contiguous first: matmul does not fold a strided slice that requires grad into one 2-D product.
-        logits = self.model.logits(hidden.contiguous()).float() / self.hparams.temperature
-        entropy = None
-        if with_entropy:
-            with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
-                entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
-        return logprobs_from_logits(logits, labels), entropy
+        return {"fused_weight": head.weight, "fused_scale": transform.scale}
 
     # ---- sampling ---------------------------------------------------------------------------------------
 

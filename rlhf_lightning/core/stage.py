@@ -21,6 +21,7 @@ from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.optim import Schedule, adamw, lr_lambda
 from rlhf_lightning.resume import CLASS_KEY, class_mismatch, class_path, saved_state_keys
 from rlhf_lightning.run_folder import export_path, refuse_overwrite
+from rlhf_lightning.timing import phase
 from rlhf_lightning.utils.atomic_io import CheckpointError
 from rlhf_lightning.utils.nonfinite import (
     SKIP_HINT,
@@ -262,6 +263,10 @@ class StageModule(L.LightningModule):
         self.skipped_steps += steps
         for parameter in self.parameters():
             parameter.grad = None
+
+    def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        with phase("update/backward"):  # every stage's backward passes, automatic and manual optimization alike
+            super().backward(loss, *args, **kwargs)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Automatic optimization: Lightning calls this after the backward, before clipping and the step.

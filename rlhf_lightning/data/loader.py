@@ -23,6 +23,14 @@ class ResumableLoader:
     from loaders with a length, so the state counts exactly the batches already trained on. Under DDP each rank
     takes its own shard of every epoch's permutation (the tail that does not divide evenly is dropped, so all
     ranks run the same number of steps). Not a ``DataLoader`` subclass, so Lightning leaves the sharding to us.
+    Lightning starts each epoch with ``set_epoch`` (through :attr:`sampler`), so an epoch cut short by
+    ``limit_train_batches`` is followed by a whole new one, not by the rest of the old one.
+
+    Kept rather than torchdata's ``StatefulDataLoader`` with torch's ``DistributedSampler``, which would shard the
+    same way (one permutation per epoch, ``rank::world``, the tail dropped) and resume too: this is about 100 lines
+    and no further dependency, and Lightning passes it its epoch and state without re-instantiating it to inject
+    a sampler (it leaves iterables that are not ``DataLoader``s alone), so which rows each rank trains on, hence
+    the one-process / N-rank equivalence, stays in this file.
 
     Args:
         dataset: any indexable collection of examples.
@@ -94,6 +102,17 @@ class ResumableLoader:
             self.batches_done += 1
             yield batch
         self.epoch, self.batches_done = self.epoch + 1, 0
+
+    @property
+    def sampler(self) -> ResumableLoader:
+        """Itself: Lightning calls ``sampler.set_epoch`` on every training loader when an epoch starts."""
+        return self
+
+    def set_epoch(self, epoch: int) -> None:
+        """Lightning's epoch ``epoch`` starts: continue it when resumed mid-way, else start it at its first batch
+        (the previous one may have been cut short by ``limit_train_batches``)."""
+        if epoch != self.epoch:
+            self.epoch, self.batches_done = epoch, 0
 
     def state_dict(self) -> dict[str, int]:
         """Where the loader is: the epoch and the batches of it already handed out."""

@@ -244,17 +244,20 @@ class ModelReward(RewardSource):
 
 
 class FunctionReward(RewardSource):
-    """A Python reward function with TRL's signature, e.g. a rule-based verifier or the synthetic task's
-    ``rlhf_lightning.tasks.synthetic.gold_rewards``::
+    """A Python reward function with TRL's signature: ``fn(prompts, completions, completion_ids, **columns)``.
 
-        fn(prompts: list, completions: list[str], completion_ids: list[list[int]], **columns) -> list[float | None]
-
-    called with keywords; every other column of the prompt dataset arrives as a keyword argument (one value per
-    response), so accept ``**kwargs``. ``None`` means "not applicable to this response": the row's reward is then
-    the weighted sum of the other sources.
+    It is called with keywords: ``prompts`` (as the dataset holds them: text or messages), ``completions`` (the
+    decoded responses), ``completion_ids`` (their token ids) and every other column of the prompt dataset (one
+    value per response), so accept ``**kwargs``. It returns one float per response, or ``None`` for "not
+    applicable to this response": the row's reward is then the weighted sum of the other sources. A rule-based
+    verifier, or the synthetic task's ``rlhf_lightning.tasks.synthetic.gold_rewards``.
 
     Args:
-        fn: the function (an import path in YAML).
+        fn: the function, an import path in YAML, called as ``fn(prompts=..., completions=...,
+            completion_ids=..., **columns) -> list[float | None]`` (one score per response, None = not
+            applicable). Example: in ``my_rewards.py`` importable from where you run (the working folder or
+            PYTHONPATH), ``def brevity(completions, **kwargs): return [-len(c) / 100 for c in completions]``,
+            then ``reward: {class_path: rlhf_lightning.FunctionReward, init_args: {fn: my_rewards.brevity}}``.
     """
 
     def __init__(self, fn: Callable[..., Sequence[float | None]]) -> None:

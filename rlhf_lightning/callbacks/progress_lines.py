@@ -1,0 +1,124 @@
+"""Progress as plain lines, for output that is not a terminal (``nohup``, a scheduler's log, CI).
+
+A progress bar redraws one line with carriage returns: in a log file it shows nothing until the end. The CLI
+uses :class:`ProgressLines` instead when standard output is not a terminal.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback
+
+from rlhf_lightning.callbacks.run_shape import step_bounded, training_batches
+
+HIDDEN = ("v_num", "iteration")  # the line says these itself
+
+
+def duration(seconds: float) -> str:
+    """``2h03m``, ``3m05s`` or ``12s``."""
+    seconds = int(round(seconds))
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    if seconds >= 60:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds}s"
+
+
+def metric_text(metrics: Mapping[str, Any]) -> str:
+    """``reward 1.23 · kl 4.51``: each value with 4 significant digits."""
+    parts = []
+    for name, value in metrics.items():
+        value = float(value)
+        parts.append(f"{name} {value:.4g}" if math.isfinite(value) else f"{name} {value}")
+    return " · ".join(parts)
+
+
+def held_out(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """The validation metrics (``<prefix>/val/<name>``) among ``metrics``, sorted by name."""
+    return {name: float(value) for name, value in sorted(metrics.items()) if "/val/" in name}
+
+
+def unit(pl_module: L.LightningModule) -> str:
+    """What one training batch is: an iteration of the on-policy loop (manual optimization), else a batch."""
+    return "batch" if pl_module.automatic_optimization else "iteration"
+
+
+class ProgressLines(Callback):
+    """Progress as plain lines on standard output, at most one every ``every_seconds`` (the first and the last
+    training batch always), and one after each validation with its held-out metrics::
+
+        [ppo] iteration 12/96 · epoch 1/3 · step 48 · 3m05s · 15.4 s/iteration · reward 1.23 · kl 4.51 · gold 0.8
+        [ppo] validation after iteration 16: ppo/val/eos_frac 1 · ppo/val/gold 1.31 · ppo/val/kl 8.68 · ...
+
+    The metrics are those a progress bar would show. Printed by rank 0 only.
+
+    Args:
+        every_seconds: least time between two progress lines.
+    """
+
+    def __init__(self, every_seconds: float = 60.0) -> None:
+        if not every_seconds >= 0:
+            raise ValueError(f"ProgressLines: every_seconds must be >= 0, got {every_seconds}")
+        self.every_seconds = every_seconds
+        self._started = self._last_line = 0.0
+        self._first_batch = 0
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._started = time.monotonic()
+        self._last_line = -math.inf
+        self._first_batch = self.batches_done(trainer)  # resumed runs: the rate counts this process's batches
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        now = time.monotonic()
+        done, total = self.batches_done(trainer), training_batches(trainer)
+        last = (total is not None and done >= total) or (step_bounded(trainer)
+                                                         and trainer.global_step >= trainer.max_steps)
+        if now - self._last_line < self.every_seconds and done > self._first_batch + 1 and not last:
+            return
+        self._last_line = now
+        self.emit(trainer, self.progress_line(trainer, pl_module, now))
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking or trainer.state.fn != "fit":
+            return
+        metrics = held_out(trainer.callback_metrics)
+        if metrics:
+            where = f"after {unit(pl_module)} {self.batches_done(trainer)}"
+            self.emit(trainer, f"[{self.prefix(pl_module)}] validation {where}: {metric_text(metrics)}")
+
+    def progress_line(self, trainer: L.Trainer, pl_module: L.LightningModule, now: float) -> str:
+        done, total = self.batches_done(trainer), training_batches(trainer)
+        name = unit(pl_module)
+        parts = [f"{name} {done}" + (f"/{total}" if total is not None else "")]
+        if not step_bounded(trainer) and trainer.max_epochs not in (None, -1) and trainer.max_epochs > 1:
+            parts.append(f"epoch {trainer.current_epoch + 1}/{trainer.max_epochs}")
+        parts.append(f"step {trainer.global_step}" + (f"/{trainer.max_steps}" if step_bounded(trainer) else ""))
+        elapsed = now - self._started
+        parts.append(duration(elapsed))
+        if done > self._first_batch:
+            parts.append(f"{elapsed / (done - self._first_batch):.3g} s/{name}")
+        training = {key: value for key, value in trainer.progress_bar_metrics.items()
+                    if key not in HIDDEN and "/val/" not in key}
+        if training:
+            parts.append(metric_text(training))
+        return f"[{self.prefix(pl_module)}] " + " · ".join(parts)
+
+    @staticmethod
+    def batches_done(trainer: L.Trainer) -> int:
+        """Training batches processed in the whole fit (resumed ones included), the current one too."""
+        return trainer.fit_loop.epoch_loop.batch_progress.total.processed
+
+    @staticmethod
+    def prefix(pl_module: L.LightningModule) -> str:
+        return getattr(pl_module, "metric_prefix", type(pl_module).__name__)
+
+    @staticmethod
+    def emit(trainer: L.Trainer, line: str) -> None:
+        if trainer.is_global_zero:
+            print(line, flush=True)

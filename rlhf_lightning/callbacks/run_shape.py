@@ -1,0 +1,46 @@
+"""What bounds a fit, read from the Trainer: its length in training batches and when it validates."""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+
+
+def step_bounded(trainer: L.Trainer) -> bool:
+    """Whether the run ends at ``max_steps`` (``max_epochs`` left at -1, as the SFT, reward and DPO configs do)."""
+    return trainer.max_epochs in (-1, None) and trainer.max_steps is not None and trainer.max_steps > 0
+
+
+def training_batches(trainer: L.Trainer) -> int | None:
+    """Training batches (iterations of the on-policy loop) the whole fit will run, resumed ones included; None
+    when unknown (an iterable dataset of unknown length, or a run bounded by optimizer steps)."""
+    per_epoch = trainer.num_training_batches
+    if step_bounded(trainer) or not isinstance(per_epoch, int) or per_epoch <= 0 or math.isinf(per_epoch):
+        return None
+    if trainer.max_epochs is None or trainer.max_epochs < 0:
+        return None
+    return per_epoch * trainer.max_epochs
+
+
+def validation_problem(trainer: L.Trainer) -> str | None:
+    """Why a fit that has validation data will never validate, or None: an interval longer than the run."""
+    if not trainer.enable_validation or trainer.limit_val_batches == 0:
+        return None
+    interval = trainer.val_check_interval
+    if trainer.check_val_every_n_epoch is None and isinstance(interval, int):
+        if step_bounded(trainer):  # automatic optimization: a step every accumulate_grad_batches batches
+            manual = not trainer.lightning_module.automatic_optimization  # steps per batch: the module's own
+            length = None if manual else trainer.max_steps * trainer.accumulate_grad_batches
+            unit = "training batches (max_steps x accumulate_grad_batches)"
+        else:
+            length, unit = training_batches(trainer), "training batches"
+        if length is not None and interval > length:
+            return (f"trainer.val_check_interval={interval} is longer than the run's {length} {unit}: no validation "
+                    f"will run; lower it (e.g. to {max(length // 4, 1)}) or set trainer.limit_val_batches=0 to "
+                    "run without validation")
+    every = trainer.check_val_every_n_epoch
+    if every is not None and not step_bounded(trainer) and trainer.max_epochs and 0 < trainer.max_epochs < every:
+        return (f"trainer.check_val_every_n_epoch={every} is more than the run's max_epochs={trainer.max_epochs}: "
+                "no validation will run; lower it or set trainer.limit_val_batches=0 to run without validation")
+    return None
