@@ -33,19 +33,11 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from bench_common import (
-    DPOSettings,
-    GRPOSettings,
-    Settings,
-    Stopwatch,
-    configure_threads,
-    load_base_model,
-    lora_spec,
-    prompt_ids,
-    report,
-)
-
-from rlhf_lightning.ops.lm_head import logprobs_from_hidden
+from harness.fixtures import lora_spec, prompt_ids
+from harness.measure import Stopwatch
+from harness.processes import report
+from harness.settings import DPOSettings, GRPOSettings, Settings
+from harness.sides import configure_threads, load_base_model
 
 PIECES = ("generate", "score", "policy_update", "critic_update")
 GRPO_PIECES = ("generate", "reference", "policy_update")
@@ -92,7 +84,7 @@ def _sequences(settings: Settings) -> tuple[torch.Tensor, torch.Tensor]:
     if isinstance(settings, DPOSettings):
         lengths = [settings.response_length] * settings.prompts + [settings.rejected_length] * settings.prompts
     width = max(lengths)
-    responses = torch.randint(0, 50_000, (settings.rollout_rows, width),
+    responses = torch.randint(0, settings.vocab_words - 1, (settings.rollout_rows, width),
                               generator=torch.Generator().manual_seed(settings.seed + 2))
     response_mask = torch.arange(width) < torch.tensor(lengths).unsqueeze(1)
     mask = torch.cat([torch.ones_like(prompts), response_mask.long()], 1)
@@ -101,6 +93,10 @@ def _sequences(settings: Settings) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _piece(settings: Settings, name: str) -> Callable[[], None]:
     """Build the models of piece ``name`` and return a function doing its work once."""
+    from rlhf_lightning.ops.lm_head import (
+        logprobs_from_hidden,  # here: a parent reads PIECES without the package
+    )
+
     model = load_base_model(settings).to(settings.device)
     model.requires_grad_(False)
     hidden = model.config.n_embd

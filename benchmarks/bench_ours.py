@@ -2,96 +2,25 @@
 run it (logger, checkpointing and progress bar off). PPO's four roles share one base: the policy and critic
 adapters, the reference (adapters off) and the reward model (the ``reward`` adapter, ``AdapterReward``). GRPO has
 the policy adapter and the reference (adapters off, only at beta > 0) and a reward function
-(``bench_common.even_token_reward``, ``FunctionReward``). DPO has the policy adapter and the reference (adapters
+(``harness.fixtures.even_token_reward``, ``FunctionReward``). DPO has the policy adapter and the reference (adapters
 off), fed by a ``PreferenceDataModule`` reading the benchmark's pairs file."""
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
-from bench_common import (
-    DPOSettings,
-    GRPOSettings,
-    IterationProfiler,
-    Settings,
-    Stopwatch,
-    configure_threads,
-    even_token_reward,
-    lora_spec,
-    model_dir,
-    preference_path,
-    prompt_ids,
-    report,
-    reward_dir,
-    total_prompts,
-)
-
-# (method, its name when called without gradients, its name with them)
-ONLINE_PHASES = (
-    ("generate", "rollout/generate", "rollout/generate"),
-    ("response_logprobs", "rollout/logprobs (policy, reference)", "update/policy forward"),
-    ("response_values", "rollout/values (critic)", "update/critic forward"),
-    ("score_responses", "rollout/reward", "rollout/reward"),
-    ("manual_backward", "update/backward", "update/backward"),
-)
-DPO_PHASES = (
-    ("sequence_logps", "reference forward", "policy forward"),
-    ("backward", "backward", "backward"),
-)
+from harness.fixtures import even_token_reward, lora_spec, model_dir, preference_path, prompt_ids, reward_dir
+from harness.measure import Stopwatch
+from harness.processes import report
+from harness.profiler import IterationProfiler
+from harness.settings import DPOSettings, GRPOSettings, Settings
+from harness.sides import configure_threads
 
 
-class PhaseTimer:
-    """Wall-clock time of each piece of our iteration, by wrapping the module's own methods (no code change);
-    ``phases``: which methods, and what to call them (see ``ONLINE_PHASES``)."""
-
-    def __init__(self, module, device: str, phases=ONLINE_PHASES) -> None:
-        self.watch = Stopwatch(device)
-        self.module = module
-        for method, rollout_name, update_name in phases:
-            self._wrap(method, rollout_name, update_name)
-
-    def _wrap(self, method: str, rollout_name: str, update_name: str) -> None:
-        original = getattr(self.module, method, None)
-        if original is None:  # e.g. no critic in GRPO
-            return
-
-        @functools.wraps(original)
-        def timed(*args, **kwargs):
-            start = self.watch.now()
-            result = original(*args, **kwargs)
-            self.watch.add(update_name if torch.is_grad_enabled() else rollout_name, self.watch.now() - start)
-            return result
-
-        setattr(self.module, method, timed)
-
-    def attach_optimizer(self, optimizer) -> None:
-        state = {}
-
-        def pre_hook(optimizer, args, kwargs):
-            state["start"] = self.watch.now()
-            closure = kwargs.get("closure")
-            if closure is None:  # manual optimization: the step is the update alone
-                return None
-
-            def timed_closure():  # automatic optimization: the step runs forward and backward first
-                result = closure()
-                state["start"] = self.watch.now()
-                return result
-
-            return args, {**kwargs, "closure": timed_closure}
-
-        optimizer.register_step_pre_hook(pre_hook)
-        optimizer.register_step_post_hook(
-            lambda *_: self.watch.add("update/optimizer step", self.watch.now() - state["start"]))
-
-    def take(self) -> dict[str, float]:
-        seconds, self.watch.seconds = self.watch.seconds, {}
-        return seconds
-
-
-def make_callback(timer: PhaseTimer, settings: Settings, profile: bool, prefix: str = "ppo"):
+def make_callback(watch: Stopwatch, settings: Settings, profile: bool, prefix: str = "ppo"):
+    """A callback timing each iteration (``prefix``: the module's metric prefix) and taking from ``watch`` the
+    seconds of the phases it ran."""
     import lightning as L
 
     class IterationTimer(L.Callback):
@@ -102,18 +31,16 @@ def make_callback(timer: PhaseTimer, settings: Settings, profile: bool, prefix: 
             self.profiler = IterationProfiler(settings.warmup + settings.iterations - 1 if profile else None)
 
         def on_train_start(self, trainer, pl_module) -> None:
-            timer.attach_optimizer(trainer.optimizers[0].optimizer
-                                   if hasattr(trainer.optimizers[0], "optimizer") else trainer.optimizers[0])
-            timer.take()  # what ran before training (DPO's precomputed reference) is no iteration's
-            self.last = timer.watch.now()
+            watch.take()  # what ran before training (DPO's precomputed reference) is no iteration's
+            self.last = watch.now()
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             self.profiler.begin(batch_idx)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            now = timer.watch.now()
+            now = watch.now()
             metrics = trainer.callback_metrics
-            row = {"seconds": now - self.last, "phases": timer.take()}
+            row = {"seconds": now - self.last, "phases": watch.take()}
             if f"{prefix}/time/rollout" in metrics:  # the online algorithms: a rollout, then the update
                 row["rollout"] = float(metrics[f"{prefix}/time/rollout"])
                 row["tokens"] = float(metrics[f"{prefix}/response/length"]) * settings.rollout_rows
@@ -125,7 +52,8 @@ def make_callback(timer: PhaseTimer, settings: Settings, profile: bool, prefix: 
 
 
 def prompt_loader(settings: Settings, tokenizer):
-    ids = prompt_ids(settings, total_prompts(settings))
+    """The benchmark's prompts, ``prompts`` per batch, in the batches the online modules take."""
+    ids = prompt_ids(settings, settings.total_prompts)
     texts = tokenizer.batch_decode(ids)
 
     def collate(rows: list[int]) -> dict[str, Any]:
@@ -137,6 +65,8 @@ def prompt_loader(settings: Settings, tokenizer):
 
 
 def run(settings: Settings, profile: bool = False) -> None:
+    """``rlhf_lightning.PPO``, its four roles on one base, with the settings TRL's ``PPOTrainer`` is given on the
+    other side (see ``ppo_vs_trl.py``); reports its measured iterations."""
     from rlhf_lightning import PPO, AdapterReward
 
     configure_threads(settings)
@@ -162,25 +92,27 @@ def base_spec(settings: Settings):
     return BaseModelSpec(name_or_path=str(model_dir(settings)), dtype=dtype)
 
 
-def fit(module, settings: Settings, profile: bool, prefix: str, datamodule=None, phases=ONLINE_PHASES,
+def fit(module, settings: Settings, profile: bool, prefix: str, datamodule=None,
         **trainer_options: Any) -> list[dict[str, Any]]:
     """Train ``module`` for ``warmup + iterations`` iterations under a real ``lightning.Trainer`` and return the
-    measured iterations (after the warm-up); ``prefix``: the module's metric prefix. The data: ``datamodule``, or
-    else the benchmark's prompts; ``trainer_options``: further ``lightning.Trainer`` arguments."""
+    measured iterations (after the warm-up), each with the seconds of the phases the library marked in it;
+    ``prefix``: the module's metric prefix. The data: ``datamodule``, or else the benchmark's prompts;
+    ``trainer_options``: further ``lightning.Trainer`` arguments."""
     import lightning as L
 
-    timer = PhaseTimer(module, settings.device, phases)
-    callback = make_callback(timer, settings, profile, prefix)
+    watch = Stopwatch(settings.device)
+    callback = make_callback(watch, settings, profile, prefix)
     trainer = L.Trainer(
         accelerator="gpu" if settings.device.startswith("cuda") else "cpu", devices=1,
         precision=settings.precision, max_epochs=1, limit_train_batches=settings.warmup + settings.iterations,
         limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback], **trainer_options,
     )
-    if datamodule is not None:
-        trainer.fit(module, datamodule=datamodule)
-    else:
-        trainer.fit(module, train_dataloaders=prompt_loader(settings, module.tokenizer))
+    with watch.recording_phases():
+        if datamodule is not None:
+            trainer.fit(module, datamodule=datamodule)
+        else:
+            trainer.fit(module, train_dataloaders=prompt_loader(settings, module.tokenizer))
     return callback.rows[settings.warmup:]
 
 
@@ -259,7 +191,7 @@ def run_dpo(settings: DPOSettings, profile: bool = False) -> None:
         return loss
 
     module.training_step = first_loss_kept
-    rows = fit(module, settings, profile, "dpo", datamodule=data, phases=DPO_PHASES, gradient_clip_val=1.0,
+    rows = fit(module, settings, profile, "dpo", datamodule=data, gradient_clip_val=1.0,
                gradient_clip_algorithm="norm")
     result: dict[str, Any] = {"side": "ours_precomputed" if settings.precompute else "ours", "iterations": rows,
                               "first_loss": float(first["loss"])}

@@ -10,21 +10,18 @@ from __future__ import annotations
 import tempfile
 from typing import Any
 
-from bench_common import (
-    Settings,
-    Stopwatch,
-    load_trl_side,
-    model_dir,
-    peft_config,
-    prompt_ids,
-    report,
-    total_prompts,
-)
+from harness.fixtures import model_dir, peft_config, prompt_ids
+from harness.measure import Stopwatch
+from harness.processes import report
+from harness.settings import Settings
+from harness.sides import load_trl_side
 
 TRL_VERSION = "1.12"
 
 
 def run(settings: Settings, lora: bool) -> None:
+    """TRL's ``PPOTrainer`` on the benchmark's model and prompts (``lora``: a LoRA policy); reports its measured
+    iterations."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, TrainerCallback
 
@@ -34,7 +31,7 @@ def run(settings: Settings, lora: bool) -> None:
     ref_policy = None if lora else AutoModelForCausalLM.from_pretrained(path)
     value_model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)
     reward_model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)
-    ids = prompt_ids(settings, total_prompts(settings))
+    ids = prompt_ids(settings, settings.total_prompts)
     dataset = Dataset.from_dict({"input_ids": ids.tolist()})
     # TRL's rollout batch is per_device_train_batch_size x gradient_accumulation_steps, split into
     # num_mini_batches minibatches of per_device_train_batch_size.
@@ -43,7 +40,7 @@ def run(settings: Settings, lora: bool) -> None:
         per_device_train_batch_size=settings.prompts // settings.num_minibatches,
         gradient_accumulation_steps=settings.num_minibatches, num_mini_batches=settings.num_minibatches,
         local_rollout_forward_batch_size=settings.prompts, num_ppo_epochs=settings.ppo_epochs,
-        total_episodes=total_prompts(settings), response_length=settings.response_length, stop_token=None,
+        total_episodes=settings.total_prompts, response_length=settings.response_length, stop_token=None,
         temperature=1.0, learning_rate=settings.lr, num_sample_generations=0, seed=settings.seed,
         bf16=settings.precision == "bf16-mixed", use_cpu=settings.device == "cpu", logging_steps=1,
     )

@@ -17,15 +17,12 @@ from __future__ import annotations
 import tempfile
 from typing import Any
 
-from bench_common import (
-    DPOSettings,
-    IterationProfiler,
-    Stopwatch,
-    load_trl_side,
-    lora_spec,
-    read_preference_pairs,
-    report,
-)
+from harness.fixtures import lora_spec, read_preference_pairs
+from harness.measure import Stopwatch
+from harness.processes import report
+from harness.profiler import IterationProfiler
+from harness.settings import DPOSettings
+from harness.sides import load_trl_side
 
 TRL_VERSION = "1.16"
 
@@ -56,6 +53,8 @@ def dpo_config(settings: DPOSettings):
 
 
 def run(settings: DPOSettings, lora: bool = True, profile: bool = False) -> None:
+    """TRL's ``DPOTrainer`` on the benchmark's pairs (``lora``: a LoRA policy, else the whole model trained;
+    ``profile``: the last step profiled); reports its measured steps and, precomputing, the pass's seconds."""
     import trl.trainer.dpo_trainer as dpo_module
     from datasets import Dataset
     from transformers import TrainerCallback

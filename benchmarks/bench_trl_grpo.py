@@ -3,7 +3,7 @@ sets it up, given the settings of our side (see ``grpo_vs_trl.py`` for every one
 
 One model: the LoRA policy; at beta > 0 the reference is the same model with its adapters disabled (TRL does this
 by itself for a new adapter), at beta = 0 TRL makes no reference pass. The reward is the same Python function as
-ours (``bench_common.even_token_reward``). With ``lora=False`` (the optional ``trl`` sides) the whole model is
+ours (``harness.fixtures.even_token_reward``). With ``lora=False`` (the optional ``trl`` sides) the whole model is
 trained and TRL loads a second copy as the reference at beta > 0.
 
 An iteration is one generation batch (``prompts x group_size`` completions) and the ``ppo_epochs x num_minibatches``
@@ -17,17 +17,12 @@ import functools
 import tempfile
 from typing import Any
 
-from bench_common import (
-    GRPOSettings,
-    IterationProfiler,
-    Stopwatch,
-    even_token_reward,
-    load_trl_side,
-    peft_config,
-    prompt_ids,
-    report,
-    total_prompts,
-)
+from harness.fixtures import even_token_reward, peft_config, prompt_ids
+from harness.measure import Stopwatch
+from harness.processes import report
+from harness.profiler import IterationProfiler
+from harness.settings import GRPOSettings
+from harness.sides import load_trl_side
 
 TRL_VERSION = "1.16"
 
@@ -61,12 +56,15 @@ def grpo_config(settings: GRPOSettings, beta: float):
 
 
 def run(settings: GRPOSettings, beta: float, lora: bool = True, profile: bool = False) -> None:
+    """TRL's ``GRPOTrainer`` at KL coefficient ``beta`` on the benchmark's prompts and reward (``lora``: a LoRA
+    policy, else the whole model trained; ``profile``: the last iteration profiled); reports its measured
+    iterations."""
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOTrainer
 
     tokenizer, policy = load_trl_side(settings, TRL_VERSION, "grpo_vs_trl.py")
-    ids = prompt_ids(settings, total_prompts(settings))
+    ids = prompt_ids(settings, settings.total_prompts)
     # Text prompts, as TRL takes them; the word-level tokenizer maps them back to exactly these ids.
     texts = tokenizer.batch_decode(ids)
     assert tokenizer(texts[:1])["input_ids"][0] == ids[0].tolist(), "prompt text does not round-trip to its ids"

@@ -2,15 +2,16 @@
 every step and with the reference log-probs precomputed once before training, on the same random GPT-2-shaped
 model, preference pairs and settings.
 
-TRL 1.16 needs its own environment (as for ``grpo_vs_trl.py``); every side runs with that environment's python, so
-both sides use the same torch, transformers and peft::
+TRL 1.16 needs a virtualenv of its own (made as ``grpo_vs_trl.py`` says: ``pip install -e '.[bench_grpo]'``, i.e.
+this package and ``trl==1.16.*``); every side runs with that environment's python, so both sides use the same
+torch, transformers and peft. From the repository::
 
-    /work/venv-trl116/bin/pip install -e '.[bench_grpo]'  # this package + trl 1.16.x (see grpo_vs_trl.py)
-    /work/venv-trl116/bin/python benchmarks/dpo_vs_trl.py --preset small
-    /work/venv-trl116/bin/python benchmarks/dpo_vs_trl.py --preset gpt2 --iterations 4 --repeats 2
-    /work/venv-trl116/bin/python benchmarks/dpo_vs_trl.py --preset gpt2 --sides ours,ours_precomputed,floor
-    /work/venv-trl116/bin/python benchmarks/dpo_vs_trl.py --preset gpt2 --sides ours --profile   # where ours goes
-    /work/venv-trl116/bin/python benchmarks/dpo_vs_trl.py --preset gpt2 --sides trl_lora --profile trl_lora   # TRL
+    venv-trl116/bin/python benchmarks/dpo_vs_trl.py --preset small
+    venv-trl116/bin/python benchmarks/dpo_vs_trl.py --preset gpt2 --iterations 4 --repeats 2
+    venv-trl116/bin/python benchmarks/dpo_vs_trl.py --preset gpt2 --sides ours,ours_precomputed,floor
+    venv-trl116/bin/python benchmarks/dpo_vs_trl.py --preset gpt2 --sides ours --profile   # where ours goes
+    venv-trl116/bin/python benchmarks/dpo_vs_trl.py --preset gpt2 --sides trl_lora --profile trl_lora   # TRL
+    python benchmarks/dpo_vs_trl.py --dry-run --sides ours,ours_precomputed,floor   # does it run? (no TRL needed)
 
 Every side runs in its own fresh process, alternating (ours, TRL+LoRA, ours precomputed, TRL+LoRA precomputed)
 x ``--repeats``, each after ``--warmup`` steps. An iteration is one optimizer step on a batch of ``--pairs``
@@ -91,22 +92,23 @@ import json
 import math
 from typing import Any
 
-from bench_common import (
-    GIB,
-    DPOSettings,
+from harness.arguments import DRY_RUN as COMMON_DRY_RUN
+from harness.arguments import (
     add_common_arguments,
+    add_dry_run_argument,
     common_settings,
-    peak_memory_key,
-    prepare_workdir,
-    run_rounds,
+    parse_with_dry_run,
     side_order,
-    summarise,
-    weights_bytes,
-    write_preference_pairs,
 )
+from harness.fixtures import prepare_workdir, write_preference_pairs
+from harness.measure import GIB, peak_memory_key, weights_bytes
+from harness.processes import run_rounds
+from harness.settings import DPOSettings
+from harness.tables import print_phases, summarise
 
 SIDES = ("ours", "trl_lora", "trl", "ours_precomputed", "trl_lora_precomputed", "trl_precomputed")
 DEFAULT_SIDES = "ours,trl_lora,ours_precomputed,trl_lora_precomputed"
+DRY_RUN = {**COMMON_DRY_RUN, "pairs": 2, "prompt_length": 4, "chosen_length": 4, "rejected_length": 3}
 PRECOMPUTED = "_precomputed"
 # A new adapter adds zero, so at the first step the policy is the reference and every side's loss is -log sigmoid(0)
 FIRST_LOSS = math.log(2)
@@ -117,6 +119,7 @@ TIMING = ("seconds: median wall-clock seconds per measured optimizer step (warm-
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (``--dry-run``: the tiny sizes of ``DRY_RUN`` where not given)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_arguments(parser, iterations=4, unit="optimizer steps", profile_sides=SIDES)
@@ -132,10 +135,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="leave TRL's default gradient checkpointing on (ours has none)")
     parser.add_argument("--dpo-options", default="{}",
                         help="JSON of extra rlhf_lightning.DPO arguments for our side, e.g. '{\"logprob_chunk\": 16}'")
-    return parser.parse_args(argv)
+    add_dry_run_argument(parser, DRY_RUN)
+    return parse_with_dry_run(parser, argv, DRY_RUN)
 
 
 def child_main(side: str, settings: DPOSettings, profile: bool) -> None:
+    """Measure ``side`` in this process (a child of :func:`main`)."""
     if side.startswith("floor/"):
         import bench_floor
 
@@ -167,11 +172,13 @@ def checked_precompute(side: str, result: dict[str, Any]) -> str:
 
 
 def amortised(entry: dict[str, Any], settings: DPOSettings) -> float:
+    """Seconds of a step with its share of the precomputed reference pass."""
     return entry["seconds"] + entry.get("precompute", 0.0) / settings.steps
 
 
 def print_table(summary: dict[str, dict[str, Any]], floors: dict[str, dict[str, Any]], settings: DPOSettings,
                 weights: int, memory_key: str) -> None:
+    """The DPO table: per side seconds per step, precompute, amortised, pairs per second and peak memory."""
     print(f"\none copy of the weights: {weights / GIB:.3f} GiB; peak memory = {memory_key}; {TIMING}")
     print(f"{'side':<22} {'s/step':>8} {'precompute':>10} {'amortised':>9} {'pairs/s':>8} {'peak GiB':>9} "
           f"{'x weights':>9}")
@@ -189,16 +196,10 @@ def print_table(summary: dict[str, dict[str, Any]], floors: dict[str, dict[str, 
                   f"{floor['peak'] / weights:>9.1f}   ({pieces})")
 
 
-def print_phases(side: str, ours: dict[str, Any]) -> None:
-    print(f"\nwhere our step goes ({side}, median seconds per piece):")
-    for name, seconds in ours.get("phases", {}).items():
-        print(f"  {name:<38} {seconds:>7.3f}")
-    accounted = sum(ours.get("phases", {}).values())
-    print(f"  {'other (data, loss, metrics, loop)':<38} {ours['seconds'] - accounted:>7.3f}")
-
-
 def final_json(summary: dict[str, dict[str, Any]], floors: dict[str, dict[str, Any]], settings: DPOSettings,
                weights: int, memory_key: str) -> dict[str, Any]:
+    """The last line printed: the ratios (ours / TRL, ours / the floor, per step, precomputed and amortised),
+    seconds, memory and the settings."""
     def ratio(ours: str, theirs: str, value) -> float | None:
         if ours not in summary or theirs not in summary:
             return None
@@ -256,6 +257,8 @@ def dpo_settings(settings: DPOSettings) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Prepare the model folder and pairs, run the rounds, print the table and the JSON line (or, as a child, one
+    side)."""
     args = parse_args(argv)
     if args.child:
         child_main(args.child, DPOSettings.from_json(args.settings), bool(args.profile))
@@ -268,7 +271,7 @@ def main(argv: list[str] | None = None) -> None:
         response_length=args.chosen_length, rejected_length=args.rejected_length, beta=args.beta,
         ppo_options=json.loads(args.dpo_options), trl_gradient_checkpointing=args.trl_gradient_checkpointing,
     )
-    import bench_floor  # here, not at the top: the TRL children never import rlhf_lightning
+    import bench_floor  # here, not at the top: the children import only what their side needs
 
     order = side_order(args.sides, SIDES, bench_floor.DPO_PIECES)
     print(f"workdir {settings.workdir}; settings {settings.to_json()}", flush=True)
@@ -285,7 +288,8 @@ def main(argv: list[str] | None = None) -> None:
     print_table(summary, floors, settings, weights, memory_key)
     for side in ("ours", "ours" + PRECOMPUTED):
         if side in summary:
-            print_phases(side, summary[side])
+            print_phases(f"where our step goes ({side}, median seconds per piece)", summary[side],
+                         "other (data, loss, metrics, loop)", digits=3)
     print(json.dumps(final_json(summary, floors, settings, weights, memory_key)))
 
 

@@ -2,16 +2,17 @@
 and against the floor (the bare pieces no framework can avoid), on the same random GPT-2-shaped model, prompts
 and settings.
 
-TRL 1.16 needs its own environment (TRL 1.12 stays in the main one for ``ppo_vs_trl.py``); every side runs with
-that environment's python, so both sides use the same torch, transformers and peft::
+TRL 1.16 needs a virtualenv of its own (TRL 1.12 stays in the main one for ``ppo_vs_trl.py``); every side runs
+with that environment's python, so both sides use the same torch, transformers and peft. From the repository::
 
-    python3 -m venv /work/venv-trl116
-    /work/venv-trl116/bin/pip install torch==2.13.0       # first: the CPU build (or the CUDA build you want)
-    /work/venv-trl116/bin/pip install -e '.[bench_grpo]'  # this package + trl 1.16.x (transformers>=4.56.2, peft)
-    /work/venv-trl116/bin/python benchmarks/grpo_vs_trl.py --preset small
-    /work/venv-trl116/bin/python benchmarks/grpo_vs_trl.py --preset gpt2 --iterations 2 --repeats 2
-    /work/venv-trl116/bin/python benchmarks/grpo_vs_trl.py --preset gpt2 --sides ours --profile   # where ours goes
-    /work/venv-trl116/bin/python benchmarks/grpo_vs_trl.py --preset gpt2 --sides trl_lora --profile trl_lora   # TRL
+    python3 -m venv venv-trl116
+    venv-trl116/bin/pip install torch==2.13.0       # first: the CPU build (or the CUDA build you want)
+    venv-trl116/bin/pip install -e '.[bench_grpo]'  # this package + trl==1.16.* (transformers>=4.56.2, peft)
+    venv-trl116/bin/python benchmarks/grpo_vs_trl.py --preset small
+    venv-trl116/bin/python benchmarks/grpo_vs_trl.py --preset gpt2 --iterations 2 --repeats 2
+    venv-trl116/bin/python benchmarks/grpo_vs_trl.py --preset gpt2 --sides ours --profile   # where ours goes
+    venv-trl116/bin/python benchmarks/grpo_vs_trl.py --preset gpt2 --sides trl_lora --profile trl_lora   # TRL
+    python benchmarks/grpo_vs_trl.py --dry-run --sides ours,floor   # does it run? (no TRL needed for these sides)
 
 (Measured with trl 1.16.0, transformers 5.23.0, peft 0.21.2, torch 2.13.0: the versions of the main environment.)
 
@@ -26,7 +27,7 @@ copy of the weights beside it). The last line printed is one JSON object: ``time
 (``--sides``), and the settings.
 
 The reward on both sides is the same cheap Python function with TRL's reward-function signature
-(``bench_common.even_token_reward``: the fraction of even token ids in the completion), so no reward model's
+(``harness.fixtures.even_token_reward``: the fraction of even token ids in the completion), so no reward model's
 forward pass muddies the comparison; it varies within a group, so advantages and gradients are not zero.
 
 What both sides are set to compute alike (ours: ``rlhf_lightning.GRPO`` arguments; TRL: ``GRPOConfig`` fields):
@@ -63,28 +64,29 @@ import argparse
 import json
 from typing import Any
 
-from bench_common import (
-    GIB,
-    GRPOSettings,
+from harness.arguments import DRY_RUN as COMMON_DRY_RUN
+from harness.arguments import (
     add_common_arguments,
+    add_dry_run_argument,
     common_settings,
-    configure_threads,
-    grpo_iteration_flops,
-    matmul_flops_per_second,
-    peak_memory_key,
-    prepare_workdir,
-    print_iteration_table,
-    run_rounds,
+    parse_with_dry_run,
     side_order,
-    summarise,
-    weights_bytes,
 )
+from harness.fixtures import prepare_workdir
+from harness.flops import grpo_iteration_flops, matmul_flops_per_second
+from harness.measure import GIB, peak_memory_key, weights_bytes
+from harness.processes import run_rounds
+from harness.settings import GRPOSettings
+from harness.sides import configure_threads
+from harness.tables import print_iteration_table, print_phases, summarise
 
 SIDES = ("ours", "trl_lora", "trl", "ours_beta0", "trl_lora_beta0", "trl_beta0")
 DEFAULT_SIDES = "ours,trl_lora,ours_beta0,trl_lora_beta0,floor"
+DRY_RUN = {**COMMON_DRY_RUN, "prompts": 2, "group_size": 2, "prompt_length": 4, "response_length": 4}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (``--dry-run``: the tiny sizes of ``DRY_RUN`` where not given)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_arguments(parser, iterations=2, unit="iterations", profile_sides=SIDES)
@@ -104,10 +106,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="leave TRL's default gradient checkpointing on (ours has none)")
     parser.add_argument("--grpo-options", default="{}",
                         help="JSON of extra rlhf_lightning.GRPO arguments for our side, e.g. '{\"logprob_chunk\": 16}'")
-    return parser.parse_args(argv)
+    add_dry_run_argument(parser, DRY_RUN)
+    return parse_with_dry_run(parser, argv, DRY_RUN)
 
 
 def child_main(side: str, settings: GRPOSettings, profile: bool) -> None:
+    """Measure ``side`` in this process (a child of :func:`main`)."""
     if side.startswith("floor/"):
         import bench_floor
 
@@ -127,12 +131,8 @@ def child_main(side: str, settings: GRPOSettings, profile: bool) -> None:
         raise ValueError(f"unknown side {side!r}")
 
 
-def print_phases(side: str, ours: dict[str, Any], flops: dict[str, float], matmul: float) -> None:
-    print(f"\nwhere our iteration goes ({side}, median seconds per piece):")
-    for name, seconds in ours.get("phases", {}).items():
-        print(f"  {name:<38} {seconds:>7.2f}")
-    accounted = sum(ours.get("phases", {}).values())
-    print(f"  {'other (rewards, advantages, losses, loop)':<38} {ours['seconds'] - accounted:>7.2f}")
+def print_flops(ours: dict[str, Any], flops: dict[str, float], matmul: float) -> None:
+    """Our iteration's analytic FLOPs, the machine's matmul throughput and the fraction of it we reach."""
     achieved = flops["total"] / ours["seconds"]
     print(f"analytic FLOPs per iteration: {flops['total'] / 1e12:.3f} TFLOP; measured matmul throughput "
           f"{matmul / 1e9:.1f} GFLOP/s; achieved {achieved / 1e9:.1f} GFLOP/s = {achieved / matmul:.1%}")
@@ -140,6 +140,8 @@ def print_phases(side: str, ours: dict[str, Any], flops: dict[str, float], matmu
 
 def final_json(summary, floors, settings: GRPOSettings, weights: int, flops: dict[str, dict[str, float]],
                matmul: float, memory_key: str) -> dict[str, Any]:
+    """The last line printed: the ratios (ours / TRL, ours / the floor, at beta > 0 and 0), seconds, memory and the
+    settings."""
     def ratio(ours: str, other: dict | None, key: str, other_key: str | None = None) -> float | None:
         if ours not in summary or not other:
             return None
@@ -173,6 +175,7 @@ def final_json(summary, floors, settings: GRPOSettings, weights: int, flops: dic
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Prepare the model folder, run the rounds, print the tables and the JSON line (or, as a child, one side)."""
     args = parse_args(argv)
     if args.child:
         child_main(args.child, GRPOSettings.from_json(args.settings), bool(args.profile))
@@ -193,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     prepare_workdir(settings, reward_adapter=False)
     weights = weights_bytes(settings)
     configure_threads(settings)  # the children's thread count, so the matmul peak is theirs
-    matmul = matmul_flops_per_second(args.device)
+    matmul = matmul_flops_per_second(args.device, quick=args.dry_run)
     summary = summarise(run_rounds(__file__, order, settings, args.profile))
     memory_key = peak_memory_key(args.device)
     summary, floors = bench_floor.split(summary, {
@@ -203,7 +206,9 @@ def main(argv: list[str] | None = None) -> None:
     print_iteration_table(summary, SIDES, floors, weights, memory_key)
     for side in ("ours", "ours_beta0"):
         if side in summary:
-            print_phases(side, summary[side], flops[side], matmul)
+            print_phases(f"where our iteration goes ({side}, median seconds per piece)", summary[side],
+                         "other (rewards, advantages, losses, loop)")
+            print_flops(summary[side], flops[side], matmul)
     print(json.dumps(final_json(summary, floors, settings, weights, flops, matmul, memory_key)))
 
 

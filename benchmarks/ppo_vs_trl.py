@@ -4,6 +4,7 @@ floor (the bare pieces no framework can avoid), on the same random GPT-2-shaped 
     pip install -e '.[bench]'
     python benchmarks/ppo_vs_trl.py --preset small
     python benchmarks/ppo_vs_trl.py --preset gpt2 --iterations 2 --repeats 2 --profile
+    python benchmarks/ppo_vs_trl.py --dry-run --sides ours,floor   # does it run? every piece at a tiny shape
 
 Every side runs in its own fresh process, alternating (ours, TRL, TRL+LoRA, floor pieces) x ``--repeats``, each
 after ``--warmup`` iterations. Reported per side: median seconds per PPO iteration (rollout + update), its split,
@@ -17,27 +18,28 @@ import argparse
 import json
 from typing import Any
 
-from bench_common import (
-    GIB,
-    Settings,
+from harness.arguments import DRY_RUN as COMMON_DRY_RUN
+from harness.arguments import (
     add_common_arguments,
+    add_dry_run_argument,
     common_settings,
-    configure_threads,
-    iteration_flops,
-    matmul_flops_per_second,
-    peak_memory_key,
-    prepare_workdir,
-    print_iteration_table,
-    run_rounds,
+    parse_with_dry_run,
     side_order,
-    summarise,
-    weights_bytes,
 )
+from harness.fixtures import prepare_workdir
+from harness.flops import iteration_flops, matmul_flops_per_second
+from harness.measure import GIB, peak_memory_key, weights_bytes
+from harness.processes import run_rounds
+from harness.settings import Settings
+from harness.sides import configure_threads
+from harness.tables import print_iteration_table, print_phases, summarise
 
 SIDES = ("ours", "trl", "trl_lora")
+DRY_RUN = {**COMMON_DRY_RUN, "prompts": 2, "prompt_length": 4, "response_length": 4, "ppo_epochs": 1}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (``--dry-run``: the tiny sizes of ``DRY_RUN`` where not given)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_arguments(parser, iterations=2, unit="iterations", precisions=("32", "bf16-mixed", "bf16-true"))
@@ -50,10 +52,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ppo-options", default="{}",
                         help="JSON of extra rlhf_lightning.PPO arguments for our side, e.g. "
                              "'{\"logprob_chunk\": 16}'")
-    return parser.parse_args(argv)
+    add_dry_run_argument(parser, DRY_RUN)
+    return parse_with_dry_run(parser, argv, DRY_RUN)
 
 
 def child_main(side: str, settings: Settings, profile: bool) -> None:
+    """Measure ``side`` in this process (a child of :func:`main`)."""
     if side == "ours":
         import bench_ours
 
@@ -68,12 +72,8 @@ def child_main(side: str, settings: Settings, profile: bool) -> None:
         bench_floor.run(settings, side)
 
 
-def print_phases(ours: dict[str, Any], flops: dict[str, float], matmul: float) -> None:
-    print("\nwhere our iteration goes (median seconds per piece):")
-    for name, seconds in ours.get("phases", {}).items():
-        print(f"  {name:<38} {seconds:>7.2f}")
-    accounted = sum(ours.get("phases", {}).values())
-    print(f"  {'other (GAE, losses, clipping, loop)':<38} {ours['seconds'] - accounted:>7.2f}")
+def print_flops(ours: dict[str, Any], flops: dict[str, float], matmul: float) -> None:
+    """Our iteration's analytic FLOPs by pass, the machine's matmul throughput and the fraction of it we reach."""
     print(f"\nanalytic FLOPs per iteration: {flops['total'] / 1e12:.2f} TFLOP "
           f"(generate {flops['rollout/generate'] / 1e9:.0f} G, scoring "
           f"{sum(v for k, v in flops.items() if k.startswith('rollout/') and k != 'rollout/generate') / 1e9:.0f} G, "
@@ -83,6 +83,7 @@ def print_phases(ours: dict[str, Any], flops: dict[str, float], matmul: float) -
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Prepare the model folder, run the rounds, print the tables and the JSON line (or, as a child, one side)."""
     args = parse_args(argv)
     if args.child:
         child_main(args.child, Settings.from_json(args.settings), bool(args.profile))
@@ -99,18 +100,21 @@ def main(argv: list[str] | None = None) -> None:
     prepare_workdir(settings)
     weights = weights_bytes(settings)
     configure_threads(settings)  # the children's thread count, so the matmul peak is theirs
-    matmul = matmul_flops_per_second(args.device)
+    matmul = matmul_flops_per_second(args.device, quick=args.dry_run)
     summary = summarise(run_rounds(__file__, order, settings, args.profile))
     memory_key = peak_memory_key(args.device)
     summary, floors = bench_floor.split(summary, {"floor": bench_floor.PIECES}, memory_key)
     flops = iteration_flops(settings)
     print_iteration_table(summary, SIDES, floors, weights, memory_key)
     if "ours" in summary:
-        print_phases(summary["ours"], flops, matmul)
+        print_phases("where our iteration goes (median seconds per piece)", summary["ours"],
+                     "other (GAE, losses, clipping, loop)")
+        print_flops(summary["ours"], flops, matmul)
     print(json.dumps(final_json(summary, floors["floor"], settings, weights, flops, matmul, args.device)))
 
 
 def final_json(summary, floor, settings: Settings, weights: int, flops, matmul: float, device: str) -> dict:
+    """The last line printed: the ratios (ours / theirs, ours / the floor), seconds, memory and the settings."""
     memory_key = "peak_cuda" if device.startswith("cuda") else "peak_rss"
 
     def ratio(ours_key: str, other: dict | None, other_key: str) -> float | None:

@@ -2,7 +2,7 @@
 
 The model has TinyLlama-1.1B's shape (22 layers, width 2048, SwiGLU 5632, 32 query / 4 key-value heads, 32,000
 ids; 1,100,048,384 parameters, 4.1 GiB in fp32) with random weights, built locally from a ``LlamaConfig`` and a
-word-level tokenizer of 32,000 ids (``bench_common.llama_shape``; nothing comes from a hub). The sides, each one
+word-level tokenizer of 32,000 ids (``harness.settings.llama_shape``; nothing comes from a hub). The sides, each one
 iteration in a fresh process (so its peak resident memory is its own):
 
 - ``ours_ppo``: ``rlhf_lightning.PPO``, four roles on one base (``bench_ours.run``); ``ours_grpo``: our GRPO with
@@ -19,18 +19,20 @@ fitted as ``peak = a + b x parameters``; along the depth of a fixed width every 
 gradients and optimizer states, activations, caches) grows linearly in the layer count, so the line extrapolates.
 At the target shape a side runs only when its prediction x (1 + ``--margin``) fits in the memory available, and
 its predicted process time is within ``--max-seconds``; every child is watched and killed past the available
-memory (``bench_common.run_child(rss_limit=...)``) should a prediction be wrong. Reported per side: predicted
+memory (``harness.processes.run_child(rss_limit=...)``) should a prediction be wrong. Reported per side: predicted
 and measured peak, fits (in ``--memory-gib``, by default this machine's total), and the largest model it can run
 here: the layer count at width 2048 where the fitted line reaches the memory, and the largest of 22 x 2^k layers
 under it (the doubling), with ``--run-largest`` measured where its predicted time allows.
 
-TRL 1.12 (PPO) and TRL 1.16 (GRPO) live in separate environments; ours runs with the interpreter running this
-script. On a quiet machine (the numbers are of a process alone on it)::
+TRL 1.12 (PPO) and TRL 1.16 (GRPO) live in separate virtualenvs, each with this package installed
+(``pip install -e '.[bench]'``: trl==1.12.0; ``pip install -e '.[bench_grpo]'``: trl==1.16.*), named by
+``--trl112-python`` and ``--trl116-python``; ours runs with the interpreter running this script. From the
+repository, on a quiet machine (the numbers are of a process alone on it)::
 
-    /work/venv-trl116/bin/python benchmarks/scale.py --trl112-python /work/venv-trl112/bin/python \\
-        --trl116-python /work/venv-trl116/bin/python
-    /work/venv-trl116/bin/python benchmarks/scale.py --dry-run ...    # the whole pipeline at a tiny shape
-    /work/venv-trl116/bin/python benchmarks/scale.py --shape 4x256 --fit-layers 1,2 --sides ours_ppo,ours_grpo
+    venv-trl116/bin/python benchmarks/scale.py --trl112-python venv-trl112/bin/python \\
+        --trl116-python venv-trl116/bin/python
+    python benchmarks/scale.py --dry-run --sides ours_ppo,ours_grpo   # the whole pipeline at a tiny shape
+    python benchmarks/scale.py --shape 4x256 --fit-layers 1,2 --sides ours_ppo,ours_grpo
 
 The rollout: ``--prompts`` responses per iteration on both algorithms (GRPO: ``prompts / group_size`` prompts x
 ``--group-size``), ``--prompt-length`` prompt tokens, ``--response-length`` tokens sampled (no stop), ``--epochs``
@@ -51,18 +53,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import bench_common
-from bench_common import (
-    GIB,
-    TINYLLAMA,
-    GRPOSettings,
-    MemoryLimitExceeded,
-    Settings,
-    llama_parameters,
-    llama_shape,
-    meminfo_bytes,
-    side_order,
-)
+from harness.arguments import add_dry_run_argument, parse_with_dry_run, side_order
+from harness.fixtures import prepare_workdir
+from harness.measure import GIB, meminfo_bytes, weights_bytes
+from harness.processes import MemoryLimitExceeded, report, run_child
+from harness.settings import TINYLLAMA, GRPOSettings, Settings, llama_parameters, llama_shape
+from harness.tables import median
 
 TARGET_RATIO = 2.5  # the issue's target: our PPO iteration's peak <= 2.5 x one copy of the fp32 weights
 # side: (algorithm, environment, what it is)
@@ -80,6 +76,7 @@ DRY_RUN = {"shape": "16x128", "fit_layers": "2,8", "prompts": 4, "group_size": 2
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (``--dry-run``: the tiny sizes of ``DRY_RUN`` where not given)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default=None,
@@ -88,9 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vocab", type=int, default=TINYLLAMA["vocab_size"], help="vocabulary (tokenizer ids)")
     parser.add_argument("--fit-layers", default="1,2,4",
                         help="layer counts of the smaller shapes (the target's width) every side is measured at")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="the whole pipeline at a tiny shape in a few minutes: " + ", ".join(
-                            f"--{k.replace('_', '-')} {v}" for k, v in DRY_RUN.items()))
+    add_dry_run_argument(parser, DRY_RUN)
     parser.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated subset of {','.join(SIDES)}")
     parser.add_argument("--prompts", type=int, default=8,
                         help="responses per iteration (PPO: prompts; GRPO: prompts/group-size prompts x group)")
@@ -125,16 +120,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--keep-models", action="store_true", help="keep every shape's model folder")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--settings", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.dry_run:
-        defaults = {action.dest: action.default for action in parser._actions}
-        for key, value in DRY_RUN.items():
-            if getattr(args, key) == defaults[key]:  # what the command line set explicitly wins
-                setattr(args, key, value)
-    return args
+    return parse_with_dry_run(parser, argv, DRY_RUN)
 
 
 def parse_shape(text: str | None, vocab: int) -> dict[str, int]:
+    """The Llama shape of ``--shape`` (``LAYERSxHIDDEN``; TinyLlama's when None) with ``vocab`` ids."""
     if text is None:
         return dict(TINYLLAMA, vocab_size=vocab)
     layers, _, hidden = text.lower().partition("x")
@@ -145,11 +135,12 @@ def parse_shape(text: str | None, vocab: int) -> dict[str, int]:
 
 
 def child_main(side: str, settings_json: str) -> None:
+    """Run ``side`` in this process: ``prepare`` writes a shape's model folder, the others measure one side."""
     if side == "prepare":
         settings = Settings.from_json(settings_json)
-        bench_common.prepare_workdir(settings, reward_adapter=True)
-        bench_common.report({"side": side, "iterations": [], "weights": bench_common.weights_bytes(settings),
-                             "parameters": llama_parameters(settings.llama)})
+        prepare_workdir(settings, reward_adapter=True)
+        report({"side": side, "iterations": [], "weights": weights_bytes(settings),
+                "parameters": llama_parameters(settings.llama)})
         return
     if SIDES[side][0] == "ppo":  # each TRL side checks its TRL version as it loads (load_trl_side)
         settings = Settings.from_json(settings_json)
@@ -232,8 +223,7 @@ class Scale:
         self.shape_dir(shape).mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
         try:
-            result = bench_common.run_child(__file__, "prepare", self.settings("prepare", shape),
-                                            rss_limit=self.limit())
+            result = run_child(__file__, "prepare", self.settings("prepare", shape), rss_limit=self.limit())
         except RuntimeError as error:  # MemoryLimitExceeded included
             if required:
                 raise
@@ -251,8 +241,8 @@ class Scale:
         limit = self.limit()
         start = time.perf_counter()
         try:
-            result = bench_common.run_child(__file__, side, self.settings(side, shape),
-                                            python=self.python[SIDES[side][1]], rss_limit=limit)
+            result = run_child(__file__, side, self.settings(side, shape), python=self.python[SIDES[side][1]],
+                               rss_limit=limit)
         except MemoryLimitExceeded as error:
             entry.update(killed=True, peak=error.rss, limit=limit)
             print(f"  {side:<14} {role:<7} KILLED at {error.rss / GIB:.2f} GiB (limit {limit / GIB:.2f})", flush=True)
@@ -261,8 +251,8 @@ class Scale:
             print(f"  {side:<14} {role:<7} FAILED: {error}", flush=True)
         else:
             rows = result["iterations"]
-            entry.update(peak=result["peak_rss"], seconds=bench_common.median([row["seconds"] for row in rows]),
-                         rollout=bench_common.median([row["rollout"] for row in rows]))
+            entry.update(peak=result["peak_rss"], seconds=median([row["seconds"] for row in rows]),
+                         rollout=median([row["rollout"] for row in rows]))
             print(f"  {side:<14} {role:<7} peak {entry['peak'] / GIB:7.3f} GiB  iteration {entry['seconds']:7.1f} s "
                   f"(rollout {entry['rollout']:.1f})  process {time.perf_counter() - start:6.0f} s", flush=True)
         entry["process_seconds"] = time.perf_counter() - start

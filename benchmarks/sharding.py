@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -41,6 +40,8 @@ from typing import Any
 
 import lightning as L
 import torch
+from harness.fixtures import save_random_reward_adapter
+from harness.measure import peak_rss_bytes, rss_bytes
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,7 +66,7 @@ class Measure(L.Callback):
         self.start_rss = 0
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self.start_rss = current_rss()
+        self.start_rss = rss_bytes(os.getpid())
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -82,24 +83,15 @@ class Measure(L.Callback):
         base = [local_tensor(parameter) for _, parameter in pl_module.model.base_parameters()]
         record = {"rank": trainer.global_rank, "seconds": self.seconds,
                   "base_bytes": sum(p.numel() * p.element_size() for p in base),
-                  "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "start_rss": self.start_rss}
+                  "peak_rss": peak_rss_bytes(), "start_rss": self.start_rss}
         Path(f"{self.out}.rank{trainer.global_rank}.json").write_text(json.dumps(record))
-
-
-def current_rss() -> int:
-    """This process's resident set size now, in bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def prepare(workdir: Path, layers: int, width: int) -> tuple[Path, Path]:
     """A random GPT-2-shaped model with the synthetic tokenizer, and a random reward adapter on it."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer
-    from rlhf_lightning.models.shared_base import SharedBase
+    from rlhf_lightning.models.loading import load_tokenizer
     from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
 
     torch.manual_seed(0)
@@ -110,15 +102,7 @@ def prepare(workdir: Path, layers: int, width: int) -> tuple[Path, Path]:
     model_dir = workdir / "model"
     GPT2LMHeadModel(config).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    spec = BaseModelSpec(name_or_path=str(model_dir))
-    base = SharedBase(load_causal_lm(spec, load_tokenizer(spec)))
-    base.add_adapter("reward", LoraSpec(r=16, alpha=32))
-    base.add_head("reward")
-    with torch.no_grad():
-        for name, parameter in base.model.named_parameters():
-            if "lora_B" in name:
-                parameter.normal_(0, 0.02)
-    return model_dir, base.save_adapter("reward", workdir / "adapters")
+    return model_dir, save_random_reward_adapter(model_dir, LoraSpec(r=16, alpha=32), workdir / "adapters")
 
 
 def command(algorithm: str, ranks: int, rollout: str, model_dir: Path, reward_dir: Path, out: Path,

@@ -13,6 +13,7 @@ import pytest
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from rlhf_lightning.callbacks.progress import StepRichProgressBar, StepTQDMProgressBar
+from rlhf_lightning.callbacks.progress_lines import ProgressLines
 from rlhf_lightning.cli import RLHFCLI, main
 from rlhf_lightning.errors import TRACEBACK_ENV
 
@@ -100,11 +101,18 @@ def test_a_checkpoint_must_match_the_config_class_and_its_differences_are_listed
     assert (tmp_path / "outputs/sft/other/config.json").exists()  # the config's export_dir, in the run folder
 
 
-def test_the_cli_counts_steps_in_the_progress_bar():
+@pytest.mark.parametrize("terminal", [True, False])
+def test_the_cli_counts_steps_in_a_terminal_and_prints_lines_to_a_log(monkeypatch, terminal):
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: terminal)
     cli = RLHFCLI(args=["--config", str(REPO / "configs" / "sft.yaml"), "--trainer.logger=false",
                         "--model.init_args.base.architecture={model_type: gpt2, n_layer: 1, n_embd: 16, n_head: 2}"],
                   run=False)
-    assert isinstance(cli.trainer.progress_bar_callback, StepRichProgressBar | StepTQDMProgressBar)
+    lines = [c for c in cli.trainer.callbacks if isinstance(c, ProgressLines)]
+    if terminal:
+        assert isinstance(cli.trainer.progress_bar_callback, StepRichProgressBar | StepTQDMProgressBar)
+        assert not lines
+    else:
+        assert cli.trainer.progress_bar_callback is None and len(lines) == 1
 
 
 def boring_fit(bar, **limits) -> None:

@@ -168,7 +168,7 @@ class _RecordingModule(L.LightningModule):
         self.data, self.seen = data, []
 
     def train_dataloader(self) -> ResumableLoader:
-        return ResumableLoader(self.data, batch_size=3, collate_fn=list, seed=5)
+        return ResumableLoader(self.data, batch_size=3, collate_fn=list, seed=5, limit=self.trainer.limit_train_batches)
 
     def training_step(self, batch: list[int], batch_idx: int) -> torch.Tensor:
         self.seen.append(batch)
@@ -192,3 +192,18 @@ def test_an_epoch_cut_by_limit_train_batches_is_followed_by_a_whole_new_one(tmp_
     resumed = _RecordingModule(data)
     L.Trainer(max_epochs=3, **settings).fit(resumed, ckpt_path=str(tmp_path / "epoch=0-step=2.ckpt"))
     assert resumed.seen == epochs[1][:2] + epochs[2][:2]
+
+
+def test_a_run_stopped_mid_epoch_by_max_steps_resumes_where_it_stopped(tmp_path):
+    # Lightning counts the epoch a max_steps stop cut short as ended and starts "epoch 1" on resume; the loader
+    # must go on with epoch 0's remaining batches, as the uninterrupted run does.
+    data = list(range(12))  # four batches of three per epoch
+    settings = dict(logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    uninterrupted = _RecordingModule(data)
+    L.Trainer(max_steps=6, enable_checkpointing=False, **settings).fit(uninterrupted)
+    first = _RecordingModule(data)
+    L.Trainer(max_steps=3, callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True)], **settings).fit(first)
+    resumed = _RecordingModule(data)
+    L.Trainer(max_steps=6, enable_checkpointing=False, **settings).fit(resumed, ckpt_path=str(tmp_path / "last.ckpt"))
+    assert first.seen + resumed.seen == uninterrupted.seen
+    assert len(resumed.seen) == 3

@@ -33,8 +33,8 @@ def test_length_penalty_example_charges_every_response_token(readme_example, tin
     rollout, _ = plain.rollout(first_batch(plain))
     penalized = readme_example.LengthPenalizedPPO(
         base=plain.hparams.base, reward=plain.rewards.sources[0], policy_lora=LORA, critic_lora=LORA, token_cost=0.25)
-    expected, expected_kl = plain.shape_rewards(rollout)
-    rewards, kl = penalized.shape_rewards(rollout)
+    expected, expected_kl = plain.shape_rewards(rollout, 0.07)
+    rewards, kl = penalized.shape_rewards(rollout, 0.07)
     torch.testing.assert_close(rewards, expected - 0.25 * rollout.response_mask.float())
     torch.testing.assert_close(kl, expected_kl)
 

@@ -51,9 +51,8 @@ def test_without_a_recorder_a_marker_measures_nothing():
     seen = []
     with phase("rollout/generate"):
         pass
-    with record_phases(lambda name, seconds: seen.append(name)):
-        with phase("rollout/reward"):
-            pass
+    with record_phases(lambda name, seconds: seen.append(name)), phase("rollout/reward"):
+        pass
     with phase("rollout/generate"):
         pass
     assert seen == ["rollout/reward"]

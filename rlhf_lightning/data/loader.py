@@ -23,8 +23,10 @@ class ResumableLoader:
     from loaders with a length, so the state counts exactly the batches already trained on. Under DDP each rank
     takes its own shard of every epoch's permutation (the tail that does not divide evenly is dropped, so all
     ranks run the same number of steps). Not a ``DataLoader`` subclass, so Lightning leaves the sharding to us.
-    Lightning starts each epoch with ``set_epoch`` (through :attr:`sampler`), so an epoch cut short by
-    ``limit_train_batches`` is followed by a whole new one, not by the rest of the old one.
+    An epoch is as long as Lightning takes it (``limit``, the trainer's ``limit_train_batches``): when its last
+    batch is handed out the state already points at the next epoch, so an epoch cut short by the limit is followed
+    by a whole new one, while a run stopped mid-epoch by ``max_steps`` (or preemption) resumes where it stopped
+    (see :meth:`set_epoch`).
 
     Kept rather than torchdata's ``StatefulDataLoader`` with torch's ``DistributedSampler``, which would shard the
     same way (one permutation per epoch, ``rank::world``, the tail dropped) and resume too: this is about 100 lines
@@ -40,6 +42,8 @@ class ResumableLoader:
         drop_last: drop the last, smaller batch of each epoch.
         seed: seed of the shuffling.
         num_workers: worker processes for collation.
+        limit: the trainer's ``limit_train_batches``: an int caps the batches of an epoch, a float takes that
+            fraction of them (as Lightning counts).
     """
 
     def __init__(
@@ -51,6 +55,7 @@ class ResumableLoader:
         drop_last: bool = True,
         seed: int = 0,
         num_workers: int = 0,
+        limit: int | float = 1.0,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
@@ -61,8 +66,10 @@ class ResumableLoader:
         self.drop_last = drop_last
         self.seed = seed
         self.num_workers = num_workers
+        self.limit = limit
         self.epoch = 0
         self.batches_done = 0
+        self.lightning_ahead = 0
         if len(self) == 0:
             raise ValueError(
                 f"{len(dataset)} examples make no batch of {batch_size} per rank; lower the batch size"
@@ -79,7 +86,13 @@ class ResumableLoader:
         batches = [mine[i : i + self.batch_size] for i in range(0, len(mine), self.batch_size)]
         if self.drop_last and batches and len(batches[-1]) < self.batch_size:
             batches.pop()
-        return batches
+        return batches[: self._batches_taken(len(batches))]
+
+    def _batches_taken(self, length: int) -> int:
+        # Lightning's own count (its data connector): an int caps, a float is a fraction rounded down.
+        if isinstance(self.limit, int):
+            return min(length, self.limit)
+        return int(length * self.limit)
 
     def __len__(self) -> int:
         _, world = _rank_and_world()
@@ -98,10 +111,12 @@ class ResumableLoader:
             num_workers=self.num_workers,
         )
         for batch in loader:
-            # Counted before the yield: a checkpoint taken while this batch trains must not replay it.
+            # Counted before the yield: a checkpoint taken while this batch trains must not replay it, and one
+            # taken while the epoch's last batch trains resumes at the next epoch.
             self.batches_done += 1
+            if self.batches_done == len(batches):
+                self.epoch, self.batches_done = self.epoch + 1, 0
             yield batch
-        self.epoch, self.batches_done = self.epoch + 1, 0
 
     @property
     def sampler(self) -> ResumableLoader:
@@ -109,15 +124,21 @@ class ResumableLoader:
         return self
 
     def set_epoch(self, epoch: int) -> None:
-        """Lightning's epoch ``epoch`` starts: continue it when resumed mid-way, else start it at its first batch
-        (the previous one may have been cut short by ``limit_train_batches``)."""
-        if epoch != self.epoch:
-            self.epoch, self.batches_done = epoch, 0
+        """Lightning's epoch ``epoch`` starts. Lightning does not hand back the state of a checkpoint written at an
+        epoch's end, so a loader at an epoch boundary takes its epoch from here. But Lightning counts an epoch that
+        ``max_steps`` (or a signal) cut short as ended: a loader restored mid-epoch continues it and keeps how far
+        Lightning's count runs ahead of its own."""
+        if self.batches_done == 0:
+            self.epoch = epoch - self.lightning_ahead
+        else:
+            self.lightning_ahead = epoch - self.epoch
 
     def state_dict(self) -> dict[str, int]:
         """Where the loader is: the epoch and the batches of it already handed out."""
-        return {"epoch": self.epoch, "batches_done": self.batches_done, "seed": self.seed}
+        return {"epoch": self.epoch, "batches_done": self.batches_done, "seed": self.seed,
+                "lightning_ahead": self.lightning_ahead}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue from ``state`` on the next ``iter()``."""
         self.epoch, self.batches_done = state["epoch"], state["batches_done"]
+        self.lightning_ahead = state.get("lightning_ahead", 0)  # absent from checkpoints of earlier versions

@@ -146,7 +146,8 @@ class StageDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> ResumableLoader:
         return ResumableLoader(
-            self.train_set, self.batch_size, self.collate, shuffle=True, seed=self.seed, num_workers=self.num_workers
+            self.train_set, self.batch_size, self.collate, shuffle=True, seed=self.seed, num_workers=self.num_workers,
+            limit=self.trainer.limit_train_batches if self.trainer is not None else 1.0,
         )
 
     def val_dataloader(self) -> DataLoader | list:

@@ -1,0 +1,155 @@
+"""Every benchmark script runs, so that none rots: each at a tiny shape (``--dry-run``), every side in its own
+process as in a real run, printing its tables and its last JSON line.
+
+Ours and the floor always run; TRL's sides only where the TRL version they measure is installed (CI installs
+none: ``ppo_vs_trl.py`` measures trl 1.12, ``grpo_vs_trl.py`` and ``dpo_vs_trl.py`` trl 1.16). The models are
+built locally from configs (a word-level tokenizer, random weights): nothing comes from a hub, and W&B is off.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TRL = importlib.metadata.version("trl") if importlib.util.find_spec("trl") else None
+# What each script is run with (a --workdir is added): the sides that need no TRL, at the smallest shapes.
+RUNS = {
+    "ppo_vs_trl": ["--dry-run", "--sides", "ours,floor"],
+    "grpo_vs_trl": ["--dry-run", "--sides", "ours,ours_beta0,floor"],
+    "dpo_vs_trl": ["--dry-run", "--sides", "ours,ours_precomputed,floor"],
+    "scale": ["--dry-run", "--shape", "2x64", "--vocab", "256", "--fit-layers", "1,2", "--sides", "ours_ppo",
+              "--no-target"],
+    "sharding": ["--ranks", "1", "--algorithms", "grpo", "--layers", "1", "--width", "64", "--prompts", "4",
+                 "--group-size", "2", "--response-length", "4", "--iterations", "1", "--threads", "1"],
+}
+# The runs with TRL's sides, made only where their TRL version is installed.
+TRL_RUNS = {
+    "ppo_vs_trl trl": ("1.12.", ["--dry-run", "--sides", "ours,trl,trl_lora"]),
+    "grpo_vs_trl trl": ("1.16.", ["--dry-run", "--sides", "ours,trl_lora,trl"]),
+    "dpo_vs_trl trl": ("1.16.", ["--dry-run", "--sides", "ours,trl_lora,trl_lora_precomputed"]),
+}
+PPO_PHASES = ("rollout/generate", "rollout/logprobs (policy, reference)", "rollout/values (critic)",
+              "rollout/reward", "update/policy forward", "update/critic forward", "update/backward",
+              "update/optimizer step")
+
+pytestmark = pytest.mark.slow
+
+
+def needs_trl(run: str) -> pytest.MarkDecorator:
+    """Skip a test of TRL run ``run`` unless the TRL version its sides measure is installed."""
+    version = TRL_RUNS[run][0]
+    return pytest.mark.skipif(not (TRL or "").startswith(version),
+                              reason=f"the TRL sides measure trl {version}x; installed: {TRL or 'none'}")
+
+
+def run_script(name: str, workdir: Path) -> subprocess.CompletedProcess:
+    """``python benchmarks/<script>.py`` with the arguments of run ``name``, from the repository's root."""
+    script = name.split()[0]
+    arguments = RUNS[name] if name in RUNS else TRL_RUNS[name][1]
+    if script != "sharding":  # it writes its models in a temporary folder of its own
+        arguments = [*arguments, "--workdir", str(workdir)]
+    return subprocess.run([sys.executable, f"benchmarks/{script}.py", *arguments], cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """Every run, two at a time: each is mostly fresh Python processes importing torch and Lightning on one core,
+    so on CI's two cores the file takes half as long as one run after another."""
+    names = [*RUNS, *(name for name, (version, _) in TRL_RUNS.items() if (TRL or "").startswith(version))]
+    workdirs = {name: tmp_path_factory.mktemp(name.replace(" ", "_")) for name in names}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        done = pool.map(lambda name: run_script(name, workdirs[name]), names)
+        return dict(zip(names, done, strict=True))
+
+
+def output_of(outputs: dict[str, subprocess.CompletedProcess], name: str) -> tuple[str, dict]:
+    """``(stdout, its last line as JSON)`` of run ``name``, which must have succeeded."""
+    result = outputs[name]
+    assert result.returncode == 0, f"{name} failed:\n{result.stderr[-4000:]}"
+    return result.stdout, json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def phase_seconds(stdout: str, heading: str) -> dict[str, float]:
+    """The rows of the table ``where our ... goes`` under ``heading``: phase name -> seconds."""
+    lines = stdout.split(heading, 1)[1].splitlines()[1:]
+    rows = {}
+    for line in lines:
+        if not line.startswith("  "):
+            break
+        name, _, seconds = line.strip().rpartition(" ")
+        rows[name.strip()] = float(seconds)
+    return rows
+
+
+def finite_positive(value: object) -> bool:
+    """A finite number above zero (a ratio or figure that was measured, not None or NaN)."""
+    return isinstance(value, float) and math.isfinite(value) and value > 0
+
+
+def test_ppo_vs_trl_runs_ours_and_the_floor(outputs):
+    stdout, result = output_of(outputs, "ppo_vs_trl")
+    assert "side               s/iter  rollout   update    tok/s  peak GiB x weights" in stdout
+    assert stdout.count("round 1: ") == 5  # ours and the floor's four pieces, each its own process
+    phases = phase_seconds(stdout, "where our iteration goes (median seconds per piece):")
+    assert set(PPO_PHASES) <= set(phases), phases  # every phase our PPO marks was timed
+    assert finite_positive(result["floor_time_ratio"]) and finite_positive(result["floor_memory_ratio"])
+    assert result["time_ratio"] is None  # no TRL side asked for
+    assert finite_positive(result["flops_per_iteration"]) and finite_positive(result["matmul_flops_per_second"])
+    assert result["settings"]["preset"] == "tiny"
+
+
+def test_grpo_vs_trl_runs_ours_at_both_betas_and_the_floor(outputs):
+    stdout, result = output_of(outputs, "grpo_vs_trl")
+    assert "side               s/iter  rollout   update    tok/s  peak GiB x weights" in stdout
+    for side in ("ours", "ours_beta0"):
+        phases = phase_seconds(stdout, f"where our iteration goes ({side}, median seconds per piece):")
+        assert {"rollout/generate", "update/policy forward", "update/backward", "update/optimizer step"} <= set(
+            phases), phases
+    for suffix in ("", "_beta0"):
+        assert finite_positive(result[f"floor_time_ratio{suffix}"])
+        assert finite_positive(result[f"floor_memory_ratio{suffix}"])
+    assert set(result["ours_tokens_per_second"]) == {"ours", "ours_beta0"}
+
+
+def test_dpo_vs_trl_runs_ours_per_step_and_precomputed_and_the_floor(outputs):
+    stdout, result = output_of(outputs, "dpo_vs_trl")  # the script itself checks each first loss is ln 2
+    assert "side                     s/step precompute amortised  pairs/s  peak GiB x weights" in stdout
+    per_step = phase_seconds(stdout, "where our step goes (ours, median seconds per piece):")
+    precomputed = phase_seconds(stdout, "where our step goes (ours_precomputed, median seconds per piece):")
+    assert {"update/policy forward", "update/reference forward", "update/backward"} <= set(per_step), per_step
+    assert "update/reference forward" not in precomputed  # the reference came from the table
+    assert finite_positive(result["precompute_seconds"]["ours_precomputed"])
+    for suffix in ("", "_precomputed"):
+        assert finite_positive(result[f"floor_time_ratio{suffix}"])
+
+
+def test_scale_fits_ours_over_two_shapes(outputs):
+    stdout, result = output_of(outputs, "scale")
+    assert "side           predicted  measured x weights   s/iter fits" in stdout
+    fit = result["sides"]["ours_ppo"]["fit"]
+    assert len(fit["points_parameters_gib_seconds"]) == 2  # one process at each of the two shapes
+    assert result["sides"]["ours_ppo"]["not_run_because"] == "--no-target"
+
+
+def test_sharding_runs_one_rank(outputs):
+    stdout, result = output_of(outputs, "sharding")
+    assert "algorithm ranks rollout   rank  base MiB  ratio peak RSS MiB" in stdout
+    (run,) = result["results"]
+    assert run["algorithm"] == "grpo" and run["ranks"] == 1
+    assert run["records"][0]["base_bytes"] == 4 * result["parameters"]  # one rank holds the whole fp32 base
+
+
+@pytest.mark.parametrize("run", [pytest.param(name, marks=needs_trl(name)) for name in TRL_RUNS])
+def test_trl_sides_run(outputs, run):
+    _, result = output_of(outputs, run)
+    assert finite_positive(result["time_ratio_lora"]) and finite_positive(result["memory_ratio_lora"])
