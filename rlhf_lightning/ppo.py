@@ -168,12 +168,16 @@ class PPO(OnlineRL):
     # ---- rewards and advantages ---------------------------------------------------------------------------
 
     def shape_rewards(self, experience: Experience, kl_coef: float) -> tuple[Tensor, Tensor]:
-        """Per-token rewards ``[B, R]`` (``-kl_coef * KL_t`` on every token, the score on the last) and the
+        """Per-token rewards ``[B, R]`` (``-kl_coef * KL_t`` on every token, the score on the last; in an episode
+        each turn's environment reward on that turn's last token, the rest of the score on the last) and the
         per-token KL ``[B, R]`` (``kl_estimator``; 0 without reference log-probs)."""
         hp = self.hparams
         kl = (torch.zeros_like(experience.response_mask, dtype=torch.float32) if experience.ref_logprobs is None
               else kl_penalty(experience.logprobs, experience.ref_logprobs, hp.kl_estimator, hp.kl_clamp))
-        return token_rewards(experience.scores, kl, experience.response_mask, kl_coef), kl
+        if experience.turn_rewards is None:
+            return token_rewards(experience.scores, kl, experience.response_mask, kl_coef), kl
+        final = experience.scores - experience.turn_rewards.sum(-1)  # scores hold the turns' rewards too
+        return token_rewards(final, kl, experience.response_mask, kl_coef) + experience.turn_rewards, kl
 
     def estimate_advantages(self, experience: Experience, kl_coef: float) -> tuple[Experience, Stats]:
         """GAE advantages and returns ``[B, R]`` of the shaped rewards (``kl_coef``: the KL coefficient in them);

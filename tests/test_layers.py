@@ -15,7 +15,7 @@ LAYERS = [
     ("utils", "metrics", "optim", "resume", "run_folder", "timing", "wandb_offline"),  # no model, no data
     ("algorithms", "ops", "tasks"),  # pure math, speed code, the embedded tasks
     ("models", "data"),  # the shared base and its roles; datasets and batches
-    ("rollout",),  # sampling, experience, reward sources
+    ("rollout", "episodes"),  # sampling, experience, reward sources; multi-turn episodes
     ("core",),  # the LightningModules every stage shares
     ("ppo", "grpo", "rloo", "reinforce_pp", "dpo", "sft", "reward_model"),  # one file per algorithm or stage
     ("callbacks", "loggers", "errors", "merge", "cli", "study", "__init__", "__main__"),  # around the modules

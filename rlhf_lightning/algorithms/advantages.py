@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from rlhf_lightning.algorithms.masked import is_prefix, pack_left, unpack
+
 
 def _check_discounts(gamma: float, lam: float) -> None:
     if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
@@ -34,11 +36,18 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float)
     """Advantages A_t = sum_k (gamma * lam)^k delta_{t+k} and returns A_t + V_t, without a loop over tokens.
 
     delta_t = r_t + gamma * V_{t+1} - V_t, where V is 0 after the last valid token (the episode ends there).
-    ``mask`` must mark a prefix of each row (right padding), as PPO rollouts do. Shapes: ``rewards``,
-    ``values``, ``mask`` ``[B, T]`` -> (advantages, returns), both ``[B, T]`` and 0 at padded positions.
+    ``mask`` marks the policy's tokens: a prefix of each row for a single response; in a multi-turn episode the
+    tool and environment tokens between turns are unmarked, and they are skipped as if absent: V_{t+1} is the
+    value at the next *policy* token and gamma and lam apply once per policy token, so a tool result neither
+    discounts nor adds a step (its rewards belong to the policy token before it). Shapes: ``rewards``,
+    ``values``, ``mask`` ``[B, T]`` -> (advantages, returns), both ``[B, T]`` and 0 at unmarked positions.
     Computed in at least float32 (a bf16 value head would otherwise lose the discounted sums).
     """
     _check_discounts(gamma, lam)
+    if not is_prefix(mask):
+        (rewards, packed), (values, _) = pack_left(rewards, mask), pack_left(values, mask)
+        advantages, returns = gae(rewards, values, packed, gamma, lam)
+        return unpack(advantages, mask), unpack(returns, mask)
     dtype = torch.promote_types(torch.result_type(rewards, values), torch.float32)
     valid = mask.bool()
     deltas, values = _td_errors(rewards.to(dtype), values.to(dtype), valid, gamma)

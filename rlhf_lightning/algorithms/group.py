@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from rlhf_lightning.algorithms.advantages import _discount_matrix
-from rlhf_lightning.algorithms.masked import SumOverRanks, total
+from rlhf_lightning.algorithms.masked import SumOverRanks, is_prefix, pack_left, total, unpack
 
 ScaleRewards = Literal["group", "batch", "none"]
 _SCALES: tuple[str, ...] = get_args(ScaleRewards)
@@ -113,12 +113,16 @@ def zero_std_fraction(rewards: Tensor, group_size: int) -> Tensor:
 def returns_to_go(token_rewards: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
     """Discounted return from each token to the end of its response: G_t = sum_{s>=t} gamma^(s-t) r_s.
 
-    Only valid tokens contribute; ``mask`` must mark a prefix of each row (right padding). REINFORCE++ uses
-    gamma = 1 with the sequence reward on the last token and a per-token KL penalty on every token.
-    Shapes: ``token_rewards``, ``mask`` ``[B, T]`` -> ``[B, T]``, 0 at padding, at least float32.
+    Only marked tokens contribute; unmarked ones between them (an episode's tool and environment tokens) are
+    skipped as if absent, so gamma applies once per policy token. REINFORCE++ uses gamma = 1 with the sequence
+    reward on the last token and a per-token KL penalty on every token.
+    Shapes: ``token_rewards``, ``mask`` ``[B, T]`` -> ``[B, T]``, 0 where unmarked, at least float32.
     """
     if not 0.0 <= gamma <= 1.0:
         raise ValueError(f"gamma must lie in [0, 1], got {gamma}.")
+    if not is_prefix(mask):
+        packed_rewards, packed = pack_left(token_rewards, mask)
+        return unpack(returns_to_go(packed_rewards, packed, gamma), mask)
     dtype = torch.promote_types(token_rewards.dtype, torch.float32)
     valid = mask.bool()
     rewards = torch.where(valid, token_rewards.to(dtype), torch.zeros((), dtype=dtype, device=valid.device))

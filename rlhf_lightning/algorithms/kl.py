@@ -8,6 +8,8 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor
 
+from rlhf_lightning.algorithms.masked import last_marked_index
+
 KLEstimator = Literal["k1", "k2", "k3"]
 _ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
 
@@ -98,9 +100,9 @@ class AdaptiveKLController:
 def token_rewards(scores: Tensor, kl: Tensor, response_mask: Tensor, kl_coef: float) -> Tensor:
     """Per-token rewards ``[B, R]``: ``-kl_coef * kl_t`` on every response token, plus the sequence score at its
     last token (InstructGPT / Ziegler et al.). Shapes: ``scores`` ``[B]``, ``kl`` and ``response_mask`` ``[B, R]``
-    (right-padded)."""
+    (an episode's mask may have holes: the score goes to its last policy token)."""
     rewards = torch.where(response_mask, -kl_coef * kl, torch.zeros_like(kl))
-    last = (response_mask.sum(-1) - 1).clamp(min=0)
+    last = last_marked_index(response_mask)
     rows = torch.arange(scores.shape[0], device=scores.device)
     rewards[rows, last] += scores
     return rewards

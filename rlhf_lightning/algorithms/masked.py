@@ -89,3 +89,33 @@ def masked_whiten(values: Tensor, mask: Tensor, shift_mean: bool = True, eps: fl
     if not shift_mean:
         whitened = whitened + mean
     return torch.where(valid, whitened, torch.zeros_like(whitened))
+
+
+def last_marked_index(mask: Tensor) -> Tensor:
+    """``[B]`` column of the last marked entry of each row of ``mask`` ``[B, T]`` (0 for a row with none).
+
+    Not ``mask.sum(-1) - 1``: an episode's mask has holes (tool and environment tokens between policy turns)."""
+    columns = torch.arange(mask.shape[-1], device=mask.device)
+    return torch.where(mask.bool(), columns, -1).amax(-1).clamp(min=0)
+
+
+def pack_left(values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """``(packed [B, T], packed mask)``: each row's marked entries moved to its front, in order, the rest after.
+
+    Functions that need a prefix mask (GAE, discounted returns) run on the packed tensors and :func:`unpack`
+    puts their results back; the unmarked entries between marked ones are skipped, as if absent."""
+    order = torch.sort((~mask.bool()).to(torch.int8), dim=-1, stable=True).indices
+    return values.gather(-1, order), mask.bool().gather(-1, order)
+
+
+def unpack(packed: Tensor, mask: Tensor) -> Tensor:
+    """The inverse of :func:`pack_left` for ``mask``: packed entries back at their columns, 0 elsewhere."""
+    order = torch.sort((~mask.bool()).to(torch.int8), dim=-1, stable=True).indices
+    values = torch.zeros_like(packed).scatter(-1, order, packed)
+    return torch.where(mask.bool(), values, torch.zeros_like(values))
+
+
+def is_prefix(mask: Tensor) -> bool:
+    """Whether every row of ``mask`` marks a prefix (right padding, no holes)."""
+    mask = mask.bool()
+    return bool((mask[..., 1:] <= mask[..., :-1]).all())

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, get_args
 
 import torch
@@ -48,8 +48,11 @@ from rlhf_lightning.algorithms.surrogate import (
     clipped_surrogate,
     loss_normaliser,
 )
+from rlhf_lightning.core.episodes import EpisodeSampling
 from rlhf_lightning.core.policy import POLICY, PolicyModule, derive_seed
 from rlhf_lightning.data.collate import IGNORE_INDEX
+from rlhf_lightning.episodes.environment import Environment
+from rlhf_lightning.episodes.rollout import episode_statistics
 from rlhf_lightning.models.sharding import full_tensor
 from rlhf_lightning.models.shared_base import REFERENCE, SharedBase
 from rlhf_lightning.optim import Schedule
@@ -74,7 +77,7 @@ class SkipIteration(Exception):
     """Raised inside the rollout under ``nonfinite: skip`` when the iteration must not be trained on."""
 
 
-class OnlineRL(PolicyModule):
+class OnlineRL(EpisodeSampling, PolicyModule):
     """The on-policy loop shared by PPO, GRPO, RLOO and REINFORCE++; subclasses choose the advantages.
 
     Args:
@@ -123,6 +126,14 @@ class OnlineRL(PolicyModule):
             message naming the iteration and the reward source and rows, the loss term or the parameters;
             ``skip`` skips the optimizer step (all of the iteration's steps for a bad score) and counts it in
             ``<prefix>/skipped_steps``. Either way nothing non-finite is trained on or written.
+        environment: multi-turn episodes instead of one response per prompt: the episode's environment
+            (``class_path`` + ``init_args``, made anew for every episode), e.g.
+            ``rlhf_lightning.episodes.ToolEnvironment`` with ``tools: [my_tools.search]``. Each assistant turn
+            (up to ``max_new_tokens``) ends at the turn-end token; the environment answers; its tokens are
+            context only. Reward sources score the whole transcript; null = single-turn.
+        max_turns: assistant turns per episode at most.
+        max_episode_tokens: tokens per episode after its opening (the policy's and the environment's) at most;
+            null = ``max_turns`` x ``max_new_tokens``.
     """
 
     metric_prefix = "online"
@@ -131,7 +142,9 @@ class OnlineRL(PolicyModule):
     measure_kl = False
     # Losses normalised over the whole optimizer step: their micro-batch parts add up to the step's loss.
     STEP_LOSSES = frozenset({"loss/policy", "loss/total"})
-    validation_metrics = ("score", "kl", "length", "eos_frac", "gold")
+    # per-sample validation values; the episode ones are logged only by runs with an environment
+    validation_metrics = ("score", "kl", "length", "eos_frac", "gold", "turns", "tool_calls", "tool_errors",
+                          "invalid_tool_calls")
 
     def __init__(
         self,
@@ -167,6 +180,9 @@ class OnlineRL(PolicyModule):
         warmup_iterations: int = 0,
         lr_schedule: Schedule = "constant",
         nonfinite: NonFinite = "raise",
+        environment: Callable[[], Environment] | None = None,
+        max_turns: int = 4,
+        max_episode_tokens: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -177,7 +193,7 @@ class OnlineRL(PolicyModule):
                 "so sampling from a truncated one would make every ratio and KL wrong; set top_k: 0, top_p: 1.0"
             )
         counts = {"samples_per_prompt": samples_per_prompt, "epochs": epochs, "num_minibatches": num_minibatches,
-                  "gradient_accumulation": gradient_accumulation, "kl_horizon": kl_horizon}
+                  "gradient_accumulation": gradient_accumulation, "kl_horizon": kl_horizon, "max_turns": max_turns}
         for name, value in counts.items():
             checks.at_least(name, value)
         checks.at_least("warmup_iterations", warmup_iterations, minimum=0)
@@ -194,6 +210,7 @@ class OnlineRL(PolicyModule):
                              "the clip would be tighter than the lower one; clip-higher (DAPO) raises it, e.g. "
                              "clip_range 0.2 with clip_range_high 0.28 (null = the same as clip_range)")
         checks.positive("policy_lr", policy_lr)
+        checks.positive("max_episode_tokens", max_episode_tokens, optional=True)
         checks.positive("adam_eps", adam_eps)
         for index, weight in enumerate(reward_weights or []):
             checks.finite(f"reward_weights[{index}]", weight)
@@ -211,6 +228,7 @@ class OnlineRL(PolicyModule):
         self.kl_controller = (FixedKLController(kl_coef) if kl_target is None
                               else AdaptiveKLController(kl_coef, kl_target, kl_horizon))
         self.last_samples: Samples | None = None  # the latest rollout as text (see callbacks.CompletionsTable)
+        self.environment = environment
 
     def build_model(self, empty: bool) -> SharedBase:
         model = super().build_model(empty)
@@ -219,6 +237,8 @@ class OnlineRL(PolicyModule):
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
+        if self.environment is not None:
+            self.setup_episodes()
         # The rollout's split into minibatches is known once the data module is: checked before the first
         # rollout, not after it (minutes on a real model).
         datamodule = self.trainer.datamodule if self._trainer is not None else None
@@ -283,12 +303,21 @@ class OnlineRL(PolicyModule):
     def make_experience(self, prompts: dict[str, Any]) -> tuple[Experience, Stats]:
         """Sample ``samples_per_prompt`` responses per prompt and run every scoring pass once."""
         group = self.hparams.samples_per_prompt
-        prompt_ids = prompts["input_ids"].repeat_interleave(group, 0)
+        episodes = turn_rewards = None
         with phase("rollout/generate"):
-            input_ids, attention_mask, response_mask = self.generate(
-                prompt_ids, prompts["attention_mask"].repeat_interleave(group, 0),
-                seeds=self.row_seeds(f"train {self.iteration}", prompts.get("index"), group))
-        responses = input_ids[:, prompt_ids.shape[1]:]
+            if self.environment is None:
+                prompt_ids = prompts["input_ids"].repeat_interleave(group, 0)
+                input_ids, attention_mask, response_mask = self.generate(
+                    prompt_ids, prompts["attention_mask"].repeat_interleave(group, 0),
+                    seeds=self.row_seeds(f"train {self.iteration}", prompts.get("index"), group))
+            else:  # response_mask: the policy's tokens; the environment's sit between them
+                episodes = self.sample_episodes(prompts, group, f"train {self.iteration}")
+                input_ids, attention_mask, response_mask = (episodes.input_ids, episodes.attention_mask,
+                                                            episodes.policy_mask)
+                turn_rewards = episodes.turn_rewards
+        responses = input_ids[:, input_ids.shape[1] - response_mask.shape[1]:]
+        # What reward sources read: every response token, or every token of an episode after its opening.
+        read_mask = response_mask if episodes is None else self.episode_mask(episodes)
         logprobs = entropy = ref_logprobs = None
         kl_in_reward = self.needs_reference and self.hparams.kl_in == "reward"
         with phase("rollout/logprobs"):
@@ -298,11 +327,11 @@ class OnlineRL(PolicyModule):
             if self.needs_reference:
                 ref_logprobs, _ = self.response_logprobs(REFERENCE, input_ids, attention_mask, response_mask)
         texts = [text for text in prompts["prompt"] for _ in range(group)]
-        completions = self.decode(responses, response_mask)
+        completions = self.decode(responses, read_mask)
         try:
             with phase("rollout/reward"):
                 source_scores = self.score_responses(
-                    input_ids, attention_mask, response_mask, completions,
+                    input_ids, attention_mask, read_mask, completions,
                     prompts=[p for p in prompts.get("raw_prompt", prompts["prompt"]) for _ in range(group)],
                     columns={name: [v for v in column for _ in range(group)]
                              for name, column in prompts.get("columns", {}).items()})
@@ -312,17 +341,23 @@ class OnlineRL(PolicyModule):
         raw_scores = self.rewards.combine(source_scores)
         is_stopped = stopped(responses, response_mask, self.sampling.stop_token_ids)
         scores = self.process_scores(source_scores, is_stopped)
+        if turn_rewards is not None:
+            scores = scores + turn_rewards.sum(-1)
         bad = ~torch.isfinite(scores)
         self.guard_scores([f"the combined reward is non-finite for rows {listing(bad.nonzero().flatten().tolist())} "
                            f"of {bad.shape[0]} (reward_normalize statistics or reward_weights?)"] if bad.any() else [])
         experience = Experience(input_ids, attention_mask, response_mask, scores, logprobs, ref_logprobs,
-                                group_size=group)
+                                group_size=group, turn_rewards=turn_rewards)
         kl = None if logprobs is None or ref_logprobs is None else sequence_kl(logprobs, ref_logprobs, response_mask)
         stats = self.experience_stats(experience, source_scores, raw_scores, is_stopped, entropy, kl)
         gold = None
         if self.gold_reward is not None:
             gold = [float(g) for g in self.gold_reward(texts, completions)]
             stats["objective/gold"] = torch.tensor(gold).mean()
+        if episodes is not None:
+            stats.update(episode_statistics(episodes.episodes))
+            stats["episode/env_reward"] = turn_rewards.sum(-1).mean()
+            completions = self.transcripts(episodes)
         self.last_samples = Samples(self.iteration, texts, completions, raw_scores.tolist(),
                                     [0.0] * len(completions) if kl is None else kl.tolist(), gold)
         return experience, stats
@@ -609,6 +644,9 @@ class OnlineRL(PolicyModule):
     # ---- validation, checkpoints --------------------------------------------------------------------------
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        if self.environment is not None:
+            self.evaluate_episodes(batch, batch_idx)
+            return
         self.evaluate_samples(batch["input_ids"], batch["attention_mask"], batch["prompt"], batch_idx,
                               raw_prompts=batch.get("raw_prompt"), columns=batch.get("columns"),
                               indices=batch.get("index"))

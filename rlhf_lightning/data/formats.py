@@ -17,7 +17,7 @@ from typing import Any
 
 from rlhf_lightning.data.sources import DataFormatError, Record
 
-Message = dict[str, str]
+Message = dict[str, Any]  # role and content (and tool_calls, name where a template renders them)
 Text = str | list[Message]
 
 _ROLES = ("system", "user", "assistant", "tool")
@@ -211,10 +211,23 @@ def _check_message(record: Record, label: str, message: Any) -> Message:
         raise _error(record, f"{label}: expected a role in {', '.join(_ROLES)}, found {_preview(role)}")
     if not isinstance(content, str):
         raise _error(record, f"{label}: expected 'content' to be a string, found {_found(content)}")
-    if not content.strip():
+    calls = message.get("tool_calls")
+    if calls is not None and (role != "assistant" or not isinstance(calls, list) or not all(
+            isinstance(call, dict) and isinstance(call.get("function"), dict)
+            and isinstance(call["function"].get("name"), str) for call in calls)):
+        raise _error(record, f"{label}: expected 'tool_calls' only on an assistant message, as a list of "
+                             '{"type": "function", "function": {"name": ..., "arguments": {...}}}, found '
+                             f"{_preview(calls)}")
+    if not content.strip() and not calls:
         raise _error(record, f"{label}: expected non-empty 'content', found {_preview(content)}")
-    # Extra keys (and nulls that Arrow adds for them) are dropped so every Message is exactly role+content.
-    return {"role": role, "content": content}
+    # Other keys (and nulls that Arrow adds for them) are dropped: role and content, and an assistant's tool
+    # calls and a tool message's name, which chat templates render.
+    kept = {"role": role, "content": content}
+    if calls:
+        kept["tool_calls"] = calls
+    if role == "tool" and isinstance(message.get("name"), str):
+        kept["name"] = message["name"]
+    return kept
 
 
 def _check_same_kind(record: Record, **texts: Text) -> None:

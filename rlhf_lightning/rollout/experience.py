@@ -14,8 +14,8 @@ class Experience:
     """Sampled responses and everything measured on them: built once per iteration, never changed during the
     update (``with_advantages`` returns a new one).
 
-    ``B`` sequences of ``P`` left-padded prompt tokens followed by ``R`` right-padded response tokens; per-token
-    tensors are ``[B, R]`` and aligned with the response tokens. Rows of one prompt are consecutive
+    ``B`` sequences of ``P`` left-padded prompt tokens followed by ``R`` right-padded response (or episode)
+    tokens; per-token tensors are ``[B, R]`` and aligned with them. Rows of one prompt are consecutive
     (``group_size`` of them).
     """
 
@@ -31,6 +31,10 @@ class Experience:
     advantages: Tensor | None = None  # [B, R]
     returns: Tensor | None = None  # [B, R] critic targets (algorithms with a critic)
     group_size: int = 1  # responses per prompt
+    # [B, R] an episode's environment rewards, each at the last policy token of its turn (also summed into
+    # ``scores``); None for single-turn rollouts. In an episode ``response_mask`` marks the policy's tokens only:
+    # the tool and environment tokens between turns are context, with no loss, KL or entropy.
+    turn_rewards: Tensor | None = None
 
     @property
     def prompt_length(self) -> int:

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
+from rlhf_lightning.algorithms.masked import last_marked_index
 from rlhf_lightning.data.tokenize import completion_end_id
 from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.ops.sampling import sampling_processors
@@ -120,6 +121,6 @@ def truncate_after_stop(responses: Tensor, stop_token_ids: int | tuple[int, ...]
 
 def stopped(responses: Tensor, response_mask: Tensor, stop_token_ids: int | tuple[int, ...] | None) -> Tensor:
     """``[B]`` bool: the response ended with a stop token (rather than running out of tokens)."""
-    last = (response_mask.sum(-1) - 1).clamp(min=0)
+    last = last_marked_index(response_mask)
     ended = is_stop(responses[torch.arange(responses.shape[0], device=responses.device), last], stop_token_ids)
     return ended & response_mask.any(-1)

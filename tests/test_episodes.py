@@ -1,0 +1,209 @@
+"""Multi-turn episodes on the shared base: the transcript is the generated tokens plus the environment's, the
+policy's log-probs from one pass equal those each turn was sampled under, environment tokens carry nothing, and
+every online algorithm trains on episodes (and resumes exactly)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from rlhf_lightning import GRPO, PPO, RLOO, FunctionReward, REINFORCEPlusPlus
+from rlhf_lightning.algorithms import token_rewards
+from rlhf_lightning.algorithms.advantages import _gae_loop, gae
+from rlhf_lightning.algorithms.group import returns_to_go
+from rlhf_lightning.core.policy import POLICY
+from rlhf_lightning.episodes import Environment, Step
+from rlhf_lightning.episodes.rollout import opening_ids
+from rlhf_lightning.models.spec import BaseModelSpec
+from rlhf_lightning.rollout.generate import sample_responses
+from rlhf_lightning.tasks.calculator import build_tokenizer, correct_answer
+from tests.conftest import LORA, built
+from tests.test_ppo import _fit, prompts
+
+
+class Feedback(Environment):
+    """Answers every turn with feedback and a reward of 0.25, never ends: episodes run to max_turns."""
+
+    def step(self, messages):
+        return Step([{"role": "user", "content": "try again"}], reward=0.25)
+
+
+@pytest.fixture(scope="module")
+def calculator_model_dir(tmp_path_factory):
+    """A tiny random GPT-2 with the calculator task's tokenizer (ChatML-style template with tool calls)."""
+    directory = tmp_path_factory.mktemp("calculator-gpt2")
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_layer=2, n_embd=32, n_head=2, n_positions=160,
+                                       pad_token_id=tokenizer.pad_token_id))
+    # Random weights would end a turn once in ~60 tokens: point the turn-end token's (tied) embedding along the
+    # average final hidden state, so that turns end after a few tokens and episodes take several turns.
+    with torch.no_grad():
+        hidden = model.transformer(torch.randint(0, len(tokenizer), (8, 24))).last_hidden_state.mean((0, 1))
+        turn_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        model.transformer.wte.weight[turn_end] = 4.0 * hidden / hidden.square().sum()
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def episodic(algorithm, directory, environment=Feedback, **kwargs):
+    settings = {**dict(base=BaseModelSpec(name_or_path=str(directory)), policy_lora=LORA, max_new_tokens=6,
+                       reward=FunctionReward(correct_answer), environment=environment, max_turns=3,
+                       max_episode_tokens=40, samples_per_prompt=2), **kwargs}
+    if algorithm is PPO:
+        settings.update(critic_lora=LORA)
+    module = built(algorithm(**settings))
+    module.setup_episodes()
+    return module
+
+
+def calculator_batch(module, n=4):
+    return next(iter(prompts(module, n=n, dataset="calculator", batch_size=n).train_dataloader()["prompts"]))
+
+
+def turns_of(episode):
+    """``[(start, end)]`` of each policy segment of an episode's tokens."""
+    segments, start = [], None
+    for position, flag in enumerate([*episode.policy, False]):
+        if flag and start is None:
+            start = position
+        elif not flag and start is not None:
+            segments.append((start, position))
+            start = None
+    return segments
+
+
+def test_episodes_interleave_policy_and_environment_tokens(calculator_model_dir):
+    module = episodic(GRPO, calculator_model_dir)
+    torch.manual_seed(1)
+    batch = module.sample_episodes(calculator_batch(module), 2, "test")
+    delta = module.template_delta([{"role": "user", "content": "try again"}])
+    answered = 0
+    for row, episode in enumerate(batch.episodes):
+        # every policy turn but the last is followed by exactly the environment's delta, then the next turn
+        for _, end in turns_of(episode)[:-1]:
+            assert episode.tokens[end - 1] in module.sampling.stop_token_ids
+            assert episode.tokens[end:end + len(delta)] == delta and episode.policy[end + len(delta)]
+            answered += 1
+        assert episode.turns <= 3 and len(episode.tokens) <= 40
+        mask = batch.policy_mask[row]
+        width = len(episode.tokens)
+        assert mask[:width].tolist() == episode.policy and not mask[width:].any()
+        # each turn's reward sits at the turn's last policy token
+        rewards = batch.turn_rewards[row]
+        assert rewards.nonzero().flatten().tolist() == [position for position, _ in episode.rewards]
+        assert torch.allclose(rewards.sum(), torch.tensor(0.25 * len(episode.rewards)))
+    assert answered > 0
+
+
+def test_one_pass_log_probs_equal_what_each_turn_was_sampled_under(calculator_model_dir):
+    module = episodic(GRPO, calculator_model_dir)
+    torch.manual_seed(2)
+    batch = module.sample_episodes(calculator_batch(module), 2, "test")
+    with torch.no_grad():
+        one_pass, _ = module.response_logprobs(POLICY, batch.input_ids, batch.attention_mask, batch.policy_mask)
+        checked = 0
+        for row, episode in enumerate(batch.episodes):
+            for start, end in turns_of(episode):
+                # The context this turn was sampled after, alone and unpadded: opening + everything before it.
+                context = torch.tensor([episode.opening + episode.tokens[:end]])
+                per_turn, _ = module.token_logprobs(POLICY, context, torch.ones_like(context),
+                                                    torch.arange(context.shape[1])[None] >= len(episode.opening) + start)
+                torch.testing.assert_close(one_pass[row, start:end], per_turn[0, -(end - start):], atol=1e-5, rtol=1e-5)
+                checked += end - start
+    assert checked == int(batch.policy_mask.sum()) and checked > 0
+
+
+def test_the_transcript_is_the_sampled_tokens_never_a_retokenization(calculator_model_dir):
+    tokenizer = build_tokenizer()
+    # Why it matters: '"', 'a', '"' sampled one by one decode to '"a"', which encodes as one other token.
+    sampled = tokenizer.convert_tokens_to_ids(['"', "a", '"'])
+    assert tokenizer(tokenizer.decode(sampled), add_special_tokens=False)["input_ids"] != sampled
+    module = episodic(GRPO, calculator_model_dir)
+    rows = calculator_batch(module)
+    torch.manual_seed(3)
+    state = torch.random.get_rng_state()
+    batch = module.sample_episodes(rows, 1, "test")
+    # The first turn again, by the sampler itself, from the same random state: the same tokens.
+    torch.random.set_rng_state(state)
+    openings = [opening_ids(tokenizer, [{"role": "user", "content": p}], None) for p in rows["prompt"]]
+    width = max(map(len, openings))
+    ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(o)) + o for o in openings])
+    first_turn = sample_responses(module.model, POLICY, ids, (ids != tokenizer.pad_token_id).long(),
+                                  dataclasses.replace(module.sampling, max_new_tokens=6), tokenizer.pad_token_id)
+    for row, episode in enumerate(batch.episodes):
+        start, end = turns_of(episode)[0]
+        assert episode.opening == openings[row]
+        assert episode.tokens[start:end] == first_turn[0][row, width:][first_turn[2][row]].tolist()
+
+
+def test_masks_with_holes_skip_environment_tokens_in_rewards_gae_and_returns():
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0], [1, 0, 1, 0, 0, 0, 0]]).bool()
+    rewards, values = torch.randn(2, 7), torch.randn(2, 7)
+    advantages, returns = gae(rewards, values, mask, 0.9, 0.8)
+    go = returns_to_go(rewards, mask, 0.5)
+    for row in range(2):
+        policy = mask[row].nonzero().flatten()
+        dense = torch.ones(1, len(policy), dtype=torch.bool)
+        expected_advantages, expected_returns = _gae_loop(rewards[row, policy][None], values[row, policy][None], dense,
+                                                          0.9, 0.8)
+        torch.testing.assert_close(advantages[row, policy], expected_advantages[0])
+        torch.testing.assert_close(returns[row, policy], expected_returns[0])
+        torch.testing.assert_close(go[row, policy], returns_to_go(rewards[row, policy][None], dense, 0.5)[0])
+        assert advantages[row, ~mask[row]].eq(0).all() and go[row, ~mask[row]].eq(0).all()
+    shaped = token_rewards(torch.tensor([1.0, 2.0]), torch.zeros(2, 7), mask, 0.1)
+    assert shaped.nonzero().tolist() == [[0, 5], [1, 2]]  # the score at the last policy token, not at sum - 1
+
+
+@pytest.mark.parametrize("algorithm", [GRPO, RLOO, REINFORCEPlusPlus, PPO])
+def test_every_online_algorithm_trains_on_episodes(algorithm, calculator_model_dir):
+    extra = {"kl_coef": 0.1} if algorithm is not PPO else {}
+    module = episodic(algorithm, calculator_model_dir, **extra)
+    module.trainer = None
+    torch.manual_seed(4)
+    experience, stats = module.rollout(calculator_batch(module))
+    mask = experience.response_mask
+    episode_tokens = experience.attention_mask[:, -mask.shape[1]:].bool()
+    assert (episode_tokens & ~mask).any()  # environment tokens sit between the policy's
+    assert experience.advantages[~mask].eq(0).all() and experience.advantages[mask].ne(0).any()
+    # the environment's 0.25 per turn is in the scores
+    torch.testing.assert_close(experience.scores, experience.turn_rewards.sum(-1) + 0.0)
+    for name in ("episode/turns", "episode/policy_tokens", "episode/env_tokens", "episode/tool_calls",
+                 "episode/env_reward"):
+        assert name in stats
+    assert stats["episode/turns"] > 1.0  # Feedback never ends an episode: only max_turns or the token budget do
+    # the completions table shows whole transcripts, the environment's parts marked
+    assert any("[[user try again]]" in text for text in module.last_samples.responses)
+    losses = module.losses(experience)
+    losses["loss/total"].backward()
+    trained = {name for name, p in module.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    adapters = {"policy", "critic"} if algorithm is PPO else {"policy"}
+    assert trained and all(any(f".{a}." in name for a in adapters) or "heads.value" in name for name in trained)
+
+
+def test_a_grpo_run_on_episodes_resumes_exactly(calculator_model_dir, tmp_path):
+    def module():
+        return episodic(GRPO, calculator_model_dir, kl_coef=0.1, num_minibatches=2)
+
+    first = module()
+    _, whole = _fit(first, prompts(first, n=8, dataset="calculator", batch_size=2), tmp_path / "whole", 4,
+                    prefix="grpo/")
+    checkpoint = tmp_path / "whole" / "epoch=0-step=4.ckpt"  # after iteration 2 of 4 (2 optimizer steps each)
+    second = module()
+    _, resumed = _fit(second, prompts(second, n=8, dataset="calculator", batch_size=2), tmp_path / "resumed", 4,
+                      prefix="grpo/", ckpt_path=str(checkpoint))
+    assert len(resumed) == 2 and resumed == whole[2:]
+    assert {"grpo/episode/turns", "grpo/episode/env_tokens"} <= set(whole[0])
+
+
+def test_episodes_beyond_the_model_positions_are_refused_before_training(calculator_model_dir):
+    module = episodic(GRPO, calculator_model_dir, max_episode_tokens=150)
+    data = prompts(module, n=4, dataset="calculator", batch_size=4)
+    with pytest.raises(ValueError, match=r"and an episode of 150 tokens reach \d+ positions, beyond the 160") as error:
+        module.check_lengths(data)
+    assert "lower max_episode_tokens" in str(error.value)
+    episodic(GRPO, calculator_model_dir, max_episode_tokens=100).check_lengths(data)

@@ -1,0 +1,162 @@
+"""Tools, tool-call formats and environments: parsed as the chat templates write them, failures answered as text,
+and bad environments stopped with one line."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+
+from rlhf_lightning.episodes import Environment, Step, Tool, ToolEnvironment
+from rlhf_lightning.episodes.environment import checked_reset, checked_step
+from rlhf_lightning.episodes.tool_calls import HermesFormat, Llama3JsonFormat, detect_format
+from rlhf_lightning.tasks.calculator import add, build_tokenizer
+from tests.families import CHATML_TEMPLATE, FAMILIES, LLAMA3_TEMPLATE
+from tests.families import build_tokenizer as family_tokenizer
+
+# The tiny families' templates with tool calling, in the shape of Qwen2.5's and Llama 3.1's own.
+QWEN_TOOL_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ 'user' if m['role'] == 'tool' else m['role'] }}\n"
+    "{% if m['role'] == 'tool' %}<tool_response>\n{{ m['content'] }}\n</tool_response>{% else %}{{ m['content'] }}"
+    "{% endif %}{% if m['tool_calls'] is defined %}{% for call in m['tool_calls'] %}\n<tool_call>\n"
+    "{{ call['function'] | tojson }}\n</tool_call>{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+LLAMA3_TOOL_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ 'ipython' if m['role'] == 'tool' else m['role'] }}"
+    "<|end_header_id|>\n\n{% if m['tool_calls'] is defined %}{% for call in m['tool_calls'] %}"
+    '{"name": "{{ call["function"]["name"] }}", "parameters": {{ call["function"]["arguments"] | tojson }}}'
+    "{% endfor %}{% else %}{{ m['content'] }}{% endif %}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
+
+def family_with(name: str, template: str):
+    tokenizer = family_tokenizer(FAMILIES[name])
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+def test_the_format_is_read_from_what_the_template_renders():
+    assert isinstance(detect_format(family_with("qwen2", QWEN_TOOL_TEMPLATE)), HermesFormat)
+    assert isinstance(detect_format(family_with("llama", LLAMA3_TOOL_TEMPLATE)), Llama3JsonFormat)
+    assert isinstance(detect_format(build_tokenizer()), HermesFormat)
+
+
+@pytest.mark.parametrize(("name", "template"), [("qwen2", CHATML_TEMPLATE), ("llama", LLAMA3_TEMPLATE)])
+def test_a_template_that_drops_tool_calls_is_refused_at_setup(name, template):
+    tokenizer = family_with(name, template)
+    with pytest.raises(ValueError, match="drops assistant tool calls or tool messages") as error:
+        detect_format(tokenizer)
+    assert "\n" not in str(error.value) and "the chat template" in str(error.value)
+
+
+def test_an_unknown_call_format_is_named():
+    tokenizer = family_with("qwen2", QWEN_TOOL_TEMPLATE.replace("<tool_call>", "[CALL]").replace("</tool_call>", "[/CALL]"))
+    with pytest.raises(ValueError, match="writes tool calls in a format this framework does not parse"):
+        detect_format(tokenizer)
+
+
+def test_hermes_calls_are_parsed_as_qwen_writes_them():
+    tokenizer = family_with("qwen2", QWEN_TOOL_TEMPLATE)
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 3, "b": 4}}}
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "q"},
+                                              {"role": "assistant", "content": "Let me add.", "tool_calls": [call]}],
+                                             tokenize=False)
+    turn = rendered.split("<|im_start|>assistant\n", 1)[1].split("<|im_end|>")[0]
+    parsed = HermesFormat().parse(turn)
+    assert parsed.content == "Let me add."
+    assert [(c.name, c.arguments, c.error) for c in parsed.calls] == [("add", {"a": 3, "b": 4}, None)]
+    two = HermesFormat().parse('<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": 1}'
+                               "</tool_call><tool_call>{oops</tool_call>")
+    assert [c.name for c in two.calls] == ["a", None, None]
+    assert "string \"name\"" in two.calls[1].error and "not valid JSON" in two.calls[2].error
+    assert HermesFormat().parse("answer 7").calls == []
+
+
+def test_llama3_json_calls_are_parsed_as_llama_writes_them():
+    tokenizer = family_with("llama", LLAMA3_TOOL_TEMPLATE)
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 3, "b": 4}}}
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "q"},
+                                              {"role": "assistant", "content": "", "tool_calls": [call]}],
+                                             tokenize=False)
+    turn = rendered.split("assistant<|end_header_id|>\n\n", 1)[1].split("<|eot_id|>")[0]
+    parsed = Llama3JsonFormat().parse(turn)
+    assert [(c.name, c.arguments) for c in parsed.calls] == [("add", {"a": 3, "b": 4})]
+    assert Llama3JsonFormat().parse("<|python_tag|>" + turn).calls[0].name == "add"
+    assert Llama3JsonFormat().parse("The sum is 7.").content == "The sum is 7."
+    assert Llama3JsonFormat().parse('{"name": "add", "parameters": {').calls[0].error is not None
+
+
+def slow(seconds: float) -> str:
+    """Sleep.
+
+    Args:
+        seconds: how long.
+    """
+    time.sleep(seconds)
+    return "done"
+
+
+def broken(x: int) -> int:
+    """Fail.
+
+    Args:
+        x: anything.
+    """
+    raise ZeroDivisionError("the tool's own bug")
+
+
+def test_a_tool_is_a_typed_function_and_its_failures_come_back_as_text():
+    tool = Tool(add)
+    assert tool.schema["function"]["name"] == "add"
+    assert tool.schema["function"]["parameters"]["properties"]["a"]["type"] == "integer"
+    assert tool({"a": 2, "b": 40}).text == "42"
+    assert tool({"a": 2}).status == "invalid" and "missing a required argument: 'b'" in tool({"a": 2}).text
+    assert Tool(broken)({"x": 1}).text == "error: ZeroDivisionError: the tool's own bug"
+    start = time.perf_counter()
+    result = Tool(slow, timeout=0.2)({"seconds": 5})
+    assert result.status == "timeout" and time.perf_counter() - start < 2
+    assert Tool("rlhf_lightning.tasks.calculator.add").name == "add"
+    with pytest.raises(ValueError, match="cannot be imported"):
+        Tool("no_such_module.add")
+
+
+def test_the_tool_environment_counts_calls_errors_and_malformed_ones():
+    environment = ToolEnvironment(["rlhf_lightning.tasks.calculator.add", broken])
+    call = lambda name, **arguments: {"type": "function", "function": {"name": name, "arguments": arguments}}  # noqa: E731
+    turn = {"role": "assistant", "content": "", "invalid_tool_calls": ["the tool call is not valid JSON"],
+            "tool_calls": [call("add", a=1, b=2), call("broken", x=1), call("divide", a=1)]}
+    step = environment.step([{"role": "user", "content": "q"}, turn])
+    assert not step.done and [m["content"] for m in step.messages] == [
+        "error: the tool call is not valid JSON", "3", "error: ZeroDivisionError: the tool's own bug",
+        "error: no tool named 'divide'; the tools are add, broken"]
+    assert step.counts == {"invalid_tool_calls": 1, "tool_calls": 3, "tool_calls/add": 1, "tool_calls/broken": 1,
+                           "tool_calls/unknown": 1, "tool_errors": 2, "tool_error": 1, "tool_unknown": 1}
+    assert environment.step([{"role": "assistant", "content": "answer 3", "tool_calls": []}]).done
+
+
+class Faulty(Environment):
+    def __init__(self, answer):
+        self.answer = answer
+
+    def step(self, messages):
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return self.answer
+
+
+@pytest.mark.parametrize(("answer", "expected"), [
+    (KeyError("score"), "environment Faulty, row 7, turn 2: step raised KeyError: 'score'"),
+    (Step(reward=math.nan), "environment Faulty, row 7, turn 2: step returned the reward nan; expected a finite"),
+    ("done", "environment Faulty, row 7, turn 2: step must return a Step or (messages, reward, done), got str"),
+    (([{"role": "user"}], 0.0, False), "step must return a list of messages with 'role' and 'content'"),
+])
+def test_an_environment_that_misbehaves_stops_the_run_with_one_line(answer, expected):
+    with pytest.raises((RuntimeError, ValueError, TypeError)) as error:
+        checked_step(Faulty(answer), [{"role": "user", "content": "q"}], row=7, turn=2)
+    assert expected in str(error.value) and "\n" not in str(error.value)
+    assert checked_step(Faulty(([{"role": "user", "content": "higher"}], 0.5, False)), [], 1, 1).reward == 0.5
+    with pytest.raises(TypeError, match="environment Empty, row 3: reset must return a non-empty list"):
+        checked_reset(type("Empty", (Faulty,), {"reset": lambda self, row: []})(None), {"prompt": "q"}, 3)
