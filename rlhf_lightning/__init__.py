@@ -1,6 +1,7 @@
 """rlhf_lightning: RLHF on PyTorch Lightning with one frozen base model shared by every role."""
 
 from rlhf_lightning.data.modules import PreferenceDataModule, PromptDataModule, SFTDataModule
+from rlhf_lightning.distill import OnPolicyDistillation
 from rlhf_lightning.dpo import DPO
 from rlhf_lightning.grpo import GRPO
 from rlhf_lightning.ppo import PPO
@@ -13,6 +14,7 @@ from rlhf_lightning.sft import SFT
 __all__ = [
     "DPO",
     "GRPO",
+    "OnPolicyDistillation",
     "PPO",
     "RLOO",
     "SFT",

@@ -10,6 +10,7 @@ import torch
 from rlhf_lightning.algorithms.surrogate import (
     SurrogateOutput,
     aggregate_loss,
+    cispo_surrogate,
     clipped_surrogate,
     loss_normaliser,
 )
@@ -298,3 +299,37 @@ def test_empty_rows_and_an_empty_step_give_zero_not_nan():
         assert loss.item() == 0.0
     close(aggregate_loss(per_token, empty, "token_mean", 0.0), 0.0)
     close(aggregate_loss(per_token, mask, "token_mean", 4), 0.75)  # a plain number works as the normaliser
+
+
+def trl_cispo_per_token_loss(per_token_logps, old_per_token_logps, advantages, epsilon_high):
+    """TRL 1.16 GRPOTrainer._compute_loss, loss_type="cispo", token level, as its lines read."""
+    log_ratio = per_token_logps - old_per_token_logps
+    coef_1 = torch.exp(log_ratio)
+    clamped_ratios = torch.clamp(coef_1, max=epsilon_high).detach()
+    return -clamped_ratios * advantages * per_token_logps
+
+
+def test_cispo_matches_trls_lines_and_the_papers_formula_number_by_number():
+    torch.manual_seed(0)
+    logprobs = (torch.randn(4, 6) - 2).requires_grad_()
+    old_logprobs = logprobs.detach() + torch.randn(4, 6)  # ratios from ~0.1 to ~10: both bounds bite
+    advantages = torch.tensor([[1.0], [-0.5], [2.0], [-1.5]]).expand(4, 6)
+    mask = torch.ones(4, 6, dtype=torch.bool)
+    mask[1, 5:] = False
+    out = cispo_surrogate(logprobs, old_logprobs, advantages, mask, max_weight=2.0)
+    expected = trl_cispo_per_token_loss(logprobs, old_logprobs, advantages, 2.0)
+    torch.testing.assert_close(out.loss[mask], expected[mask])
+    assert out.loss[~mask].eq(0).all()
+    # the gradient of every token, clipped or not: -w A (the weight is detached)
+    out.loss.sum().backward()
+    weight = torch.exp(logprobs.detach() - old_logprobs).clamp(max=2.0)
+    torch.testing.assert_close(logprobs.grad, torch.where(mask, -weight * advantages, 0.0))
+    ratio = torch.exp(logprobs.detach() - old_logprobs)
+    assert torch.equal(out.clipped_high, (ratio > 2.0) & (advantages > 0) & mask) and out.clipped_high.any()
+    # MiniMax-M1's form: clip(r, 1 - eps_low, 1 + eps_high), here eps_low 0.6, eps_high 1.0
+    paper = cispo_surrogate(logprobs.detach(), old_logprobs, advantages, mask, max_weight=2.0, min_weight=0.4)
+    by_formula = -torch.clamp(ratio, 1 - 0.6, 1 + 1.0) * advantages * logprobs.detach()
+    torch.testing.assert_close(paper.loss[mask], by_formula[mask])
+    assert torch.equal(paper.clipped_low, (ratio < 0.4) & (advantages < 0) & mask) and paper.clipped_low.any()
+    with pytest.raises(ValueError, match="0 <= min_weight < max_weight"):
+        cispo_surrogate(logprobs, old_logprobs, advantages, mask, max_weight=1.0, min_weight=1.5)

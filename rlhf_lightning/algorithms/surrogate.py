@@ -1,5 +1,5 @@
 """Clipped surrogate of the critic-free family (token ratio as in GRPO/DAPO, sequence ratio as in GSPO or TRL's
-RLOO) and loss aggregation that stays exact under gradient accumulation and data parallelism.
+RLOO), CISPO's clipped-weight objective, and loss aggregation that stays exact under gradient accumulation and data parallelism.
 
 Why a separate normaliser. "Mean" in these losses has three meanings (see ALGORITHMS.md, "Loss aggregation"):
 the token mean over the batch (DAPO, verl's and TRL's default), the mean over sequences of per-sequence token
@@ -72,16 +72,8 @@ def clipped_surrogate(
     if level not in _LEVELS:
         raise ValueError(f"Unknown ratio level {level!r}; expected one of {', '.join(_LEVELS)}.")
     valid = mask.bool()
-    dtype = torch.promote_types(torch.result_type(logprobs, old_logprobs), torch.float32)
+    log_ratio, dtype = _log_ratio(logprobs, old_logprobs, valid, level)
     zero = torch.zeros((), dtype=dtype, device=valid.device)
-    # Zero the log-ratio at padding before exp: garbage there could overflow to inf, and inf in the forward
-    # pass turns the zero gradient of the padding into NaN (0 * inf) on the way back.
-    log_ratio = torch.where(valid, logprobs.to(dtype) - old_logprobs.to(dtype), zero)
-    if level == "sequence":
-        lengths = valid.sum(dim=1, keepdim=True).clamp(min=1).to(dtype)
-        log_ratio = torch.where(valid, log_ratio.sum(dim=1, keepdim=True) / lengths, zero)
-    elif level == "sequence_sum":
-        log_ratio = torch.where(valid, log_ratio.sum(dim=1, keepdim=True), zero)
     advantages = torch.where(valid, advantages.to(dtype), zero)
     ratio = torch.exp(log_ratio)
     surrogate = torch.minimum(
@@ -93,6 +85,57 @@ def clipped_surrogate(
         ratio = ratio.detach()
         clipped_low = (ratio < 1.0 - clip_low) & (advantages < 0) & valid
         clipped_high = (ratio > 1.0 + clip_high) & (advantages > 0) & valid
+    return SurrogateOutput(loss, ratio, clipped_low, clipped_high)
+
+
+def _log_ratio(logprobs: Tensor, old_logprobs: Tensor, valid: Tensor, level: RatioLevel) -> tuple[Tensor, torch.dtype]:
+    """``[B, T]`` log importance ratios at ``level`` (0 at padding) and the dtype they are computed in."""
+    dtype = torch.promote_types(torch.result_type(logprobs, old_logprobs), torch.float32)
+    zero = torch.zeros((), dtype=dtype, device=valid.device)
+    # Zero the log-ratio at padding before exp: garbage there could overflow to inf, and inf in the forward
+    # pass turns the zero gradient of the padding into NaN (0 * inf) on the way back.
+    log_ratio = torch.where(valid, logprobs.to(dtype) - old_logprobs.to(dtype), zero)
+    if level == "sequence":
+        lengths = valid.sum(dim=1, keepdim=True).clamp(min=1).to(dtype)
+        log_ratio = torch.where(valid, log_ratio.sum(dim=1, keepdim=True) / lengths, zero)
+    elif level == "sequence_sum":
+        log_ratio = torch.where(valid, log_ratio.sum(dim=1, keepdim=True), zero)
+    return log_ratio, dtype
+
+
+def cispo_surrogate(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    max_weight: float,
+    min_weight: float | None = None,
+    level: RatioLevel = "token",
+) -> SurrogateOutput:
+    """Per-token CISPO loss l_t = -sg(clip(rho_t, min_weight, max_weight)) A_t log pi(y_t) (MiniMax-M1, Chen et
+    al. 2025): the importance weight is clipped and detached instead of the objective, so every token keeps a
+    gradient (A_t w_t grad log pi), the clipped ones too.
+
+    TRL 1.16's ``loss_type="cispo"`` is ``min_weight=None`` (no lower bound) and ``max_weight`` its
+    ``epsilon_high`` taken as an absolute cap (ScaleRL recommends 5.0): ``-clamp(coef_1, max=epsilon_high).detach()
+    * advantages * per_token_logps``. The paper writes the bounds as 1 - eps_low and 1 + eps_high.
+    ``level`` as in :func:`clipped_surrogate`. clipped_high = rho > max_weight and A > 0 (TRL's
+    ``cispo_clip_ratio``); clipped_low = rho < min_weight and A < 0. Shapes as :func:`clipped_surrogate`.
+    """
+    if max_weight <= 0 or (min_weight is not None and not 0 <= min_weight < max_weight):
+        raise ValueError(f"CISPO's weight bounds must satisfy 0 <= min_weight < max_weight, got {min_weight} and "
+                         f"{max_weight}.")
+    if level not in _LEVELS:
+        raise ValueError(f"Unknown ratio level {level!r}; expected one of {', '.join(_LEVELS)}.")
+    valid = mask.bool()
+    log_ratio, dtype = _log_ratio(logprobs, old_logprobs, valid, level)
+    zero = torch.zeros((), dtype=dtype, device=valid.device)
+    advantages = torch.where(valid, advantages.to(dtype), zero)
+    ratio = torch.exp(log_ratio).detach()
+    weight = ratio.clamp(min=min_weight, max=max_weight)
+    loss = -weight * advantages * torch.where(valid, logprobs.to(dtype), zero)
+    clipped_low = (ratio < (min_weight if min_weight is not None else 0.0)) & (advantages < 0) & valid
+    clipped_high = (ratio > max_weight) & (advantages > 0) & valid
     return SurrogateOutput(loss, ratio, clipped_low, clipped_high)
 
 

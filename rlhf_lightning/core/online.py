@@ -42,9 +42,16 @@ from rlhf_lightning.algorithms import (
     kl_penalty,
     masked_mean,
 )
+from rlhf_lightning.algorithms.rollout_correction import (
+    CORRECTIONS,
+    RolloutCorrection,
+    correction_weights,
+    mismatch_statistics,
+)
 from rlhf_lightning.algorithms.surrogate import (
     LossAggregation,
     aggregate_loss,
+    cispo_surrogate,
     clipped_surrogate,
     loss_normaliser,
 )
@@ -108,6 +115,19 @@ class OnlineRL(EpisodeSampling, PolicyModule):
         gradient_accumulation: micro-batches per minibatch (less memory; same result).
         clip_range: epsilon of the clipped objective below 1 (and above, unless ``clip_range_high``).
         clip_range_high: epsilon above 1 (DAPO's clip-higher, e.g. 0.28); null = ``clip_range``.
+        policy_loss: ``clip``: PPO's clipped surrogate (with ``clip_range``, ``clip_range_high``); ``cispo``:
+            CISPO's clipped, detached importance weight times the log-prob (MiniMax-M1; TRL's ``loss_type:
+            cispo``), every token keeping its gradient.
+        cispo_max_weight: CISPO's cap on the importance weight (TRL's ``epsilon_high`` under ``cispo``, 5.0 as
+            ScaleRL recommends).
+        cispo_min_weight: CISPO's floor on the importance weight; null = none (TRL's).
+        rollout_correction: importance-sampling correction of the sampler's log-probs against the trainer's (another
+            precision or kernel, a stale policy): each token's policy loss times w = pi_trainer / pi_sampler per
+            token or per response, truncated to [``rollout_correction_min``, ``rollout_correction_max``]
+            (``*_truncate``, TIS) or zero outside it (``*_mask``, MIS), TRL 1.16's ``vllm_importance_sampling_mode``
+            names; ``none`` = off. The mismatch is logged either way (``rollout/mismatch_kl``).
+        rollout_correction_min: lower bound of the correction's weight; null = none.
+        rollout_correction_max: upper bound of the correction's weight (TRL's 3.0); null = none.
         ratio_level: ``token`` ratios (PPO, GRPO); one ``sequence`` ratio per response, the geometric mean of
             its token ratios (GSPO); or ``sequence_sum``, the product of its token ratios (TRL's RLOO).
         loss_aggregation: ``token_mean`` over every token of the optimizer step (DAPO, verl, OpenRLHF);
@@ -168,6 +188,12 @@ class OnlineRL(EpisodeSampling, PolicyModule):
         gradient_accumulation: int = 1,
         clip_range: float = 0.2,
         clip_range_high: float | None = None,
+        policy_loss: Literal["clip", "cispo"] = "clip",
+        rollout_correction: RolloutCorrection = "none",
+        rollout_correction_min: float | None = None,
+        rollout_correction_max: float | None = 3.0,
+        cispo_max_weight: float = 5.0,
+        cispo_min_weight: float | None = None,
         ratio_level: Literal["token", "sequence", "sequence_sum"] = "token",
         loss_aggregation: LossAggregation = "token_mean",
         ent_coef: float = 0.0,
@@ -217,6 +243,14 @@ class OnlineRL(EpisodeSampling, PolicyModule):
         checks.one_of("kl_estimator", kl_estimator, get_args(KLEstimator))
         checks.one_of("kl_in", kl_in, ("reward", "loss"))
         checks.one_of("ratio_level", ratio_level, ("token", "sequence", "sequence_sum"))
+        checks.one_of("policy_loss", policy_loss, ("clip", "cispo"))
+        checks.one_of("rollout_correction", rollout_correction, CORRECTIONS)
+        checks.non_negative("rollout_correction_min", rollout_correction_min, optional=True)
+        checks.positive("rollout_correction_max", rollout_correction_max, optional=True)
+        checks.positive("cispo_max_weight", cispo_max_weight)
+        checks.non_negative("cispo_min_weight", cispo_min_weight, optional=True)
+        if cispo_min_weight is not None and cispo_min_weight >= cispo_max_weight:
+            raise ValueError(f"cispo_min_weight={cispo_min_weight} must be below cispo_max_weight={cispo_max_weight}")
         checks.one_of("loss_aggregation", loss_aggregation, get_args(LossAggregation))
         checks.one_of("lr_schedule", lr_schedule, get_args(Schedule))
         checks.one_of("nonfinite", nonfinite, get_args(NonFinite))
@@ -307,14 +341,14 @@ class OnlineRL(EpisodeSampling, PolicyModule):
         with phase("rollout/generate"):
             if self.environment is None:
                 prompt_ids = prompts["input_ids"].repeat_interleave(group, 0)
-                input_ids, attention_mask, response_mask = self.generate(
+                input_ids, attention_mask, response_mask, sampler_logprobs = self.generate(
                     prompt_ids, prompts["attention_mask"].repeat_interleave(group, 0),
-                    seeds=self.row_seeds(f"train {self.iteration}", prompts.get("index"), group))
+                    seeds=self.row_seeds(f"train {self.iteration}", prompts.get("index"), group), with_logprobs=True)
             else:  # response_mask: the policy's tokens; the environment's sit between them
                 episodes = self.sample_episodes(prompts, group, f"train {self.iteration}")
                 input_ids, attention_mask, response_mask = (episodes.input_ids, episodes.attention_mask,
                                                             episodes.policy_mask)
-                turn_rewards = episodes.turn_rewards
+                turn_rewards, sampler_logprobs = episodes.turn_rewards, episodes.sampler_logprobs
         responses = input_ids[:, input_ids.shape[1] - response_mask.shape[1]:]
         # What reward sources read: every response token, or every token of an episode after its opening.
         read_mask = response_mask if episodes is None else self.episode_mask(episodes)
@@ -347,7 +381,7 @@ class OnlineRL(EpisodeSampling, PolicyModule):
         self.guard_scores([f"the combined reward is non-finite for rows {listing(bad.nonzero().flatten().tolist())} "
                            f"of {bad.shape[0]} (reward_normalize statistics or reward_weights?)"] if bad.any() else [])
         experience = Experience(input_ids, attention_mask, response_mask, scores, logprobs, ref_logprobs,
-                                group_size=group, turn_rewards=turn_rewards)
+                                group_size=group, turn_rewards=turn_rewards, sampler_logprobs=sampler_logprobs)
         kl = None if logprobs is None or ref_logprobs is None else sequence_kl(logprobs, ref_logprobs, response_mask)
         stats = self.experience_stats(experience, source_scores, raw_scores, is_stopped, entropy, kl)
         gold = None
@@ -533,13 +567,27 @@ class OnlineRL(EpisodeSampling, PolicyModule):
         # One optimizer step per rollout: the policy has not moved since sampling, so its own pass, detached,
         # gives the old log-probs (ratio 1 in value, the policy gradient in gradient).
         old_logprobs = logprobs.detach() if micro.logprobs is None else micro.logprobs
-        clip_high = hp.clip_range if hp.clip_range_high is None else hp.clip_range_high
-        surrogate = clipped_surrogate(logprobs, old_logprobs, micro.advantages, mask, hp.clip_range,
-                                      clip_high, hp.ratio_level)
+        if hp.policy_loss == "cispo":
+            surrogate = cispo_surrogate(logprobs, old_logprobs, micro.advantages, mask, hp.cispo_max_weight,
+                                        hp.cispo_min_weight, hp.ratio_level)
+        else:
+            clip_high = hp.clip_range if hp.clip_range_high is None else hp.clip_range_high
+            surrogate = clipped_surrogate(logprobs, old_logprobs, micro.advantages, mask, hp.clip_range,
+                                          clip_high, hp.ratio_level)
         per_token = surrogate.loss
+        terms: Stats = {}
+        if micro.sampler_logprobs is not None:  # the trainer's log-probs at sampling time against the sampler's
+            mismatch = mismatch_statistics(old_logprobs, micro.sampler_logprobs, mask)
+            terms.update({f"rollout/mismatch_{name}": value for name, value in mismatch.items()})
+            if hp.rollout_correction != "none":
+                weights = correction_weights(old_logprobs, micro.sampler_logprobs, mask, hp.rollout_correction,
+                                             hp.rollout_correction_min, hp.rollout_correction_max)
+                per_token = per_token * weights
+                terms["rollout/correction_weight"] = masked_mean(weights, mask)
+                terms["rollout/corrected_out"] = masked_mean((weights == 0).float(), mask)
         log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0)
         approx_kl = torch.expm1(log_ratio.detach()) - log_ratio.detach()
-        terms = {
+        terms |= {
             "policy/approx_kl": masked_mean(approx_kl, mask),
             "policy/clipfrac": masked_mean((surrogate.clipped_low | surrogate.clipped_high).float(), mask),
             "policy/clipfrac_low": masked_mean(surrogate.clipped_low.float(), mask),

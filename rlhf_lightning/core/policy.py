@@ -255,15 +255,16 @@ class PolicyModule(StageModule):
 
     @torch.no_grad()
     def generate(self, input_ids: Tensor, attention_mask: Tensor, role: str | None = POLICY,
-                 seeds: Sequence[int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """Sample responses: ``(prompt + response ids, attention mask, response mask [B, R])``. ``seeds``: one
-        per row, each row's tokens drawn from a generator of its own (``seed_scope: prompt``); None = the global
-        random stream."""
+                 seeds: Sequence[int] | None = None, with_logprobs: bool = False) -> tuple[Tensor, ...]:
+        """Sample responses: ``(prompt + response ids, attention mask, response mask [B, R])``, and with
+        ``with_logprobs`` the sampler's own log-probs ``[B, R]``. ``seeds``: one per row, each row's tokens drawn
+        from a generator of its own (``seed_scope: prompt``); None = the global random stream."""
         draws = None if seeds is None else row_draws(list(seeds), self.sampling.max_new_tokens, input_ids.device)
         synced = self.model.is_sharded and self.hparams.sharded_rollout == "per_layer"
         with self.rollout_gathered():
             return sample_responses(self.model, role, input_ids, attention_mask, self.sampling,
-                                    self.tokenizer.pad_token_id, draws=draws, synced=synced)
+                                    self.tokenizer.pad_token_id, draws=draws, synced=synced,
+                                    with_logprobs=with_logprobs)
 
     def rollout_gathered(self):
         """A block of no-grad passes over the sharded base (sampling and scoring), gathered as

@@ -45,6 +45,7 @@ class Episode:
     messages: list[Message]
     tokens: list[int] = field(default_factory=list)
     policy: list[bool] = field(default_factory=list)
+    sampler_logprobs: list[float] = field(default_factory=list)  # the sampler's, 0 on the environment's tokens
     rewards: list[tuple[int, float]] = field(default_factory=list)  # (token index, reward) at each turn's end
     counts: Counter = field(default_factory=Counter)
     turns: int = 0
@@ -55,13 +56,14 @@ class Episode:
 @dataclass(frozen=True)
 class EpisodeBatch:
     """Finished episodes as tensors: ``input_ids``/``attention_mask`` ``[B, P + R]`` (opening left-padded,
-    episode right-padded), ``policy_mask`` and ``turn_rewards`` ``[B, R]`` (each turn's environment reward at
-    the turn's last policy token), and the episodes themselves."""
+    episode right-padded), ``policy_mask``, ``turn_rewards`` (each turn's environment reward at the turn's last
+    policy token) and ``sampler_logprobs`` ``[B, R]``, and the episodes themselves."""
 
     input_ids: Tensor
     attention_mask: Tensor
     policy_mask: Tensor
     turn_rewards: Tensor
+    sampler_logprobs: Tensor
     episodes: list[Episode]
 
 
@@ -144,13 +146,16 @@ def run_episodes(
         room = [max_episode_tokens - len(episode.tokens) for episode in running]
         input_ids, attention_mask = _left_pad([e.opening + e.tokens for e in running], pad, device)
         turn_settings = dataclasses.replace(settings, max_new_tokens=min(settings.max_new_tokens, max(room)))
-        _, _, response_mask = sampled = sample_responses(
-            model, role, input_ids, attention_mask, turn_settings, pad, draws=draws(turn, [e.row for e in running]))
-        responses = sampled[0][:, input_ids.shape[1]:]
-        for episode, space, response, keep in zip(running, room, responses, response_mask, strict=True):
+        sequences, _, response_mask, logprobs = sample_responses(
+            model, role, input_ids, attention_mask, turn_settings, pad, draws=draws(turn, [e.row for e in running]),
+            with_logprobs=True)
+        responses = sequences[:, input_ids.shape[1]:]
+        for episode, space, response, keep, sampled in zip(running, room, responses, response_mask, logprobs,
+                                                           strict=True):
             new = response[keep].tolist()[:space]
             episode.tokens += new
             episode.policy += [True] * len(new)
+            episode.sampler_logprobs += sampled[keep].tolist()[:space]
             episode.turns = turn
             _take_turn(episode, new, turn, settings.stop_token_ids, tool_format, delta, tokenizer, max_turns,
                        max_episode_tokens, row_numbers[episode.row])
@@ -180,6 +185,7 @@ def _take_turn(episode: Episode, new: list[int], turn: int, stop_ids: tuple[int,
     episode.messages += step.messages
     episode.tokens += answer
     episode.policy += [False] * len(answer)
+    episode.sampler_logprobs += [0.0] * len(answer)
 
 
 def _as_batch(episodes: list[Episode], pad: int, device: torch.device) -> EpisodeBatch:
@@ -189,16 +195,18 @@ def _as_batch(episodes: list[Episode], pad: int, device: torch.device) -> Episod
     present = torch.zeros((len(episodes), width), dtype=torch.long)
     policy = torch.zeros((len(episodes), width), dtype=torch.bool)
     rewards = torch.zeros((len(episodes), width))
+    sampler = torch.zeros((len(episodes), width))
     for i, episode in enumerate(episodes):
         length = len(episode.tokens)
         if length:
             tokens[i, :length] = torch.tensor(episode.tokens)
             present[i, :length] = 1
             policy[i, :length] = torch.tensor(episode.policy)
+            sampler[i, :length] = torch.tensor(episode.sampler_logprobs)
         for position, reward in episode.rewards:
             rewards[i, position] += reward
     return EpisodeBatch(torch.cat([openings, tokens.to(device)], 1), torch.cat([opening_mask, present.to(device)], 1),
-                        policy.to(device), rewards.to(device), episodes)
+                        policy.to(device), rewards.to(device), sampler.to(device), episodes)
 
 
 def episode_statistics(episodes: Sequence[Episode]) -> dict[str, Tensor]:

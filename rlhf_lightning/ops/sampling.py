@@ -36,12 +36,19 @@ class InverseCDFSampler(LogitsProcessor):
     def __init__(self, draws: Tensor | None = None, prompt_length: int = 0) -> None:
         self.draws = draws
         self.prompt_length = prompt_length
+        self.chosen_logprobs: list[Tensor] = []  # [B] per step: the log-probability of the drawn token
+
+    def sampled_logprobs(self) -> Tensor:
+        """``[B, steps]`` log-probabilities the drawn tokens had under the distribution they were drawn from (the
+        sampler's own, kept to measure and correct a mismatch with the trainer's pass; float32)."""
+        return torch.stack(self.chosen_logprobs, 1)
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
         # float64: the running sum over a large vocabulary keeps every token's share exact to ~1e-16 (Apple's MPS
         # has no float64; float32's error there is ~1e-7 per share).
         dtype = torch.float32 if scores.device.type == "mps" else torch.float64
-        cdf = torch.softmax(scores.to(dtype), dim=-1).cumsum_(-1)
+        log_probs = torch.log_softmax(scores.to(dtype), dim=-1)
+        cdf = log_probs.exp().cumsum_(-1)
         total = cdf[:, -1:].contiguous()
         bad = ~torch.isfinite(total.squeeze(-1))
         if bad.any():
@@ -58,6 +65,7 @@ class InverseCDFSampler(LogitsProcessor):
         # The first token whose cumulative probability exceeds the draw; the second bound (the last token with a
         # positive probability) only matters when rounding makes the draw equal the total.
         tokens = torch.minimum(torch.searchsorted(cdf, draws, right=True), torch.searchsorted(cdf, total))
+        self.chosen_logprobs.append(log_probs.gather(-1, tokens).squeeze(-1).float())
         return torch.full_like(scores, float("-inf")).scatter_(-1, tokens, 0.0)
 
 

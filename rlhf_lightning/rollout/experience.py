@@ -35,6 +35,10 @@ class Experience:
     # ``scores``); None for single-turn rollouts. In an episode ``response_mask`` marks the policy's tokens only:
     # the tool and environment tokens between turns are context, with no loss, KL or entropy.
     turn_rewards: Tensor | None = None
+    # [B, R] log-probs the sampler gave the response tokens (its own distribution, kept to measure and correct a
+    # mismatch with the trainer's pass); None when not kept.
+    sampler_logprobs: Tensor | None = None
+    teacher_logprobs: Tensor | None = None  # [B, R] a teacher's log-probs (on-policy distillation)
 
     @property
     def prompt_length(self) -> int:

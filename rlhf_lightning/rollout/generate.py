@@ -66,7 +66,7 @@ def stop_token_ids(tokenizer: PreTrainedTokenizerBase, stop_token: str | None) -
 @torch.no_grad()
 def sample_responses(model: SharedBase, role: str | None, input_ids: Tensor, attention_mask: Tensor,
                      settings: SamplingSettings, pad_token_id: int, draws: Tensor | None = None,
-                     synced: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                     synced: bool = False, with_logprobs: bool = False) -> tuple[Tensor, ...]:
     """Sample a response to each prompt from ``role`` (eval mode, KV cache) and cut it after its stop token.
 
     ``draws``: the uniform numbers of each row's tokens (see :class:`~rlhf_lightning.ops.sampling.
@@ -74,7 +74,8 @@ def sample_responses(model: SharedBase, role: str | None, input_ids: Tensor, att
     finished (a base sharded layer by layer gathers each layer at every step, a collective).
 
     Returns ``(prompt + response ids [B, P + R], attention mask [B, P + R], response mask [B, R])``; ``R`` is
-    at most ``max_new_tokens`` (less once every row has stopped).
+    at most ``max_new_tokens`` (less once every row has stopped). ``with_logprobs`` adds the sampler's own
+    log-probs of the response tokens ``[B, R]`` (0 after the stop).
     """
     was_training = model.training
     model.eval()
@@ -82,20 +83,24 @@ def sample_responses(model: SharedBase, role: str | None, input_ids: Tensor, att
         # Sampling runs in the weights' own precision, outside any autocast (bf16-mixed): autocast would re-cast
         # every frozen fp32 weight to bf16 at each decoded token (8 bytes read per parameter instead of 4), and it
         # leaves rotary keys in fp32 beside bf16 values, which a static cache (one dtype for both) rejects.
+        processors = sampling_processors(settings.temperature, settings.top_k, settings.top_p, draws,
+                                         input_ids.shape[1])
         with model.role(role), torch.autocast(input_ids.device.type, enabled=False):
             sequences = model.hf_model.generate(
                 input_ids=input_ids, attention_mask=attention_mask,
                 generation_config=settings.generation_config(pad_token_id),
-                logits_processor=sampling_processors(settings.temperature, settings.top_k, settings.top_p, draws,
-                                                     input_ids.shape[1]),
-                synced_gpus=synced,
+                logits_processor=processors, synced_gpus=synced,
             )
     finally:
         model.train(was_training)
     responses, response_mask = truncate_after_stop(sequences[:, input_ids.shape[1]:], settings.stop_token_ids,
                                                    pad_token_id)
-    return (torch.cat([input_ids, responses], 1), torch.cat([attention_mask, response_mask.long()], 1),
-            response_mask)
+    sampled = (torch.cat([input_ids, responses], 1), torch.cat([attention_mask, response_mask.long()], 1),
+               response_mask)
+    if not with_logprobs:
+        return sampled
+    logprobs = processors[-1].sampled_logprobs()[:, : responses.shape[1]].to(responses.device)
+    return (*sampled, torch.where(response_mask, logprobs, 0.0))
 
 
 def is_stop(tokens: Tensor, stop_token_ids: int | tuple[int, ...] | None) -> Tensor:

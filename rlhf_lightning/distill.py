@@ -1,0 +1,124 @@
+"""On-policy distillation: the student samples, the teacher grades every token.
+
+Each response token's reward is log p_teacher(y_t | y_<t) - log p_student(y_t | y_<t) on the student's own
+samples: its sum over a response is minus the reverse KL from the student to the teacher, estimated where the
+student actually goes (on-policy distillation as in GKD, Agarwal et al. 2024, with on-policy data; Thinking
+Machines' "On-Policy Distillation", 2025; NeMo-RL). The advantage of a token is its own reward (no discount, no
+baseline: the teacher's judgement is per token already), trained with the loop's clipped surrogate. It runs with
+any number of samples per prompt (no group) and on episodes (the teacher reads the whole transcript; only the
+policy's tokens are graded).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rlhf_lightning.algorithms.losses import logprobs_from_logits
+from rlhf_lightning.algorithms.masked import masked_mean
+from rlhf_lightning.core.online import OnlineRL, Stats
+from rlhf_lightning.models.shared_base import SharedBase
+from rlhf_lightning.rollout.experience import Experience
+from rlhf_lightning.timing import phase
+
+
+class OnPolicyDistillation(OnlineRL):
+    """Distil a teacher into the policy adapter on the student's own samples (reverse KL per token).
+
+    Args:
+        teacher: folder of the teacher, a transformers causal LM with the student's vocabulary (e.g. a policy
+            merged with ``python -m rlhf_lightning merge``); loaded frozen, in ``teacher_dtype``.
+        teacher_dtype: dtype of the teacher's weights.
+        reward_coef: weight of the reward sources' score added to every token's advantage (0 = pure
+            distillation; the scores are logged either way).
+        kl_coef: KL to the reference; 0 by default (the teacher anchors the policy).
+        samples_per_prompt: responses per prompt (1 is enough: no group baseline).
+    """
+
+    metric_prefix = "distill"
+
+    def __init__(self, *args: Any, teacher: str, teacher_dtype: str = "float32", reward_coef: float = 0.0,
+                 kl_coef: float = 0.0, samples_per_prompt: int = 1, **kwargs: Any) -> None:
+        super().__init__(*args, kl_coef=kl_coef, samples_per_prompt=samples_per_prompt, **kwargs)
+        if not hasattr(torch, teacher_dtype) or not isinstance(getattr(torch, teacher_dtype), torch.dtype):
+            raise ValueError(f"teacher_dtype {teacher_dtype!r} is not a torch dtype (float32, bfloat16, float16)")
+        self.teacher_path = teacher
+        self._teacher: list[torch.nn.Module] = []  # not a submodule: not checkpointed, not trained, not moved
+
+    def build_model(self, empty: bool) -> SharedBase:
+        model = super().build_model(empty)
+        self._teacher[:] = [self.load_teacher()]
+        return model
+
+    def load_teacher(self) -> torch.nn.Module:
+        """The frozen teacher, after checking that it speaks the student's vocabulary."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from rlhf_lightning.models.loading import disable_dropout
+
+        folder = Path(self.teacher_path)
+        if not (folder / "config.json").is_file():
+            raise ValueError(f"teacher {self.teacher_path}: no config.json there; give the folder of a "
+                             "transformers causal LM (python -m rlhf_lightning merge writes one)")
+        theirs = AutoTokenizer.from_pretrained(folder).get_vocab() if (folder / "tokenizer_config.json").is_file() \
+            else None
+        if theirs is not None and theirs != self.tokenizer.get_vocab():
+            missing = len(set(self.tokenizer.get_vocab().items()) - set(theirs.items()))
+            raise ValueError(f"teacher {self.teacher_path}: its tokenizer has another vocabulary ({len(theirs)} "
+                             f"tokens, {missing} of the student's {len(self.tokenizer)} differ or are missing); "
+                             "distillation by log-probs needs the student's vocabulary")
+        teacher = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, self.hparams.teacher_dtype))
+        if teacher.get_output_embeddings().weight.shape[0] < len(self.tokenizer):
+            raise ValueError(f"teacher {self.teacher_path}: its output layer has "
+                             f"{teacher.get_output_embeddings().weight.shape[0]} tokens, fewer than the student's "
+                             f"{len(self.tokenizer)}")
+        teacher.requires_grad_(False).eval()
+        disable_dropout(teacher)
+        return teacher
+
+    @torch.no_grad()
+    def teacher_logprobs(self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor) -> Tensor:
+        """``[B, R]`` the teacher's log-probs of the response tokens (the last ``R`` columns), at the sampling
+        temperature (the student's are taken at it too)."""
+        teacher = self._teacher[0]
+        if teacher.device != input_ids.device:
+            teacher.to(input_ids.device)
+        width = response_mask.shape[1]
+        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        logits = teacher(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits
+        logits = logits[:, -width - 1 : -1, : len(self.tokenizer)].float() / self.hparams.temperature
+        return torch.where(response_mask, logprobs_from_logits(logits, input_ids[:, -width:]), 0.0)
+
+    @torch.no_grad()
+    def make_experience(self, prompts: dict[str, Any]) -> tuple[Experience, Stats]:
+        """The loop's experience, with the teacher's log-probs of the policy's tokens."""
+        experience, stats = super().make_experience(prompts)
+        with phase("rollout/reward"):
+            teacher = self.teacher_logprobs(experience.input_ids, experience.attention_mask,
+                                            experience.response_mask)
+        return dataclasses.replace(experience, teacher_logprobs=teacher), stats
+
+    def estimate_advantages(self, experience: Experience, kl_coef: float) -> tuple[Experience, Stats]:
+        """A_t = log p_teacher(y_t) - log p_student(y_t) (+ ``reward_coef`` x score), 0 off the policy's tokens;
+        the student's log-probs are the sampler's own (those the tokens were drawn with)."""
+        mask = experience.response_mask
+        student = experience.sampler_logprobs if experience.sampler_logprobs is not None else experience.logprobs
+        if student is None:
+            raise RuntimeError("on-policy distillation needs the student's log-probs of its samples")
+        reward = torch.where(mask, experience.teacher_logprobs - student, 0.0)
+        advantages = reward + self.hparams.reward_coef * experience.scores[:, None]
+        if kl_coef:  # the KL to the reference in the rewards, per token (kl_in: reward)
+            from rlhf_lightning.algorithms import kl_penalty
+
+            advantages = advantages - kl_coef * kl_penalty(experience.logprobs, experience.ref_logprobs,
+                                                           self.hparams.kl_estimator, self.hparams.kl_clamp)
+        advantages = torch.where(mask, advantages, 0.0)
+        reverse_kl = -reward.sum(-1)
+        stats = {"distill/reverse_kl": reverse_kl.mean(),
+                 "distill/reverse_kl_per_token": masked_mean(-reward, mask),
+                 "distill/teacher_logprob": masked_mean(experience.teacher_logprobs, mask)}
+        return experience.with_advantages(advantages), stats

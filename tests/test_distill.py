@@ -1,0 +1,66 @@
+"""On-policy distillation: each token's advantage is the teacher's log-prob minus the student's, on the student's
+own samples; a teacher with another vocabulary is refused with one line; only the policy adapter trains."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlhf_lightning import AdapterReward, OnPolicyDistillation
+from rlhf_lightning.models.spec import BaseModelSpec
+from tests.conftest import LORA, built
+from tests.families import FAMILIES, build_model_dir
+from tests.test_ppo import _perturb, first_batch
+
+
+def student(tiny_model_dir, reward_dir, teacher, **kwargs):
+    return built(OnPolicyDistillation(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), policy_lora=LORA,
+                                      max_new_tokens=6, reward=AdapterReward(str(reward_dir)), teacher=str(teacher),
+                                      **kwargs))
+
+
+def test_the_advantage_of_a_token_is_the_teachers_log_prob_minus_the_students(tiny_model_dir, reward_dir):
+    module = student(tiny_model_dir, reward_dir, teacher=tiny_model_dir)
+    torch.manual_seed(0)
+    same, stats = module.rollout(first_batch(module))
+    # A fresh adapter is the base itself: the teacher (the same base) agrees on every token.
+    torch.testing.assert_close(same.advantages, torch.zeros_like(same.advantages), atol=1e-5, rtol=0)
+    assert abs(float(stats["distill/reverse_kl"])) < 1e-4
+
+    _perturb(module, "policy")
+    torch.manual_seed(1)
+    experience, stats = module.rollout(first_batch(module))
+    mask = experience.response_mask
+    teacher = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    width = mask.shape[1]
+    for row in range(mask.shape[0]):
+        keep = experience.attention_mask[row].bool()
+        ids = experience.input_ids[row][keep]  # the row alone, unpadded: positions from 0
+        with torch.no_grad():
+            logits = teacher(ids[None]).logits[0, :-1]
+        teacher_lp = torch.log_softmax(logits, -1).gather(-1, ids[1:, None])[:, 0][-int(mask[row].sum()):]
+        student_lp, _ = module.response_logprobs("policy", experience.input_ids[row:row + 1],
+                                                 experience.attention_mask[row:row + 1], mask[row:row + 1])
+        expected = teacher_lp - student_lp[0][mask[row]]
+        torch.testing.assert_close(experience.advantages[row][mask[row]], expected, atol=1e-5, rtol=1e-5)
+        assert experience.advantages[row][~mask[row]].eq(0).all()
+    reverse_kl = -torch.where(mask, experience.advantages, 0.0).sum(-1).mean()
+    torch.testing.assert_close(stats["distill/reverse_kl"], reverse_kl)
+    assert float(stats["distill/reverse_kl"]) != 0.0 and width == experience.teacher_logprobs.shape[1]
+
+    losses = module.losses(experience)
+    losses["loss/total"].backward()
+    trained = {name for name, p in module.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert trained and all(".policy." in name for name in trained)
+    assert not any(p.requires_grad for p in module._teacher[0].parameters())
+    assert not any("teacher" in key for key in module.state_dict())  # the teacher is not checkpointed
+
+
+def test_a_teacher_with_another_vocabulary_is_refused_with_one_line(tiny_model_dir, reward_dir, tmp_path):
+    other = build_model_dir(FAMILIES["qwen2"], tmp_path / "qwen2")
+    with pytest.raises(ValueError, match="its tokenizer has another vocabulary") as error:
+        student(tiny_model_dir, reward_dir, teacher=other)
+    assert "\n" not in str(error.value) and str(other) in str(error.value)
+    with pytest.raises(ValueError, match="no config.json there"):
+        student(tiny_model_dir, reward_dir, teacher=tmp_path / "nowhere")
