@@ -118,7 +118,7 @@ class OnPolicyDistillation(OnlineRL):
                                                            self.hparams.kl_estimator, self.hparams.kl_clamp)
         advantages = torch.where(mask, advantages, 0.0)
         reverse_kl = -reward.sum(-1)
-        stats = {"distill/reverse_kl": reverse_kl.mean(),
-                 "distill/reverse_kl_per_token": masked_mean(-reward, mask),
-                 "distill/teacher_logprob": masked_mean(experience.teacher_logprobs, mask)}
+        stats = {"teacher/reverse_kl": reverse_kl.mean(),
+                 "teacher/reverse_kl_per_token": masked_mean(-reward, mask),
+                 "teacher/logprob": masked_mean(experience.teacher_logprobs, mask)}
         return experience.with_advantages(advantages), stats

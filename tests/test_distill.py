@@ -26,7 +26,7 @@ def test_the_advantage_of_a_token_is_the_teachers_log_prob_minus_the_students(ti
     same, stats = module.rollout(first_batch(module))
     # A fresh adapter is the base itself: the teacher (the same base) agrees on every token.
     torch.testing.assert_close(same.advantages, torch.zeros_like(same.advantages), atol=1e-5, rtol=0)
-    assert abs(float(stats["distill/reverse_kl"])) < 1e-4
+    assert abs(float(stats["teacher/reverse_kl"])) < 1e-4
 
     _perturb(module, "policy")
     torch.manual_seed(1)
@@ -46,8 +46,8 @@ def test_the_advantage_of_a_token_is_the_teachers_log_prob_minus_the_students(ti
         torch.testing.assert_close(experience.advantages[row][mask[row]], expected, atol=1e-5, rtol=1e-5)
         assert experience.advantages[row][~mask[row]].eq(0).all()
     reverse_kl = -torch.where(mask, experience.advantages, 0.0).sum(-1).mean()
-    torch.testing.assert_close(stats["distill/reverse_kl"], reverse_kl)
-    assert float(stats["distill/reverse_kl"]) != 0.0 and width == experience.teacher_logprobs.shape[1]
+    torch.testing.assert_close(stats["teacher/reverse_kl"], reverse_kl)
+    assert float(stats["teacher/reverse_kl"]) != 0.0 and width == experience.teacher_logprobs.shape[1]
 
     losses = module.losses(experience)
     losses["loss/total"].backward()
