@@ -47,8 +47,8 @@ class InverseCDFSampler(LogitsProcessor):
         # float64: the running sum over a large vocabulary keeps every token's share exact to ~1e-16 (Apple's MPS
         # has no float64; float32's error there is ~1e-7 per share).
         dtype = torch.float32 if scores.device.type == "mps" else torch.float64
-        log_probs = torch.log_softmax(scores.to(dtype), dim=-1)
-        cdf = log_probs.exp().cumsum_(-1)
+        probabilities = torch.softmax(scores.to(dtype), dim=-1)
+        cdf = probabilities.cumsum(-1)
         total = cdf[:, -1:].contiguous()
         bad = ~torch.isfinite(total.squeeze(-1))
         if bad.any():
@@ -65,7 +65,7 @@ class InverseCDFSampler(LogitsProcessor):
         # The first token whose cumulative probability exceeds the draw; the second bound (the last token with a
         # positive probability) only matters when rounding makes the draw equal the total.
         tokens = torch.minimum(torch.searchsorted(cdf, draws, right=True), torch.searchsorted(cdf, total))
-        self.chosen_logprobs.append(log_probs.gather(-1, tokens).squeeze(-1).float())
+        self.chosen_logprobs.append(probabilities.gather(-1, tokens).squeeze(-1).log().float())
         return torch.full_like(scores, float("-inf")).scatter_(-1, tokens, 0.0)
 
 
