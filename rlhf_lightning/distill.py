@@ -18,10 +18,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rlhf_lightning.algorithms import kl_penalty
 from rlhf_lightning.algorithms.losses import logprobs_from_logits
 from rlhf_lightning.algorithms.masked import masked_mean
 from rlhf_lightning.core.online import OnlineRL, Stats
-from rlhf_lightning.models.shared_base import SharedBase
+from rlhf_lightning.models.shared_base import SharedBase, position_ids_from_mask
 from rlhf_lightning.rollout.experience import Experience
 from rlhf_lightning.timing import phase
 
@@ -46,7 +47,6 @@ class OnPolicyDistillation(OnlineRL):
         super().__init__(*args, kl_coef=kl_coef, samples_per_prompt=samples_per_prompt, **kwargs)
         if not hasattr(torch, teacher_dtype) or not isinstance(getattr(torch, teacher_dtype), torch.dtype):
             raise ValueError(f"teacher_dtype {teacher_dtype!r} is not a torch dtype (float32, bfloat16, float16)")
-        self.teacher_path = teacher
         self._teacher: list[torch.nn.Module] = []  # not a submodule: not checkpointed, not trained, not moved
 
     def build_model(self, empty: bool) -> SharedBase:
@@ -60,20 +60,20 @@ class OnPolicyDistillation(OnlineRL):
 
         from rlhf_lightning.models.loading import disable_dropout
 
-        folder = Path(self.teacher_path)
+        folder = Path(self.hparams.teacher)
         if not (folder / "config.json").is_file():
-            raise ValueError(f"teacher {self.teacher_path}: no config.json there; give the folder of a "
+            raise ValueError(f"teacher {self.hparams.teacher}: no config.json there; give the folder of a "
                              "transformers causal LM (python -m rlhf_lightning merge writes one)")
         theirs = AutoTokenizer.from_pretrained(folder).get_vocab() if (folder / "tokenizer_config.json").is_file() \
             else None
         if theirs is not None and theirs != self.tokenizer.get_vocab():
             missing = len(set(self.tokenizer.get_vocab().items()) - set(theirs.items()))
-            raise ValueError(f"teacher {self.teacher_path}: its tokenizer has another vocabulary ({len(theirs)} "
+            raise ValueError(f"teacher {self.hparams.teacher}: its tokenizer has another vocabulary ({len(theirs)} "
                              f"tokens, {missing} of the student's {len(self.tokenizer)} differ or are missing); "
                              "distillation by log-probs needs the student's vocabulary")
         teacher = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, self.hparams.teacher_dtype))
         if teacher.get_output_embeddings().weight.shape[0] < len(self.tokenizer):
-            raise ValueError(f"teacher {self.teacher_path}: its output layer has "
+            raise ValueError(f"teacher {self.hparams.teacher}: its output layer has "
                              f"{teacher.get_output_embeddings().weight.shape[0]} tokens, fewer than the student's "
                              f"{len(self.tokenizer)}")
         teacher.requires_grad_(False).eval()
@@ -88,9 +88,10 @@ class OnPolicyDistillation(OnlineRL):
         if teacher.device != input_ids.device:
             teacher.to(input_ids.device)
         width = response_mask.shape[1]
-        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        logits = teacher(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits
-        logits = logits[:, -width - 1 : -1, : len(self.tokenizer)].float() / self.hparams.temperature
+        # Only the positions that predict response tokens: never the whole [B, T, V] logits.
+        logits = teacher(input_ids=input_ids, attention_mask=attention_mask,
+                         position_ids=position_ids_from_mask(attention_mask), logits_to_keep=width + 1).logits
+        logits = logits[:, :-1, : len(self.tokenizer)].float() / self.hparams.temperature
         return torch.where(response_mask, logprobs_from_logits(logits, input_ids[:, -width:]), 0.0)
 
     @torch.no_grad()
@@ -112,8 +113,6 @@ class OnPolicyDistillation(OnlineRL):
         reward = torch.where(mask, experience.teacher_logprobs - student, 0.0)
         advantages = reward + self.hparams.reward_coef * experience.scores[:, None]
         if kl_coef:  # the KL to the reference in the rewards, per token (kl_in: reward)
-            from rlhf_lightning.algorithms import kl_penalty
-
             advantages = advantages - kl_coef * kl_penalty(experience.logprobs, experience.ref_logprobs,
                                                            self.hparams.kl_estimator, self.hparams.kl_clamp)
         advantages = torch.where(mask, advantages, 0.0)

@@ -170,8 +170,7 @@ class DPO(PolicyModule):
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         _, values = self.pair_losses(batch, "val")
-        for name, value in values.items():
-            self.val_metrics[name].update(value)
+        self.record_validation(values)
         limit = self.hparams.sample_eval_batches
         prompt_ids, prompt_mask = batch["prompt_input_ids"], batch["prompt_attention_mask"]
         # Generation needs at least one prompt token (transcript-only pairs may share no beginning).

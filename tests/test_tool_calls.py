@@ -58,13 +58,18 @@ def test_an_unknown_call_format_is_named():
         detect_format(tokenizer)
 
 
-def test_hermes_calls_are_parsed_as_qwen_writes_them():
-    tokenizer = family_with("qwen2", QWEN_TOOL_TEMPLATE)
+def assistant_turn(tokenizer, content: str, header: str, turn_end: str) -> str:
+    """What the template writes for an assistant turn calling add(a=3, b=4), between its header and turn end."""
     call = {"type": "function", "function": {"name": "add", "arguments": {"a": 3, "b": 4}}}
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": "q"},
-                                              {"role": "assistant", "content": "Let me add.", "tool_calls": [call]}],
+                                              {"role": "assistant", "content": content, "tool_calls": [call]}],
                                              tokenize=False)
-    turn = rendered.split("<|im_start|>assistant\n", 1)[1].split("<|im_end|>")[0]
+    return rendered.split(header, 1)[1].split(turn_end)[0]
+
+
+def test_hermes_calls_are_parsed_as_qwen_writes_them():
+    turn = assistant_turn(family_with("qwen2", QWEN_TOOL_TEMPLATE), "Let me add.", "<|im_start|>assistant\n",
+                          "<|im_end|>")
     parsed = HermesFormat().parse(turn)
     assert parsed.content == "Let me add."
     assert [(c.name, c.arguments, c.error) for c in parsed.calls] == [("add", {"a": 3, "b": 4}, None)]
@@ -76,12 +81,8 @@ def test_hermes_calls_are_parsed_as_qwen_writes_them():
 
 
 def test_llama3_json_calls_are_parsed_as_llama_writes_them():
-    tokenizer = family_with("llama", LLAMA3_TOOL_TEMPLATE)
-    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 3, "b": 4}}}
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "q"},
-                                              {"role": "assistant", "content": "", "tool_calls": [call]}],
-                                             tokenize=False)
-    turn = rendered.split("assistant<|end_header_id|>\n\n", 1)[1].split("<|eot_id|>")[0]
+    turn = assistant_turn(family_with("llama", LLAMA3_TOOL_TEMPLATE), "", "assistant<|end_header_id|>\n\n",
+                          "<|eot_id|>")
     parsed = Llama3JsonFormat().parse(turn)
     assert [(c.name, c.arguments) for c in parsed.calls] == [("add", {"a": 3, "b": 4})]
     assert Llama3JsonFormat().parse("<|python_tag|>" + turn).calls[0].name == "add"

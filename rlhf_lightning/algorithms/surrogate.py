@@ -69,12 +69,7 @@ def clipped_surrogate(
     """
     if clip_low < 0 or clip_high < 0:
         raise ValueError(f"clip_low and clip_high must be >= 0, got {clip_low} and {clip_high}.")
-    if level not in _LEVELS:
-        raise ValueError(f"Unknown ratio level {level!r}; expected one of {', '.join(_LEVELS)}.")
-    valid = mask.bool()
-    log_ratio, dtype = _log_ratio(logprobs, old_logprobs, valid, level)
-    zero = torch.zeros((), dtype=dtype, device=valid.device)
-    advantages = torch.where(valid, advantages.to(dtype), zero)
+    valid, log_ratio, advantages = _ratio_and_advantages(logprobs, old_logprobs, advantages, mask, level)
     ratio = torch.exp(log_ratio)
     surrogate = torch.minimum(
         ratio * advantages, torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
@@ -88,8 +83,12 @@ def clipped_surrogate(
     return SurrogateOutput(loss, ratio, clipped_low, clipped_high)
 
 
-def _log_ratio(logprobs: Tensor, old_logprobs: Tensor, valid: Tensor, level: RatioLevel) -> tuple[Tensor, torch.dtype]:
-    """``[B, T]`` log importance ratios at ``level`` (0 at padding) and the dtype they are computed in."""
+def log_importance_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, level: RatioLevel) -> Tensor:
+    """``[B, T]`` log importance ratios at ``level`` (see :func:`clipped_surrogate`), 0 at padding, in at least
+    float32; differentiable in ``logprobs``."""
+    if level not in _LEVELS:
+        raise ValueError(f"Unknown ratio level {level!r}; expected one of {', '.join(_LEVELS)}.")
+    valid = mask.bool()
     dtype = torch.promote_types(torch.result_type(logprobs, old_logprobs), torch.float32)
     zero = torch.zeros((), dtype=dtype, device=valid.device)
     # Zero the log-ratio at padding before exp: garbage there could overflow to inf, and inf in the forward
@@ -100,7 +99,16 @@ def _log_ratio(logprobs: Tensor, old_logprobs: Tensor, valid: Tensor, level: Rat
         log_ratio = torch.where(valid, log_ratio.sum(dim=1, keepdim=True) / lengths, zero)
     elif level == "sequence_sum":
         log_ratio = torch.where(valid, log_ratio.sum(dim=1, keepdim=True), zero)
-    return log_ratio, dtype
+    return log_ratio
+
+
+def _ratio_and_advantages(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+                          level: RatioLevel) -> tuple[Tensor, Tensor, Tensor]:
+    """``(valid, log-ratio, advantages)``: the bool mask, the log-ratios at ``level`` and the advantages zeroed at
+    padding, both in the log-ratio's dtype."""
+    valid = mask.bool()
+    log_ratio = log_importance_ratio(logprobs, old_logprobs, valid, level)
+    return valid, log_ratio, torch.where(valid, advantages.to(log_ratio.dtype), 0.0)
 
 
 def cispo_surrogate(
@@ -125,15 +133,10 @@ def cispo_surrogate(
     if max_weight <= 0 or (min_weight is not None and not 0 <= min_weight < max_weight):
         raise ValueError(f"CISPO's weight bounds must satisfy 0 <= min_weight < max_weight, got {min_weight} and "
                          f"{max_weight}.")
-    if level not in _LEVELS:
-        raise ValueError(f"Unknown ratio level {level!r}; expected one of {', '.join(_LEVELS)}.")
-    valid = mask.bool()
-    log_ratio, dtype = _log_ratio(logprobs, old_logprobs, valid, level)
-    zero = torch.zeros((), dtype=dtype, device=valid.device)
-    advantages = torch.where(valid, advantages.to(dtype), zero)
+    valid, log_ratio, advantages = _ratio_and_advantages(logprobs, old_logprobs, advantages, mask, level)
     ratio = torch.exp(log_ratio).detach()
     weight = ratio.clamp(min=min_weight, max=max_weight)
-    loss = -weight * advantages * torch.where(valid, logprobs.to(dtype), zero)
+    loss = -weight * advantages * torch.where(valid, logprobs.to(log_ratio.dtype), 0.0)
     clipped_low = (ratio < (min_weight if min_weight is not None else 0.0)) & (advantages < 0) & valid
     clipped_high = (ratio > max_weight) & (advantages > 0) & valid
     return SurrogateOutput(loss, ratio, clipped_low, clipped_high)

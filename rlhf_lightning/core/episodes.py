@@ -21,10 +21,7 @@ from rlhf_lightning.data.tokenize import completion_end_id
 from rlhf_lightning.episodes.environment import Environment
 from rlhf_lightning.episodes.rollout import EpisodeBatch, TemplateDelta, run_episodes, transcript_text
 from rlhf_lightning.episodes.tool_calls import detect_format
-from rlhf_lightning.models.shared_base import REFERENCE
 from rlhf_lightning.ops.sampling import row_draws
-from rlhf_lightning.rollout.experience import sequence_kl
-from rlhf_lightning.rollout.generate import stopped
 
 
 class EpisodeSampling:
@@ -97,30 +94,18 @@ class EpisodeSampling:
     @torch.no_grad()
     def evaluate_episodes(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Tensor]:
         """One episode per held-out prompt (evaluation batch ``batch_idx``'s fixed seed, training's random stream
-        untouched): the validation metrics of single-turn samples over the policy's tokens (``kl``, ``length``,
+        untouched): the validation values of single-turn samples over the policy's tokens (``kl``, ``length``,
         ``eos_frac``), ``gold`` and ``score`` of the transcript, and the episode's ``turns``, ``tool_calls``,
         ``tool_errors`` and ``invalid_tool_calls``."""
-        devices = [self.device.index or 0] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), self.rollout_gathered():
-            torch.manual_seed(derive_seed(self.hparams.seed, "validation", batch_idx, self.global_rank))
+        with self.validation_randomness(batch_idx), self.rollout_gathered():
             episodes = self.sample_episodes(batch, 1, "validation")
-            ids, attention, policy = episodes.input_ids, episodes.attention_mask, episodes.policy_mask
-            logprobs, _ = self.response_logprobs(POLICY, ids, attention, policy)
-            ref_logprobs, _ = self.response_logprobs(REFERENCE, ids, attention, policy)
-        read = self.episode_mask(episodes)
+        ids, attention, read = episodes.input_ids, episodes.attention_mask, self.episode_mask(episodes)
         completions = self.decode(ids[:, ids.shape[1] - read.shape[1]:], read)
-        values = {
-            "kl": sequence_kl(logprobs, ref_logprobs, policy),
-            "length": policy.sum(-1).float(),
-            "eos_frac": stopped(ids[:, ids.shape[1] - policy.shape[1]:], policy, self.sampling.stop_token_ids).float(),
-            "turns": torch.tensor([float(e.turns) for e in episodes.episodes]),
-        }
+        values = self.sample_values(ids, attention, episodes.policy_mask, batch["prompt"], completions)
+        values["turns"] = torch.tensor([float(e.turns) for e in episodes.episodes])
         for name in ("tool_calls", "tool_errors", "invalid_tool_calls"):
             values[name] = torch.tensor([float(e.counts[name]) for e in episodes.episodes])
-        if self.gold_reward is not None:
-            values["gold"] = torch.tensor([float(g) for g in self.gold_reward(list(batch["prompt"]), completions)])
         values.update(self.evaluate_extra(ids, attention, read, batch["prompt"], completions,
                                           batch.get("raw_prompt"), batch.get("columns")))
-        for name, value in values.items():
-            self.val_metrics[name].update(value.to(self.device))
+        self.record_validation(values)
         return values

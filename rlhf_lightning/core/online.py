@@ -53,6 +53,7 @@ from rlhf_lightning.algorithms.surrogate import (
     aggregate_loss,
     cispo_surrogate,
     clipped_surrogate,
+    log_importance_ratio,
     loss_normaliser,
 )
 from rlhf_lightning.core.episodes import EpisodeSampling
@@ -390,7 +391,6 @@ class OnlineRL(EpisodeSampling, PolicyModule):
             stats["objective/gold"] = torch.tensor(gold).mean()
         if episodes is not None:
             stats.update(episode_statistics(episodes.episodes))
-            stats["episode/env_reward"] = turn_rewards.sum(-1).mean()
             completions = self.transcripts(episodes)
         self.last_samples = Samples(self.iteration, texts, completions, raw_scores.tolist(),
                                     [0.0] * len(completions) if kl is None else kl.tolist(), gold)
@@ -605,11 +605,7 @@ class OnlineRL(EpisodeSampling, PolicyModule):
             kl = kl_penalty(torch.where(mask, logprobs, micro.ref_logprobs), micro.ref_logprobs, hp.kl_estimator,
                             hp.kl_clamp)
             if hp.kl_ratio_weighting:  # by the surrogate's own ratio: per token, or per response (GSPO)
-                if hp.ratio_level == "sequence":
-                    log_ratio = (log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1))
-                elif hp.ratio_level == "sequence_sum":
-                    log_ratio = log_ratio.sum(-1, keepdim=True)
-                kl = kl * torch.exp(log_ratio)
+                kl = kl * torch.exp(log_importance_ratio(logprobs, old_logprobs, mask, hp.ratio_level))
             per_token = per_token + kl_coef * kl
             terms["loss/kl"] = masked_mean(kl.detach(), mask)
         if hp.ent_coef:

@@ -12,7 +12,8 @@ import dataclasses
 import hashlib
 import inspect
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
@@ -302,29 +303,47 @@ class PolicyModule(StageModule):
             values, (ids, mask, response_mask, texts) = self.measure_samples(input_ids, attention_mask, prompts,
                                                                               batch_idx, indices)
             values.update(self.evaluate_extra(ids, mask, response_mask, prompts, texts, raw_prompts, columns))
-        for name, value in values.items():
-            self.val_metrics[name].update(value)
+        self.record_validation(values)
         return values
+
+    def record_validation(self, values: dict[str, Tensor]) -> None:
+        """Add per-sample validation ``values`` to the metrics logged when validation ends."""
+        for name, value in values.items():
+            self.val_metrics[name].update(value.to(self.device))
+
+    @contextmanager
+    def validation_randomness(self, batch_idx: int) -> Iterator[None]:
+        """Evaluation batch ``batch_idx``'s fixed random stream, training's left untouched."""
+        devices = [self.device.index or 0] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(derive_seed(self.hparams.seed, "validation", batch_idx, self.global_rank))
+            yield
 
     @torch.no_grad()
     def measure_samples(self, input_ids: Tensor, attention_mask: Tensor, prompts: Sequence[str], batch_idx: int,
                         indices: Tensor | None = None
                         ) -> tuple[dict[str, Tensor], tuple[Tensor, Tensor, Tensor, list[str]]]:
         """One response per prompt, sampled with evaluation batch ``batch_idx``'s fixed seed (with ``seed_scope:
-        prompt``, each prompt's own, from its number in ``indices``), and its per-sample ``kl`` (nats, to the
-        reference), ``length``, ``eos_frac`` and ``gold`` (with a gold reward).
+        prompt``, each prompt's own, from its number in ``indices``), and its :meth:`sample_values`.
 
         Returns the values and ``(sequences, attention_mask, response_mask, texts)`` of the samples.
         """
-        devices = [self.device.index or 0] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), self.rollout_gathered():
-            torch.manual_seed(derive_seed(self.hparams.seed, "validation", batch_idx, self.global_rank))
+        with self.validation_randomness(batch_idx), self.rollout_gathered():
             ids, mask, response_mask = self.generate(input_ids, attention_mask,
                                                      seeds=self.row_seeds("validation", indices))
-            responses = ids[:, input_ids.shape[1]:]
+        texts = self.decode(ids[:, input_ids.shape[1]:], response_mask)
+        return self.sample_values(ids, mask, response_mask, prompts, texts), (ids, mask, response_mask, texts)
+
+    @torch.no_grad()
+    def sample_values(self, ids: Tensor, mask: Tensor, response_mask: Tensor, prompts: Sequence[str],
+                      texts: list[str]) -> dict[str, Tensor]:
+        """Per-sample validation values of sampled sequences (responses in the last ``R`` columns, ``texts`` what
+        the gold reward reads): ``kl`` (nats, to the reference), ``length``, ``eos_frac`` and ``gold`` (with a gold
+        reward)."""
+        with self.rollout_gathered():
             logprobs, _ = self.response_logprobs(POLICY, ids, mask, response_mask)
             ref_logprobs, _ = self.response_logprobs(REFERENCE, ids, mask, response_mask)
-        texts = self.decode(responses, response_mask)
+        responses = ids[:, ids.shape[1] - response_mask.shape[1]:]
         values = {
             "kl": sequence_kl(logprobs, ref_logprobs, response_mask),
             "length": response_mask.sum(-1).float(),
@@ -332,7 +351,7 @@ class PolicyModule(StageModule):
         }
         if self.gold_reward is not None:
             values["gold"] = torch.tensor([float(g) for g in self.gold_reward(list(prompts), texts)])
-        return values, (ids, mask, response_mask, texts)
+        return values
 
     def evaluate_extra(self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor,
                        prompts: Sequence[str], texts: list[str], raw_prompts: Sequence[Any] | None = None,

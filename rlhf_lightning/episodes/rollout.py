@@ -20,11 +20,13 @@ import dataclasses
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import groupby
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from rlhf_lightning.data.collate import pad
 from rlhf_lightning.episodes.environment import Environment, Message, checked_reset, checked_step
 from rlhf_lightning.episodes.tool_calls import HermesFormat, Llama3JsonFormat, ParsedTurn
 from rlhf_lightning.models.shared_base import SharedBase
@@ -96,17 +98,6 @@ def opening_ids(tokenizer: Any, messages: list[Message], tools: list[dict] | Non
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def _left_pad(rows: Sequence[list[int]], pad: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    width = max(len(row) for row in rows)
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        if row:
-            ids[i, width - len(row):] = torch.tensor(row)
-            mask[i, width - len(row):] = 1
-    return ids.to(device), mask.to(device)
-
-
 def assistant_message(parsed: ParsedTurn) -> Message:
     """The policy's turn as a message: its text, its readable calls, and the errors of the others."""
     return {"role": "assistant", "content": parsed.content,
@@ -133,7 +124,7 @@ def run_episodes(
     opening. ``draws(turn, episode indices)``: the sampler's uniform numbers for those episodes' turn (None = the
     global random stream)."""
     device = next(model.parameters()).device
-    pad = tokenizer.pad_token_id
+    pad_id = tokenizer.pad_token_id
     episodes = []
     for index, (environment, row) in enumerate(zip(environments, rows, strict=True)):
         messages = checked_reset(environment, row, row_numbers[index])
@@ -144,10 +135,11 @@ def run_episodes(
         if not running:
             break
         room = [max_episode_tokens - len(episode.tokens) for episode in running]
-        input_ids, attention_mask = _left_pad([e.opening + e.tokens for e in running], pad, device)
+        input_ids, attention_mask = (t.to(device) for t in pad([e.opening + e.tokens for e in running], pad_id,
+                                                                   "left"))
         turn_settings = dataclasses.replace(settings, max_new_tokens=min(settings.max_new_tokens, max(room)))
         sequences, _, response_mask, logprobs = sample_responses(
-            model, role, input_ids, attention_mask, turn_settings, pad, draws=draws(turn, [e.row for e in running]),
+            model, role, input_ids, attention_mask, turn_settings, pad_id, draws=draws(turn, [e.row for e in running]),
             with_logprobs=True)
         responses = sequences[:, input_ids.shape[1]:]
         for episode, space, response, keep, sampled in zip(running, room, responses, response_mask, logprobs,
@@ -159,7 +151,7 @@ def run_episodes(
             episode.turns = turn
             _take_turn(episode, new, turn, settings.stop_token_ids, tool_format, delta, tokenizer, max_turns,
                        max_episode_tokens, row_numbers[episode.row])
-    return _as_batch(episodes, pad, device)
+    return _as_batch(episodes, pad_id, device)
 
 
 def _take_turn(episode: Episode, new: list[int], turn: int, stop_ids: tuple[int, ...],
@@ -188,30 +180,23 @@ def _take_turn(episode: Episode, new: list[int], turn: int, stop_ids: tuple[int,
     episode.sampler_logprobs += [0.0] * len(answer)
 
 
-def _as_batch(episodes: list[Episode], pad: int, device: torch.device) -> EpisodeBatch:
-    openings, opening_mask = _left_pad([e.opening for e in episodes], pad, device)
-    width = max(max(len(e.tokens) for e in episodes), 1)
-    tokens = torch.full((len(episodes), width), pad, dtype=torch.long)
-    present = torch.zeros((len(episodes), width), dtype=torch.long)
-    policy = torch.zeros((len(episodes), width), dtype=torch.bool)
-    rewards = torch.zeros((len(episodes), width))
-    sampler = torch.zeros((len(episodes), width))
+def _as_batch(episodes: list[Episode], pad_id: int, device: torch.device) -> EpisodeBatch:
+    openings, opening_mask = pad([e.opening for e in episodes], pad_id, "left")
+    tokens, present = pad([e.tokens for e in episodes], pad_id, "right")
+    policy = torch.zeros_like(tokens, dtype=torch.bool)
+    sampler, rewards = torch.zeros_like(tokens, dtype=torch.float32), torch.zeros_like(tokens, dtype=torch.float32)
     for i, episode in enumerate(episodes):
-        length = len(episode.tokens)
-        if length:
-            tokens[i, :length] = torch.tensor(episode.tokens)
-            present[i, :length] = 1
-            policy[i, :length] = torch.tensor(episode.policy)
-            sampler[i, :length] = torch.tensor(episode.sampler_logprobs)
+        policy[i, : len(episode.policy)] = torch.tensor(episode.policy, dtype=torch.bool)
+        sampler[i, : len(episode.sampler_logprobs)] = torch.tensor(episode.sampler_logprobs)
         for position, reward in episode.rewards:
             rewards[i, position] += reward
-    return EpisodeBatch(torch.cat([openings, tokens.to(device)], 1), torch.cat([opening_mask, present.to(device)], 1),
+    return EpisodeBatch(torch.cat([openings, tokens], 1).to(device), torch.cat([opening_mask, present], 1).to(device),
                         policy.to(device), rewards.to(device), sampler.to(device), episodes)
 
 
 def episode_statistics(episodes: Sequence[Episode]) -> dict[str, Tensor]:
     """Per-episode means: turns, tool calls (all and per tool), tool errors and invalid calls, tool error rate,
-    policy and environment tokens, truncated episodes."""
+    policy and environment tokens, truncated episodes, the environment's reward."""
     count = len(episodes)
     totals: Counter = Counter()
     for episode in episodes:
@@ -224,6 +209,7 @@ def episode_statistics(episodes: Sequence[Episode]) -> dict[str, Tensor]:
         "episode/tool_calls": totals["tool_calls"] / count,
         "episode/invalid_tool_calls": totals["invalid_tool_calls"] / count,
         "episode/tool_error_rate": totals["tool_errors"] / max(totals["tool_calls"], 1),
+        "episode/env_reward": sum(reward for e in episodes for _, reward in e.rewards) / count,
     }
     for name, value in totals.items():
         if name.startswith("tool_calls/"):
@@ -234,12 +220,9 @@ def episode_statistics(episodes: Sequence[Episode]) -> dict[str, Tensor]:
 def transcript_text(tokenizer: Any, episode: Episode) -> str:
     """The episode after its opening, its environment's parts in ``[[...]]`` (for tables of completions)."""
     pieces, start = [], 0
-    flags = episode.policy
-    while start < len(flags):
-        end = start
-        while end < len(flags) and flags[end] == flags[start]:
-            end += 1
+    for by_policy, run in groupby(episode.policy):
+        end = start + len(list(run))
         text = tokenizer.decode(episode.tokens[start:end], skip_special_tokens=True).strip()
-        pieces.append(text if flags[start] else f"[[{text}]]")
+        pieces.append(text if by_policy else f"[[{text}]]")
         start = end
     return " ".join(piece for piece in pieces if piece)

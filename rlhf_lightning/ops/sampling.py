@@ -47,8 +47,13 @@ class InverseCDFSampler(LogitsProcessor):
         # float64: the running sum over a large vocabulary keeps every token's share exact to ~1e-16 (Apple's MPS
         # has no float64; float32's error there is ~1e-7 per share).
         dtype = torch.float32 if scores.device.type == "mps" else torch.float64
-        probabilities = torch.softmax(scores.to(dtype), dim=-1)
-        cdf = probabilities.cumsum(-1)
+        wide = scores.to(dtype)
+        cdf = torch.softmax(wide, dim=-1)
+        # The drawn token's log-prob without keeping a second [B, V] tensor: log p_t = s_t - log Z, and
+        # log Z = s_top - log p_top, read at the most likely token (p_top >= 1/V) before the running sum below.
+        top = wide.argmax(-1, keepdim=True)
+        log_partition = wide.gather(-1, top) - cdf.gather(-1, top).log()
+        cdf.cumsum_(-1)
         total = cdf[:, -1:].contiguous()
         bad = ~torch.isfinite(total.squeeze(-1))
         if bad.any():
@@ -65,7 +70,7 @@ class InverseCDFSampler(LogitsProcessor):
         # The first token whose cumulative probability exceeds the draw; the second bound (the last token with a
         # positive probability) only matters when rounding makes the draw equal the total.
         tokens = torch.minimum(torch.searchsorted(cdf, draws, right=True), torch.searchsorted(cdf, total))
-        self.chosen_logprobs.append(probabilities.gather(-1, tokens).squeeze(-1).log().float())
+        self.chosen_logprobs.append((wide.gather(-1, tokens) - log_partition).squeeze(-1).float())
         return torch.full_like(scores, float("-inf")).scatter_(-1, tokens, 0.0)
 
 

@@ -21,6 +21,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from rlhf_lightning.tasks.checking import check_sums
 from rlhf_lightning.tasks.synthetic import CHAT_TEMPLATE, EOS, PAD, SPECIAL_TOKENS, UNK
 
 DIGITS = tuple(str(d) for d in range(10))
@@ -84,18 +85,7 @@ def exact_match(prompts: Sequence[str], completions: Sequence[str], answer: Sequ
                 **_: object) -> list[float]:
     """The checker, with TRL's reward-function signature: 1.0 when a completion's final answer equals the sum,
     else 0.0. ``answer`` is the dataset's column of true sums; without it the sum is read from the prompt."""
-    scores = []
-    for row, completion in enumerate(completions):
-        if answer is not None and answer[row] is not None:
-            truth = int(answer[row])
-        else:
-            numbers = parse_prompt(prompts[row])
-            if numbers is None:
-                raise ValueError(f"exact_match: row {row}: prompt {prompts[row]!r} is not 'add A + B' and no "
-                                 "'answer' column was given")
-            truth = sum(numbers)
-        scores.append(float(final_answer(completion) == truth))
-    return scores
+    return check_sums("exact_match", prompts, completions, answer, parse_prompt, final_answer, "add A + B")
 
 
 @dataclass(frozen=True)

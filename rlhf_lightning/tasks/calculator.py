@@ -19,11 +19,12 @@ single tokens, and the template's markers as special tokens; decoding joins toke
 
 from __future__ import annotations
 
-import json
 import random
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from rlhf_lightning.tasks.checking import check_sums
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, EOS, UNK, "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>")
@@ -74,18 +75,7 @@ def correct_answer(prompts: Sequence[str], completions: Sequence[str], answer: S
                    **_: object) -> list[float]:
     """1.0 when an episode's final answer is the sum, else 0.0 (TRL's reward-function signature; ``answer`` is
     the dataset's column of sums, else the sum is read from the prompt)."""
-    scores = []
-    for row, completion in enumerate(completions):
-        if answer is not None and answer[row] is not None:
-            truth = int(answer[row])
-        else:
-            numbers = parse_prompt(prompts[row])
-            if numbers is None:
-                raise ValueError(f"correct_answer: row {row}: prompt {prompts[row]!r} is not 'what is A + B ?' "
-                                 "and no 'answer' column was given")
-            truth = sum(numbers)
-        scores.append(float(final_answer(completion) == truth))
-    return scores
+    return check_sums("correct_answer", prompts, completions, answer, parse_prompt, final_answer, "what is A + B ?")
 
 
 def _call(a: int, b: int) -> dict:
@@ -184,9 +174,3 @@ def build_tokenizer():
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
-
-def write_example(path: str) -> None:  # pragma: no cover - a convenience for looking at the format
-    """Write a few demonstrations as JSONL, to look at the format."""
-    with open(path, "w") as handle:
-        for row in CalculatorTask().sft_rows(8):
-            handle.write(json.dumps(row) + "\n")
