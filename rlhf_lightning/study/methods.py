@@ -48,6 +48,8 @@ METHODS: dict[str, Method] = {method.name: method for method in (
     Method("grpo", "GRPO", "grpo.yaml", "kl_coef", (0.03, 0.1, 0.3), steps=128, every=16),
     Method("dr_grpo", "Dr. GRPO", "grpo.yaml", "kl_coef", (0.03, 0.1, 0.3), steps=128, every=16,
            overrides=("--model.init_args.scale_rewards=none", "--model.init_args.loss_aggregation=constant")),
+    Method("cispo", "GRPO with CISPO", "grpo.yaml", "kl_coef", (0.03, 0.1, 0.3), steps=128, every=16,
+           overrides=("--model.init_args.policy_loss=cispo",)),
     Method("rloo", "RLOO", "rloo.yaml", "kl_coef", (0.02, 0.05, 0.15), steps=128, every=16),
     Method("reinforce_pp", "REINFORCE++-baseline", "reinforce_pp.yaml", "kl_coef", (0.02, 0.05, 0.15),
            steps=128, every=16),
