@@ -1,9 +1,16 @@
 """rlhf_lightning: RLHF on PyTorch Lightning with one frozen base model shared by every role."""
 
-from rlhf_lightning.data.modules import PreferenceDataModule, PromptDataModule, SFTDataModule
+from rlhf_lightning.data.modules import (
+    PreferenceDataModule,
+    PromptDataModule,
+    SFTDataModule,
+    UnpairedPreferenceDataModule,
+)
 from rlhf_lightning.distill import OnPolicyDistillation
 from rlhf_lightning.dpo import DPO
 from rlhf_lightning.grpo import GRPO
+from rlhf_lightning.kto import KTO
+from rlhf_lightning.online_dpo import OnlineDPO
 from rlhf_lightning.ppo import PPO
 from rlhf_lightning.reinforce_pp import REINFORCEPlusPlus
 from rlhf_lightning.reward_model import RewardModel
@@ -14,7 +21,9 @@ from rlhf_lightning.sft import SFT
 __all__ = [
     "DPO",
     "GRPO",
+    "KTO",
     "OnPolicyDistillation",
+    "OnlineDPO",
     "PPO",
     "RLOO",
     "SFT",
@@ -27,5 +36,6 @@ __all__ = [
     "RewardModel",
     "RewardSource",
     "SFTDataModule",
+    "UnpairedPreferenceDataModule",
 ]
 __version__ = "0.1.0"

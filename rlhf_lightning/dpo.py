@@ -14,19 +14,18 @@ import hashlib
 import logging
 from array import array
 from collections.abc import Callable, Sequence
-from typing import Any, get_args
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from rlhf_lightning.algorithms.dpo import DPOLossType, check_dpo_arguments, dpo_loss
+from rlhf_lightning.core.offline import OfflinePreference
 from rlhf_lightning.core.policy import POLICY, PolicyModule
 from rlhf_lightning.data.collate import EncodedPair
 from rlhf_lightning.models.shared_base import REFERENCE
-from rlhf_lightning.optim import Schedule
 from rlhf_lightning.timing import phase
 from rlhf_lightning.utils import checks
-from rlhf_lightning.utils.nonfinite import NonFinite
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +34,7 @@ PAIR_METRICS = ("loss", "loss/nll", "rewards/chosen", "rewards/rejected", "rewar
                 "rewards/gold_accuracy", "logps/chosen", "logps/rejected")
 
 
-class DPO(PolicyModule):
+class DPO(OfflinePreference):
     """Direct preference optimisation of the policy adapter on preference pairs (automatic optimization).
 
     Implicit reward of a response: ``beta * (log pi(y) - log pi_ref(y))``, log-probs summed over its tokens
@@ -52,15 +51,6 @@ class DPO(PolicyModule):
         rpo_alpha: weight of the chosen response's per-token NLL added to the loss (RPO); 0 = off.
         precompute_reference: compute the reference log-probs of every training and validation pair once when
             ``fit`` starts (kept in checkpoints), instead of a reference pass per batch.
-        sample_eval_batches: sample responses on the prompts of the first N validation batches; null = all, 0 = no
-            sampling (pair metrics only).
-        lr: peak learning rate of the policy adapter.
-        weight_decay: AdamW weight decay (not applied to biases and norms).
-        warmup_steps: optimizer steps of linear warm-up.
-        lr_schedule: decay after warm-up: ``constant``, ``linear`` or ``cosine``.
-        adam_eps: Adam's epsilon.
-        nonfinite: what a NaN or infinite loss or gradient does: ``raise`` stops the run naming the step and the
-            loss term or parameters; ``skip`` skips that optimizer step and counts it in ``dpo/skipped_steps``.
     """
 
     metric_prefix = "dpo"
@@ -75,23 +65,12 @@ class DPO(PolicyModule):
         simpo_gamma: float = 0.5,
         rpo_alpha: float = 0.0,
         precompute_reference: bool = False,
-        sample_eval_batches: int | None = None,
-        lr: float = 1e-4,
-        weight_decay: float = 0.0,
-        warmup_steps: int = 0,
-        lr_schedule: Schedule = "constant",
-        adam_eps: float = 1e-8,
-        nonfinite: NonFinite = "raise",
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         check_dpo_arguments(beta, loss_type, label_smoothing)
         checks.non_negative("rpo_alpha", rpo_alpha)
         checks.non_negative("simpo_gamma", simpo_gamma)
-        checks.at_least("sample_eval_batches", sample_eval_batches, minimum=0, optional=True)
-        checks.check_optimizer("lr", lr, weight_decay, warmup_steps, lr_schedule)
-        checks.positive("adam_eps", adam_eps)
-        checks.one_of("nonfinite", nonfinite, get_args(NonFinite))
         if self.hparams.temperature != 1.0:
             log.warning("temperature %s divides the logits of the DPO log-probs too, not only of the samples",
                         self.hparams.temperature)
@@ -105,31 +84,16 @@ class DPO(PolicyModule):
     def needs_reference(self) -> bool:
         return self.hparams.loss_type != "simpo"
 
-    @property
-    def samples(self) -> bool:
-        return self.hparams.sample_eval_batches != 0
-
-    # ---- log-probs ----------------------------------------------------------------------------------------
-
-    def sequence_logps(self, role: str | None, batch: dict[str, Tensor]) -> Tensor:
-        """Log-probs of each row's response summed over its tokens (``response_mask``): ``[2B]``."""
-        mask = batch["response_mask"]
-        logprobs, _ = self.token_logprobs(role, batch["input_ids"], batch["attention_mask"], mask)
-        return torch.where(mask, logprobs, 0.0).sum(-1)
-
     def reference_logps(self, batch: dict[str, Tensor], split: str) -> Tensor | None:
         """``[2B]`` reference log-probs: precomputed for ``split`` when available, else one no-grad pass."""
-        if not self.needs_reference:
-            return None
-        if split in self.verified_splits:
+        if self.needs_reference and split in self.verified_splits:
             table = self.reference_tables[split][1]
             return table[:, batch["index"].cpu()].flatten().to(self.device)
-        with torch.no_grad(), phase("update/reference forward"):
-            return self.sequence_logps(REFERENCE, batch)
+        return super().reference_logps(batch, split)
 
     # ---- loss ---------------------------------------------------------------------------------------------
 
-    def pair_losses(self, batch: dict[str, Tensor], split: str) -> tuple[Tensor, dict[str, Tensor]]:
+    def batch_losses(self, batch: dict[str, Tensor], split: str) -> tuple[Tensor, dict[str, Tensor]]:
         """``(loss to minimise, per-pair detached values [B] named as in PAIR_METRICS)``."""
         hp = self.hparams
         chosen_lengths, rejected_lengths = batch["response_mask"].sum(-1).chunk(2)
@@ -156,32 +120,12 @@ class DPO(PolicyModule):
         values["loss"] = losses.detach()
         return losses.mean(), values
 
-    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        loss, values = self.pair_losses(batch, "train")
-        self.guard_losses({f"dpo/loss ({self.hparams.loss_type})": loss, "dpo/logps/chosen": values["logps/chosen"],
-                           "dpo/logps/rejected": values["logps/rejected"]})
-        pairs = batch["index"].shape[0]
-        self.log_dict({f"dpo/{name}": value.mean() for name, value in values.items()}, batch_size=pairs,
-                      sync_dist=True)  # the global batch's values, not rank 0's share
-        self.log("dpo/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
-        self.log_dict({"loss": values["loss"].mean(), "acc": values["rewards/accuracy"].mean()}, prog_bar=True,
-                      logger=False, batch_size=pairs, sync_dist=True)
-        return loss
+    def guarded_values(self, loss: Tensor, values: dict[str, Tensor]) -> dict[str, Tensor]:
+        return {f"dpo/loss ({self.hparams.loss_type})": loss, "dpo/logps/chosen": values["logps/chosen"],
+                "dpo/logps/rejected": values["logps/rejected"]}
 
-    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        _, values = self.pair_losses(batch, "val")
-        self.record_validation(values)
-        limit = self.hparams.sample_eval_batches
-        prompt_ids, prompt_mask = batch["prompt_input_ids"], batch["prompt_attention_mask"]
-        # Generation needs at least one prompt token (transcript-only pairs may share no beginning).
-        if (limit is None or batch_idx < limit) and bool(prompt_mask.sum(-1).min() > 0):
-            self.evaluate_samples(prompt_ids, prompt_mask, self.decode(prompt_ids, prompt_mask), batch_idx,
-                                  indices=batch["index"])
-
-    def configure_optimizers(self):
-        hp = self.hparams
-        return self.configure_adamw([{"name": POLICY, "params": self.adapter_parameters(POLICY), "lr": hp.lr}],
-                                    hp.weight_decay, hp.warmup_steps, hp.lr_schedule, eps=hp.adam_eps)
+    def progress_bar(self, values: dict[str, Tensor]) -> dict[str, Tensor]:
+        return {"loss": values["loss"].mean(), "acc": values["rewards/accuracy"].mean()}
 
     # ---- precomputed reference ----------------------------------------------------------------------------
 

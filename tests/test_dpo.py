@@ -86,7 +86,7 @@ def test_pairs_carry_the_response_mask_and_left_padded_prompts(tiny_model_dir):
 def test_fresh_policy_has_zero_implicit_reward_and_sigmoid_loss_log_2(tiny_model_dir):
     module = make_dpo(tiny_model_dir)
     batch = first_batch(module)
-    loss, values = module.pair_losses(batch, "train")
+    loss, values = module.batch_losses(batch, "train")
     assert loss.item() == pytest.approx(math.log(2), abs=1e-6)
     for name in ("rewards/chosen", "rewards/rejected", "rewards/margin"):
         assert values[name].abs().max().item() < 1e-6, name
@@ -128,7 +128,7 @@ def test_sequence_logps_equal_a_plain_transformers_forward_without_padding(tiny_
 def test_gradients_reach_exactly_the_policy_adapter(tiny_model_dir, options):
     module = make_dpo(tiny_model_dir, **options)
     perturb_policy(module)
-    loss, _ = module.pair_losses(first_batch(module), "train")
+    loss, _ = module.batch_losses(first_batch(module), "train")
     policy = {name for name, _ in module.named_parameters() if adapter_of(name) == "policy"}
     assert policy and {name for name, p in module.named_parameters() if p.requires_grad} == policy
     loss.backward()

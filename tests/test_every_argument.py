@@ -14,14 +14,17 @@ import pytest
 from rlhf_lightning import (
     DPO,
     GRPO,
+    KTO,
     PPO,
     RLOO,
     SFT,
+    OnlineDPO,
     PreferenceDataModule,
     PromptDataModule,
     REINFORCEPlusPlus,
     RewardModel,
     SFTDataModule,
+    UnpairedPreferenceDataModule,
 )
 from rlhf_lightning.cli import RLHFCLI
 from rlhf_lightning.errors import accepted_arguments, user_error
@@ -29,8 +32,9 @@ from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = {SFT: "sft.yaml", RewardModel: "reward.yaml", PPO: "ppo.yaml", GRPO: "grpo.yaml", RLOO: "rloo.yaml",
-           REINFORCEPlusPlus: "reinforce_pp.yaml", DPO: "dpo.yaml"}
-DATA = {SFTDataModule: "sft.yaml", PreferenceDataModule: "reward.yaml", PromptDataModule: "grpo.yaml"}
+           REINFORCEPlusPlus: "reinforce_pp.yaml", DPO: "dpo.yaml", KTO: "kto.yaml", OnlineDPO: "online_dpo.yaml"}
+DATA = {SFTDataModule: "sft.yaml", PreferenceDataModule: "reward.yaml", PromptDataModule: "grpo.yaml",
+        UnpairedPreferenceDataModule: "kto.yaml"}
 # (argument, value) pairs that are valid although they look odd, and why.
 VALID = {
     ("seed", "-1"): "any integer seeds the sampler",

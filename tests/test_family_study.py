@@ -13,7 +13,7 @@ import pytest
 from rlhf_lightning.study.best_of_n import BestOfNPoint
 from rlhf_lightning.study.evaluation import EvalPoint, MethodRun
 from rlhf_lightning.study.family import main as family_main
-from rlhf_lightning.study.family import parse_args, units
+from rlhf_lightning.study.family import parse_args, result_path, run_unit, units
 from rlhf_lightning.study.frontier import (
     compute_table,
     format_cell,
@@ -220,3 +220,21 @@ def test_tiny_family_study_end_to_end_resumes_and_measures_every_method_alike(ti
     again = family_main(arguments)
     assert {p: p.stat().st_mtime_ns for p in (out / "runs").glob("*.json")} == stamps
     assert again["table"] == summary["table"]
+
+
+@pytest.mark.parametrize("method", ["cispo", "online_dpo", "kto"])
+def test_the_newer_methods_run_a_quick_study_unit(method, tiny_model_dir, reward_dir, tmp_path):
+    """CISPO, online DPO and KTO each run one unit of the study's quick mode through the real CLI, measured by the
+    study's evaluation (the end-to-end test above covers the rest of the machinery on GRPO and DPO)."""
+    args = parse_args([
+        "--quick", "--methods", method, "--seeds", "0", "--fraction", "0.03", "--evaluations", "2", "--eval-prompts",
+        "8", "--configs", str(REPO / "configs"), "--sft-model", str(tiny_model_dir), "--reward-adapter",
+        str(reward_dir), "--out", str(tmp_path / "fam"), *[f"--override={a}" for a in TINY],
+        "--method-override", f"{method}=--model.init_args.{'lr' if method == 'kto' else 'policy_lr'}=0.05"])
+    [first, second] = units(args)  # the quick mode's two strengths
+    assert (first.strength, second.strength) == METHODS[method].strengths[:2]
+    run_unit(args, first)
+    row = json.loads(result_path(args, first).read_text())
+    steps = max(1, round(METHODS[method].steps * 0.03))
+    assert [p["step"] for p in row["points"]][-1] == steps and row["points"][0]["kl"] == 0.0
+    assert abs(row["points"][-1]["kl"]) > 1e-3, row["points"]  # the policy moved

@@ -17,7 +17,7 @@ LAYERS = [
     ("models", "data"),  # the shared base and its roles; datasets and batches
     ("rollout", "episodes"),  # sampling, experience, reward sources; multi-turn episodes
     ("core",),  # the LightningModules every stage shares
-    ("ppo", "grpo", "rloo", "reinforce_pp", "distill", "dpo", "sft", "reward_model"),  # one file per algorithm or stage
+    ("ppo", "grpo", "rloo", "reinforce_pp", "distill", "online_dpo", "dpo", "kto", "sft", "reward_model"),  # one per stage
     ("callbacks", "loggers", "errors", "merge", "cli", "study", "__init__", "__main__"),  # around the modules
 ]
 

@@ -35,7 +35,7 @@ SWEEP_FILES = sorted((REPO / "sweeps").glob("*.yaml"))
 SWEEPS = {path.stem: path for path in SWEEP_FILES}
 # The sweeps whose trials the slow test runs end to end: at least one per stage config that any sweep uses
 # (test_every_stage_with_a_sweep_has_an_end_to_end_trial keeps it so).
-END_TO_END = ("ppo_bayes", "reward_model", "grpo", "dpo")
+END_TO_END = ("ppo_bayes", "reward_model", "grpo", "dpo", "kto", "online_dpo")
 METHODS = {"grid", "random", "bayes"}
 # What the agent puts in place of ${env} and ${interpreter} (wandb_agent.Agent._command_run).
 AGENT_ENV, AGENT_INTERPRETER = "/usr/bin/env", "python"
@@ -238,6 +238,8 @@ def tiny_overrides(config: str, tiny_model_dir: Path, reward_dir: Path, run: boo
                               f"--model.init_args.reward.init_args.path={reward_dir}",
                               f"--model.init_args.policy_lora={lora}"],
     }
+    models["configs/kto.yaml"] = models["configs/dpo.yaml"]
+    models["configs/online_dpo.yaml"] = models["configs/grpo.yaml"]
     runs = {
         # One PPO iteration on a real-size rollout batch (64 prompts, so num_minibatches is checked as in a real
         # trial), then validation on the held-out prompts.
@@ -250,10 +252,14 @@ def tiny_overrides(config: str, tiny_model_dir: Path, reward_dir: Path, run: boo
         "configs/grpo.yaml": ["--model.init_args.max_new_tokens=6", "--data.init_args.synthetic_rows=40",
                               "--trainer.max_epochs=1", "--trainer.limit_train_batches=1",
                               "--trainer.val_check_interval=1"],
+        "configs/online_dpo.yaml": ["--model.init_args.max_new_tokens=6", "--data.init_args.synthetic_rows=40",
+                                    "--data.init_args.batch_size=8", "--trainer.max_epochs=1",
+                                    "--trainer.limit_train_batches=1", "--trainer.val_check_interval=1"],
         "configs/reward.yaml": ["--data.init_args.synthetic_rows=40", "--data.init_args.batch_size=8",
                                 "--trainer.max_steps=2", "--trainer.val_check_interval=2",
                                 "--trainer.log_every_n_steps=1"],
     }
+    runs["configs/kto.yaml"] = runs["configs/dpo.yaml"]
     if config not in models:
         pytest.fail(f"test_sweeps does not know how to make a tiny run of {config}: add it to tiny_overrides")
     return models[config] + (runs[config] + RUN_QUIETLY if run else [])

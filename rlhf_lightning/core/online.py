@@ -163,6 +163,8 @@ class OnlineRL(EpisodeSampling, PolicyModule):
     measure_kl = False
     # Losses normalised over the whole optimizer step: their micro-batch parts add up to the step's loss.
     STEP_LOSSES = frozenset({"loss/policy", "loss/total"})
+    # Consecutive rows that minibatches and micro-batches never split (a pair of online DPO).
+    rows_kept_together = 1
     # per-sample validation values; the episode ones are logged only by runs with an environment
     validation_metrics = ("score", "kl", "length", "eos_frac", "gold", "turns", "tool_calls", "tool_errors",
                           "invalid_tool_calls")
@@ -485,7 +487,9 @@ class OnlineRL(EpisodeSampling, PolicyModule):
         attempted, steps, epochs_run, early_stopped = 0, 0, 0, False
         while epochs_run < hp.epochs and not early_stopped:
             epochs_run += 1
-            order = torch.randperm(experience.response_mask.shape[0], device=self.device)
+            unit = self.rows_kept_together  # shuffled as units: a pair's rows stay side by side (online DPO)
+            order = torch.randperm(experience.response_mask.shape[0] // unit, device=self.device)
+            order = (order[:, None] * unit + torch.arange(unit, device=self.device)).flatten()
             for minibatch in order.split(minibatch_size):
                 attempted += 1
                 where = f"iteration {self.iteration + 1}, optimizer step {attempted} of {self.steps_per_rollout}"
@@ -627,11 +631,14 @@ class OnlineRL(EpisodeSampling, PolicyModule):
         """``(minibatch size, micro-batch size)`` of a rollout of ``batch_size`` responses (``origin``: where that
         number comes from, for the message)."""
         hp = self.hparams
-        if batch_size % hp.num_minibatches or (batch_size // hp.num_minibatches) % hp.gradient_accumulation:
+        unit = self.rows_kept_together
+        if (batch_size % hp.num_minibatches or (batch_size // hp.num_minibatches) % hp.gradient_accumulation
+                or (batch_size // hp.num_minibatches // hp.gradient_accumulation) % unit):
             raise ValueError(
                 f"the rollout batch of {batch_size} responses{f' ({origin})' if origin else ''} must split into "
                 f"num_minibatches={hp.num_minibatches} "
-                f"minibatches of gradient_accumulation={hp.gradient_accumulation} equal micro-batches; "
+                f"minibatches of gradient_accumulation={hp.gradient_accumulation} equal micro-batches"
+                f"{f' of whole groups of {unit} rows' if unit > 1 else ''}; "
                 "change data.init_args.batch_size, samples_per_prompt or these two"
             )
         minibatch_size = batch_size // hp.num_minibatches

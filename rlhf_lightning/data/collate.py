@@ -35,6 +35,18 @@ class EncodedPair:
 
 
 @dataclass(frozen=True)
+class EncodedUnpaired:
+    """A prompt and one labelled response (KTO), kept apart: the batch pairs each prompt with another example's
+    response too. ``index`` is the example's position in its dataset (-1 = not numbered)."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    desirable: bool
+    gold: float | None = None
+    index: int = -1
+
+
+@dataclass(frozen=True)
 class EncodedPrompt:
     """A prompt for generation, with its text for logging, and the prompt and other columns as the dataset holds
     them, for reward functions."""
@@ -97,6 +109,36 @@ def collate_pairs(examples: list[EncodedPair], pad_id: int) -> dict[str, Tensor]
     if all(example.gold_chosen is not None and example.gold_rejected is not None for example in examples):
         batch["gold_chosen"] = torch.tensor([example.gold_chosen for example in examples], dtype=torch.float32)
         batch["gold_rejected"] = torch.tensor([example.gold_rejected for example in examples], dtype=torch.float32)
+    return batch
+
+
+def collate_unpaired(examples: list[EncodedUnpaired], pad_id: int) -> dict[str, Tensor]:
+    """Each example's prompt with its own response, then with the previous example's response (the first with the
+    last's), ``2B`` right-padded rows for one forward pass: the second half is KTO's mismatched ``(x, y')`` batch,
+    whose responses are the same set as the first half's (TRL's rotation by one within the batch).
+
+    - ``input_ids``, ``attention_mask``, ``response_mask`` ``[2B, T]`` as in :func:`collate_pairs`;
+    - ``desirable`` ``[B]`` (bool), ``index`` ``[B]``, ``gold`` ``[B]`` when every example has a gold score;
+    - ``prompt_input_ids``, ``prompt_attention_mask`` ``[B, P]``: the prompts, left-padded, for sampling.
+    """
+    completions = [example.completion_ids for example in examples]
+    mismatched = completions[-1:] + completions[:-1]
+    prompts = [example.prompt_ids for example in examples] * 2
+    rows = [prompt + completion for prompt, completion in zip(prompts, completions + mismatched, strict=True)]
+    ids, mask = pad(rows, pad_id, side="right")
+    prompt_lengths = torch.tensor([max(len(prompt), 1) for prompt in prompts])
+    prompt_ids, prompt_mask = pad(prompts[: len(examples)], pad_id, side="left")
+    batch = {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "response_mask": (torch.arange(ids.shape[1]) >= prompt_lengths[:, None]) & mask.bool(),
+        "prompt_input_ids": prompt_ids,
+        "prompt_attention_mask": prompt_mask,
+        "desirable": torch.tensor([example.desirable for example in examples], dtype=torch.bool),
+        "index": torch.tensor([example.index for example in examples], dtype=torch.long),
+    }
+    if all(example.gold is not None for example in examples):
+        batch["gold"] = torch.tensor([example.gold for example in examples], dtype=torch.float32)
     return batch
 
 

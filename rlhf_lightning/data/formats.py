@@ -27,6 +27,7 @@ _PREFERENCE_FORMS = (
 )
 _SFT_FORMS = "prompt+completion, messages, or text"
 _PROMPT_FORMS = "prompt"
+_UNPAIRED_FORMS = f"prompt+completion+label (TRL's unpaired form), or a preference pair ({_PREFERENCE_FORMS})"
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,17 @@ class SFTExample:
 
     prompt: Text
     completion: Text
+
+
+@dataclass(frozen=True)
+class UnpairedExample:
+    """A prompt and one response labelled desirable or not (KTO's data); ``gold`` is the response's true score
+    when the data comes from a synthetic task."""
+
+    prompt: Text
+    completion: Text
+    desirable: bool
+    gold: float | None = None
 
 
 @dataclass(frozen=True)
@@ -128,6 +140,31 @@ def parse_sft(record: Record) -> SFTExample:
     if "text" in fields:
         return SFTExample(prompt="", completion=_string(record, "text", fields["text"]))
     raise _missing_columns(record, _SFT_FORMS)
+
+
+def parse_unpaired(record: Record) -> list[UnpairedExample]:
+    """Parse labelled responses: one from ``prompt``+``completion``+``label`` (a bool, TRL's KTO columns; an
+    optional ``gold`` score), or two from a preference pair in any of :func:`parse_preference`'s forms, the chosen
+    response desirable and the rejected one not (TRL's ``unpair_preference_dataset``)."""
+    fields = _present(record)
+    if "label" in fields or ("completion" in fields and "chosen" not in fields):
+        if not {"prompt", "completion", "label"} <= fields.keys():
+            raise _missing_columns(record, _UNPAIRED_FORMS)
+        label = fields["label"]
+        if not isinstance(label, bool) and label not in (0, 1):
+            raise _error(record, f"column 'label': expected true (desirable) or false (undesirable), "
+                                 f"found {_found(label)}")
+        prompt = _text(record, "prompt", fields["prompt"])
+        completion = _text(record, "completion", fields["completion"])
+        _check_same_kind(record, prompt=prompt, completion=completion)
+        if is_conversational(completion):
+            _check_ends_with_assistant(record, "completion", completion)
+        return [UnpairedExample(prompt, completion, bool(label), _optional_number(record, "gold"))]
+    if not {"chosen", "rejected"} <= fields.keys():
+        raise _missing_columns(record, _UNPAIRED_FORMS)
+    pair = parse_preference(record)
+    return [UnpairedExample(pair.prompt, pair.chosen, True, pair.gold_chosen),
+            UnpairedExample(pair.prompt, pair.rejected, False, pair.gold_rejected)]
 
 
 def parse_prompt(record: Record) -> PromptExample:

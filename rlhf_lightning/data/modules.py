@@ -21,11 +21,13 @@ from rlhf_lightning.data.collate import (
     EncodedPair,
     EncodedPrompt,
     EncodedSFT,
+    EncodedUnpaired,
     collate_pairs,
     collate_prompts,
     collate_sft,
+    collate_unpaired,
 )
-from rlhf_lightning.data.formats import parse_preference, parse_prompt, parse_sft
+from rlhf_lightning.data.formats import parse_preference, parse_prompt, parse_sft, parse_unpaired
 from rlhf_lightning.data.loader import ResumableLoader
 from rlhf_lightning.data.sources import DataFormatError, Record, read_records
 from rlhf_lightning.data.tokenize import encode_completion, encode_prompt
@@ -42,6 +44,8 @@ def token_ids(example: Any) -> list[int]:
     """Every token id of an encoded example (prompt, demonstration or pair)."""
     if isinstance(example, EncodedPair):
         return [*example.chosen_ids, *example.rejected_ids]
+    if isinstance(example, EncodedUnpaired):
+        return [*example.prompt_ids, *example.completion_ids]
     return list(example.input_ids)
 
 
@@ -115,7 +119,8 @@ class StageDataModule(L.LightningDataModule):
         raise NotImplementedError
 
     def encode(self, record: Record) -> Any:
-        """Parse and tokenize one row; raise ``DataFormatError`` naming ``record.where`` if it is malformed."""
+        """Parse and tokenize one row (a list when a row gives several examples); raise ``DataFormatError``
+        naming ``record.where`` if it is malformed."""
         raise NotImplementedError
 
     def length(self, example: Any) -> int:
@@ -177,16 +182,17 @@ class StageDataModule(L.LightningDataModule):
     def _encode_all(self, records: list[Record], source: str) -> list[Any]:
         examples, too_long = [], []
         for record in records:
-            example = self.encode(record)
-            if self.length(example) > self.max_length:
-                if self.on_too_long == "error":
-                    raise DataFormatError(
-                        f"{record.where}: {self.length(example)} tokens, over max_length={self.max_length} "
-                        "(raise max_length, or set on_too_long: skip)"
-                    )
-                too_long.append(record.where)
-                continue
-            examples.append(example)
+            encoded = self.encode(record)
+            for example in encoded if isinstance(encoded, list) else [encoded]:
+                if self.length(example) > self.max_length:
+                    if self.on_too_long == "error":
+                        raise DataFormatError(
+                            f"{record.where}: {self.length(example)} tokens, over max_length={self.max_length} "
+                            "(raise max_length, or set on_too_long: skip)"
+                        )
+                    too_long.append(record.where)
+                    continue
+                examples.append(example)
         if too_long:
             log.warning(
                 "%s: skipped %d of %d examples longer than max_length=%d tokens (first: %s)",
@@ -282,6 +288,57 @@ class PreferenceDataModule(StageDataModule):
 
     def collate(self, examples: list[EncodedPair]) -> dict:
         return collate_pairs(examples, self.tokenizer.pad_token_id)
+
+
+class UnpairedPreferenceDataModule(StageDataModule):
+    """Responses labelled desirable or undesirable one by one, for KTO.
+
+    Rows are TRL's unpaired form, ``prompt``/``completion``/``label`` (true = desirable; an optional ``gold``
+    true score), or preference pairs in any of :class:`PreferenceDataModule`'s forms, each split into its chosen
+    response (desirable) and its rejected one (undesirable), as TRL's ``unpair_preference_dataset`` does; the
+    embedded tasks give pairs. ``batch_size`` counts responses. Each batch also holds every prompt with the
+    previous example's response, for KTO's reference point (see :func:`collate_unpaired`).
+    """
+
+    kind = "unpaired"
+
+    def synthetic(self, n: int, task: str = SYNTHETIC) -> list[dict]:
+        return make_task(task, self.seed).preference_rows(n)
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        self.train_set = [replace(example, index=i) for i, example in enumerate(self.train_set)]
+        self.val_set = [replace(example, index=i) for i, example in enumerate(self.val_set)]
+
+    def encode(self, record: Record) -> list[EncodedUnpaired]:
+        encoded = []
+        for example in parse_unpaired(record):
+            prompt_ids = encode_prompt(self.tokenizer, example.prompt, record.where)
+            completion_ids = encode_completion(self.tokenizer, example.prompt, example.completion, prompt_ids,
+                                               record.where)
+            encoded.append(EncodedUnpaired(prompt_ids, completion_ids, example.desirable, example.gold))
+        return encoded
+
+    def length(self, example: EncodedUnpaired) -> int:
+        return len(example.prompt_ids) + len(example.completion_ids)
+
+    def longest(self) -> int:
+        """The longest prompt with any response of the data (a batch pairs prompts with other responses too)."""
+        examples = [*(self.train_set or []), *self.val_set]
+        return (max((len(e.prompt_ids) for e in examples), default=0)
+                + max((len(e.completion_ids) for e in examples), default=0))
+
+    def longest_prompt(self) -> int:
+        """The longest prompt, in tokens (what KTO samples from in validation)."""
+        return max((len(example.prompt_ids) for example in [*(self.train_set or []), *self.val_set]), default=0)
+
+    def label_counts(self) -> tuple[int, int]:
+        """``(desirable, undesirable)`` examples in the training set."""
+        desirable = sum(example.desirable for example in self.train_set or [])
+        return desirable, len(self.train_set or []) - desirable
+
+    def collate(self, examples: list[EncodedUnpaired]) -> dict:
+        return collate_unpaired(examples, self.tokenizer.pad_token_id)
 
 
 class PromptDataModule(StageDataModule):

@@ -39,6 +39,8 @@ class Experience:
     # mismatch with the trainer's pass); None when not kept.
     sampler_logprobs: Tensor | None = None
     teacher_logprobs: Tensor | None = None  # [B, R] a teacher's log-probs (on-policy distillation)
+    # [B] online DPO, rows ordered chosen then rejected in each pair: 1 where the pair carries loss, 0 for a tie
+    pair_weights: Tensor | None = None
 
     @property
     def prompt_length(self) -> int:

@@ -1,11 +1,11 @@
 """Which method buys the most true reward per nat of KL and per CPU-second? The family study on the embedded task.
 
 ``python -m rlhf_lightning.study.family`` runs, for every seed of the pipeline (SFT model, reward model and
-prompts all drawn from the seed), PPO, GRPO, Dr. GRPO, RLOO, REINFORCE++-baseline, DPO, length-normalised DPO
-and SimPO, each at three KL strengths, and best-of-n of the SFT policy, all from the same SFT model against the
-same reward model. Every run goes through the framework's CLI with its shipped config, logs to W&B in one group,
-and is evaluated by the same callback on the same held-out prompts with fixed sampling seeds (gold reward, the
-reward model's score, KL to the SFT policy, training CPU time). It writes
+prompts all drawn from the seed), PPO, GRPO, GRPO with CISPO, Dr. GRPO, RLOO, REINFORCE++-baseline, online DPO,
+DPO, length-normalised DPO, KTO and SimPO, each at three KL strengths, and best-of-n of the SFT policy, all from
+the same SFT model against the same reward model. Every run goes through the framework's CLI with its shipped
+config, logs to W&B in one group, and is evaluated by the same callback on the same held-out prompts with fixed
+sampling seeds (gold reward, the reward model's score, KL to the SFT policy, training CPU time). It writes
 
 * ``kl.png``: gold and proxy gain over the SFT policy against sqrt(KL), a band over seeds per method;
 * ``compute.png``: gold gain against training CPU-seconds;

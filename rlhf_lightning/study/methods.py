@@ -53,9 +53,11 @@ METHODS: dict[str, Method] = {method.name: method for method in (
     Method("rloo", "RLOO", "rloo.yaml", "kl_coef", (0.02, 0.05, 0.15), steps=128, every=16),
     Method("reinforce_pp", "REINFORCE++-baseline", "reinforce_pp.yaml", "kl_coef", (0.02, 0.05, 0.15),
            steps=128, every=16),
+    Method("online_dpo", "online DPO", "online_dpo.yaml", "beta", (0.03, 0.1, 0.3), steps=128, every=16),
     Method("dpo", "DPO", "dpo.yaml", "beta", (0.03, 0.1, 0.3), steps=300, every=50, uses_reward_model=False),
     Method("dpo_norm", "length-normalised DPO", "dpo.yaml", "beta", (1.0, 3.0, 10.0), steps=300, every=50,
            overrides=("--model.init_args.loss_type=sigmoid_norm",), uses_reward_model=False),
+    Method("kto", "KTO", "kto.yaml", "beta", (0.03, 0.1, 0.3), steps=300, every=50, uses_reward_model=False),
     # SimPO has no reference: its beta scales the margin, not a KL term. What holds it near the SFT policy is
     # the learning rate (README: 1e-3 collapses, 1e-4 is stable), so that is its strength here.
     Method("simpo", "SimPO", "dpo.yaml", "lr", (3.0e-4, 1.0e-4, 3.0e-5), steps=300, every=50,

@@ -1,0 +1,124 @@
+"""What the offline preference methods share (DPO's family, KTO): the policy adapter trained on given responses
+against the reference (the same base with adapters disabled), automatic optimization, and validation that both
+measures the method's own per-example values and samples from the policy as the online algorithms do.
+
+A subclass defines :meth:`OfflinePreference.batch_losses`: the loss of a batch and its per-example values.
+"""
+
+from __future__ import annotations
+
+from typing import Any, get_args
+
+import torch
+from torch import Tensor
+
+from rlhf_lightning.core.policy import POLICY, PolicyModule
+from rlhf_lightning.models.shared_base import REFERENCE
+from rlhf_lightning.optim import Schedule
+from rlhf_lightning.timing import phase
+from rlhf_lightning.utils import checks
+from rlhf_lightning.utils.nonfinite import NonFinite
+
+
+class OfflinePreference(PolicyModule):
+    """The policy adapter optimised on fixed, labelled responses (pairs for DPO, single responses for KTO).
+
+    Args:
+        sample_eval_batches: sample responses on the prompts of the first N validation batches; null = all, 0 = no
+            sampling (the method's own metrics only).
+        lr: peak learning rate of the policy adapter.
+        weight_decay: AdamW weight decay (not applied to biases and norms).
+        warmup_steps: optimizer steps of linear warm-up.
+        lr_schedule: decay after warm-up: ``constant``, ``linear`` or ``cosine``.
+        adam_eps: Adam's epsilon.
+        nonfinite: what a NaN or infinite loss or gradient does: ``raise`` stops the run naming the step and the
+            loss term or parameters; ``skip`` skips that optimizer step and counts it in ``<prefix>/skipped_steps``.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        sample_eval_batches: int | None = None,
+        lr: float = 1e-4,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        lr_schedule: Schedule = "constant",
+        adam_eps: float = 1e-8,
+        nonfinite: NonFinite = "raise",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        checks.at_least("sample_eval_batches", sample_eval_batches, minimum=0, optional=True)
+        checks.check_optimizer("lr", lr, weight_decay, warmup_steps, lr_schedule)
+        checks.positive("adam_eps", adam_eps)
+        checks.one_of("nonfinite", nonfinite, get_args(NonFinite))
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the loss reads the reference's log-probs."""
+        return True
+
+    @property
+    def samples(self) -> bool:
+        return self.hparams.sample_eval_batches != 0
+
+    # ---- log-probs ----------------------------------------------------------------------------------------
+
+    def sequence_logps(self, role: str | None, batch: dict[str, Tensor]) -> Tensor:
+        """Log-probs of each row's response summed over its tokens (``response_mask``): ``[rows]``."""
+        mask = batch["response_mask"]
+        logprobs, _ = self.token_logprobs(role, batch["input_ids"], batch["attention_mask"], mask)
+        return torch.where(mask, logprobs, 0.0).sum(-1)
+
+    def reference_logps(self, batch: dict[str, Tensor], split: str) -> Tensor | None:
+        """The reference's :meth:`sequence_logps` of every row (one no-grad pass); None without a reference."""
+        if not self.needs_reference:
+            return None
+        with torch.no_grad(), phase("update/reference forward"):
+            return self.sequence_logps(REFERENCE, batch)
+
+    # ---- the loss: what a subclass defines ----------------------------------------------------------------
+
+    def batch_losses(self, batch: dict[str, Tensor], split: str) -> tuple[Tensor, dict[str, Tensor]]:
+        """``(loss to minimise, detached per-example values named as in validation_metrics)`` of ``batch``."""
+        raise NotImplementedError
+
+    def guarded_values(self, loss: Tensor, values: dict[str, Tensor]) -> dict[str, Tensor]:
+        """What the non-finite guard checks in a training step (named as it will report them)."""
+        return {f"{self.metric_prefix}/loss": loss}
+
+    def log_training(self, values: dict[str, Tensor], batch: dict[str, Tensor]) -> None:
+        """Log a training batch: each per-example value's mean over the global batch, the learning rate, and
+        :meth:`progress_bar`'s values."""
+        examples = batch["index"].shape[0]
+        self.log_dict({f"{self.metric_prefix}/{name}": value.mean() for name, value in values.items()},
+                      batch_size=examples, sync_dist=True)  # the global batch's values, not rank 0's share
+        self.log(f"{self.metric_prefix}/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+        self.log_dict(self.progress_bar(values), prog_bar=True, logger=False, batch_size=examples, sync_dist=True)
+
+    def progress_bar(self, values: dict[str, Tensor]) -> dict[str, Tensor]:
+        """What the progress bar shows of a training batch."""
+        return {"loss": values["loss"].mean()}
+
+    # ---- Lightning hooks ----------------------------------------------------------------------------------
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss, values = self.batch_losses(batch, "train")
+        self.guard_losses(self.guarded_values(loss, values))
+        self.log_training(values, batch)
+        return loss
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        _, values = self.batch_losses(batch, "val")
+        self.record_validation(values)
+        limit = self.hparams.sample_eval_batches
+        prompt_ids, prompt_mask = batch["prompt_input_ids"], batch["prompt_attention_mask"]
+        # Generation needs at least one prompt token (transcript-only pairs may share no beginning).
+        if (limit is None or batch_idx < limit) and bool(prompt_mask.sum(-1).min() > 0):
+            self.evaluate_samples(prompt_ids, prompt_mask, self.decode(prompt_ids, prompt_mask), batch_idx,
+                                  indices=batch["index"])
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        return self.configure_adamw([{"name": POLICY, "params": self.adapter_parameters(POLICY), "lr": hp.lr}],
+                                    hp.weight_decay, hp.warmup_steps, hp.lr_schedule, eps=hp.adam_eps)

@@ -1,0 +1,146 @@
+"""KTO (Ethayarajh et al. 2024) on the shared base: responses labelled desirable or undesirable one by one.
+
+The policy is the ``policy`` LoRA adapter; the reference is the same base with adapters disabled. A batch of
+:class:`~rlhf_lightning.data.modules.UnpairedPreferenceDataModule` holds ``2B`` rows (each prompt with its own
+response, then with the previous example's) that go through the model in one forward pass; the second half
+estimates KTO's reference point. The loss formulas are :func:`~rlhf_lightning.algorithms.kto.kto_loss`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rlhf_lightning.algorithms.kto import KTOLossType, kto_loss, recommended_weights
+from rlhf_lightning.core.offline import OfflinePreference
+from rlhf_lightning.core.policy import POLICY, PolicyModule
+from rlhf_lightning.timing import phase
+from rlhf_lightning.utils import checks
+
+log = logging.getLogger(__name__)
+
+# Per-example values averaged over the validation set and logged as kto/val/<name>; the chosen/rejected ones
+# (TRL's names for desirable/undesirable) average over the examples with that label only.
+EXAMPLE_METRICS = ("loss", "reference_point", "rewards/chosen", "rewards/rejected", "logps/chosen",
+                   "logps/rejected")
+
+
+class KTO(OfflinePreference):
+    """Kahneman-Tversky optimisation of the policy adapter on labelled responses (automatic optimization).
+
+    Implied reward of a response: ``beta * (log pi(y) - log pi_ref(y))``, log-probs summed over its tokens.
+    ``kto/reference_point`` is the batch's KL estimate ``z_ref`` from mismatched prompt/response pairs (the
+    mean over every rank's rows, clamped at 0, held out of the gradient, as TRL 1.16 computes it);
+    ``kto/rewards/chosen`` and ``/rejected`` average the implied rewards of the desirable and the undesirable
+    responses (TRL's names), ``kto/rewards/margin`` is their difference, ``kto/logps/*`` the summed log-probs.
+    On held-out prompts, responses sampled from the policy are scored as in PPO: ``kto/val/gold``,
+    ``kto/val/kl``, ``kto/val/length``, ``kto/val/eos_frac``.
+
+    Args:
+        beta: inverse temperature of the implied reward (TRL's 0.1).
+        loss_type: ``kto`` (the paper's eqn. 7) or ``apo_zero_unpaired`` (unpaired APO-zero: no reference point,
+            so no mismatched rows are run).
+        desirable_weight: lambda_D, the weight of a desirable response's loss.
+        undesirable_weight: lambda_U, the weight of an undesirable response's loss. With unequal counts, the
+            paper asks lambda_D n_D / (lambda_U n_U) in [1, 4/3]; a run outside that range warns at setup.
+    """
+
+    metric_prefix = "kto"
+    validation_metrics = (*PolicyModule.validation_metrics, *EXAMPLE_METRICS)
+
+    def __init__(
+        self,
+        *args: Any,
+        beta: float = 0.1,
+        loss_type: KTOLossType = "kto",
+        desirable_weight: float = 1.0,
+        undesirable_weight: float = 1.0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        checks.positive("beta", beta)
+        checks.one_of("loss_type", loss_type, ("kto", "apo_zero_unpaired"))
+        checks.positive("desirable_weight", desirable_weight)
+        checks.positive("undesirable_weight", undesirable_weight)
+
+    @property
+    def uses_reference_point(self) -> bool:
+        return self.hparams.loss_type == "kto"
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        datamodule = self.trainer.datamodule if self._trainer is not None else None
+        if stage != "fit" or datamodule is None:
+            return
+        if not hasattr(datamodule, "label_counts"):
+            raise ValueError("KTO trains on labelled responses: use rlhf_lightning.UnpairedPreferenceDataModule as "
+                             "data.class_path (it reads prompt/completion/label rows and splits preference pairs)")
+        if self.uses_reference_point and datamodule.batch_size < 2:
+            raise ValueError(f"data.init_args.batch_size={datamodule.batch_size}: KTO's reference point pairs each "
+                             "prompt with another example's response of the same batch, so a batch needs at least 2 "
+                             "examples (TRL refuses 1 too)")
+        advice = recommended_weights(*datamodule.label_counts(), self.hparams.desirable_weight,
+                                     self.hparams.undesirable_weight)
+        if advice:
+            log.warning("KTO: %s", advice)
+
+    # ---- loss ---------------------------------------------------------------------------------------------
+
+    def batch_losses(self, batch: dict[str, Tensor], split: str) -> tuple[Tensor, dict[str, Tensor]]:
+        """``(loss to minimise, detached values named as in EXAMPLE_METRICS)``: ``loss`` per example, the
+        reference point once per batch, the chosen/rejected values per desirable/undesirable example."""
+        hp = self.hparams
+        desirable = batch["desirable"]
+        examples = desirable.shape[0]
+        if not self.uses_reference_point:  # only the matched rows are needed
+            batch = {name: value[:examples] if value.shape[0] == 2 * examples else value
+                     for name, value in batch.items()}
+        with phase("update/policy forward"):
+            logps = self.sequence_logps(POLICY, batch)
+        ref_logps = self.reference_logps(batch, split)
+        reference_point = torch.zeros((), device=self.device)
+        if self.uses_reference_point:
+            reference_point = self.global_reference_point(logps[examples:].detach() - ref_logps[examples:])
+        out = kto_loss(logps[:examples], ref_logps[:examples], desirable, reference_point, hp.beta,
+                       hp.desirable_weight, hp.undesirable_weight, hp.loss_type)
+        values = {"loss": out.losses.detach(), "reference_point": reference_point[None],
+                  "rewards/chosen": out.rewards[desirable], "rewards/rejected": out.rewards[~desirable],
+                  "logps/chosen": logps[:examples][desirable].detach(),
+                  "logps/rejected": logps[:examples][~desirable].detach()}
+        # A batch may hold no desirable (or no undesirable) example: that value is then absent, never NaN.
+        return out.losses.mean(), {name: value for name, value in values.items() if value.numel()}
+
+    def global_reference_point(self, log_ratios: Tensor) -> Tensor:
+        """``z_ref``: the mean log-ratio of the mismatched rows of every rank, clamped at 0 (TRL averages the
+        ranks' means; with equal shares, as Lightning's samplers give, that is the same number)."""
+        total = torch.stack([log_ratios.sum(), torch.tensor(float(log_ratios.numel()), device=log_ratios.device)])
+        if self._trainer is not None and self.trainer.world_size > 1:
+            total = self.trainer.strategy.reduce(total, reduce_op="sum")
+        return (total[0] / total[1]).clamp(min=0)
+
+    def guarded_values(self, loss: Tensor, values: dict[str, Tensor]) -> dict[str, Tensor]:
+        return {f"kto/loss ({self.hparams.loss_type})": loss, "kto/reference_point": values["reference_point"]} | {
+            f"kto/{name}": values[name] for name in ("logps/chosen", "logps/rejected") if name in values}
+
+    def log_training(self, values: dict[str, Tensor], batch: dict[str, Tensor]) -> None:
+        """Means over the global batch, each over the examples it describes (a rank may hold no desirable
+        example: sums and counts are reduced, so every rank logs the same names)."""
+        none = torch.zeros(0, device=self.device)
+        sums = torch.stack([values.get(name, none).float().sum() for name in EXAMPLE_METRICS])
+        counts = torch.tensor([float(values.get(name, none).numel()) for name in EXAMPLE_METRICS],
+                              device=sums.device)
+        if self.trainer.world_size > 1:
+            sums = self.trainer.strategy.reduce(sums, reduce_op="sum")
+            counts = self.trainer.strategy.reduce(counts, reduce_op="sum")
+        means = {name: sums[i] / counts[i] for i, name in enumerate(EXAMPLE_METRICS) if counts[i] > 0}
+        means["reference_point"] = values["reference_point"][0]  # already the global batch's
+        if "rewards/chosen" in means and "rewards/rejected" in means:
+            means["rewards/margin"] = means["rewards/chosen"] - means["rewards/rejected"]
+        means["desirable_frac"] = counts[EXAMPLE_METRICS.index("rewards/chosen")] / counts[0]
+        examples = batch["index"].shape[0]
+        self.log_dict({f"kto/{name}": value for name, value in means.items()}, batch_size=examples)
+        self.log("kto/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+        self.log("loss", means["loss"], prog_bar=True, logger=False, batch_size=examples)
