@@ -12,6 +12,8 @@ policy's tokens are graded).
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +28,19 @@ from rlhf_lightning.models.shared_base import SharedBase, position_ids_from_mask
 from rlhf_lightning.rollout.experience import Experience
 from rlhf_lightning.timing import phase
 
+log = logging.getLogger(__name__)
+TEACHER = "teacher"  # the teacher's role on the shared base, when it is an adapter
+
 
 class OnPolicyDistillation(OnlineRL):
     """Distil a teacher into the policy adapter on the student's own samples (reverse KL per token).
 
     Args:
-        teacher: folder of the teacher, a transformers causal LM with the student's vocabulary (e.g. a policy
-            merged with ``python -m rlhf_lightning merge``); loaded frozen, in ``teacher_dtype``.
-        teacher_dtype: dtype of the teacher's weights.
+        teacher: folder of the teacher: a LoRA adapter trained on this same base (e.g. a GRPO run's exported
+            ``adapters/policy``), loaded frozen onto the shared base as the ``teacher`` role, so the teacher costs no
+            second copy of the weights; or a transformers causal LM with the student's vocabulary (e.g. a policy
+            merged with ``python -m rlhf_lightning merge``), loaded frozen, in ``teacher_dtype``.
+        teacher_dtype: dtype of the teacher's weights (a separate model only).
         reward_coef: weight of the reward sources' score added to every token's advantage (0 = pure
             distillation; the scores are logged either way).
         kl_coef: KL to the reference; 0 by default (the teacher anchors the policy).
@@ -49,9 +56,23 @@ class OnPolicyDistillation(OnlineRL):
             raise ValueError(f"teacher_dtype {teacher_dtype!r} is not a torch dtype (float32, bfloat16, float16)")
         self._teacher: list[torch.nn.Module] = []  # not a submodule: not checkpointed, not trained, not moved
 
+    @property
+    def teacher_is_adapter(self) -> bool:
+        """Whether the teacher is an adapter on the shared base (else a separate model)."""
+        return (Path(self.hparams.teacher) / "adapter_config.json").is_file()
+
     def build_model(self, empty: bool) -> SharedBase:
         model = super().build_model(empty)
-        self._teacher[:] = [self.load_teacher()]
+        if self.teacher_is_adapter:
+            trained_on = json.loads((Path(self.hparams.teacher) / "adapter_config.json").read_text()).get(
+                "base_model_name_or_path")
+            loaded = model.hf_model.config.name_or_path
+            if trained_on and loaded and Path(trained_on).resolve() != Path(loaded).resolve():
+                log.warning("the teacher adapter in %s was trained on %s, but the base is %s: they must hold the "
+                            "same weights", self.hparams.teacher, trained_on, loaded)
+            model.load_adapter(self.hparams.teacher, TEACHER, trainable=False)
+        else:
+            self._teacher[:] = [self.load_teacher()]
         return model
 
     def load_teacher(self) -> torch.nn.Module:
@@ -62,8 +83,9 @@ class OnPolicyDistillation(OnlineRL):
 
         folder = Path(self.hparams.teacher)
         if not (folder / "config.json").is_file():
-            raise ValueError(f"teacher {self.hparams.teacher}: no config.json there; give the folder of a "
-                             "transformers causal LM (python -m rlhf_lightning merge writes one)")
+            raise ValueError(f"teacher {self.hparams.teacher}: neither adapter_config.json nor config.json there; "
+                             "give the folder of a LoRA adapter trained on this base (a run's adapters/policy) or of "
+                             "a transformers causal LM (python -m rlhf_lightning merge writes one)")
         theirs = AutoTokenizer.from_pretrained(folder).get_vocab() if (folder / "tokenizer_config.json").is_file() \
             else None
         if theirs is not None and theirs != self.tokenizer.get_vocab():
@@ -84,6 +106,9 @@ class OnPolicyDistillation(OnlineRL):
     def teacher_logprobs(self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor) -> Tensor:
         """``[B, R]`` the teacher's log-probs of the response tokens (the last ``R`` columns), at the sampling
         temperature (the student's are taken at it too)."""
+        if self.teacher_is_adapter:
+            logprobs, _ = self.response_logprobs(TEACHER, input_ids, attention_mask, response_mask)
+            return torch.where(response_mask, logprobs, 0.0)
         teacher = self._teacher[0]
         if teacher.device != input_ids.device:
             teacher.to(input_ids.device)

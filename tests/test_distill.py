@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlhf_lightning import AdapterReward, OnPolicyDistillation
+from rlhf_lightning.merge import merge_adapter
 from rlhf_lightning.models.spec import BaseModelSpec
 from tests.conftest import LORA, built
 from tests.families import FAMILIES, build_model_dir
@@ -62,5 +63,30 @@ def test_a_teacher_with_another_vocabulary_is_refused_with_one_line(tiny_model_d
     with pytest.raises(ValueError, match="its tokenizer has another vocabulary") as error:
         student(tiny_model_dir, reward_dir, teacher=other)
     assert "\n" not in str(error.value) and str(other) in str(error.value)
-    with pytest.raises(ValueError, match="no config.json there"):
+    with pytest.raises(ValueError, match="neither adapter_config.json nor config.json there"):
         student(tiny_model_dir, reward_dir, teacher=tmp_path / "nowhere")
+
+
+def test_a_teacher_adapter_on_the_same_base_grades_as_its_merged_model_does(tiny_model_dir, reward_dir, tmp_path):
+    trained = student(tiny_model_dir, reward_dir, teacher=tiny_model_dir)
+    _perturb(trained, "policy")  # a policy away from the base: the teacher
+    adapter = trained.export(tmp_path / "teacher")["policy"]
+    merged = merge_adapter(adapter, tmp_path / "merged", str(tiny_model_dir))
+
+    module = student(tiny_model_dir, reward_dir, teacher=adapter)
+    assert module.teacher_is_adapter and not module._teacher  # no second model: a role on the shared base
+    torch.manual_seed(0)
+    experience, stats = module.rollout(first_batch(module))
+    mask = experience.response_mask
+    teacher = AutoModelForCausalLM.from_pretrained(merged).eval()
+    for row in range(mask.shape[0]):
+        ids = experience.input_ids[row][experience.attention_mask[row].bool()]
+        with torch.no_grad():
+            logits = teacher(ids[None]).logits[0, :-1]
+        expected = torch.log_softmax(logits, -1).gather(-1, ids[1:, None])[:, 0][-int(mask[row].sum()):]
+        torch.testing.assert_close(experience.teacher_logprobs[row][mask[row]], expected, atol=1e-5, rtol=1e-5)
+    assert float(stats["teacher/reverse_kl"]) != 0.0
+    module.losses(experience)["loss/total"].backward()
+    reached = {name for name, p in module.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert reached and all(".policy." in name for name in reached)  # the teacher adapter stays frozen
+    assert not any("teacher" in key for key in module.state_dict())  # and is not checkpointed

@@ -222,10 +222,11 @@ def test_tiny_family_study_end_to_end_resumes_and_measures_every_method_alike(ti
     assert again["table"] == summary["table"]
 
 
-@pytest.mark.parametrize("method", ["cispo", "online_dpo", "kto"])
+@pytest.mark.parametrize("method", ["cispo", "online_dpo", "kto", "distill"])
 def test_the_newer_methods_run_a_quick_study_unit(method, tiny_model_dir, reward_dir, tmp_path):
-    """CISPO, online DPO and KTO each run one unit of the study's quick mode through the real CLI, measured by the
-    study's evaluation (the end-to-end test above covers the rest of the machinery on GRPO and DPO)."""
+    """CISPO, online DPO, KTO and distillation each run one unit of the study's quick mode through the real CLI,
+    measured by the study's evaluation (the end-to-end test above covers the rest of the machinery on GRPO and DPO);
+    distillation runs its teacher, the seed's GRPO at its shipped strength, first."""
     args = parse_args([
         "--quick", "--methods", method, "--seeds", "0", "--fraction", "0.03", "--evaluations", "2", "--eval-prompts",
         "8", "--configs", str(REPO / "configs"), "--sft-model", str(tiny_model_dir), "--reward-adapter",
@@ -238,3 +239,8 @@ def test_the_newer_methods_run_a_quick_study_unit(method, tiny_model_dir, reward
     steps = max(1, round(METHODS[method].steps * 0.03))
     assert [p["step"] for p in row["points"]][-1] == steps and row["points"][0]["kl"] == 0.0
     assert abs(row["points"][-1]["kl"]) > 1e-3, row["points"]  # the policy moved
+    if method == "distill":
+        teacher = tmp_path / "fam" / "runs" / f"seed0-grpo-{METHODS['grpo'].shipped:g}"
+        assert (teacher / "adapters" / "policy" / "adapter_config.json").exists()
+        config = (tmp_path / "fam" / "runs" / first.name / "config.yaml").read_text()
+        assert str(teacher / "adapters" / "policy") in config

@@ -1,11 +1,12 @@
 """Which method buys the most true reward per nat of KL and per CPU-second? The family study on the embedded task.
 
-``python -m rlhf_lightning.study.family`` runs, for every seed of the pipeline (SFT model, reward model and
-prompts all drawn from the seed), PPO, GRPO, GRPO with CISPO, Dr. GRPO, RLOO, REINFORCE++-baseline, online DPO,
-DPO, length-normalised DPO, KTO and SimPO, each at three KL strengths, and best-of-n of the SFT policy, all from
-the same SFT model against the same reward model. Every run goes through the framework's CLI with its shipped
-config, logs to W&B in one group, and is evaluated by the same callback on the same held-out prompts with fixed
-sampling seeds (gold reward, the reward model's score, KL to the SFT policy, training CPU time). It writes
+``python -m rlhf_lightning.study.family`` runs, for every seed of the pipeline (SFT model, reward model and prompts
+all drawn from the seed), PPO, GRPO, GRPO with CISPO, Dr. GRPO, RLOO, REINFORCE++-baseline, on-policy distillation
+from the seed's GRPO policy, online DPO, DPO, length-normalised DPO, KTO and SimPO, each at three KL strengths, and
+best-of-n of the SFT policy, all from the same SFT model against the same reward model. Every run goes through the
+framework's CLI with its shipped config, logs to W&B in one group, and is evaluated by the same callback on the same
+held-out prompts with fixed sampling seeds (gold reward, the reward model's score, KL to the SFT policy, training CPU
+time). It writes
 
 * ``kl.png``: gold and proxy gain over the SFT policy against sqrt(KL), a band over seeds per method;
 * ``compute.png``: gold gain against training CPU-seconds;
@@ -230,8 +231,11 @@ def run_unit(args: argparse.Namespace, unit: Unit) -> None:
                  else max(1, round(method.every * max(args.fraction, 0.5))))
         directory = Path(args.out) / "runs" / unit.name
         run = MethodRun(unit.method, unit.strength, unit.seed, directory=str(directory))
+        teacher = [f"--model.init_args.teacher={ensure_teacher(args, unit.seed, method.teacher)}"] \
+            if method.teacher else []
         arguments = run_arguments(method, unit.strength, unit.seed, args.configs, sft, reward, directory,
-                                  args.group, steps, [*args.override, *args.method_overrides.get(unit.method, [])])
+                                  args.group, steps,
+                                  [*teacher, *args.override, *args.method_overrides.get(unit.method, [])])
         cli = build_cli(arguments[1:])
         cli.trainer.callbacks.append(HeldOutEvaluation(run, batches, every, steps, reward))
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
@@ -246,6 +250,23 @@ def run_unit(args: argparse.Namespace, unit: Unit) -> None:
     os.replace(temporary, path)
     path.with_suffix(".claim").unlink(missing_ok=True)
     log.info("%s done in %.0f s", unit.name, time.perf_counter() - started)
+
+
+def ensure_teacher(args: argparse.Namespace, seed: int, method: str) -> Path:
+    """The exported policy adapter of ``method``'s run at its shipped strength on ``seed``, run first if needed (a
+    teacher for distillation, on the same base)."""
+    unit = Unit(seed, method, METHODS[method].shipped)
+    adapter = Path(args.out) / "runs" / unit.name / "adapters" / "policy"
+    if not (adapter / "adapter_config.json").exists():
+        if claim(args, unit):
+            log.warning("seed %d: the teacher %s is missing: running %s first", seed, adapter, unit.name)
+            run_unit(args, unit)
+        elif result_path(args, unit).exists():
+            raise FileNotFoundError(f"{unit.name} is done but its adapter {adapter} is missing; remove "
+                                    f"{result_path(args, unit)} to run it again as the teacher")
+        while not result_path(args, unit).exists():  # another worker is running it
+            time.sleep(10)
+    return adapter.absolute()
 
 
 def claim(args: argparse.Namespace, unit: Unit) -> bool:

@@ -31,6 +31,7 @@ class Method:
     every: int
     overrides: tuple[str, ...] = ()
     uses_reward_model: bool = True
+    teacher: str | None = None  # distillation: the method whose run at its shipped strength, same seed, teaches
 
     @property
     def shipped(self) -> float:
@@ -54,6 +55,10 @@ METHODS: dict[str, Method] = {method.name: method for method in (
     Method("reinforce_pp", "REINFORCE++-baseline", "reinforce_pp.yaml", "kl_coef", (0.02, 0.05, 0.15),
            steps=128, every=16),
     Method("online_dpo", "online DPO", "online_dpo.yaml", "beta", (0.03, 0.1, 0.3), steps=128, every=16),
+    # The teacher is the seed's GRPO policy at its shipped strength (an adapter on the same base). What holds the
+    # student near the SFT policy is its learning rate (no KL term), so that is the strength here.
+    Method("distill", "on-policy distillation (GRPO teacher)", "distill.yaml", "policy_lr", (3.0e-3, 1.0e-3, 3.0e-4),
+           steps=128, every=16, teacher="grpo"),
     Method("dpo", "DPO", "dpo.yaml", "beta", (0.03, 0.1, 0.3), steps=300, every=50, uses_reward_model=False),
     Method("dpo_norm", "length-normalised DPO", "dpo.yaml", "beta", (1.0, 3.0, 10.0), steps=300, every=50,
            overrides=("--model.init_args.loss_type=sigmoid_norm",), uses_reward_model=False),
