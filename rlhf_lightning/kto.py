@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlhf_lightning.algorithms.kto import KTOLossType, kto_loss, recommended_weights
+from rlhf_lightning.algorithms.kto import KTOLossType, kto_loss, kto_reference_point, recommended_weights
 from rlhf_lightning.core.offline import OfflinePreference
 from rlhf_lightning.core.policy import POLICY, PolicyModule
 from rlhf_lightning.timing import phase
@@ -103,7 +103,7 @@ class KTO(OfflinePreference):
         ref_logps = self.reference_logps(batch, split)
         reference_point = torch.zeros((), device=self.device)
         if self.uses_reference_point:
-            reference_point = self.global_reference_point(logps[examples:].detach() - ref_logps[examples:])
+            reference_point = kto_reference_point(logps[examples:], ref_logps[examples:], self.sum_over_ranks)
         out = kto_loss(logps[:examples], ref_logps[:examples], desirable, reference_point, hp.beta,
                        hp.desirable_weight, hp.undesirable_weight, hp.loss_type)
         values = {"loss": out.losses.detach(), "reference_point": reference_point[None],
@@ -112,14 +112,6 @@ class KTO(OfflinePreference):
                   "logps/rejected": logps[:examples][~desirable].detach()}
         # A batch may hold no desirable (or no undesirable) example: that value is then absent, never NaN.
         return out.losses.mean(), {name: value for name, value in values.items() if value.numel()}
-
-    def global_reference_point(self, log_ratios: Tensor) -> Tensor:
-        """``z_ref``: the mean log-ratio of the mismatched rows of every rank, clamped at 0 (TRL averages the
-        ranks' means; with equal shares, as Lightning's samplers give, that is the same number)."""
-        total = torch.stack([log_ratios.sum(), torch.tensor(float(log_ratios.numel()), device=log_ratios.device)])
-        if self._trainer is not None and self.trainer.world_size > 1:
-            total = self.trainer.strategy.reduce(total, reduce_op="sum")
-        return (total[0] / total[1]).clamp(min=0)
 
     def guarded_values(self, loss: Tensor, values: dict[str, Tensor]) -> dict[str, Tensor]:
         return {f"kto/loss ({self.hparams.loss_type})": loss, "kto/reference_point": values["reference_point"]} | {
@@ -132,9 +124,7 @@ class KTO(OfflinePreference):
         sums = torch.stack([values.get(name, none).float().sum() for name in EXAMPLE_METRICS])
         counts = torch.tensor([float(values.get(name, none).numel()) for name in EXAMPLE_METRICS],
                               device=sums.device)
-        if self.trainer.world_size > 1:
-            sums = self.trainer.strategy.reduce(sums, reduce_op="sum")
-            counts = self.trainer.strategy.reduce(counts, reduce_op="sum")
+        sums, counts = self.sum_over_ranks(sums), self.sum_over_ranks(counts)
         means = {name: sums[i] / counts[i] for i, name in enumerate(EXAMPLE_METRICS) if counts[i] > 0}
         means["reference_point"] = values["reference_point"][0]  # already the global batch's
         if "rewards/chosen" in means and "rewards/rejected" in means:

@@ -15,6 +15,7 @@ responses, no reference point.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal, NamedTuple
 
 import torch
@@ -30,13 +31,19 @@ class KTOOutput(NamedTuple):
     rewards: Tensor
 
 
-def kto_reference_point(mismatched_logps: Tensor, ref_mismatched_logps: Tensor) -> Tensor:
+def kto_reference_point(mismatched_logps: Tensor, ref_mismatched_logps: Tensor,
+                        over_ranks: Callable[[Tensor], Tensor] | None = None) -> Tensor:
     """KTO's ``z_ref`` from one batch: the mean of ``log pi(y'|x) - log pi_ref(y'|x)`` over mismatched pairs,
     detached and clamped at 0 (a KL is never negative; TRL clamps the same way, after averaging over ranks).
 
-    Call it on each rank's sums instead when the batch is split over ranks: see :class:`~rlhf_lightning.kto.KTO`.
+    ``over_ranks`` sums a tensor over the ranks of a distributed run (None: one process), so that the mean is over
+    every rank's rows (TRL averages the ranks' means: the same number when the ranks hold equal shares).
     """
-    return (mismatched_logps - ref_mismatched_logps).detach().mean().clamp(min=0)
+    log_ratios = (mismatched_logps - ref_mismatched_logps).detach()
+    total = torch.stack([log_ratios.sum(), torch.tensor(float(log_ratios.numel()), device=log_ratios.device)])
+    if over_ranks is not None:
+        total = over_ranks(total)
+    return (total[0] / total[1]).clamp(min=0)
 
 
 def kto_loss(logps: Tensor, ref_logps: Tensor, desirable: Tensor, reference_point: Tensor, beta: float,
