@@ -14,7 +14,18 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from rlhf_lightning import DPO, GRPO, PPO, RLOO, SFT, AdapterReward, REINFORCEPlusPlus, RewardModel
+from rlhf_lightning import (
+    DPO,
+    GRPO,
+    KTO,
+    PPO,
+    RLOO,
+    SFT,
+    AdapterReward,
+    OnlineDPO,
+    REINFORCEPlusPlus,
+    RewardModel,
+)
 from rlhf_lightning.cli import RLHFCLI, main
 from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer
 from rlhf_lightning.models.shared_base import SharedBase
@@ -132,13 +143,13 @@ def test_a_reward_adapter_from_another_path_of_the_same_shape_warns_naming_both(
     assert len(warnings) == 1 and str(tiny_model_dir) in warnings[0] and str(copy) in warnings[0]
 
 
-@pytest.mark.parametrize("cls", [SFT, RewardModel, PPO, GRPO, RLOO, REINFORCEPlusPlus, DPO])
+@pytest.mark.parametrize("cls", [SFT, RewardModel, PPO, GRPO, RLOO, REINFORCEPlusPlus, DPO, KTO, OnlineDPO])
 def test_constructing_a_module_reads_no_weights(cls, tiny_model_dir, reward_dir, tmp_path):
     """A weights file of garbage: every module is constructed (arguments stored and checked), and the error comes
     when the model is built, as one line naming the folder."""
     folder = shutil.copytree(tiny_model_dir, tmp_path / "garbage")
     (folder / "model.safetensors").write_bytes(b"\x10" * 4 + bytes(range(256)) * 4)
-    kwargs = {"reward": AdapterReward(str(reward_dir))} if cls not in (SFT, RewardModel, DPO) else {}
+    kwargs = {"reward": AdapterReward(str(reward_dir))} if cls not in (SFT, RewardModel, DPO, KTO) else {}
     module = cls(base=BaseModelSpec(name_or_path=str(folder)), **kwargs)
     assert module.model is None and len(module.tokenizer) == 64  # the tokenizer is cheap and read on demand
     with pytest.raises(ValueError, match=rf"^model {re.escape(str(folder))}: its weights cannot be read "
