@@ -127,6 +127,8 @@ def test_every_method_runs_through_the_real_cli_with_its_strength_and_overrides(
         assert hparams[method.strength] == strength, method.name
         assert cli.datamodule.seed == 1
         assert cli.trainer.limit_val_batches == 0 and cli.trainer.callbacks is not None
+        # an offline method's steps are optimizer steps: they bound the run, so its schedule spans them
+        assert cli.trainer.max_steps == (7 if method.offline else -1), method.name
         for override in method.overrides:
             key, value = override.removeprefix("--model.init_args.").split("=")
             assert str(hparams[key]) in (value, "None" if value == "null" else value), (method.name, key)

@@ -32,6 +32,9 @@ class Method:
     overrides: tuple[str, ...] = ()
     uses_reward_model: bool = True
     teacher: str | None = None  # distillation: the method whose run at its shipped strength, same seed, teaches
+    # Whether a training batch is one optimizer step (the DPO family, KTO): the run is then bounded by max_steps,
+    # so that a decaying learning-rate schedule spans the run's `steps` as in its shipped config.
+    offline: bool = False
 
     @property
     def shipped(self) -> float:
@@ -59,15 +62,17 @@ METHODS: dict[str, Method] = {method.name: method for method in (
     # student near the SFT policy is its learning rate (no KL term), so that is the strength here.
     Method("distill", "on-policy distillation (GRPO teacher)", "distill.yaml", "policy_lr", (3.0e-3, 1.0e-3, 3.0e-4),
            steps=128, every=16, teacher="grpo"),
-    Method("dpo", "DPO", "dpo.yaml", "beta", (0.03, 0.1, 0.3), steps=300, every=50, uses_reward_model=False),
+    Method("dpo", "DPO", "dpo.yaml", "beta", (0.03, 0.1, 0.3), steps=300, every=50, uses_reward_model=False,
+           offline=True),
     Method("dpo_norm", "length-normalised DPO", "dpo.yaml", "beta", (1.0, 3.0, 10.0), steps=300, every=50,
-           overrides=("--model.init_args.loss_type=sigmoid_norm",), uses_reward_model=False),
-    Method("kto", "KTO", "kto.yaml", "beta", (0.03, 0.1, 0.3), steps=300, every=50, uses_reward_model=False),
+           overrides=("--model.init_args.loss_type=sigmoid_norm",), uses_reward_model=False, offline=True),
+    Method("kto", "KTO", "kto.yaml", "beta", (0.03, 0.1, 0.3), steps=300, every=50, uses_reward_model=False,
+           offline=True),
     # SimPO has no reference: its beta scales the margin, not a KL term. What holds it near the SFT policy is
     # the learning rate (README: 1e-3 collapses, 1e-4 is stable), so that is its strength here.
     Method("simpo", "SimPO", "dpo.yaml", "lr", (3.0e-4, 1.0e-4, 3.0e-5), steps=300, every=50,
            overrides=("--model.init_args.loss_type=simpo", "--model.init_args.beta=2.0",
-                      "--model.init_args.simpo_gamma=0.5"), uses_reward_model=False),
+                      "--model.init_args.simpo_gamma=0.5"), uses_reward_model=False, offline=True),
 )}
 
 BEST_OF_N = "best_of_n"
@@ -96,8 +101,10 @@ def run_arguments(method: Method, strength: float, seed: int, configs: str | Pat
         "--trainer.enable_checkpointing=false",
         "--trainer.limit_val_batches=0",
         "--trainer.num_sanity_val_steps=0",
-        "--trainer.max_steps=-1",
-        f"--trainer.max_epochs={steps}",  # an upper bound: HeldOutEvaluation stops the fit after `steps` batches
+        # Online: an upper bound, HeldOutEvaluation stops the fit after `steps` batches (iterations of several
+        # optimizer steps each). Offline: the steps themselves, which the learning-rate schedule spans.
+        *(["--trainer.max_steps=" + str(steps), "--trainer.max_epochs=-1"] if method.offline
+          else ["--trainer.max_steps=-1", f"--trainer.max_epochs={steps}"]),
         "--trainer.enable_progress_bar=false",
     ]
     if method.uses_reward_model:
