@@ -57,7 +57,7 @@ METHODS: dict[str, Method] = {method.name: method for method in (
     Method("rloo", "RLOO", "rloo.yaml", "kl_coef", (0.02, 0.05, 0.15), steps=128, every=16),
     Method("reinforce_pp", "REINFORCE++-baseline", "reinforce_pp.yaml", "kl_coef", (0.02, 0.05, 0.15),
            steps=128, every=16),
-    Method("online_dpo", "online DPO", "online_dpo.yaml", "beta", (0.03, 0.1, 0.3), steps=128, every=16),
+    Method("online_dpo", "online DPO", "online_dpo.yaml", "beta", (0.1, 0.3, 1.0), steps=128, every=16),
     # The teacher is the seed's GRPO policy at its shipped strength (an adapter on the same base). What holds the
     # student near the SFT policy is its learning rate (no KL term), so that is the strength here.
     Method("distill", "on-policy distillation (GRPO teacher)", "distill.yaml", "policy_lr", (3.0e-3, 1.0e-3, 3.0e-4),
@@ -66,7 +66,7 @@ METHODS: dict[str, Method] = {method.name: method for method in (
            offline=True),
     Method("dpo_norm", "length-normalised DPO", "dpo.yaml", "beta", (1.0, 3.0, 10.0), steps=300, every=50,
            overrides=("--model.init_args.loss_type=sigmoid_norm",), uses_reward_model=False, offline=True),
-    Method("kto", "KTO", "kto.yaml", "beta", (0.03, 0.1, 0.3), steps=300, every=50, uses_reward_model=False,
+    Method("kto", "KTO", "kto.yaml", "beta", (0.1, 0.3, 1.0), steps=300, every=50, uses_reward_model=False,
            offline=True),
     # SimPO has no reference: its beta scales the margin, not a KL term. What holds it near the SFT policy is
     # the learning rate (README: 1e-3 collapses, 1e-4 is stable), so that is its strength here.
