@@ -12,8 +12,6 @@ policy's tokens are graded).
 from __future__ import annotations
 
 import dataclasses
-import json
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +22,11 @@ from rlhf_lightning.algorithms import kl_penalty
 from rlhf_lightning.algorithms.losses import logprobs_from_logits
 from rlhf_lightning.algorithms.masked import masked_mean
 from rlhf_lightning.core.online import OnlineRL, Stats
+from rlhf_lightning.models.adapter_fit import warn_if_other_base
 from rlhf_lightning.models.shared_base import SharedBase, position_ids_from_mask
 from rlhf_lightning.rollout.experience import Experience
 from rlhf_lightning.timing import phase
 
-log = logging.getLogger(__name__)
 TEACHER = "teacher"  # the teacher's role on the shared base, when it is an adapter
 
 
@@ -64,12 +62,7 @@ class OnPolicyDistillation(OnlineRL):
     def build_model(self, empty: bool) -> SharedBase:
         model = super().build_model(empty)
         if self.teacher_is_adapter:
-            trained_on = json.loads((Path(self.hparams.teacher) / "adapter_config.json").read_text()).get(
-                "base_model_name_or_path")
-            loaded = model.hf_model.config.name_or_path
-            if trained_on and loaded and Path(trained_on).resolve() != Path(loaded).resolve():
-                log.warning("the teacher adapter in %s was trained on %s, but the base is %s: they must hold the "
-                            "same weights", self.hparams.teacher, trained_on, loaded)
+            warn_if_other_base(self.hparams.teacher, model.hf_model.config.name_or_path, "teacher adapter")
             model.load_adapter(self.hparams.teacher, TEACHER, trainable=False)
         else:
             self._teacher[:] = [self.load_teacher()]

@@ -124,8 +124,8 @@ class DPO(OfflinePreference):
         return {f"dpo/loss ({self.hparams.loss_type})": loss, "dpo/logps/chosen": values["logps/chosen"],
                 "dpo/logps/rejected": values["logps/rejected"]}
 
-    def progress_bar(self, values: dict[str, Tensor]) -> dict[str, Tensor]:
-        return {"loss": values["loss"].mean(), "acc": values["rewards/accuracy"].mean()}
+    def progress_bar(self, means: dict[str, Tensor]) -> dict[str, Tensor]:
+        return {"loss": means["loss"], "acc": means["rewards/accuracy"]}
 
     # ---- precomputed reference ----------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 # Per-example values averaged over the validation set and logged as kto/val/<name>; the chosen/rejected ones
 # (TRL's names for desirable/undesirable) average over the examples with that label only.
 EXAMPLE_METRICS = ("loss", "reference_point", "rewards/chosen", "rewards/rejected", "logps/chosen",
-                   "logps/rejected")
+                   "logps/rejected", "desirable_frac")
 
 
 class KTO(OfflinePreference):
@@ -109,28 +109,18 @@ class KTO(OfflinePreference):
         values = {"loss": out.losses.detach(), "reference_point": reference_point[None],
                   "rewards/chosen": out.rewards[desirable], "rewards/rejected": out.rewards[~desirable],
                   "logps/chosen": logps[:examples][desirable].detach(),
-                  "logps/rejected": logps[:examples][~desirable].detach()}
-        # A batch may hold no desirable (or no undesirable) example: that value is then absent, never NaN.
-        return out.losses.mean(), {name: value for name, value in values.items() if value.numel()}
+                  "logps/rejected": logps[:examples][~desirable].detach(), "desirable_frac": desirable.float()}
+        # A batch may hold no desirable (or no undesirable) response: those values are empty, and their means are
+        # taken over the batches and ranks that have some (training_means, record_validation).
+        return out.losses.mean(), values
 
     def guarded_values(self, loss: Tensor, values: dict[str, Tensor]) -> dict[str, Tensor]:
-        return {f"kto/loss ({self.hparams.loss_type})": loss, "kto/reference_point": values["reference_point"]} | {
-            f"kto/{name}": values[name] for name in ("logps/chosen", "logps/rejected") if name in values}
+        return {f"kto/loss ({self.hparams.loss_type})": loss} | {
+            f"kto/{name}": values[name] for name in ("reference_point", "logps/chosen", "logps/rejected")}
 
-    def log_training(self, values: dict[str, Tensor], batch: dict[str, Tensor]) -> None:
-        """Means over the global batch, each over the examples it describes (a rank may hold no desirable
-        example: sums and counts are reduced, so every rank logs the same names)."""
-        none = torch.zeros(0, device=self.device)
-        sums = torch.stack([values.get(name, none).float().sum() for name in EXAMPLE_METRICS])
-        counts = torch.tensor([float(values.get(name, none).numel()) for name in EXAMPLE_METRICS],
-                              device=sums.device)
-        sums, counts = self.sum_over_ranks(sums), self.sum_over_ranks(counts)
-        means = {name: sums[i] / counts[i] for i, name in enumerate(EXAMPLE_METRICS) if counts[i] > 0}
-        means["reference_point"] = values["reference_point"][0]  # already the global batch's
+    def training_means(self, values: dict[str, Tensor], batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The global batch's means, and ``rewards/margin``: chosen minus rejected (when the batch has both)."""
+        means = super().training_means(values, batch)
         if "rewards/chosen" in means and "rewards/rejected" in means:
             means["rewards/margin"] = means["rewards/chosen"] - means["rewards/rejected"]
-        means["desirable_frac"] = counts[EXAMPLE_METRICS.index("rewards/chosen")] / counts[0]
-        examples = batch["index"].shape[0]
-        self.log_dict({f"kto/{name}": value for name, value in means.items()}, batch_size=examples)
-        self.log("kto/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
-        self.log("loss", means["loss"], prog_bar=True, logger=False, batch_size=examples)
+        return means

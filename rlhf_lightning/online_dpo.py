@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from rlhf_lightning.algorithms.dpo import DPOLossType, check_dpo_arguments, dpo_loss
+from rlhf_lightning.algorithms.kl import kl_penalty
 from rlhf_lightning.algorithms.masked import masked_mean
 from rlhf_lightning.core.online import OnlineRL, Stats
 from rlhf_lightning.core.policy import POLICY
@@ -103,14 +104,14 @@ class OnlineDPO(OnlineRL):
                        hp.beta, hp.loss_type, hp.label_smoothing, hp.simpo_gamma)
         weights = micro.pair_weights[0::2]
         old_logprobs = logprobs.detach() if micro.logprobs is None else micro.logprobs
-        log_ratio = torch.where(mask, logprobs.detach() - old_logprobs, 0.0)
-        terms: Stats = {"policy/approx_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, mask)}
+        # How far the policy has moved from the sampling policy (k3 of KL(pi_old || pi)), for target_kl and logs.
+        terms: Stats = {"policy/approx_kl": masked_mean(kl_penalty(old_logprobs, logprobs.detach(), "k3"), mask)}
         margin = out.chosen_rewards - out.rejected_rewards
         pair_values = {"rewards/chosen": out.chosen_rewards, "rewards/rejected": out.rejected_rewards,
                        "rewards/margin": margin, "rewards/accuracy": (margin > 0).float(),
                        "logps/chosen": summed[0::2].detach(), "logps/rejected": summed[1::2].detach()}
         # Means over the untied pairs (0 when every pair is a tie: every rank logs the same names).
-        terms |= {name: (value * weights).sum() / weights.sum().clamp(min=1) for name, value in pair_values.items()}
+        terms |= {name: masked_mean(value, weights) for name, value in pair_values.items()}
         loss = (out.losses * weights).sum() / normaliser
         terms["loss/policy"] = loss
         return loss, terms

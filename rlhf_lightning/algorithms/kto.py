@@ -15,11 +15,12 @@ responses, no reference point.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
+
+from rlhf_lightning.algorithms.masked import SumOverRanks, masked_mean
 
 KTOLossType = Literal["kto", "apo_zero_unpaired"]
 
@@ -32,7 +33,7 @@ class KTOOutput(NamedTuple):
 
 
 def kto_reference_point(mismatched_logps: Tensor, ref_mismatched_logps: Tensor,
-                        over_ranks: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+                        over_ranks: SumOverRanks | None = None) -> Tensor:
     """KTO's ``z_ref`` from one batch: the mean of ``log pi(y'|x) - log pi_ref(y'|x)`` over mismatched pairs,
     detached and clamped at 0 (a KL is never negative; TRL clamps the same way, after averaging over ranks).
 
@@ -40,10 +41,8 @@ def kto_reference_point(mismatched_logps: Tensor, ref_mismatched_logps: Tensor,
     every rank's rows (TRL averages the ranks' means: the same number when the ranks hold equal shares).
     """
     log_ratios = (mismatched_logps - ref_mismatched_logps).detach()
-    total = torch.stack([log_ratios.sum(), torch.tensor(float(log_ratios.numel()), device=log_ratios.device)])
-    if over_ranks is not None:
-        total = over_ranks(total)
-    return (total[0] / total[1]).clamp(min=0)
+    every_row = torch.ones_like(log_ratios, dtype=torch.bool)
+    return masked_mean(log_ratios, every_row, over_ranks=over_ranks).clamp(min=0)
 
 
 def kto_loss(logps: Tensor, ref_logps: Tensor, desirable: Tensor, reference_point: Tensor, beta: float,

@@ -15,6 +15,7 @@ from typing import Literal, get_args
 import torch
 from torch import Tensor
 
+from rlhf_lightning.algorithms.kl import kl_penalty
 from rlhf_lightning.algorithms.masked import masked_mean
 
 RolloutCorrection = Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
@@ -53,8 +54,8 @@ def mismatch_statistics(trainer_logprobs: Tensor, sampler_logprobs: Tensor, mask
     KL(sampler || trainer) per token, on the sampler's own samples), ``logprob_diff_mean`` and
     ``logprob_diff_max`` (|lp_trainer - lp_sampler|, TRL's ``sampling_logp_difference``)."""
     valid = mask.bool()
-    log_ratio = torch.where(valid, trainer_logprobs.detach().float() - sampler_logprobs.float(), 0.0)
-    absolute = log_ratio.abs()
-    return {"kl": masked_mean(torch.expm1(log_ratio) - log_ratio, valid),
+    trainer, sampler = trainer_logprobs.detach().float(), sampler_logprobs.float()
+    absolute = torch.where(valid, trainer - sampler, 0.0).abs()
+    return {"kl": masked_mean(kl_penalty(sampler, trainer, "k3"), valid),
             "logprob_diff_mean": masked_mean(absolute, valid),
             "logprob_diff_max": absolute.max() if valid.any() else absolute.new_zeros(())}

@@ -87,18 +87,28 @@ class OfflinePreference(PolicyModule):
         """What the non-finite guard checks in a training step (named as it will report them)."""
         return {f"{self.metric_prefix}/loss": loss}
 
-    def log_training(self, values: dict[str, Tensor], batch: dict[str, Tensor]) -> None:
-        """Log a training batch: each per-example value's mean over the global batch, the learning rate, and
-        :meth:`progress_bar`'s values."""
-        examples = batch["index"].shape[0]
-        self.log_dict({f"{self.metric_prefix}/{name}": value.mean() for name, value in values.items()},
-                      batch_size=examples, sync_dist=True)  # the global batch's values, not rank 0's share
-        self.log(f"{self.metric_prefix}/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
-        self.log_dict(self.progress_bar(values), prog_bar=True, logger=False, batch_size=examples, sync_dist=True)
+    def training_means(self, values: dict[str, Tensor], batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Each per-example value's mean over the examples of every rank that have it (its sum and count summed
+        over ranks: every rank gets the global batch's mean, even one holding none of those examples); a value no
+        rank has is left out."""
+        names = list(values)
+        sums = self.sum_over_ranks(torch.stack([values[name].float().sum() for name in names]))
+        counts = self.sum_over_ranks(torch.tensor([float(values[name].numel()) for name in names],
+                                                  device=sums.device))
+        return {name: sums[i] / count for i, (name, count) in enumerate(zip(names, counts.tolist(), strict=True))
+                if count > 0}
 
-    def progress_bar(self, values: dict[str, Tensor]) -> dict[str, Tensor]:
-        """What the progress bar shows of a training batch."""
-        return {"loss": values["loss"].mean()}
+    def log_training(self, values: dict[str, Tensor], batch: dict[str, Tensor]) -> None:
+        """Log a training batch: :meth:`training_means`, the learning rate, and :meth:`progress_bar`'s values."""
+        examples = batch["index"].shape[0]
+        means = self.training_means(values, batch)
+        self.log_dict({f"{self.metric_prefix}/{name}": mean for name, mean in means.items()}, batch_size=examples)
+        self.log(f"{self.metric_prefix}/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+        self.log_dict(self.progress_bar(means), prog_bar=True, logger=False, batch_size=examples)
+
+    def progress_bar(self, means: dict[str, Tensor]) -> dict[str, Tensor]:
+        """What the progress bar shows of a training batch (from :meth:`training_means`)."""
+        return {"loss": means["loss"]}
 
     # ---- Lightning hooks ----------------------------------------------------------------------------------
 

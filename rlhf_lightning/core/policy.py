@@ -307,9 +307,12 @@ class PolicyModule(StageModule):
         return values
 
     def record_validation(self, values: dict[str, Tensor]) -> None:
-        """Add per-sample validation ``values`` to the metrics logged when validation ends."""
+        """Add per-sample validation ``values`` to the metrics logged when validation ends. An empty value (a
+        batch without such samples, e.g. no desirable response for KTO) adds nothing: a metric no batch fed is not
+        logged, never NaN."""
         for name, value in values.items():
-            self.val_metrics[name].update(value.to(self.device))
+            if value.numel():
+                self.val_metrics[name].update(value.to(self.device))
 
     @contextmanager
     def validation_randomness(self, batch_idx: int) -> Iterator[None]:

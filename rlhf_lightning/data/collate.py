@@ -70,6 +70,13 @@ def pad(sequences: list[list[int]], pad_id: int, side: Literal["left", "right"])
     return ids, mask
 
 
+def after_prompt(mask: Tensor, prompt_lengths: list[int]) -> Tensor:
+    """``[N, T]`` bool: each right-padded row's tokens after its prompt of ``prompt_lengths[row]`` tokens (from
+    column 1 at the earliest: the first token of a sequence has no prediction), padding excluded."""
+    starts = torch.tensor([max(length, 1) for length in prompt_lengths])
+    return (torch.arange(mask.shape[1]) >= starts[:, None]) & mask.bool()
+
+
 def collate_sft(examples: list[EncodedSFT], pad_id: int) -> dict[str, Tensor]:
     """Right-padded ``input_ids``, ``attention_mask`` and ``labels`` (prompt and padding set to -100)."""
     ids, mask = pad([example.input_ids for example in examples], pad_id, side="right")
@@ -92,15 +99,13 @@ def collate_pairs(examples: list[EncodedPair], pad_id: int) -> dict[str, Tensor]
     """
     sequences = [example.chosen_ids for example in examples] + [example.rejected_ids for example in examples]
     ids, mask = pad(sequences, pad_id, side="right")
-    prompt_lengths = torch.tensor([max(example.prompt_length, 1) for example in examples]).repeat(2)
-    columns = torch.arange(ids.shape[1])
     prompt_ids, prompt_mask = pad([example.chosen_ids[: example.prompt_length] for example in examples], pad_id,
                                   side="left")
     batch = {
         "input_ids": ids,
         "attention_mask": mask,
         "last_index": mask.sum(-1) - 1,
-        "response_mask": (columns >= prompt_lengths[:, None]) & mask.bool(),
+        "response_mask": after_prompt(mask, [example.prompt_length for example in examples] * 2),
         "prompt_input_ids": prompt_ids,
         "prompt_attention_mask": prompt_mask,
         "index": torch.tensor([example.index for example in examples], dtype=torch.long),
@@ -126,12 +131,11 @@ def collate_unpaired(examples: list[EncodedUnpaired], pad_id: int) -> dict[str, 
     prompts = [example.prompt_ids for example in examples] * 2
     rows = [prompt + completion for prompt, completion in zip(prompts, completions + mismatched, strict=True)]
     ids, mask = pad(rows, pad_id, side="right")
-    prompt_lengths = torch.tensor([max(len(prompt), 1) for prompt in prompts])
     prompt_ids, prompt_mask = pad(prompts[: len(examples)], pad_id, side="left")
     batch = {
         "input_ids": ids,
         "attention_mask": mask,
-        "response_mask": (torch.arange(ids.shape[1]) >= prompt_lengths[:, None]) & mask.bool(),
+        "response_mask": after_prompt(mask, [len(prompt) for prompt in prompts]),
         "prompt_input_ids": prompt_ids,
         "prompt_attention_mask": prompt_mask,
         "desirable": torch.tensor([example.desirable for example in examples], dtype=torch.bool),

@@ -71,6 +71,9 @@ class StageDataModule(L.LightningDataModule):
     """
 
     kind: ClassVar[str]
+    # Whether examples carry their position in their set (``index``): it keys values computed once per example
+    # (DPO's precomputed reference) and seeds each prompt's samples under ``seed_scope: prompt``.
+    numbered: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -200,6 +203,8 @@ class StageDataModule(L.LightningDataModule):
             )
         if not examples:
             raise DataFormatError(f"{source}: no usable examples (all {len(records)} longer than max_length?)")
+        if self.numbered:
+            examples = [replace(example, index=i) for i, example in enumerate(examples)]
         self._warn_unknown_tokens(examples, source)
         return examples
 
@@ -256,14 +261,10 @@ class PreferenceDataModule(StageDataModule):
     """
 
     kind = "preferences"
+    numbered = True
 
     def synthetic(self, n: int, task: str = SYNTHETIC) -> list[dict]:
         return make_task(task, self.seed).preference_rows(n)
-
-    def setup(self, stage: str) -> None:
-        super().setup(stage)
-        self.train_set = [replace(pair, index=i) for i, pair in enumerate(self.train_set)]
-        self.val_set = [replace(pair, index=i) for i, pair in enumerate(self.val_set)]
 
     def encode(self, record: Record) -> EncodedPair:
         example = parse_preference(record)
@@ -301,14 +302,10 @@ class UnpairedPreferenceDataModule(StageDataModule):
     """
 
     kind = "unpaired"
+    numbered = True
 
     def synthetic(self, n: int, task: str = SYNTHETIC) -> list[dict]:
         return make_task(task, self.seed).preference_rows(n)
-
-    def setup(self, stage: str) -> None:
-        super().setup(stage)
-        self.train_set = [replace(example, index=i) for i, example in enumerate(self.train_set)]
-        self.val_set = [replace(example, index=i) for i, example in enumerate(self.val_set)]
 
     def encode(self, record: Record) -> list[EncodedUnpaired]:
         encoded = []
@@ -357,6 +354,7 @@ class PromptDataModule(StageDataModule):
     """
 
     kind = "prompts"
+    numbered = True
 
     def __init__(
         self,
@@ -383,9 +381,6 @@ class PromptDataModule(StageDataModule):
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        # Numbered by position, as pairs are: a prompt's number seeds its samples under seed_scope: prompt.
-        self.train_set = [replace(prompt, index=i) for i, prompt in enumerate(self.train_set)]
-        self.val_set = [replace(prompt, index=i) for i, prompt in enumerate(self.val_set)]
         if self.ptx is not None and self.ptx.train_set is None:
             self.ptx.tokenizer = self.tokenizer
             self.ptx.setup(stage)

@@ -2,17 +2,21 @@
 
 peft loads an adapter of another shape with a long ``size mismatch`` traceback from deep inside torch; one
 trained on another base of the same shape loads silently and computes nonsense. Shapes are compared here and
-refused with one line; a base recorded under another path is reported by the caller (``AdapterReward``).
+refused with one line; a base recorded under another path is reported by :func:`warn_if_other_base`, which the
+callers that load a trained adapter onto the run's base call (the reward adapter, a distillation teacher).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from safetensors import safe_open
 from torch import nn
 from transformers.pytorch_utils import Conv1D
+
+log = logging.getLogger(__name__)
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
@@ -61,3 +65,12 @@ def check_adapter_fits(directory: str | Path, model: nn.Module, base_name: str |
             raise ValueError(f"adapter {directory} does not fit the base ({origin}): layer {name} maps "
                              f"{fan_in} -> {fan_out} features in the adapter but {shape[0]} -> {shape[1]} in the "
                              "base; load it on the model it was trained on")
+
+
+def warn_if_other_base(directory: str | Path, base_name: str | None, what: str) -> None:
+    """Warn when the adapter in ``directory`` records another base path than ``base_name``, the loaded base's: an
+    adapter of the same shape trained on other weights loads silently and computes nonsense (``what`` names it)."""
+    trained_on = json.loads((Path(directory) / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if trained_on and base_name and Path(trained_on).resolve() != Path(base_name).resolve():
+        log.warning("the %s in %s was trained on %s, but the base is %s: they must hold the same weights", what,
+                    directory, trained_on, base_name)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import logging
 import math
 import numbers
 from collections.abc import Callable, Sequence
@@ -23,11 +22,10 @@ from transformers import PreTrainedTokenizerBase
 
 from rlhf_lightning.data.collate import pad
 from rlhf_lightning.data.tokenize import completion_end_id, encode_completion, encode_prompt
+from rlhf_lightning.models.adapter_fit import warn_if_other_base
 from rlhf_lightning.models.heads import ScalarHead
 from rlhf_lightning.models.shared_base import SharedBase, position_ids_from_mask
 from rlhf_lightning.rollout.generate import is_stop
-
-log = logging.getLogger(__name__)
 
 REWARD_ROLE = "reward"
 REWARD_STATS = "reward_stats.json"
@@ -132,11 +130,7 @@ class AdapterReward(RewardSource):
                 f"reward adapter: {config_path} not found; run the reward stage first "
                 "(python -m rlhf_lightning fit --config configs/reward.yaml) or set reward.init_args.path"
             )
-        trained_on = json.loads(config_path.read_text()).get("base_model_name_or_path")
-        loaded = base.hf_model.config.name_or_path
-        if trained_on and loaded and Path(trained_on).resolve() != Path(loaded).resolve():
-            log.warning("the reward adapter in %s was trained on %s, but the PPO base is %s: they must hold the "
-                        "same weights", self.path, trained_on, loaded)
+        warn_if_other_base(self.path, base.hf_model.config.name_or_path, "reward adapter")
         base.load_adapter(self.path, REWARD_ROLE, trainable=False)
         if REWARD_ROLE not in base.heads:
             raise FileNotFoundError(f"reward adapter: {self.path} has no score head (head.safetensors)")
