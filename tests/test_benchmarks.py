@@ -28,6 +28,7 @@ RUNS = {
     "dpo_vs_trl": ["--dry-run", "--sides", "ours,ours_precomputed,floor"],
     "scale": ["--dry-run", "--shape", "2x64", "--vocab", "256", "--fit-layers", "1,2", "--sides", "ours_ppo",
               "--no-target"],
+    "decoding": ["--dry-run"],
     "sharding": ["--ranks", "1", "--algorithms", "grpo", "--layers", "1", "--width", "64", "--prompts", "4",
                  "--group-size", "2", "--response-length", "4", "--iterations", "1", "--threads", "1"],
 }
@@ -153,3 +154,12 @@ def test_sharding_runs_one_rank(outputs):
 def test_trl_sides_run(outputs, run):
     _, result = output_of(outputs, run)
     assert finite_positive(result["time_ratio_lora"]) and finite_positive(result["memory_ratio_lora"])
+
+
+def test_decoding_runs_every_side_and_they_draw_the_same_tokens(outputs):
+    stdout, result = output_of(outputs, "decoding")
+    assert "side       s/rollout  ratio prefill s  decode s    tok/s compile s same tokens" in stdout
+    sides = result["sides"]
+    assert set(sides) == {"generate", "eager", "compiled"}
+    assert all(side["same_tokens"] == 1.0 and finite_positive(side["seconds"]) for side in sides.values())
+    assert sides["generate"]["ratio"] == 1.0 and sides["compiled"]["compile_seconds"] > 0

@@ -343,10 +343,9 @@ class OnlineRL(EpisodeSampling, PolicyModule):
         episodes = turn_rewards = None
         with phase("rollout/generate"):
             if self.environment is None:
-                prompt_ids = prompts["input_ids"].repeat_interleave(group, 0)
                 input_ids, attention_mask, response_mask, sampler_logprobs = self.generate(
-                    prompt_ids, prompts["attention_mask"].repeat_interleave(group, 0),
-                    seeds=self.row_seeds(f"train {self.iteration}", prompts.get("index"), group), with_logprobs=True)
+                    prompts["input_ids"], prompts["attention_mask"], group=group, with_logprobs=True,
+                    seeds=self.row_seeds(f"train {self.iteration}", prompts.get("index"), group))
             else:  # response_mask: the policy's tokens; the environment's sit between them
                 episodes = self.sample_episodes(prompts, group, f"train {self.iteration}")
                 input_ids, attention_mask, response_mask = (episodes.input_ids, episodes.attention_mask,

@@ -74,7 +74,14 @@ class PolicyModule(StageModule):
             and KL would come from another distribution than the one sampled.
         top_p: nucleus-sampling threshold; 1.0 = off (refused by the online algorithms, as ``top_k``).
         kv_cache: KV cache of generation: ``static`` allocates it once for prompt + ``max_new_tokens`` (faster,
-            notably on CPU); ``dynamic`` grows it token by token (for models without static-cache support).
+            notably on CPU); ``dynamic`` grows it token by token (for models without static-cache support; only
+            ``decoding: generate``).
+        decoding: how responses are decoded: ``eager`` = our loop over a static KV cache, each prompt encoded once
+            for its ``samples_per_prompt`` responses; ``compiled`` = the same loop with its decode step
+            ``torch.compile``-d (CUDA graphs on a GPU: about one launch per token; compiled once per batch size
+            and 64-token prompt bucket); ``generate`` = transformers' ``generate`` (every row encodes its prompt);
+            ``auto`` = ``compiled`` on CUDA, ``eager`` elsewhere and under FSDP2, ``generate`` with a dynamic
+            cache. All draw the same tokens (compiled: up to kernel rounding).
         stop_token: what ends a response: ``auto`` = EOS and the token the chat template ends an assistant turn
             with (ChatML's ``<|im_end|>``, Gemma's ``<end_of_turn>``), ``eos`` = the tokenizer's EOS alone,
             another single token, or null (never stop).
@@ -110,6 +117,7 @@ class PolicyModule(StageModule):
         top_k: int = 0,
         top_p: float = 1.0,
         kv_cache: Literal["static", "dynamic"] = "static",
+        decoding: Literal["auto", "compiled", "eager", "generate"] = "auto",
         stop_token: str | None = "auto",
         logprob_chunk: int | None = None,
         seed: int = 0,
@@ -118,7 +126,7 @@ class PolicyModule(StageModule):
         gold_reward: GoldReward | None = None,
         export_dir: str | None = None,
     ) -> None:
-        check_sampling(max_new_tokens, temperature, top_k, top_p, kv_cache, logprob_chunk)
+        check_sampling(max_new_tokens, temperature, top_k, top_p, kv_cache, logprob_chunk, decoding)
         checks.one_of("seed_scope", seed_scope, ("rank", "prompt"))
         checks.one_of("sharded_rollout", sharded_rollout, ("gathered", "per_layer"))
         super().__init__(base)
@@ -144,7 +152,8 @@ class PolicyModule(StageModule):
         if self._sampling is None:
             hp = self.hparams
             self._sampling = SamplingSettings(hp.max_new_tokens, hp.temperature, hp.top_k, hp.top_p, hp.kv_cache,
-                                              stop_token_ids(self.tokenizer, hp.stop_token))
+                                              stop_token_ids(self.tokenizer, hp.stop_token),
+                                              hp.get("decoding", "auto"))
         return self._sampling
 
     def setup(self, stage: str) -> None:
@@ -256,16 +265,18 @@ class PolicyModule(StageModule):
 
     @torch.no_grad()
     def generate(self, input_ids: Tensor, attention_mask: Tensor, role: str | None = POLICY,
-                 seeds: Sequence[int] | None = None, with_logprobs: bool = False) -> tuple[Tensor, ...]:
-        """Sample responses: ``(prompt + response ids, attention mask, response mask [B, R])``, and with
-        ``with_logprobs`` the sampler's own log-probs ``[B, R]``. ``seeds``: one per row, each row's tokens drawn
-        from a generator of its own (``seed_scope: prompt``); None = the global random stream."""
+                 seeds: Sequence[int] | None = None, with_logprobs: bool = False, group: int = 1
+                 ) -> tuple[Tensor, ...]:
+        """Sample ``group`` responses to each prompt (consecutive rows): ``(prompt + response ids, attention mask,
+        response mask [B * group, R])``, and with ``with_logprobs`` the sampler's own log-probs ``[B * group, R]``.
+        ``seeds``: one per response, each drawn from a generator of its own (``seed_scope: prompt``); None = the
+        global random stream."""
         draws = None if seeds is None else row_draws(list(seeds), self.sampling.max_new_tokens, input_ids.device)
         synced = self.model.is_sharded and self.hparams.sharded_rollout == "per_layer"
         with self.rollout_gathered():
             return sample_responses(self.model, role, input_ids, attention_mask, self.sampling,
                                     self.tokenizer.pad_token_id, draws=draws, synced=synced,
-                                    with_logprobs=with_logprobs)
+                                    with_logprobs=with_logprobs, group=group)
 
     def rollout_gathered(self):
         """A block of no-grad passes over the sharded base (sampling and scoring), gathered as

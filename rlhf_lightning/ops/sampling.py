@@ -44,48 +44,72 @@ class InverseCDFSampler(LogitsProcessor):
         return torch.stack(self.chosen_logprobs, 1)
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
-        # float64: the running sum over a large vocabulary keeps every token's share exact to ~1e-16 (Apple's MPS
-        # has no float64; float32's error there is ~1e-7 per share).
-        dtype = torch.float32 if scores.device.type == "mps" else torch.float64
-        wide = scores.to(dtype)
-        cdf = torch.softmax(wide, dim=-1)
-        # The drawn token's log-prob without keeping a second [B, V] tensor: log p_t = s_t - log Z, and
-        # log Z = s_top - log p_top, read at the most likely token (p_top >= 1/V) before the running sum below.
-        top = wide.argmax(-1, keepdim=True)
-        log_partition = wide.gather(-1, top) - cdf.gather(-1, top).log()
-        cdf.cumsum_(-1)
-        total = cdf[:, -1:].contiguous()
-        bad = ~torch.isfinite(total.squeeze(-1))
-        if bad.any():
-            raise FloatingPointError(
-                f"next-token scores of rows {bad.nonzero().flatten().tolist()} (of {scores.shape[0]}) are NaN or all "
-                f"-inf after {input_ids.shape[1]} tokens: the sampling model's weights or activations are not finite"
-            )
         if self.draws is None:
-            uniform = torch.rand(total.shape, device=cdf.device, dtype=cdf.dtype)
+            dtype = torch.float32 if scores.device.type == "mps" else torch.float64
+            uniform = torch.rand((scores.shape[0], 1), device=scores.device, dtype=dtype)
         else:
             step = input_ids.shape[1] - self.prompt_length
-            uniform = self.draws[:, step : step + 1].to(device=cdf.device, dtype=cdf.dtype)
-        draws = uniform * total
-        # The first token whose cumulative probability exceeds the draw; the second bound (the last token with a
-        # positive probability) only matters when rounding makes the draw equal the total.
-        tokens = torch.minimum(torch.searchsorted(cdf, draws, right=True), torch.searchsorted(cdf, total))
-        self.chosen_logprobs.append((wide.gather(-1, tokens) - log_partition).squeeze(-1).float())
-        return torch.full_like(scores, float("-inf")).scatter_(-1, tokens, 0.0)
+            uniform = self.draws[:, step : step + 1]
+        tokens, logprobs, finite = inverse_cdf_draw(scores, uniform)
+        if not bool(finite.all()):
+            raise nonfinite_scores_error(~finite, input_ids.shape[1])
+        self.chosen_logprobs.append(logprobs)
+        return torch.full_like(scores, float("-inf")).scatter_(-1, tokens[:, None], 0.0)
+
+
+def inverse_cdf_draw(scores: Tensor, uniform: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Draw one token per row of ``scores`` ``[B, V]`` from ``softmax(scores)`` with the uniform numbers ``uniform``
+    ``[B, 1]`` in [0, 1): the first token whose cumulative probability exceeds ``uniform * total``.
+
+    Returns ``(tokens [B], the drawn tokens' log-probabilities [B] (float32), finite [B])``; a row whose scores are
+    NaN or all -inf is not finite and its token is meaningless (but a valid index). Pure tensor code without host
+    synchronisation, so a compiled decode step can hold it.
+    """
+    # float64: the running sum over a large vocabulary keeps every token's share exact to ~1e-16 (Apple's MPS
+    # has no float64; float32's error there is ~1e-7 per share).
+    dtype = torch.float32 if scores.device.type == "mps" else torch.float64
+    wide = scores.to(dtype)
+    cdf = torch.softmax(wide, dim=-1)
+    # The drawn token's log-prob without keeping a second [B, V] tensor: log p_t = s_t - log Z, and
+    # log Z = s_top - log p_top, read at the most likely token (p_top >= 1/V) before the running sum below.
+    top = wide.argmax(-1, keepdim=True)
+    log_partition = wide.gather(-1, top) - cdf.gather(-1, top).log()
+    cdf.cumsum_(-1)
+    total = cdf[:, -1:].contiguous()
+    draws = uniform.to(device=cdf.device, dtype=dtype) * total
+    # The second bound (the last token with a positive probability) only matters when rounding makes the draw
+    # equal the total; the clamp keeps a non-finite row's index inside the vocabulary.
+    tokens = torch.minimum(torch.searchsorted(cdf, draws, right=True), torch.searchsorted(cdf, total))
+    tokens = tokens.clamp_(max=scores.shape[-1] - 1)
+    logprobs = (wide.gather(-1, tokens) - log_partition).squeeze(-1).float()
+    return tokens.squeeze(-1), logprobs, torch.isfinite(total.squeeze(-1))
+
+
+def nonfinite_scores_error(bad_rows: Tensor, tokens_so_far: int) -> FloatingPointError:
+    """The error for next-token scores that cannot be sampled (``bad_rows``: ``[B]`` bool)."""
+    return FloatingPointError(
+        f"next-token scores of rows {bad_rows.nonzero().flatten().tolist()} (of {bad_rows.shape[0]}) are NaN or all "
+        f"-inf after {tokens_so_far} tokens: the sampling model's weights or activations are not finite")
+
+
+def sampling_warpers(temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> LogitsProcessorList:
+    """transformers' own temperature, top-k and top-p warpers, in the order ``do_sample=True`` applies them (those
+    that are on)."""
+    warpers = LogitsProcessorList()
+    if temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(temperature))
+    if top_k:
+        warpers.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p))
+    return warpers
 
 
 def sampling_processors(temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, draws: Tensor | None = None,
                         prompt_length: int = 0) -> LogitsProcessorList:
-    """Logits processors for ``generate(do_sample=False, logits_processor=...)`` that sample: transformers' own
-    temperature, top-k and top-p warpers (in that order, as ``do_sample=True`` applies them), then
-    :class:`InverseCDFSampler` (with ``draws``, see there)."""
-    processors = LogitsProcessorList()
-    if temperature != 1.0:
-        processors.append(TemperatureLogitsWarper(temperature))
-    if top_k:
-        processors.append(TopKLogitsWarper(top_k))
-    if top_p < 1.0:
-        processors.append(TopPLogitsWarper(top_p))
+    """Logits processors for ``generate(do_sample=False, logits_processor=...)`` that sample: the
+    :func:`sampling_warpers`, then :class:`InverseCDFSampler` (with ``draws``, see there)."""
+    processors = sampling_warpers(temperature, top_k, top_p)
     processors.append(InverseCDFSampler(draws, prompt_length))
     return processors
 

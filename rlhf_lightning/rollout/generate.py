@@ -12,7 +12,10 @@ from transformers import GenerationConfig, PreTrainedTokenizerBase
 from rlhf_lightning.algorithms.masked import last_marked_index
 from rlhf_lightning.data.tokenize import completion_end_id
 from rlhf_lightning.models.shared_base import SharedBase
-from rlhf_lightning.ops.sampling import sampling_processors
+from rlhf_lightning.ops.sampling import sampling_processors, sampling_warpers
+from rlhf_lightning.rollout.decode import Decoder
+
+DECODINGS = ("auto", "compiled", "eager", "generate")
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,7 @@ class SamplingSettings:
     top_p: float = 1.0
     kv_cache: Literal["static", "dynamic"] = "static"
     stop_token_ids: tuple[int, ...] = ()  # any of them ends a response; empty = never stop
+    decoding: Literal["auto", "compiled", "eager", "generate"] = "auto"
 
     def __post_init__(self) -> None:
         if self.temperature <= 0:
@@ -33,6 +37,23 @@ class SamplingSettings:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.kv_cache not in ("static", "dynamic"):
             raise ValueError(f"kv_cache must be static or dynamic, got {self.kv_cache!r}")
+        if self.decoding not in DECODINGS:
+            raise ValueError(f"decoding must be one of {', '.join(DECODINGS)}, got {self.decoding!r}")
+        if self.kv_cache == "dynamic" and self.decoding in ("compiled", "eager"):
+            raise ValueError(f"decoding: {self.decoding} decodes over a static KV cache; kv_cache: dynamic needs "
+                             "decoding: generate (or auto)")
+
+    def decoder_for(self, device: torch.device, sharded: bool) -> str:
+        """The decoding that runs: ``auto`` is ``compiled`` on CUDA (CUDA graphs), ``eager`` elsewhere and on an
+        FSDP2-sharded base (whose per-layer hooks are not compiled), ``generate`` with a dynamic cache."""
+        if self.decoding != "auto":
+            if self.decoding == "compiled" and sharded:
+                raise ValueError("decoding: compiled cannot run on an FSDP2-sharded base (its layers gather "
+                                 "themselves in hooks that are not compiled); use decoding: eager or auto")
+            return self.decoding
+        if self.kv_cache == "dynamic":
+            return "generate"
+        return "compiled" if device.type == "cuda" and not sharded else "eager"
 
     def generation_config(self, pad_token_id: int) -> GenerationConfig:
         """What ``generate`` is called with; the sampling itself is :func:`sampling_processors`."""
@@ -66,41 +87,65 @@ def stop_token_ids(tokenizer: PreTrainedTokenizerBase, stop_token: str | None) -
 @torch.no_grad()
 def sample_responses(model: SharedBase, role: str | None, input_ids: Tensor, attention_mask: Tensor,
                      settings: SamplingSettings, pad_token_id: int, draws: Tensor | None = None,
-                     synced: bool = False, with_logprobs: bool = False) -> tuple[Tensor, ...]:
-    """Sample a response to each prompt from ``role`` (eval mode, KV cache) and cut it after its stop token.
+                     synced: bool = False, with_logprobs: bool = False, group: int = 1) -> tuple[Tensor, ...]:
+    """Sample ``group`` responses to each prompt from ``role`` (eval mode, KV cache) and cut them after their stop
+    token; rows ``b * group ..`` answer prompt ``b``.
 
-    ``draws``: the uniform numbers of each row's tokens (see :class:`~rlhf_lightning.ops.sampling.
-    InverseCDFSampler`); None = the global random stream. ``synced``: every rank keeps decoding until all have
-    finished (a base sharded layer by layer gathers each layer at every step, a collective).
+    ``draws``: the uniform numbers of each response's tokens ``[B * group, max_new_tokens]`` (see
+    :class:`~rlhf_lightning.ops.sampling.InverseCDFSampler`); None = the global random stream. ``synced``: every
+    rank keeps decoding until all have finished (a base sharded layer by layer gathers each layer at every step, a
+    collective). ``settings.decoding`` picks our decoding loop (:mod:`rlhf_lightning.rollout.decode`: each
+    prompt encoded once per group, the decode step optionally compiled) or transformers' ``generate``; they draw
+    the same tokens.
 
-    Returns ``(prompt + response ids [B, P + R], attention mask [B, P + R], response mask [B, R])``; ``R`` is
-    at most ``max_new_tokens`` (less once every row has stopped). ``with_logprobs`` adds the sampler's own
-    log-probs of the response tokens ``[B, R]`` (0 after the stop).
+    Returns ``(prompt + response ids [B * group, P + R], attention mask [B * group, P + R], response mask
+    [B * group, R])``; ``R`` is at most ``max_new_tokens`` (less once every row has stopped). ``with_logprobs``
+    adds the sampler's own log-probs of the response tokens ``[B * group, R]`` (0 after the stop).
     """
+    decoding = settings.decoder_for(input_ids.device, model.is_sharded)
+    if group > 1 and decoding == "generate":
+        input_ids, attention_mask = input_ids.repeat_interleave(group, 0), attention_mask.repeat_interleave(group, 0)
+        group = 1
     was_training = model.training
     model.eval()
     try:
         # Sampling runs in the weights' own precision, outside any autocast (bf16-mixed): autocast would re-cast
         # every frozen fp32 weight to bf16 at each decoded token (8 bytes read per parameter instead of 4), and it
         # leaves rotary keys in fp32 beside bf16 values, which a static cache (one dtype for both) rejects.
-        processors = sampling_processors(settings.temperature, settings.top_k, settings.top_p, draws,
-                                         input_ids.shape[1])
         with model.role(role), torch.autocast(input_ids.device.type, enabled=False):
-            sequences = model.hf_model.generate(
-                input_ids=input_ids, attention_mask=attention_mask,
-                generation_config=settings.generation_config(pad_token_id),
-                logits_processor=processors, synced_gpus=synced,
-            )
+            if decoding == "generate":
+                responses, logprobs = _generate(model, input_ids, attention_mask, settings, pad_token_id, draws,
+                                                synced)
+            else:
+                decoder = model.decoders.get(decoding) or model.decoders.setdefault(
+                    decoding, Decoder(model.hf_model, compiled=decoding == "compiled"))
+                stop_ids = torch.tensor(settings.stop_token_ids, dtype=torch.long, device=input_ids.device)
+                responses, logprobs = decoder(input_ids, attention_mask, sampling_warpers(
+                    settings.temperature, settings.top_k, settings.top_p), settings.max_new_tokens, stop_ids,
+                    pad_token_id, draws=draws, group=group, synced=synced)
     finally:
         model.train(was_training)
-    responses, response_mask = truncate_after_stop(sequences[:, input_ids.shape[1]:], settings.stop_token_ids,
-                                                   pad_token_id)
+    if group > 1:
+        input_ids, attention_mask = input_ids.repeat_interleave(group, 0), attention_mask.repeat_interleave(group, 0)
+    responses, response_mask = truncate_after_stop(responses, settings.stop_token_ids, pad_token_id)
     sampled = (torch.cat([input_ids, responses], 1), torch.cat([attention_mask, response_mask.long()], 1),
                response_mask)
     if not with_logprobs:
         return sampled
-    logprobs = processors[-1].sampled_logprobs()[:, : responses.shape[1]].to(responses.device)
-    return (*sampled, torch.where(response_mask, logprobs, 0.0))
+    return (*sampled, torch.where(response_mask, logprobs.to(responses.device), 0.0))
+
+
+def _generate(model: SharedBase, input_ids: Tensor, attention_mask: Tensor, settings: SamplingSettings,
+              pad_token_id: int, draws: Tensor | None, synced: bool) -> tuple[Tensor, Tensor]:
+    """transformers' ``generate`` with our sampler: ``(response tokens [B, R], their log-probs [B, R])``."""
+    processors = sampling_processors(settings.temperature, settings.top_k, settings.top_p, draws,
+                                     input_ids.shape[1])
+    sequences = model.hf_model.generate(
+        input_ids=input_ids, attention_mask=attention_mask, generation_config=settings.generation_config(pad_token_id),
+        logits_processor=processors, synced_gpus=synced,
+    )
+    responses = sequences[:, input_ids.shape[1]:]
+    return responses, processors[-1].sampled_logprobs()[:, : responses.shape[1]]
 
 
 def is_stop(tokens: Tensor, stop_token_ids: int | tuple[int, ...] | None) -> Tensor:

@@ -108,10 +108,10 @@ def sample_reference(module: Any, batches: Iterable[dict[str, Any]], samples_per
     for batch in batches:
         for start in range(0, batch["input_ids"].shape[0], prompts_at_once):
             rows = slice(start, start + prompts_at_once)
-            ids = batch["input_ids"][rows].to(module.device).repeat_interleave(samples_per_prompt, 0)
-            mask = batch["attention_mask"][rows].to(module.device).repeat_interleave(samples_per_prompt, 0)
+            ids, mask = batch["input_ids"][rows].to(module.device), batch["attention_mask"][rows].to(module.device)
             prompts = [p for p in batch["prompt"][rows] for _ in range(samples_per_prompt)]
-            sequences, attention_mask, response_mask = module.generate(ids, mask, role=REFERENCE)
+            sequences, attention_mask, response_mask = module.generate(ids, mask, role=REFERENCE,
+                                                                       group=samples_per_prompt)
             texts = module.decode(sequences[:, ids.shape[1]:], response_mask)
             scores = module.rewards.combine(module.score_responses(sequences, attention_mask, response_mask, texts,
                                                                   prompts))

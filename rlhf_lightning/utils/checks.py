@@ -79,13 +79,17 @@ def one_of(name: str, value: Any, choices: Iterable[Any]) -> None:
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float, kv_cache: str,
-                   logprob_chunk: int | None) -> None:
+                   logprob_chunk: int | None, decoding: str = "auto") -> None:
     """The sampling arguments every policy stage shares (``PolicyModule``)."""
     at_least("max_new_tokens", max_new_tokens)
     positive("temperature", temperature)
     at_least("top_k", top_k, minimum=0)
     in_range("top_p", top_p, 0.0, 1.0, low_open=True)
     one_of("kv_cache", kv_cache, ("static", "dynamic"))
+    one_of("decoding", decoding, ("auto", "compiled", "eager", "generate"))
+    if kv_cache == "dynamic" and decoding in ("compiled", "eager"):
+        raise ValueError(f"decoding: {decoding} decodes over a static KV cache; kv_cache: dynamic needs decoding: "
+                         "generate (or auto)")
     at_least("logprob_chunk", logprob_chunk, optional=True)
 
 

@@ -1,0 +1,162 @@
+"""Decoding: a rollout's sampling under each ``decoding`` setting, in one process, on the same model and draws.
+
+A random model of the chosen shape (``--shape``: a GPT-2 preset, or ``qwen2-0.5b`` / ``llama-1b``, the layer
+shapes of Qwen2-0.5B and Llama-3.2-1B with random weights; nothing is downloaded) with a ``policy`` LoRA adapter
+samples ``--group`` responses to each of ``--prompts`` prompts of ``--prompt-length`` tokens, ``--response-length``
+tokens each (no stop token: every response is full length, so each side decodes the same number of steps).
+Sides, each the median of ``--repeats`` timed rollouts after one untimed warm-up (which holds the compile):
+
+- ``generate``: transformers' ``generate`` with our sampler, every sample a row of its own (its prompt encoded
+  ``group`` times): the path before the decode loop, and the baseline of the ratios;
+- ``eager``: our loop, each prompt encoded once and its KV cache copied to its samples;
+- ``compiled``: the same loop with its decode step compiled (``torch.compile``; CUDA graphs on a GPU).
+
+Printed: seconds per rollout and the ratio to ``generate``, prefill and decode seconds apart (``eager``: the
+prefill is timed alone), decoded tokens per second, the compile seconds of the warm-up, and whether each side drew
+``generate``'s tokens (fp32: exactly; else the fraction of equal tokens). The last line is the result as JSON.
+
+    python benchmarks/decoding.py --shape gpt2 --prompts 4 --group 8 --prompt-length 256 --response-length 64
+    python benchmarks/decoding.py --device cuda --dtype bfloat16 --shape qwen2-0.5b --prompts 64 --group 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.harness.settings import GPT2_VOCAB, PRESETS  # noqa: E402
+from rlhf_lightning.models.shared_base import SharedBase  # noqa: E402
+from rlhf_lightning.models.spec import LoraSpec  # noqa: E402
+from rlhf_lightning.ops.sampling import row_draws  # noqa: E402
+from rlhf_lightning.rollout.generate import SamplingSettings, sample_responses  # noqa: E402
+
+# Layer shapes of public models (random weights): Qwen2-0.5B and Llama-3.2-1B.
+SHAPES = {
+    "qwen2-0.5b": {"model_type": "qwen2", "num_hidden_layers": 24, "hidden_size": 896, "intermediate_size": 4864,
+                   "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151_936,
+                   "tie_word_embeddings": True},
+    "llama-1b": {"model_type": "llama", "num_hidden_layers": 16, "hidden_size": 2048, "intermediate_size": 8192,
+                 "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128_256,
+                 "tie_word_embeddings": True},
+    **{name: {"model_type": "gpt2", "vocab_size": GPT2_VOCAB, **shape} for name, shape in PRESETS.items()},
+}
+SIDES = ("generate", "eager", "compiled")
+
+
+def build(shape: str, dtype: torch.dtype, device: str) -> SharedBase:
+    """A random model of ``shape`` with a policy adapter whose update is not zero."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    fields = dict(SHAPES[shape])
+    positions = {"n_positions": 2048} if fields["model_type"] == "gpt2" else {"max_position_embeddings": 4096}
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**fields, **positions), dtype=dtype)
+    base = SharedBase(model.to(device))
+    base.add_adapter("policy", LoraSpec(r=16, alpha=32))
+    with torch.no_grad():
+        for name, parameter in base.model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.01)
+    return base.eval()
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def rollout(base: SharedBase, side: str, ids: torch.Tensor, mask: torch.Tensor, args: argparse.Namespace,
+            draws: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """Seconds of one rollout under ``side`` and its response tokens."""
+    settings = SamplingSettings(max_new_tokens=args.response_length, decoding=side)
+    group = args.group
+    if side == "generate":
+        ids, mask, group = ids.repeat_interleave(group, 0), mask.repeat_interleave(group, 0), 1
+    synchronize(args.device)
+    started = time.perf_counter()
+    sequences, _, _ = sample_responses(base, "policy", ids, mask, settings, pad_token_id=0, draws=draws, group=group)
+    synchronize(args.device)
+    return time.perf_counter() - started, sequences[:, ids.shape[1]:]
+
+
+def prefill_seconds(base: SharedBase, ids: torch.Tensor, mask: torch.Tensor, args: argparse.Namespace) -> float:
+    """Seconds of the prompts' forward pass alone (``rows`` x prompt), as each side's prefill runs it."""
+    synchronize(args.device)
+    started = time.perf_counter()
+    with torch.no_grad(), base.role("policy"):
+        base.hf_model(input_ids=ids, attention_mask=mask, logits_to_keep=1)
+    synchronize(args.device)
+    return time.perf_counter() - started
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="gpt2")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--group", type=int, default=8, help="samples per prompt")
+    parser.add_argument("--prompt-length", type=int, default=256)
+    parser.add_argument("--response-length", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sides", default=",".join(SIDES))
+    parser.add_argument("--dry-run", action="store_true", help="the tiny preset, short prompts, one repeat")
+    parser.add_argument("--workdir", help="unused (the model is built in memory); accepted as every benchmark does")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        args.shape, args.prompts, args.group, args.prompt_length, args.response_length, args.repeats = (
+            "tiny", 2, 2, 8, 4, 1)
+    sides = args.sides.split(",")
+    if unknown := set(sides) - set(SIDES):
+        parser.error(f"--sides: unknown {sorted(unknown)}; choose from {', '.join(SIDES)}")
+    dtype = getattr(torch, args.dtype)
+    base = build(args.shape, dtype, args.device)
+    vocab = base.hf_model.config.vocab_size
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, vocab, (args.prompts, args.prompt_length), generator=generator).to(args.device)
+    mask = torch.ones_like(ids)
+    rows = args.prompts * args.group
+    draws = row_draws(list(range(rows)), args.response_length, args.device)
+    parameters = sum(p.numel() for p in base.hf_model.parameters())
+    print(f"{args.shape}: {parameters / 1e6:.1f}M parameters, {args.dtype} on {args.device} "
+          f"({torch.get_num_threads()} threads); {args.prompts} prompts x {args.group} samples, prompt "
+          f"{args.prompt_length}, response {args.response_length} tokens")
+    results, reference_tokens = {}, None
+    for side in sides:
+        warmup, tokens = rollout(base, side, ids, mask, args, draws)
+        seconds = statistics.median(rollout(base, side, ids, mask, args, draws)[0] for _ in range(args.repeats))
+        prefill_rows = rows if side == "generate" else args.prompts
+        prefill = statistics.median(prefill_seconds(base, ids.repeat_interleave(prefill_rows // args.prompts, 0),
+                                                    mask.repeat_interleave(prefill_rows // args.prompts, 0), args)
+                                    for _ in range(args.repeats))
+        if reference_tokens is None:
+            reference_tokens = tokens
+        same = float((tokens == reference_tokens).float().mean()) if tokens.shape == reference_tokens.shape else 0.0
+        decoder = base.decoders.get(side)
+        results[side] = {"seconds": seconds, "prefill_seconds": prefill, "decode_seconds": seconds - prefill,
+                         "tokens_per_second": rows * args.response_length / seconds,
+                         "warmup_seconds": warmup, "same_tokens": same,
+                         "compile_seconds": decoder.stats.compile_seconds if decoder is not None else 0.0}
+    baseline = results.get("generate", next(iter(results.values())))["seconds"]
+    print(f"{'side':<10} {'s/rollout':>9} {'ratio':>6} {'prefill s':>9} {'decode s':>9} {'tok/s':>8} "
+          f"{'compile s':>9} {'same tokens':>11}")
+    for side, result in results.items():
+        result["ratio"] = result["seconds"] / baseline
+        print(f"{side:<10} {result['seconds']:9.3f} {result['ratio']:6.3f} {result['prefill_seconds']:9.3f} "
+              f"{result['decode_seconds']:9.3f} {result['tokens_per_second']:8.0f} {result['compile_seconds']:9.1f} "
+              f"{result['same_tokens']:11.4f}")
+    summary = {"settings": dict(vars(args)), "sides": results}
+    print(json.dumps(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
