@@ -11,9 +11,10 @@ Sides, each the median of ``--repeats`` timed rollouts after one untimed warm-up
 - ``eager``: our loop, each prompt encoded once and its KV cache copied to its samples;
 - ``compiled``: the same loop with its decode step compiled (``torch.compile``; CUDA graphs on a GPU).
 
-Printed: seconds per rollout and the ratio to ``generate``, prefill and decode seconds apart (``eager``: the
-prefill is timed alone), decoded tokens per second, the compile seconds of the warm-up, and whether each side drew
-``generate``'s tokens (fp32: exactly; else the fraction of equal tokens). The last line is the result as JSON.
+Printed: seconds per rollout, prefill (the prompts' forward pass timed alone, as each side runs it) and decode (the
+rest), each with its ratio to ``generate``; decoded tokens per second; the compile seconds of the warm-up, and how
+many rollouts the compile takes to pay for itself against ``eager``; whether each side drew ``generate``'s tokens
+(the fraction of equal tokens). The last line is the result as JSON.
 
     python benchmarks/decoding.py --shape gpt2 --prompts 4 --group 8 --prompt-length 256 --response-length 64
     python benchmarks/decoding.py --device cuda --dtype bfloat16 --shape qwen2-0.5b --prompts 64 --group 8
@@ -77,12 +78,10 @@ def rollout(base: SharedBase, side: str, ids: torch.Tensor, mask: torch.Tensor, 
             draws: torch.Tensor) -> tuple[float, torch.Tensor]:
     """Seconds of one rollout under ``side`` and its response tokens."""
     settings = SamplingSettings(max_new_tokens=args.response_length, decoding=side)
-    group = args.group
-    if side == "generate":
-        ids, mask, group = ids.repeat_interleave(group, 0), mask.repeat_interleave(group, 0), 1
     synchronize(args.device)
     started = time.perf_counter()
-    sequences, _, _ = sample_responses(base, "policy", ids, mask, settings, pad_token_id=0, draws=draws, group=group)
+    sequences, _, _ = sample_responses(base, "policy", ids, mask, settings, pad_token_id=0, draws=draws,
+                                       group=args.group)
     synchronize(args.device)
     return time.perf_counter() - started, sequences[:, ids.shape[1]:]
 
@@ -145,14 +144,19 @@ def main(argv: list[str] | None = None) -> dict:
                          "tokens_per_second": rows * args.response_length / seconds,
                          "warmup_seconds": warmup, "same_tokens": same,
                          "compile_seconds": decoder.stats.compile_seconds if decoder is not None else 0.0}
-    baseline = results.get("generate", next(iter(results.values())))["seconds"]
-    print(f"{'side':<10} {'s/rollout':>9} {'ratio':>6} {'prefill s':>9} {'decode s':>9} {'tok/s':>8} "
-          f"{'compile s':>9} {'same tokens':>11}")
+    baseline = results.get("generate", next(iter(results.values())))
+    print(f"{'side':<10} {'s/rollout':>9} {'ratio':>6} {'prefill s':>9} {'ratio':>6} {'decode s':>9} {'ratio':>6} "
+          f"{'tok/s':>8} {'compile s':>9} {'same tokens':>11}")
     for side, result in results.items():
-        result["ratio"] = result["seconds"] / baseline
+        for name in ("", "prefill_", "decode_"):
+            result[f"{name}ratio"] = result[f"{name}seconds"] / baseline[f"{name}seconds"]
         print(f"{side:<10} {result['seconds']:9.3f} {result['ratio']:6.3f} {result['prefill_seconds']:9.3f} "
-              f"{result['decode_seconds']:9.3f} {result['tokens_per_second']:8.0f} {result['compile_seconds']:9.1f} "
-              f"{result['same_tokens']:11.4f}")
+              f"{result['prefill_ratio']:6.3f} {result['decode_seconds']:9.3f} {result['decode_ratio']:6.3f} "
+              f"{result['tokens_per_second']:8.0f} {result['compile_seconds']:9.1f} {result['same_tokens']:11.4f}")
+    if {"eager", "compiled"} <= results.keys() and results["compiled"]["seconds"] < results["eager"]["seconds"]:
+        saved = results["eager"]["seconds"] - results["compiled"]["seconds"]
+        print(f"the compile pays for itself after {results['compiled']['compile_seconds'] / saved:.1f} rollouts "
+              f"of this shape ({saved:.3f} s saved per rollout against eager)")
     summary = {"settings": dict(vars(args)), "sides": results}
     print(json.dumps(summary))
     return summary

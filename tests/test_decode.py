@@ -43,11 +43,10 @@ def prompts(rows: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def sample(base: SharedBase, decoding: str, ids, mask, group: int, new_tokens: int = 24, role: str | None = "policy"):
-    """``(sequences, response mask, sampler log-probs)`` of ``group`` samples per prompt, fixed per-row draws."""
+    """``(sequences, response mask, sampler log-probs)`` of ``group`` samples per prompt, fixed per-row draws
+    (``generate``: today's path, every sample a row of its own, its prompt encoded again)."""
     settings = SamplingSettings(max_new_tokens=new_tokens, stop_token_ids=STOPS, decoding=decoding)
     draws = row_draws(list(range(ids.shape[0] * group)), new_tokens)
-    if decoding == "generate":  # today's path: every sample is a row of its own, prompt included
-        ids, mask, group = ids.repeat_interleave(group, 0), mask.repeat_interleave(group, 0), 1
     sequences, _, response_mask, logprobs = sample_responses(base, role, ids, mask, settings, 0, draws=draws,
                                                              with_logprobs=True, group=group)
     return sequences, response_mask, logprobs
@@ -115,6 +114,7 @@ def test_a_dynamic_cache_needs_generate_and_unknown_decodings_are_refused():
 def test_compiled_decoding_draws_the_eager_tokens_and_compiles_once_for_a_shape(family):
     base = policy_base(family)
     # Prompt lengths 11 and 40 share a bucket; 70 + 24 tokens overrun the sliding windows (64) of Mistral and Gemma-2.
+    assert -(-11 // PROMPT_BUCKET) == -(-40 // PROMPT_BUCKET) != -(-70 // PROMPT_BUCKET)
     for rollout, (length, compiles) in enumerate(((11, 1), (40, 1), (70, 2))):
         ids, mask = prompts(3, length, seed=rollout)
         expected, expected_mask, expected_logprobs = sample(base, "eager", ids, mask, group=2)
@@ -135,7 +135,6 @@ def test_compiled_decoding_recompiles_for_a_new_batch_or_role_only_once():
         assert torch.equal(sample(base, "compiled", ids, mask, group=2, role=role)[0], expected)
     stats = base.decoders["compiled"].stats
     assert stats.compiles == 4 and stats.compile_seconds > 0  # (5 or 7 prompts) x (policy or reference), once each
-    assert PROMPT_BUCKET == 64
 
 
 def test_compiled_decoding_in_bf16_samples_its_tokens_with_their_log_probs():

@@ -19,6 +19,7 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,8 +39,8 @@ CACHES_KEPT = 4  # static caches kept for reuse (compiled steps read them at fix
 
 @dataclass
 class DecodeStats:
-    """What the decoder did so far: compilations of the decode step and the seconds they took (the first calls
-    of a new shape, compile included, minus nothing: an upper bound of the compile time)."""
+    """What the decoder did so far: compilations of the decode step, and the seconds of the calls that compiled (the
+    compile and that call's own token: an upper bound of the compile time)."""
 
     compiles: int = 0
     compile_seconds: float = 0.0
@@ -107,13 +108,12 @@ class Decoder:
                                                  stop_ids, pad_token_id)
         for step in range(max_new_tokens):
             if step:
-                graphs, started = _compiled_graphs(), time.perf_counter()
-                token, logprob, finished, finite = self._step(cache, token, position, mask,
-                                                              self._uniform(draws, step, rows, device), finished,
-                                                              warpers, stop_ids, pad_token_id)
+                # Shapes and role are fixed within a rollout: only its first step can compile.
+                run = self._step_counting_compiles if step == 1 and self.compiled else self._step
+                token, logprob, finished, finite = run(cache, token, position, mask,
+                                                       self._uniform(draws, step, rows, device), finished, warpers,
+                                                       stop_ids, pad_token_id)
                 position = position + 1
-                if _compiled_graphs() > graphs:
-                    self._count_compile(rows, length, time.perf_counter() - started)
             tokens.append(token)
             logprobs.append(logprob)
             bad_step = torch.where(~finite & (bad_step < 0), step, bad_step)
@@ -164,10 +164,17 @@ class Decoder:
             self._caches.popitem(last=False)
         return self._caches[key]
 
-    def _count_compile(self, rows: int, length: int, seconds: float) -> None:
-        self.stats.compiles += 1
-        self.stats.compile_seconds += seconds
-        log.info("compiled the decode step for %d rows over a %d-token cache in %.1f s", rows, length, seconds)
+    def _step_counting_compiles(self, cache: StaticCache, token: Tensor, *inputs: Any
+                                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """:meth:`step`, compiled, with the seconds of a compilation it triggers added to :attr:`stats`."""
+        graphs, started = _compiled_graphs(), time.perf_counter()
+        outputs = self._step(cache, token, *inputs)
+        if _compiled_graphs() > graphs:
+            seconds = time.perf_counter() - started
+            self.stats.compiles += 1
+            self.stats.compile_seconds += seconds
+            log.info("compiled the decode step for %d rows in %.1f s", token.shape[0], seconds)
+        return outputs
 
     @staticmethod
     def _uniform(draws: Tensor | None, step: int, rows: int, device: torch.device) -> Tensor:

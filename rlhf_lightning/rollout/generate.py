@@ -14,8 +14,7 @@ from rlhf_lightning.data.tokenize import completion_end_id
 from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.ops.sampling import sampling_processors, sampling_warpers
 from rlhf_lightning.rollout.decode import Decoder
-
-DECODINGS = ("auto", "compiled", "eager", "generate")
+from rlhf_lightning.utils.checks import check_sampling
 
 
 @dataclass(frozen=True)
@@ -31,17 +30,8 @@ class SamplingSettings:
     decoding: Literal["auto", "compiled", "eager", "generate"] = "auto"
 
     def __post_init__(self) -> None:
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be positive, got {self.temperature}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.kv_cache not in ("static", "dynamic"):
-            raise ValueError(f"kv_cache must be static or dynamic, got {self.kv_cache!r}")
-        if self.decoding not in DECODINGS:
-            raise ValueError(f"decoding must be one of {', '.join(DECODINGS)}, got {self.decoding!r}")
-        if self.kv_cache == "dynamic" and self.decoding in ("compiled", "eager"):
-            raise ValueError(f"decoding: {self.decoding} decodes over a static KV cache; kv_cache: dynamic needs "
-                             "decoding: generate (or auto)")
+        check_sampling(self.max_new_tokens, self.temperature, self.top_k, self.top_p, self.kv_cache, None,
+                       self.decoding)
 
     def decoder_for(self, device: torch.device, sharded: bool) -> str:
         """The decoding that runs: ``auto`` is ``compiled`` on CUDA (CUDA graphs), ``eager`` elsewhere and on an
@@ -103,9 +93,8 @@ def sample_responses(model: SharedBase, role: str | None, input_ids: Tensor, att
     adds the sampler's own log-probs of the response tokens ``[B * group, R]`` (0 after the stop).
     """
     decoding = settings.decoder_for(input_ids.device, model.is_sharded)
-    if group > 1 and decoding == "generate":
-        input_ids, attention_mask = input_ids.repeat_interleave(group, 0), attention_mask.repeat_interleave(group, 0)
-        group = 1
+    # Every response's row holds its prompt; generate also encodes each of them (our loop encodes each prompt once).
+    prompt_ids, prompt_mask = input_ids.repeat_interleave(group, 0), attention_mask.repeat_interleave(group, 0)
     was_training = model.training
     model.eval()
     try:
@@ -114,21 +103,19 @@ def sample_responses(model: SharedBase, role: str | None, input_ids: Tensor, att
         # leaves rotary keys in fp32 beside bf16 values, which a static cache (one dtype for both) rejects.
         with model.role(role), torch.autocast(input_ids.device.type, enabled=False):
             if decoding == "generate":
-                responses, logprobs = _generate(model, input_ids, attention_mask, settings, pad_token_id, draws,
-                                                synced)
+                responses, logprobs = _generate(model, prompt_ids, prompt_mask, settings, pad_token_id, draws, synced)
             else:
-                decoder = model.decoders.get(decoding) or model.decoders.setdefault(
-                    decoding, Decoder(model.hf_model, compiled=decoding == "compiled"))
+                if decoding not in model.decoders:
+                    model.decoders[decoding] = Decoder(model.hf_model, compiled=decoding == "compiled")
                 stop_ids = torch.tensor(settings.stop_token_ids, dtype=torch.long, device=input_ids.device)
-                responses, logprobs = decoder(input_ids, attention_mask, sampling_warpers(
-                    settings.temperature, settings.top_k, settings.top_p), settings.max_new_tokens, stop_ids,
-                    pad_token_id, draws=draws, group=group, synced=synced)
+                warpers = sampling_warpers(settings.temperature, settings.top_k, settings.top_p)
+                responses, logprobs = model.decoders[decoding](
+                    input_ids, attention_mask, warpers, settings.max_new_tokens, stop_ids, pad_token_id, draws=draws,
+                    group=group, synced=synced)
     finally:
         model.train(was_training)
-    if group > 1:
-        input_ids, attention_mask = input_ids.repeat_interleave(group, 0), attention_mask.repeat_interleave(group, 0)
     responses, response_mask = truncate_after_stop(responses, settings.stop_token_ids, pad_token_id)
-    sampled = (torch.cat([input_ids, responses], 1), torch.cat([attention_mask, response_mask.long()], 1),
+    sampled = (torch.cat([prompt_ids, responses], 1), torch.cat([prompt_mask, response_mask.long()], 1),
                response_mask)
     if not with_logprobs:
         return sampled
