@@ -12,25 +12,33 @@ policy's tokens are graded).
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from rlhf_lightning.algorithms import kl_penalty
 from rlhf_lightning.algorithms.losses import logprobs_from_logits
 from rlhf_lightning.algorithms.masked import masked_mean
-from rlhf_lightning.core.online import OnlineRL, Stats
+from rlhf_lightning.core.collect import Stats
+from rlhf_lightning.core.experience import Experience, ShapedRewards
+from rlhf_lightning.core.policy_gradient import PolicyGradient
 from rlhf_lightning.models.adapter_fit import warn_if_other_base
 from rlhf_lightning.models.shared_base import SharedBase, position_ids_from_mask
-from rlhf_lightning.rollout.experience import Experience
 from rlhf_lightning.timing import phase
 
 TEACHER = "teacher"  # the teacher's role on the shared base, when it is an adapter
 
 
-class OnPolicyDistillation(OnlineRL):
+@dataclass(frozen=True)
+class DistillationExperience(Experience):
+    """The loop's experience with the teacher's log-probs of the policy's tokens."""
+
+    teacher_logprobs: Tensor | None = None  # [B, R], 0 off the policy's tokens
+
+
+class OnPolicyDistillation(PolicyGradient):
     """Distil a teacher into the policy adapter on the student's own samples (reverse KL per token).
 
     Args:
@@ -113,29 +121,25 @@ class OnPolicyDistillation(OnlineRL):
         return torch.where(response_mask, logprobs_from_logits(logits, input_ids[:, -width:]), 0.0)
 
     @torch.no_grad()
-    def make_experience(self, prompts: dict[str, Any]) -> tuple[Experience, Stats]:
-        """The loop's experience, with the teacher's log-probs of the policy's tokens."""
-        experience, stats = super().make_experience(prompts)
+    def extend_experience(self, experience: Experience) -> DistillationExperience:
+        """The teacher's log-probs of the policy's tokens."""
         with phase("rollout/reward"):
             teacher = self.teacher_logprobs(experience.input_ids, experience.attention_mask,
                                             experience.response_mask)
-        return dataclasses.replace(experience, teacher_logprobs=teacher), stats
+        return experience.extended(DistillationExperience, teacher_logprobs=teacher)
 
-    def estimate_advantages(self, experience: Experience, kl_coef: float) -> tuple[Experience, Stats]:
+    def estimate_advantages(self, experience: DistillationExperience, rewards: ShapedRewards
+                            ) -> tuple[Experience, Stats]:
         """A_t = log p_teacher(y_t) - log p_student(y_t) (+ ``reward_coef`` x score), 0 off the policy's tokens;
         the student's log-probs are the sampler's own (those the tokens were drawn with)."""
         mask = experience.response_mask
-        student = experience.sampler_logprobs if experience.sampler_logprobs is not None else experience.logprobs
-        if student is None:
-            raise RuntimeError("on-policy distillation needs the student's log-probs of its samples")
-        reward = torch.where(mask, experience.teacher_logprobs - student, 0.0)
-        advantages = reward + self.hparams.reward_coef * experience.scores[:, None]
-        if kl_coef:  # the KL to the reference in the rewards, per token (kl_in: reward)
-            advantages = advantages - kl_coef * kl_penalty(experience.logprobs, experience.ref_logprobs,
-                                                           self.hparams.kl_estimator, self.hparams.kl_clamp)
+        reward = torch.where(mask, experience.teacher_logprobs - experience.sampler_logprobs, 0.0)
+        advantages = reward + self.hparams.reward_coef * rewards.total_scores[:, None]
+        if rewards.kl_coef:  # the KL to the reference in the rewards, per token (kl_in: reward)
+            advantages = advantages - rewards.kl_coef * rewards.kl
         advantages = torch.where(mask, advantages, 0.0)
         reverse_kl = -reward.sum(-1)
         stats = {"teacher/reverse_kl": reverse_kl.mean(),
                  "teacher/reverse_kl_per_token": masked_mean(-reward, mask),
                  "teacher/logprob": masked_mean(experience.teacher_logprobs, mask)}
-        return experience.with_advantages(advantages), stats
+        return dataclasses.replace(experience, advantages=advantages), stats

@@ -117,17 +117,29 @@ TRL_NAMES = {
     "learning_rate": "policy_lr (lr in SFT, the reward model and DPO)",
     "max_completion_length": "max_new_tokens",
     "max_prompt_length": "data.init_args.max_length",
-    "epsilon": "clip_range",
-    "cliprange": "clip_range",
-    "epsilon_high": "clip_range_high",
+    "epsilon": "policy_loss.clip_range",
+    "cliprange": "policy_loss.clip_range",
+    "epsilon_high": "policy_loss.clip_range_high",
     "num_iterations": "epochs",
     "num_ppo_epochs": "epochs",
-    "importance_sampling_level": "ratio_level",
+    "importance_sampling_level": "policy_loss.ratio_level",
     "per_device_train_batch_size": "data.init_args.batch_size",
     "gradient_accumulation_steps": "gradient_accumulation",
     "cliprange_value": "clip_range_value",
     "output_dir": "trainer.default_root_dir",
 }
+
+
+# Arguments that moved into a group: where each is now (for a class that takes the group).
+MOVED = {
+    "clip_range": ("policy_loss", "policy_loss.clip_range"),
+    "clip_range_high": ("policy_loss", "policy_loss.clip_range_high"),
+    "ratio_level": ("policy_loss", "policy_loss.ratio_level"),
+    "cispo_max_weight": ("policy_loss", "policy_loss: CISPO with policy_loss.max_weight"),
+    "cispo_min_weight": ("policy_loss", "policy_loss: CISPO with policy_loss.min_weight"),
+}
+# Modules that moved: an old class_path's module -> its new one.
+MOVED_MODULES = {"rlhf_lightning.episodes": "rlhf_lightning.environments"}
 
 
 UNRECOGNIZED = re.compile(r"^unrecognized arguments: (\S+)")
@@ -148,10 +160,11 @@ def condense_parser_error(message: str, options: list[str] = ()) -> str:
         given = unrecognized.group(1).split("=")[0]
         return f"{lines[0]}{suggestion(given, list(options))}"
     path: list[str] = []
-    depth, in_class, detail = -1, False, ""
+    depth, in_class, detail, last_class = -1, False, "", 0
     for index, line in enumerate(lines):
         if CLASS_PATH.search(line):
             in_class = True  # the next key is one of the subclass's init_args
+            last_class = index
             continue
         key = PARSER_KEY.match(line)
         if key is None:
@@ -164,9 +177,35 @@ def condense_parser_error(message: str, options: list[str] = ()) -> str:
         detail = next((rest.strip() for rest in lines[index + 1:] if rest.strip()), "")
     if not path or not detail or PARSER_KEY.match(detail):
         return message if len(lines) < 2 else lines[0]
-    if "Does not validate against any of the Union subtypes" in detail:
-        return class_problem(lines, path) or f"{'.'.join(path)}: {detail}"
+    given = EXPECTED_PATH.search(detail)
+    if given is not None:  # a class or function named by a string that imports nothing
+        return unknown_class(".".join(path), given.group(1))
+    if "Does not validate against any of the Union subtypes" in detail or CLASS_PATH.search(detail):
+        # the innermost class given by class_path (a policy loss inside a module) is the one with the problem
+        return class_problem(lines[last_class:], path) or f"{'.'.join(path)}: {detail}"
     return f"{'.'.join(path)}: {detail}"
+
+
+EXPECTED_PATH = re.compile(r"Expected a path but (\S+) either not accessible or invalid")
+
+
+def unknown_class(key: str, given: str) -> str:
+    """The one line for ``key`` given ``given``, a name that imports no class: a module that moved, a policy loss
+    by an old name, or where classes of one's own must be."""
+    module, _, attribute = given.rpartition(".")
+    moved = next((new for old, new in MOVED_MODULES.items() if module == old or module.startswith(old + ".")), None)
+    if moved is not None:
+        return f"{key}: {given}: {module} moved to {moved}; write {moved}.{attribute}"
+    if key.endswith("policy_loss"):
+        from rlhf_lightning.algorithms.policy_losses import PolicyLoss
+
+        names = list(PolicyLoss.registry)
+        close = [name for name in names if name.lower() == given.lower()] or difflib.get_close_matches(given, names, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        return (f"{key}: {given!r} is not a policy loss{hint}; the registered ones are {', '.join(names)}, or give "
+                "the import path of a PolicyLoss subclass of your own")
+    return (f"{key}: {given!r} cannot be imported: a class or function of your own must be importable from where "
+            "you run (its module in the current folder, or on PYTHONPATH)")
 
 
 def class_problem(lines: list[str], path: list[str]) -> str | None:
@@ -183,9 +222,15 @@ def class_problem(lines: list[str], path: list[str]) -> str | None:
         unknown = UNKNOWN_OPTION.search(problem)
         if unknown:
             name = unknown.group(1)
-            return (f"{key}.init_args.{name}: {class_name} takes no argument {name!r}"
-                    f"{suggestion(name, accepted_arguments(class_name))}; --{key}.help {class_name} lists them all")
+            accepted = accepted_arguments(class_name)
+            group, place = MOVED.get(name, (None, None))
+            hint = f" (it moved: {place})" if group in accepted else suggestion(name, accepted)
+            return (f"{key}.init_args.{name}: {class_name} takes no argument {name!r}{hint}; --{key}.help "
+                    f"{class_name} lists them all")
         module, _, attribute = class_name.rpartition(".")
+        moved = next((new for old, new in MOVED_MODULES.items() if module == old or module.startswith(old + ".")), None)
+        if moved is not None:
+            return f"{key}.class_path {class_name}: {module} moved to {moved}; write {moved}.{attribute}"
         if "has no attribute" in problem:
             return (f"{key}.class_path {class_name}: {module} has no {attribute!r}"
                     f"{suggestion(attribute, module_names(module))}")

@@ -8,12 +8,14 @@ the reference goes into the loss (k3), with coefficient 0 by default, which skip
 |---|---|
 | GRPO (DeepSeekMath) | ``scale_rewards: group``, ``loss_aggregation: sequence_mean``, ``kl_coef: 0.04`` |
 | Dr. GRPO | ``scale_rewards: none``, ``loss_aggregation: constant`` |
-| DAPO | ``clip_range_high: 0.28``, ``loss_aggregation: token_mean``, ``mask_truncated_completions: true`` |
-| GSPO | ``ratio_level: sequence`` (with its small clip ranges, e.g. 3e-4 / 4e-4) |
+| DAPO | ``policy_loss.clip_range_high: 0.28``, ``loss_aggregation: token_mean``, ``mask_truncated_completions: true`` |
+| GSPO | ``policy_loss.ratio_level: sequence`` (with its small clip ranges, e.g. 3e-4 / 4e-4) |
+| CISPO | ``policy_loss: CISPO`` |
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 from rlhf_lightning.algorithms.group import (
@@ -22,14 +24,15 @@ from rlhf_lightning.algorithms.group import (
     group_advantages,
     zero_std_fraction,
 )
-from rlhf_lightning.algorithms.kl import KLEstimator, sequence_kl_penalty
+from rlhf_lightning.algorithms.kl import KLEstimator
 from rlhf_lightning.algorithms.surrogate import LossAggregation
-from rlhf_lightning.core.online import OnlineRL, Stats
-from rlhf_lightning.rollout.experience import Experience
+from rlhf_lightning.core.collect import Stats
+from rlhf_lightning.core.experience import Experience, ShapedRewards
+from rlhf_lightning.core.policy_gradient import PolicyGradient
 from rlhf_lightning.utils import checks
 
 
-class GRPO(OnlineRL):
+class GRPO(PolicyGradient):
     """Group Relative Policy Optimization: advantages from groups of ``samples_per_prompt`` responses.
 
     Args:
@@ -66,17 +69,14 @@ class GRPO(OnlineRL):
             raise ValueError(f"GRPO needs samples_per_prompt >= 2 (a group of one has zero advantage), got "
                              f"{samples_per_prompt}")
 
-    def estimate_advantages(self, experience: Experience, kl_coef: float) -> tuple[Experience, Stats]:
+    def estimate_advantages(self, experience: Experience, rewards: ShapedRewards) -> tuple[Experience, Stats]:
         """``(r - mean_group r) / (std + eps)`` (or unscaled), broadcast over each response's tokens; with the KL in
         the reward, ``r = score - kl_coef * KL(sequence)``."""
         hp = self.hparams
-        rewards = experience.scores
-        if kl_coef:
-            rewards = rewards - kl_coef * sequence_kl_penalty(experience.logprobs, experience.ref_logprobs,
-                                                              experience.response_mask, hp.kl_estimator,
-                                                              hp.kl_clamp)
-        advantages = group_advantages(rewards, experience.group_size, self.hparams.scale_rewards,
-                                      self.hparams.std_eps, over_ranks=self.sum_over_ranks)
-        stats = {"objective/frac_zero_std": zero_std_fraction(rewards, experience.group_size),
+        sequence_rewards = rewards.sequence_rewards()
+        advantages = group_advantages(sequence_rewards, experience.group_size, hp.scale_rewards, hp.std_eps,
+                                      over_ranks=self.sum_over_ranks)
+        stats = {"objective/frac_zero_std": zero_std_fraction(sequence_rewards, experience.group_size),
                  "objective/advantage_abs": advantages.abs().mean()}
-        return experience.with_advantages(broadcast_to_tokens(advantages, experience.response_mask)), stats
+        advantages = broadcast_to_tokens(advantages, experience.response_mask)
+        return dataclasses.replace(experience, advantages=advantages), stats

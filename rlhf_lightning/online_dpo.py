@@ -10,7 +10,8 @@ this module only ranks and defines the loss.
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,11 +20,19 @@ from torch import Tensor
 from rlhf_lightning.algorithms.dpo import DPOLossType, check_dpo_arguments, dpo_loss
 from rlhf_lightning.algorithms.kl import kl_penalty
 from rlhf_lightning.algorithms.masked import masked_mean
-from rlhf_lightning.core.online import OnlineRL, Stats
+from rlhf_lightning.core.collect import Stats
+from rlhf_lightning.core.experience import Experience, ShapedRewards
+from rlhf_lightning.core.online import OnlineRL
 from rlhf_lightning.core.policy import POLICY
-from rlhf_lightning.rollout.experience import Experience
 from rlhf_lightning.timing import phase
 from rlhf_lightning.utils import checks
+
+
+@dataclass(frozen=True)
+class PairExperience(Experience):
+    """The loop's experience ordered in pairs, chosen then rejected, with each pair's weight."""
+
+    pair_weights: Tensor | None = None  # [B] 1 on both rows of a pair that carries loss, 0 for a tie
 
 
 class OnlineDPO(OnlineRL):
@@ -34,7 +43,8 @@ class OnlineDPO(OnlineRL):
     mean score gap between chosen and rejected (ties included, at 0). The loss of an optimizer step is the mean
     over its untied pairs (of every rank). ``ipo`` uses the per-token averaged log-ratios of our DPO (TRL's online
     trainer sums them). Implicit rewards, accuracy and log-probs are logged as DPO's (``rewards/*``,
-    ``logps/*``).
+    ``logps/*``). It takes none of the policy-gradient family's arguments (no surrogate, no KL penalty: beta holds
+    the policy near the reference; the KL is logged all the same).
 
     Args:
         beta: inverse temperature of the implicit reward (TRL's 0.1).
@@ -42,8 +52,6 @@ class OnlineDPO(OnlineRL):
             ``simpo``.
         label_smoothing: probability that a judgement is wrong (cDPO / robust / SimPO), in [0, 0.5).
         simpo_gamma: SimPO's target margin.
-        samples_per_prompt: must be 2: each prompt's two samples are its pair.
-        kl_coef: must be 0: beta is what holds the policy near the reference (the KL is logged all the same).
     """
 
     metric_prefix = "online_dpo"
@@ -51,49 +59,39 @@ class OnlineDPO(OnlineRL):
     rows_kept_together = 2
 
     def __init__(self, *args: Any, beta: float = 0.1, loss_type: DPOLossType = "sigmoid",
-                 label_smoothing: float = 0.0, simpo_gamma: float = 0.5, samples_per_prompt: int = 2,
-                 kl_coef: float = 0.0, **kwargs: Any) -> None:
-        super().__init__(*args, samples_per_prompt=samples_per_prompt, kl_coef=kl_coef, **kwargs)
+                 label_smoothing: float = 0.0, simpo_gamma: float = 0.5, **kwargs: Any) -> None:
+        # Each prompt's two samples are its pair.
+        super().__init__(*args, samples_per_prompt=2, **kwargs)
         check_dpo_arguments(beta, loss_type, label_smoothing)
         checks.non_negative("simpo_gamma", simpo_gamma)
-        if samples_per_prompt != 2:
-            raise ValueError(f"samples_per_prompt={samples_per_prompt}: online DPO samples exactly 2 responses per "
-                             "prompt, its pair (for more per prompt, use GRPO or RLOO)")
-        hp = self.hparams
-        unused = {"kl_coef": (kl_coef, 0.0), "kl_target": (hp.kl_target, None), "ent_coef": (hp.ent_coef, 0.0),
-                  "ptx_coef": (hp.ptx_coef, 0.0), "policy_loss": (hp.policy_loss, "clip"),
-                  "rollout_correction": (hp.rollout_correction, "none")}
-        for name, (value, default) in unused.items():
-            if value != default:
-                raise ValueError(f"{name}={value!r}: online DPO's loss is the DPO loss alone (beta holds the policy "
-                                 f"near the reference); leave {name} at {default!r}")
 
-    # ---- 2. the pairs -------------------------------------------------------------------------------------
+    # ---- 3. the pairs -------------------------------------------------------------------------------------
 
-    def estimate_advantages(self, experience: Experience, kl_coef: float) -> tuple[Experience, Stats]:
-        """Each pair ordered chosen first (the higher score), ties marked with weight 0."""
-        scores = experience.scores.view(-1, 2)
+    def prepare_update(self, experience: Experience, rewards: ShapedRewards) -> tuple[Experience, Stats]:
+        """Each pair ordered chosen first (the higher score, an episode's turn rewards included), ties marked with
+        weight 0."""
+        scores = rewards.total_scores.view(-1, 2)
         second_wins = scores[:, 1] > scores[:, 0]
         first = torch.arange(0, scores.shape[0] * 2, 2, device=scores.device) + second_wins.long()
         order = torch.stack([first, first ^ 1], 1).flatten()  # the other row of the pair: flip the lowest bit
         tie = scores[:, 0] == scores[:, 1]
-        experience = experience.select(order)
-        experience = dataclasses.replace(experience, pair_weights=(~tie).float().repeat_interleave(2))
-        chosen, rejected = experience.scores.view(-1, 2).unbind(1)
-        return experience, {"objective/scores_margin": (chosen - rejected).mean(),
-                            "objective/tie_frac": tie.float().mean()}
+        pairs = experience.extended(PairExperience, pair_weights=(~tie).float().repeat_interleave(2)).select(order)
+        chosen, rejected = scores.flatten()[order].view(-1, 2).unbind(1)
+        return pairs, {"objective/scores_margin": (chosen - rejected).mean(),
+                       "objective/tie_frac": tie.float().mean()}
 
-    # ---- 3. the loss --------------------------------------------------------------------------------------
+    # ---- 4. the loss --------------------------------------------------------------------------------------
 
-    def step_normalisers(self, micros: list[Experience]) -> dict[str, Tensor]:
+    def step_normalisers(self, micros: Sequence[PairExperience]) -> dict[str, Tensor]:
         """The step's untied pairs (mean over ranks, as DDP averages gradients)."""
         pairs = sum(micro.pair_weights[0::2].sum() for micro in micros)
         return {"policy": self.mean_over_ranks(pairs.float()).clamp(min=1.0)}
 
-    def policy_losses(self, micro: Experience, normaliser: Tensor, ptx: dict[str, Tensor] | None,
-                      kl_coef: float) -> tuple[Tensor, Stats]:
+    def loss(self, micro: PairExperience, normalisers: dict[str, Tensor],
+             ptx: dict[str, Tensor] | None) -> tuple[Tensor, Stats]:
         """``(the micro-batch's share of the step's mean DPO loss over untied pairs, its terms)``."""
         hp = self.hparams
+        normaliser = normalisers["policy"]
         mask = micro.response_mask
         with phase("update/policy forward"):
             logprobs, _ = self.response_logprobs(POLICY, micro.input_ids, micro.attention_mask, mask)

@@ -1,13 +1,16 @@
 """PPO with a critic on the shared base (Schulman et al. 2017; Ziegler et al. 2019; Ouyang et al. 2022).
 
-The on-policy loop is :class:`~rlhf_lightning.core.online.OnlineRL`'s; PPO adds the critic (a LoRA adapter and a
-value head on the same base), rewards shaped per token with the KL penalty, GAE and the clipped value loss.
+The on-policy loop is :class:`~rlhf_lightning.core.online.OnlineRL`'s, its loss
+:class:`~rlhf_lightning.core.policy_gradient.PolicyGradient`'s; PPO adds the critic (a LoRA adapter and a value head
+on the same base: its values in the rollout, its clipped value loss in the update), and its advantages are GAE of
+the rewards shaped per token with the KL penalty.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -16,26 +19,33 @@ from torch import Tensor
 from rlhf_lightning.algorithms import (
     explained_variance,
     gae,
-    kl_penalty,
     masked_mean,
     masked_whiten,
-    token_rewards,
     value_errors,
 )
 from rlhf_lightning.algorithms.surrogate import aggregate_loss, loss_normaliser
-from rlhf_lightning.core.online import OnlineRL, Stats
+from rlhf_lightning.core.collect import Stats
+from rlhf_lightning.core.experience import Experience, ShapedRewards
 from rlhf_lightning.core.policy import POLICY, without_dropout
+from rlhf_lightning.core.policy_gradient import PolicyGradient
 from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.models.spec import LoraSpec
-from rlhf_lightning.rollout.experience import Experience
-from rlhf_lightning.rollout.rewards import REWARD_ROLE, AdapterReward
+from rlhf_lightning.rewards.sources import REWARD_ROLE, AdapterReward
 from rlhf_lightning.timing import phase
 from rlhf_lightning.utils import checks
 
 CRITIC = "critic"
 
 
-class PPO(OnlineRL):
+@dataclass(frozen=True)
+class CriticExperience(Experience):
+    """The loop's experience with the critic's values and, after GAE, the returns its loss targets."""
+
+    values: Tensor | None = None  # [B, R] values of the state before each response token, 0 after the end
+    returns: Tensor | None = None  # [B, R]
+
+
+class PPO(PolicyGradient):
     """Proximal Policy Optimization of a causal LM against a reward, with one frozen base.
 
     The policy and the critic are LoRA adapters on the base (the SFT model); the reference is the same base
@@ -101,7 +111,7 @@ class PPO(OnlineRL):
 
     # ---- the critic ---------------------------------------------------------------------------------------
 
-    STEP_LOSSES = OnlineRL.STEP_LOSSES | {"loss/value"}
+    STEP_LOSSES = PolicyGradient.STEP_LOSSES | {"loss/value"}
 
     def response_values(self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor) -> Tensor:
         """Critic values ``[B, R]`` of the states before each response token."""
@@ -109,13 +119,12 @@ class PPO(OnlineRL):
                                                                     response_mask))
 
     @torch.no_grad()
-    def make_experience(self, prompts: dict[str, Any]) -> tuple[Experience, Stats]:
-        """The loop's experience, with the critic's values ``[B, R]`` (0 after each response's end)."""
-        experience, stats = super().make_experience(prompts)
+    def extend_experience(self, experience: Experience) -> CriticExperience:
+        """The critic's values ``[B, R]`` of the rollout (0 after each response's end)."""
         mask = experience.response_mask
         with phase("rollout/values"):
             values = self.response_values(experience.input_ids, experience.attention_mask, mask)
-        return dataclasses.replace(experience, values=torch.where(mask, values, 0.0)), stats
+        return experience.extended(CriticExperience, values=torch.where(mask, values, 0.0))
 
     def step_normalisers(self, micros: Sequence[Experience]) -> dict[str, Tensor]:
         """The policy's denominator and the value loss's: the step's response tokens (a token mean)."""
@@ -132,17 +141,17 @@ class PPO(OnlineRL):
         loss = aggregate_loss(errors, mask, "token_mean", normaliser)
         return hp.vf_coef * loss, {"loss/value": loss, "value/clipfrac": masked_mean(clipped.float(), mask)}
 
-    def losses(self, experience: Experience, ptx: dict[str, Tensor] | None = None,
-               kl_coef: float | None = None) -> Stats:
-        """The policy's terms and the critic's; ``loss/total`` is their sum."""
-        terms = super().losses(experience, ptx, kl_coef)
-        critic_total, critic_terms = self.critic_losses(experience, self.step_normalisers([experience])["tokens"])
-        return {**terms, **critic_terms, "loss/total": terms["loss/total"] + critic_total}
+    def loss(self, micro: CriticExperience, normalisers: dict[str, Tensor],
+             ptx: dict[str, Tensor] | None) -> tuple[Tensor, Stats]:
+        """The policy's terms and the critic's; the loss is their sum."""
+        policy_total, terms = self.policy_losses(micro, normalisers["policy"], ptx)
+        critic_total, critic_terms = self.critic_losses(micro, normalisers["tokens"])
+        return policy_total + critic_total, {**terms, **critic_terms}
 
-    def micro_step(self, micro: Experience, normalisers: dict[str, Tensor], ptx: dict[str, Tensor] | None,
-                   kl_coef: float) -> Stats:
+    def micro_step(self, micro: CriticExperience, normalisers: dict[str, Tensor],
+                   ptx: dict[str, Tensor] | None) -> Stats:
         """Policy and critic losses of one micro-batch, backpropagated together or one after the other."""
-        policy_total, terms = self.policy_losses(micro, normalisers["policy"], ptx, kl_coef)
+        policy_total, terms = self.policy_losses(micro, normalisers["policy"], ptx)
         if self.joint_backward:
             critic_total, critic_terms = self.critic_losses(micro, normalisers["tokens"])
             self.manual_backward(policy_total + critic_total)
@@ -165,33 +174,23 @@ class PPO(OnlineRL):
         return [*super().parameter_groups(),
                 {"name": CRITIC, "params": self.adapter_parameters(CRITIC), "lr": self.hparams.critic_lr}]
 
-    # ---- rewards and advantages ---------------------------------------------------------------------------
+    # ---- advantages ---------------------------------------------------------------------------------------
 
-    def shape_rewards(self, experience: Experience, kl_coef: float) -> tuple[Tensor, Tensor]:
-        """Per-token rewards ``[B, R]`` (``-kl_coef * KL_t`` on every token, the score on the last; in an episode
-        each turn's environment reward on that turn's last token, the rest of the score on the last) and the
-        per-token KL ``[B, R]`` (``kl_estimator``; 0 without reference log-probs)."""
-        hp = self.hparams
-        kl = (torch.zeros_like(experience.response_mask, dtype=torch.float32) if experience.ref_logprobs is None
-              else kl_penalty(experience.logprobs, experience.ref_logprobs, hp.kl_estimator, hp.kl_clamp))
-        if experience.turn_rewards is None:
-            return token_rewards(experience.scores, kl, experience.response_mask, kl_coef), kl
-        final = experience.scores - experience.turn_rewards.sum(-1)  # scores hold the turns' rewards too
-        return token_rewards(final, kl, experience.response_mask, kl_coef) + experience.turn_rewards, kl
-
-    def estimate_advantages(self, experience: Experience, kl_coef: float) -> tuple[Experience, Stats]:
-        """GAE advantages and returns ``[B, R]`` of the shaped rewards (``kl_coef``: the KL coefficient in them);
-        advantages whitened over the batch's valid tokens."""
+    def estimate_advantages(self, experience: CriticExperience, rewards: ShapedRewards
+                            ) -> tuple[Experience, Stats]:
+        """GAE advantages and returns ``[B, R]`` of the per-token rewards (``-kl_coef * KL_t`` on every token, the
+        score on the last, an episode's turn rewards at the ends of their turns); advantages whitened over the
+        batch's valid tokens."""
         hp = self.hparams
         mask = experience.response_mask
-        rewards, kl = self.shape_rewards(experience, kl_coef)
-        stats = {"objective/kl_penalty": torch.where(mask, kl, 0.0).sum(-1).mean(),
-                 "objective/rlhf_reward": torch.where(mask, rewards, 0.0).sum(-1).mean()}  # score - coef * KL
+        token_rewards = rewards.token_rewards()
+        stats = {"objective/kl_penalty": rewards.kl_or_zero.sum(-1).mean(),
+                 "objective/rlhf_reward": torch.where(mask, token_rewards, 0.0).sum(-1).mean()}  # score - coef * KL
         if hp.whiten_rewards:  # over the global batch (every rank's tokens)
-            rewards = masked_whiten(rewards, mask, shift_mean=False, over_ranks=self.sum_over_ranks)
-        advantages, returns = gae(rewards, experience.values, mask, hp.gamma, hp.lam)
+            token_rewards = masked_whiten(token_rewards, mask, shift_mean=False, over_ranks=self.sum_over_ranks)
+        advantages, returns = gae(token_rewards, experience.values, mask, hp.gamma, hp.lam)
         if hp.whiten_advantages:
             advantages = masked_whiten(advantages, mask, over_ranks=self.sum_over_ranks)
         stats["value/explained_variance"] = explained_variance(experience.values, returns, mask)
         stats["value/mean"] = masked_mean(experience.values, mask)
-        return experience.with_advantages(advantages, returns), stats
+        return dataclasses.replace(experience, advantages=advantages, returns=returns), stats

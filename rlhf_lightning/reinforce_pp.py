@@ -12,16 +12,18 @@ that is ``kl_clamp: 10``, off by default (the unclamped estimator is the unbiase
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
-from rlhf_lightning.algorithms import kl_penalty, masked_whiten, token_rewards
+from rlhf_lightning.algorithms import masked_whiten
 from rlhf_lightning.algorithms.group import group_advantages, returns_to_go
-from rlhf_lightning.core.online import OnlineRL, Stats
-from rlhf_lightning.rollout.experience import Experience
+from rlhf_lightning.core.collect import Stats
+from rlhf_lightning.core.experience import Experience, ShapedRewards
+from rlhf_lightning.core.policy_gradient import PolicyGradient
 from rlhf_lightning.utils import checks
 
 
-class REINFORCEPlusPlus(OnlineRL):
+class REINFORCEPlusPlus(PolicyGradient):
     """REINFORCE++: per-token KL-shaped rewards, return-to-go, batch-whitened advantages.
 
     Args:
@@ -41,19 +43,18 @@ class REINFORCEPlusPlus(OnlineRL):
         if baseline == "group" and self.hparams.samples_per_prompt < 2:
             raise ValueError(f"baseline: group needs samples_per_prompt >= 2, got {self.hparams.samples_per_prompt}")
 
-    def estimate_advantages(self, experience: Experience, kl_coef: float) -> tuple[Experience, Stats]:
-        """Whitened return-to-go of ``-kl_coef * KL_t`` on every token plus the (baselined) score on the last."""
-        hp = self.hparams
+    def estimate_advantages(self, experience: Experience, rewards: ShapedRewards) -> tuple[Experience, Stats]:
+        """Whitened return-to-go of ``-kl_coef * KL_t`` on every token plus the (baselined) score on the last (and
+        an episode's turn rewards at the ends of their turns)."""
         mask = experience.response_mask
-        scores = experience.scores
-        if hp.baseline == "group":
-            scores = group_advantages(scores, experience.group_size, "none")
-        kl = (kl_penalty(experience.logprobs, experience.ref_logprobs, hp.kl_estimator, hp.kl_clamp) if kl_coef
-              else mask.float() * 0.0)
-        rewards = token_rewards(scores, kl, mask, kl_coef)
-        stats = {"objective/rlhf_reward": rewards.where(mask, 0.0).sum(-1).mean()}
+        scores = rewards.scores
+        if self.hparams.baseline == "group":
+            scores = group_advantages(rewards.total_scores, experience.group_size, "none")
+            rewards = dataclasses.replace(rewards, dense=None)  # the group's baseline covers the turns' rewards
+        token_rewards = rewards.token_rewards(scores)
+        stats = {"objective/rlhf_reward": token_rewards.where(mask, 0.0).sum(-1).mean()}
         # Whitened over the global batch (every rank's tokens), which stands in for a baseline; OpenRLHF's biased
         # variance and floor.
-        advantages = masked_whiten(returns_to_go(rewards, mask, self.hparams.gamma), mask,
+        advantages = masked_whiten(returns_to_go(token_rewards, mask, self.hparams.gamma), mask,
                                    over_ranks=self.sum_over_ranks, unbiased=False, floor=True)
-        return experience.with_advantages(advantages), stats
+        return dataclasses.replace(experience, advantages=advantages), stats

@@ -15,20 +15,21 @@ product of 30 token ratios leaves the clip range after small moves of each and s
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from rlhf_lightning.algorithms import sequence_kl_penalty
 from rlhf_lightning.algorithms.group import (
     broadcast_to_tokens,
     normalize_advantages,
     rloo_advantages,
     zero_std_fraction,
 )
-from rlhf_lightning.core.online import OnlineRL, Stats
-from rlhf_lightning.rollout.experience import Experience
+from rlhf_lightning.core.collect import Stats
+from rlhf_lightning.core.experience import Experience, ShapedRewards
+from rlhf_lightning.core.policy_gradient import PolicyGradient
 
 
-class RLOO(OnlineRL):
+class RLOO(PolicyGradient):
     """REINFORCE Leave-One-Out: a critic-free baseline from the other ``samples_per_prompt - 1`` responses.
 
     Args:
@@ -48,19 +49,15 @@ class RLOO(OnlineRL):
             raise ValueError(f"RLOO needs samples_per_prompt >= 2 (the baseline leaves one out), got "
                              f"{samples_per_prompt}")
 
-    def estimate_advantages(self, experience: Experience, kl_coef: float) -> tuple[Experience, Stats]:
+    def estimate_advantages(self, experience: Experience, rewards: ShapedRewards) -> tuple[Experience, Stats]:
         """``r_i - mean_{j != i} r_j`` with ``r = score - kl_coef * KL(sequence)``, over each response's tokens."""
-        hp = self.hparams
-        rewards = experience.scores
+        sequence_rewards = rewards.sequence_rewards()
         stats: Stats = {}
-        if kl_coef:
-            rewards = rewards - kl_coef * sequence_kl_penalty(experience.logprobs, experience.ref_logprobs,
-                                                              experience.response_mask, hp.kl_estimator,
-                                                              hp.kl_clamp)
-            stats["objective/rlhf_reward"] = rewards.mean()
-        advantages = rloo_advantages(rewards, experience.group_size)
+        if rewards.kl_coef:
+            stats["objective/rlhf_reward"] = sequence_rewards.mean()
+        advantages = rloo_advantages(sequence_rewards, experience.group_size)
         if self.hparams.whiten_advantages:  # over the responses, one value each (not over their tokens)
             advantages = normalize_advantages(advantages, over_ranks=self.sum_over_ranks)
         advantages = broadcast_to_tokens(advantages, experience.response_mask)
-        stats["objective/frac_zero_std"] = zero_std_fraction(rewards, experience.group_size)
-        return experience.with_advantages(advantages), stats
+        stats["objective/frac_zero_std"] = zero_std_fraction(sequence_rewards, experience.group_size)
+        return dataclasses.replace(experience, advantages=advantages), stats

@@ -23,6 +23,7 @@ from rlhf_lightning import (
     RewardModel,
     SFTDataModule,
 )
+from rlhf_lightning.algorithms.policy_losses import CISPO, Clip
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
 from tests.conftest import LORA
 
@@ -38,8 +39,6 @@ BAD_MODULE_ARGUMENTS = [
     (PPO, dict(num_minibatches=0), "num_minibatches must be an integer >= 1, got 0"),
     (PPO, dict(gradient_accumulation=0), "gradient_accumulation must be an integer >= 1, got 0"),
     (PPO, dict(samples_per_prompt=0), "samples_per_prompt must be an integer >= 1, got 0"),
-    (PPO, dict(clip_range=-0.1), "clip_range must be >= 0, got -0.1"),
-    (PPO, dict(clip_range_high=-0.1), "clip_range_high must be >= 0 or null, got -0.1"),
     (PPO, dict(clip_range_value=-0.2), "clip_range_value must be >= 0 or null, got -0.2"),
     (PPO, dict(gamma=1.5), r"gamma must lie in [0.0, 1.0], got 1.5"),
     (PPO, dict(lam=-0.1), r"lam must lie in [0.0, 1.0], got -0.1"),
@@ -117,10 +116,20 @@ def test_bad_data_arguments_fail_in_the_constructor(cls, bad, message):
     (lambda: LoraSpec(dropout=1.0).check("policy_lora"), "policy_lora.dropout must lie in [0.0, 1.0), got 1.0"),
     (lambda: DPO(base=BaseModelSpec(), policy_lora=LoraSpec(r=0)), "policy_lora.r must be an integer >= 1, got 0"),
     (lambda: BaseModelSpec(dtype="float8"), "base.dtype must be one of auto, float32, bfloat16, float16, got 'float8'"),
+    (lambda: Clip(clip_range=-0.1), "policy_loss.clip_range must be >= 0, got -0.1"),
+    (lambda: Clip(clip_range_high=-0.1), "policy_loss.clip_range_high must be >= 0 or null, got -0.1"),
+    (lambda: Clip(ratio_level="group"), "policy_loss.ratio_level must be one of token, sequence, sequence_sum, got"),
+    (lambda: CISPO(max_weight=0.0), "policy_loss.max_weight must be > 0, got 0.0"),
+    (lambda: CISPO(max_weight=2.0, min_weight=3.0), "policy_loss: min_weight=3.0 must be below max_weight=2.0"),
 ])
-def test_bad_model_specs_fail_when_checked_or_used(make, message):
+def test_bad_model_specs_and_policy_losses_fail_when_checked_or_used(make, message):
     with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
         make()
+
+
+def test_a_policy_loss_that_is_not_one_is_refused_before_the_model_loads():
+    with pytest.raises(TypeError, match=r"^policy_loss must be a PolicyLoss \(one of Clip, CISPO"):
+        PPO(base=MISSING, reward=REWARD, policy_loss="cispo")
 
 
 def test_a_rollout_that_does_not_split_fails_at_setup(tiny_model_dir, reward_dir):

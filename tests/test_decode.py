@@ -9,9 +9,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlhf_lightning.models.shared_base import SharedBase
-from rlhf_lightning.ops.sampling import row_draws
 from rlhf_lightning.rollout.decode import PROMPT_BUCKET, _compiled_graphs
-from rlhf_lightning.rollout.generate import SamplingSettings, sample_responses
+from rlhf_lightning.rollout.sampler import Sampler
+from rlhf_lightning.rollout.seeds import Seeds
+from rlhf_lightning.rollout.settings import SamplingSettings
 from tests.conftest import LORA, TINY_ARCHITECTURE
 from tests.families import FAMILIES
 
@@ -42,14 +43,23 @@ def prompts(rows: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tens
     return ids, mask
 
 
+SAMPLERS: dict[tuple[int, str], Sampler] = {}  # one per model and decoding: its engine keeps caches and compiled steps
+
+
+def sampler(base: SharedBase, decoding: str) -> Sampler:
+    key = (id(base), decoding)
+    if key not in SAMPLERS:
+        SAMPLERS[key] = Sampler(SamplingSettings(max_new_tokens=24, stop_token_ids=STOPS, decoding=decoding),
+                                Seeds(0), pad_token_id=0)
+    return SAMPLERS[key]
+
+
 def sample(base: SharedBase, decoding: str, ids, mask, group: int, new_tokens: int = 24, role: str | None = "policy"):
-    """``(sequences, response mask, sampler log-probs)`` of ``group`` samples per prompt, fixed per-row draws
-    (``generate``: today's path, every sample a row of its own, its prompt encoded again)."""
-    settings = SamplingSettings(max_new_tokens=new_tokens, stop_token_ids=STOPS, decoding=decoding)
-    draws = row_draws(list(range(ids.shape[0] * group)), new_tokens)
-    sequences, _, response_mask, logprobs = sample_responses(base, role, ids, mask, settings, 0, draws=draws,
-                                                             with_logprobs=True, group=group)
-    return sequences, response_mask, logprobs
+    """``(sequences, response mask, sampler log-probs)`` of ``group`` samples per prompt, each row from a seed of its
+    own (``generate``: every sample a row of its own, its prompt encoded again)."""
+    drawn = sampler(base, decoding).draw(base, role, ids, mask, group, seeds=list(range(ids.shape[0] * group)),
+                                         max_new_tokens=new_tokens)
+    return drawn.sequences, drawn.mask, drawn.logprobs
 
 
 @pytest.mark.parametrize("family", list(ARCHITECTURES))
@@ -100,12 +110,12 @@ def test_a_dynamic_cache_needs_generate_and_unknown_decodings_are_refused():
         SamplingSettings(kv_cache="dynamic", decoding="compiled")
     with pytest.raises(ValueError, match="decoding must be one of auto, compiled, eager, generate"):
         SamplingSettings(decoding="graphs")
-    assert SamplingSettings(kv_cache="dynamic").decoder_for(torch.device("cpu"), sharded=False) == "generate"
-    assert SamplingSettings().decoder_for(torch.device("cpu"), sharded=False) == "eager"
-    assert SamplingSettings().decoder_for(torch.device("cuda"), sharded=False) == "compiled"
-    assert SamplingSettings().decoder_for(torch.device("cuda"), sharded=True) == "eager"
+    assert SamplingSettings(kv_cache="dynamic").engine_name(torch.device("cpu"), sharded=False) == "generate"
+    assert SamplingSettings().engine_name(torch.device("cpu"), sharded=False) == "eager"
+    assert SamplingSettings().engine_name(torch.device("cuda"), sharded=False) == "compiled"
+    assert SamplingSettings().engine_name(torch.device("cuda"), sharded=True) == "eager"
     with pytest.raises(ValueError, match="decoding: compiled cannot run on an FSDP2-sharded base"):
-        SamplingSettings(decoding="compiled").decoder_for(torch.device("cuda"), sharded=True)
+        SamplingSettings(decoding="compiled").engine_name(torch.device("cuda"), sharded=True)
 
 
 # ---- the compiled step (torch.compile's inductor on CPU: the same graphs a GPU captures, without CUDA graphs) ----
@@ -122,7 +132,7 @@ def test_compiled_decoding_draws_the_eager_tokens_and_compiles_once_for_a_shape(
         sequences, response_mask, logprobs = sample(base, "compiled", ids, mask, group=2)
         assert torch.equal(sequences, expected) and torch.equal(response_mask, expected_mask)
         torch.testing.assert_close(logprobs, expected_logprobs, rtol=0, atol=1e-5)
-        assert base.decoders["compiled"].stats.compiles == compiles
+        assert sampler(base, "compiled").engine(base).decoder.stats.compiles == compiles
         assert _compiled_graphs() - graphs == (rollout != 1)  # a prompt bucket seen before compiles nothing
 
 
@@ -133,7 +143,7 @@ def test_compiled_decoding_recompiles_for_a_new_batch_or_role_only_once():
         ids, mask = prompts(rows, 9, seed=rows)
         expected = sample(base, "eager", ids, mask, group=2, role=role)[0]
         assert torch.equal(sample(base, "compiled", ids, mask, group=2, role=role)[0], expected)
-    stats = base.decoders["compiled"].stats
+    stats = sampler(base, "compiled").engine(base).decoder.stats
     assert stats.compiles == 4 and stats.compile_seconds > 0  # (5 or 7 prompts) x (policy or reference), once each
 
 

@@ -4,8 +4,6 @@ every online algorithm trains on episodes (and resumes exactly)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -15,10 +13,9 @@ from rlhf_lightning.algorithms import token_rewards
 from rlhf_lightning.algorithms.advantages import _gae_loop, gae
 from rlhf_lightning.algorithms.group import returns_to_go
 from rlhf_lightning.core.policy import POLICY
-from rlhf_lightning.episodes import Environment, Step
-from rlhf_lightning.episodes.rollout import opening_ids
+from rlhf_lightning.environments import Environment, Step
 from rlhf_lightning.models.spec import BaseModelSpec
-from rlhf_lightning.rollout.generate import sample_responses
+from rlhf_lightning.rollout.episodes import opening_ids
 from rlhf_lightning.tasks.calculator import build_tokenizer, correct_answer
 from tests.conftest import LORA, built
 from tests.test_ppo import _fit, prompts
@@ -57,8 +54,14 @@ def episodic(algorithm, directory, environment=Feedback, **kwargs):
     if algorithm is PPO:
         settings.update(critic_lora=LORA)
     module = built(algorithm(**settings))
-    module.setup_episodes()
+    module.rollouts  # noqa: B018 (the environment and the template's tool-call format, read once)
     return module
+
+
+def sample_episodes(module, prompts, per_prompt):
+    """``per_prompt`` episodes per prompt, as a training rollout samples them."""
+    with module.sampler.gathered(module.model):
+        return module.rollouts.run(module.model, POLICY, prompts, per_prompt, "test")
 
 
 def calculator_batch(module, n=4):
@@ -80,17 +83,17 @@ def turns_of(episode):
 def test_episodes_interleave_policy_and_environment_tokens(calculator_model_dir):
     module = episodic(GRPO, calculator_model_dir)
     torch.manual_seed(1)
-    batch = module.sample_episodes(calculator_batch(module), 2, "test")
-    delta = module.template_delta([{"role": "user", "content": "try again"}])
+    batch = sample_episodes(module, calculator_batch(module), 2)
+    delta = module.rollouts.delta([{"role": "user", "content": "try again"}])
     answered = 0
     for row, episode in enumerate(batch.episodes):
         # every policy turn but the last is followed by exactly the environment's delta, then the next turn
         for _, end in turns_of(episode)[:-1]:
-            assert episode.tokens[end - 1] in module.sampling.stop_token_ids
+            assert episode.tokens[end - 1] in module.sampler.settings.stop_token_ids
             assert episode.tokens[end:end + len(delta)] == delta and episode.policy[end + len(delta)]
             answered += 1
         assert episode.turns <= 3 and len(episode.tokens) <= 40
-        mask = batch.policy_mask[row]
+        mask = batch.response_mask[row]
         width = len(episode.tokens)
         assert mask[:width].tolist() == episode.policy and not mask[width:].any()
         # each turn's reward sits at the turn's last policy token
@@ -103,9 +106,9 @@ def test_episodes_interleave_policy_and_environment_tokens(calculator_model_dir)
 def test_one_pass_log_probs_equal_what_each_turn_was_sampled_under(calculator_model_dir):
     module = episodic(GRPO, calculator_model_dir)
     torch.manual_seed(2)
-    batch = module.sample_episodes(calculator_batch(module), 2, "test")
+    batch = sample_episodes(module, calculator_batch(module), 2)
     with torch.no_grad():
-        one_pass, _ = module.response_logprobs(POLICY, batch.input_ids, batch.attention_mask, batch.policy_mask)
+        one_pass, _ = module.response_logprobs(POLICY, batch.input_ids, batch.attention_mask, batch.response_mask)
         checked = 0
         for row, episode in enumerate(batch.episodes):
             for start, end in turns_of(episode):
@@ -115,7 +118,7 @@ def test_one_pass_log_probs_equal_what_each_turn_was_sampled_under(calculator_mo
                                                     torch.arange(context.shape[1])[None] >= len(episode.opening) + start)
                 torch.testing.assert_close(one_pass[row, start:end], per_turn[0, -(end - start):], atol=1e-5, rtol=1e-5)
                 checked += end - start
-    assert checked == int(batch.policy_mask.sum()) and checked > 0
+    assert checked == int(batch.response_mask.sum()) and checked > 0
 
 
 def test_the_transcript_is_the_sampled_tokens_never_a_retokenization(calculator_model_dir):
@@ -127,18 +130,18 @@ def test_the_transcript_is_the_sampled_tokens_never_a_retokenization(calculator_
     rows = calculator_batch(module)
     torch.manual_seed(3)
     state = torch.random.get_rng_state()
-    batch = module.sample_episodes(rows, 1, "test")
+    batch = sample_episodes(module, rows, 1)
     # The first turn again, by the sampler itself, from the same random state: the same tokens.
     torch.random.set_rng_state(state)
     openings = [opening_ids(tokenizer, [{"role": "user", "content": p}], None) for p in rows["prompt"]]
     width = max(map(len, openings))
     ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(o)) + o for o in openings])
-    first_turn = sample_responses(module.model, POLICY, ids, (ids != tokenizer.pad_token_id).long(),
-                                  dataclasses.replace(module.sampling, max_new_tokens=6), tokenizer.pad_token_id)
+    first_turn = module.sampler.draw(module.model, POLICY, ids, (ids != tokenizer.pad_token_id).long(),
+                                     max_new_tokens=6)
     for row, episode in enumerate(batch.episodes):
         start, end = turns_of(episode)[0]
         assert episode.opening == openings[row]
-        assert episode.tokens[start:end] == first_turn[0][row, width:][first_turn[2][row]].tolist()
+        assert episode.tokens[start:end] == first_turn.tokens[row][first_turn.mask[row]].tolist()
 
 
 def test_masks_with_holes_skip_environment_tokens_in_rewards_gae_and_returns():
@@ -170,8 +173,11 @@ def test_every_online_algorithm_trains_on_episodes(algorithm, calculator_model_d
     episode_tokens = experience.attention_mask[:, -mask.shape[1]:].bool()
     assert (episode_tokens & ~mask).any()  # environment tokens sit between the policy's
     assert experience.advantages[~mask].eq(0).all() and experience.advantages[mask].ne(0).any()
-    # the environment's 0.25 per turn is in the scores
-    torch.testing.assert_close(experience.scores, experience.turn_rewards.sum(-1) + 0.0)
+    # the environment's 0.25 per answered turn: at the ends of the turns, and in every response's total
+    turn_rewards = experience.turn_rewards.sum(-1)
+    assert turn_rewards.gt(0).any() and torch.equal(turn_rewards % 0.25, torch.zeros_like(turn_rewards))
+    rewards, _ = module.shape_rewards(experience)
+    torch.testing.assert_close(rewards.total_scores, experience.scores + turn_rewards)
     for name in ("episode/turns", "episode/policy_tokens", "episode/env_tokens", "episode/tool_calls",
                  "episode/env_reward"):
         assert name in stats

@@ -22,7 +22,7 @@ from rlhf_lightning.data.collate import pad
 from rlhf_lightning.data.tokenize import encode_completion, encode_prompt, turn_end_token_id
 from rlhf_lightning.models.shared_base import position_ids_from_mask
 from rlhf_lightning.models.spec import BaseModelSpec
-from rlhf_lightning.rollout.generate import stop_token_ids
+from rlhf_lightning.rollout.settings import stop_token_ids
 from tests.conftest import LORA, built
 from tests.families import FAMILIES, Family, build_model_dir, build_tokenizer, prompts
 

@@ -14,8 +14,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "rlhf_lightning"
 LAYERS = [
     ("utils", "metrics", "optim", "resume", "run_folder", "timing", "wandb_offline"),  # no model, no data
     ("algorithms", "ops", "tasks"),  # pure math, speed code, the embedded tasks
-    ("models", "data"),  # the shared base and its roles; datasets and batches
-    ("rollout", "episodes"),  # sampling, experience, reward sources; multi-turn episodes
+    ("models", "data", "environments"),  # the shared base and its roles; datasets and batches; tools, environments
+    ("rollout", "rewards"),  # drawing tokens (sampler, engines, the turn loop); reward sources and how they combine
     ("core",),  # the LightningModules every stage shares
     ("ppo", "grpo", "rloo", "reinforce_pp", "distill", "online_dpo", "dpo", "kto", "sft", "reward_model"),  # one per stage
     ("callbacks", "loggers", "errors", "merge", "cli", "study", "__init__", "__main__"),  # around the modules
@@ -74,10 +74,17 @@ def test_every_import_points_to_the_same_layer_or_below():
 
 def test_the_low_layers_never_import_the_modules_above_them():
     """The issue's wording, checked directly: models, data, algorithms and ops know nothing of the loop."""
-    above = ("core", "rollout", "ppo", "grpo", "rloo", "reinforce_pp", "dpo", "sft", "reward_model")
+    above = ("core", "rollout", "rewards", "ppo", "grpo", "rloo", "reinforce_pp", "dpo", "sft", "reward_model")
     for module, targets in imports().items():
-        if part(module) in ("models", "data", "algorithms", "ops", "utils"):
+        if part(module) in ("models", "data", "environments", "algorithms", "ops", "utils"):
             assert not [t for t in targets if part(t) in above], module
+
+
+def test_rollout_draws_tokens_and_knows_no_reward_or_loop():
+    """rollout/ does one job: no reward source, no experience, no LightningModule."""
+    for module, targets in imports().items():
+        if part(module) == "rollout":
+            assert not [t for t in targets if part(t) in ("rewards", "core")], module
 
 
 def test_no_modules_import_each_other_in_a_circle():

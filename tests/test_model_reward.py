@@ -11,7 +11,7 @@ from rlhf_lightning.models.heads import ScalarHead
 from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer
 from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.models.spec import BaseModelSpec
-from rlhf_lightning.rollout.rewards import ModelReward, RewardInputs
+from rlhf_lightning.rewards import ModelReward, RewardInputs
 from tests.families import FAMILIES, build_model_dir, build_tokenizer
 
 CONVERSATIONS = [[{"role": "user", "content": "what is two plus three?"}],
@@ -119,7 +119,7 @@ def test_conversations_need_a_chat_template(policy_base, tmp_path):
 def test_reward_functions_receive_the_original_messages_and_columns(policy_base):
     """``FunctionReward`` gets the prompt as the dataset holds it (messages, not rendered text) and every
     other column."""
-    from rlhf_lightning.rollout.rewards import FunctionReward
+    from rlhf_lightning.rewards import FunctionReward
 
     seen = {}
 

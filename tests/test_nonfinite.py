@@ -17,7 +17,7 @@ from rlhf_lightning import GRPO, PPO, SFT, AdapterReward, FunctionReward, SFTDat
 from rlhf_lightning.callbacks import IterationCheckpoint
 from rlhf_lightning.models.shared_base import adapter_of
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
-from rlhf_lightning.rollout.rewards import RewardInputs, RewardSource
+from rlhf_lightning.rewards import RewardInputs, RewardSource
 from rlhf_lightning.utils.nonfinite import NonFiniteError
 from tests.conftest import LORA, built, tiny_spec
 from tests.test_ppo import Recorder, prompts

@@ -5,6 +5,7 @@ shipped config runs from the command line logging every metric."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -42,8 +43,10 @@ def sequence_logps(module: OnlineDPO, role, experience) -> torch.Tensor:
 def test_each_prompts_two_samples_are_ranked_into_a_pair_chosen_first(tiny_model_dir, reward_dir):
     module = make(tiny_model_dir, reward_dir)
     batch = prompt_batch(module, n=8)
-    raw, _ = module.make_experience(batch)
-    experience, stats = module.estimate_advantages(raw, 0.0)
+    with module.sampler.gathered(module.model):
+        raw, _ = module.collect(batch)
+    rewards, _ = module.shape_rewards(raw)
+    experience, stats = module.prepare_update(raw, rewards)
     assert experience.response_mask.shape[0] == 16
     before, after = raw.scores.view(8, 2), experience.scores.view(8, 2)
     torch.testing.assert_close(after[:, 0], before.max(1).values)  # chosen = the higher score
@@ -66,7 +69,7 @@ def test_the_loss_is_the_dpo_loss_of_the_untied_pairs(tiny_model_dir, reward_dir
     # A tie, made here on the experience as the ranking marks it: that pair must carry no loss.
     weights = experience.pair_weights.clone()
     weights[:2] = 0.0
-    experience = type(experience)(**{**vars(experience), "pair_weights": weights})
+    experience = dataclasses.replace(experience, pair_weights=weights)
     terms = module.losses(experience)
     policy, reference = sequence_logps(module, "policy", experience), sequence_logps(module, REFERENCE, experience)
     lengths = experience.response_mask.sum(-1)
@@ -82,13 +85,13 @@ def test_the_loss_is_the_dpo_loss_of_the_untied_pairs(tiny_model_dir, reward_dir
 def test_an_iteration_keeps_pairs_whole_and_trains_only_the_policy_adapter(tiny_model_dir, reward_dir, tmp_path):
     module = make(tiny_model_dir, reward_dir, num_minibatches=2, gradient_accumulation=2)
     seen = []  # every micro-batch's rows, as (pair weights, prompt tokens)
-    losses = module.policy_losses
+    loss = module.loss
 
     def recording(micro, *args):
         seen.append((micro.pair_weights, micro.input_ids[:, :micro.prompt_length]))
-        return losses(micro, *args)
+        return loss(micro, *args)
 
-    module.policy_losses = recording
+    module.loss = recording
     policy = {name for name, _ in module.named_parameters() if adapter_of(name) == "policy"}
     before = {name: p.detach().clone() for name, p in module.named_parameters()}
     _fit(module, prompts(module, n=8), tmp_path, iterations=1, prefix="online_dpo/")
@@ -124,9 +127,12 @@ def test_config_runs_from_the_cli_and_logs_every_metric(tiny_model_dir, reward_d
 
 
 @pytest.mark.parametrize("argument, expected, code", [
-    ("--model.init_args.samples_per_prompt=4", "online DPO samples exactly 2 responses per prompt", 1),
-    ("--model.init_args.kl_coef=0.1", "kl_coef=0.1: online DPO's loss is the DPO loss alone", 1),
-    ("--model.init_args.loss_type=kto", "loss_type", 2),  # the parser's refusal: not a DPO loss
+    # the policy-gradient family's arguments and a fixed pair size are not online DPO's: the parser refuses them
+    ("--model.init_args.samples_per_prompt=4", "OnlineDPO takes no argument 'samples_per_prompt'", 2),
+    ("--model.init_args.kl_coef=0.1", "OnlineDPO takes no argument 'kl_coef'", 2),
+    ("--model.init_args.clip_range=0.1", "OnlineDPO takes no argument 'clip_range'", 2),
+    ("--model.init_args.loss_type=kto", "loss_type", 2),  # not a DPO loss
+    ("--data.init_args.ptx_dataset=synthetic", "has no pretraining loss on it", 1),
 ])
 def test_settings_that_do_not_apply_are_refused_in_one_line(tiny_model_dir, reward_dir, capsys, argument, expected,
                                                             code):

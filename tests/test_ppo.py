@@ -203,7 +203,8 @@ def test_export_and_merge_give_the_policy(tiny_model_dir, reward_dir, tmp_path):
 
 def test_scores_are_normalised_penalised_and_clipped(tiny_model_dir, reward_dir):
     module = make_ppo(tiny_model_dir, reward_dir, reward_normalize=True, missing_eos_penalty=1.0, reward_clip=1.2)
-    scores = module.process_scores(torch.tensor([[0.5], [4.5], [-5.5], [2.5]]), torch.tensor([True, True, True, False]))
+    scores = module.rewards.response_scores(torch.tensor([[0.5], [4.5], [-5.5], [2.5]]),
+                                            torch.tensor([True, True, True, False]))
     # (s - 0.5) / 2, minus 1 where the response never stopped, clipped to +-1.2
     torch.testing.assert_close(scores, torch.tensor([0.0, 1.2, -1.2, 0.0]))
 

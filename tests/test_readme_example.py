@@ -33,10 +33,13 @@ def test_length_penalty_example_charges_every_response_token(readme_example, tin
     rollout, _ = plain.rollout(first_batch(plain))
     penalized = readme_example.LengthPenalizedPPO(
         base=plain.hparams.base, reward=plain.rewards.sources[0], policy_lora=LORA, critic_lora=LORA, token_cost=0.25)
-    expected, expected_kl = plain.shape_rewards(rollout, 0.07)
-    rewards, kl = penalized.shape_rewards(rollout, 0.07)
-    torch.testing.assert_close(rewards, expected - 0.25 * rollout.response_mask.float())
-    torch.testing.assert_close(kl, expected_kl)
+    expected, _ = plain.shape_rewards(rollout)
+    rewards, _ = penalized.shape_rewards(rollout)
+    mask = rollout.response_mask.float()
+    torch.testing.assert_close(rewards.token_rewards(), expected.token_rewards() - 0.25 * mask)  # PPO's GAE reads these
+    torch.testing.assert_close(rewards.sequence_rewards(), expected.sequence_rewards() - 0.25 * mask.sum(-1))
+    torch.testing.assert_close(rewards.kl, expected.kl)
+    assert rewards.kl_coef == expected.kl_coef > 0
 
 
 def test_the_cli_accepts_the_subclass_with_its_new_argument(readme_example, tiny_model_dir, reward_dir):

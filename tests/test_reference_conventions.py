@@ -12,6 +12,7 @@ from rlhf_lightning import RLOO
 from rlhf_lightning.algorithms.group import normalize_advantages, rloo_advantages
 from rlhf_lightning.algorithms.kl import kl_penalty
 from rlhf_lightning.algorithms.masked import masked_whiten
+from rlhf_lightning.algorithms.policy_losses import Clip
 from rlhf_lightning.algorithms.surrogate import aggregate_loss, clipped_surrogate, loss_normaliser
 from tests.test_online import _perturb, make, prompt_batch
 
@@ -104,10 +105,11 @@ def test_kl_clamp_is_openrlhf_compute_approx_kl(estimator):
 
 
 def test_rloo_with_trl_settings_computes_trl_loss_on_a_rollout(tiny_model_dir, reward_dir):
-    """The RLOO module with ``ratio_level: sequence_sum`` and ``loss_aggregation: sequence_mean``, off-policy (a
-    policy moved since sampling): its loss is TRL's formula on the module's own log-probs and advantages."""
-    module = make(RLOO, tiny_model_dir, reward_dir, ratio_level="sequence_sum", loss_aggregation="sequence_mean",
-                  clip_range=0.2, kl_coef=0.0, epochs=2)
+    """The RLOO module with ``policy_loss.ratio_level: sequence_sum`` and ``loss_aggregation: sequence_mean``,
+    off-policy (a policy moved since sampling): its loss is TRL's formula on the module's own log-probs and
+    advantages."""
+    module = make(RLOO, tiny_model_dir, reward_dir, policy_loss=Clip(clip_range=0.2, ratio_level="sequence_sum"),
+                  loss_aggregation="sequence_mean", kl_coef=0.0, epochs=2)
     experience, _ = module.rollout(prompt_batch(module))
     _perturb(module, "policy")  # the update's policy is not the sampler's: ratios away from 1
     terms = module.losses(experience)
@@ -121,6 +123,6 @@ def test_rloo_with_trl_settings_computes_trl_loss_on_a_rollout(tiny_model_dir, r
     assert not torch.allclose(coef_1, torch.ones_like(coef_1))
 
 
-def test_clip_range_high_below_clip_range_is_refused(tiny_model_dir, reward_dir):
-    with pytest.raises(ValueError, match=r"^clip_range_high=0.1 is below clip_range=0.2: the upper bound"):
-        make(RLOO, tiny_model_dir, reward_dir, clip_range=0.2, clip_range_high=0.1)
+def test_clip_range_high_below_clip_range_is_refused():
+    with pytest.raises(ValueError, match=r"^policy_loss: clip_range_high=0.1 is below clip_range=0.2: the upper"):
+        Clip(clip_range=0.2, clip_range_high=0.1)

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from rlhf_lightning.episodes import Environment, Step, Tool, ToolEnvironment
-from rlhf_lightning.episodes.environment import checked_reset, checked_step
-from rlhf_lightning.episodes.tool_calls import HermesFormat, Llama3JsonFormat, detect_format
+from rlhf_lightning.environments import Environment, Step, Tool, ToolEnvironment
+from rlhf_lightning.environments.environment import checked_reset, checked_step
+from rlhf_lightning.environments.tool_calls import HermesFormat, Llama3JsonFormat, detect_format
 from rlhf_lightning.tasks.calculator import add, build_tokenizer
 from tests.families import CHATML_TEMPLATE, FAMILIES, LLAMA3_TEMPLATE
 from tests.families import build_tokenizer as family_tokenizer

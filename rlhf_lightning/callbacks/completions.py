@@ -16,7 +16,7 @@ COLUMNS = ["iteration", "prompt", "response", "score", "gold", "kl"]
 class CompletionsTable(L.Callback):
     """Logs a ``wandb.Table`` of the latest rollout every ``every_n_iterations`` PPO iterations.
 
-    Reads ``pl_module.last_samples`` (a :class:`rlhf_lightning.rollout.experience.Samples`, which the PPO module
+    Reads ``pl_module.last_samples`` (a :class:`rlhf_lightning.core.experience.Samples`, which the PPO module
     fills at every rollout) after the training batch and logs its first ``max_rows`` responses under ``key``
     with the columns ``iteration, prompt, response, score, gold, kl``: the iteration the samples were drawn at
     (0 = the SFT policy, before any update), the reward-model score before normalisation and penalties, the

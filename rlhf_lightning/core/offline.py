@@ -125,8 +125,8 @@ class OfflinePreference(PolicyModule):
         prompt_ids, prompt_mask = batch["prompt_input_ids"], batch["prompt_attention_mask"]
         # Generation needs at least one prompt token (transcript-only pairs may share no beginning).
         if (limit is None or batch_idx < limit) and bool(prompt_mask.sum(-1).min() > 0):
-            self.evaluate_samples(prompt_ids, prompt_mask, self.decode(prompt_ids, prompt_mask), batch_idx,
-                                  indices=batch["index"])
+            self.evaluate_samples({"input_ids": prompt_ids, "attention_mask": prompt_mask,
+                                   "prompt": self.decode(prompt_ids, prompt_mask), "index": batch["index"]}, batch_idx)
 
     def configure_optimizers(self):
         hp = self.hparams

@@ -2,18 +2,16 @@
 
 What every policy-optimising stage shares (the online RL family and DPO): the base and the ``policy`` adapter,
 log-probabilities of any role from a response mask (left-padded rollouts and right-padded preference pairs
-alike), sampling, and the evaluation of sampled responses on held-out prompts (KL to the reference, length,
-and the task's gold reward when it has one).
+alike), its sampler (:mod:`rlhf_lightning.rollout`), and the evaluation of sampled responses on held-out prompts
+(KL to the reference, length, stop rate, and the task's gold reward when it has one).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import inspect
 import logging
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,15 +21,17 @@ from torch import Tensor
 from torchmetrics import MeanMetric
 
 from rlhf_lightning.algorithms import entropy_from_logits, logprobs_from_logits
+from rlhf_lightning.core.experience import sequence_kl
 from rlhf_lightning.core.stage import StageModule
 from rlhf_lightning.metrics import reset_metrics
-from rlhf_lightning.models.sharding import gathered, is_dtensor
+from rlhf_lightning.models.sharding import is_dtensor
 from rlhf_lightning.models.shared_base import REFERENCE, SharedBase, adapter_of
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
 from rlhf_lightning.ops.lm_head import head_logprobs
-from rlhf_lightning.ops.sampling import row_draws
-from rlhf_lightning.rollout.experience import sequence_kl
-from rlhf_lightning.rollout.generate import SamplingSettings, sample_responses, stop_token_ids, stopped
+from rlhf_lightning.rollout.rollouts import Rollout, Rollouts
+from rlhf_lightning.rollout.sampler import Sampler
+from rlhf_lightning.rollout.seeds import Seeds
+from rlhf_lightning.rollout.settings import SamplingSettings, stop_token_ids
 from rlhf_lightning.utils import checks
 from rlhf_lightning.utils.checks import check_sampling
 
@@ -39,11 +39,6 @@ log = logging.getLogger(__name__)
 
 POLICY = "policy"
 GoldReward = Callable[[Sequence[str], Sequence[str]], Sequence[float]]
-
-
-def derive_seed(*parts: object) -> int:
-    """A seed that depends only on ``parts`` (Python's ``hash`` of strings changes between processes)."""
-    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:7], "little")
 
 
 def without_dropout(lora: LoraSpec, role: str) -> LoraSpec:
@@ -139,7 +134,8 @@ class PolicyModule(StageModule):
         self.policy_lora = without_dropout(policy_lora.check("policy_lora"), POLICY)
         self.gold_reward = gold_reward
         self.val_metrics = torch.nn.ModuleDict({name: MeanMetric() for name in self.validation_metrics})
-        self._sampling: SamplingSettings | None = None
+        self._sampler: Sampler | None = None
+        self._rollouts: Rollouts | None = None
 
     def build_model(self, empty: bool) -> SharedBase:
         model = self.load_base(empty=empty)
@@ -147,17 +143,31 @@ class PolicyModule(StageModule):
         return model
 
     @property
-    def sampling(self) -> SamplingSettings:
-        """How responses are sampled (the stop tokens come from the tokenizer)."""
-        if self._sampling is None:
+    def sampler(self) -> Sampler:
+        """What draws the policy's responses: the sampling settings (stop tokens from the tokenizer), the seeds, the
+        engine (``decoding``) and the sharded base's gathering."""
+        if self._sampler is None:
             hp = self.hparams
-            self._sampling = SamplingSettings(hp.max_new_tokens, hp.temperature, hp.top_k, hp.top_p, hp.kv_cache,
-                                              stop_token_ids(self.tokenizer, hp.stop_token),
-                                              hp.get("decoding", "auto"))
-        return self._sampling
+            settings = SamplingSettings(hp.max_new_tokens, hp.temperature, hp.top_k, hp.top_p, hp.kv_cache,
+                                        stop_token_ids(self.tokenizer, hp.stop_token), hp.get("decoding", "auto"))
+            self._sampler = Sampler(settings, Seeds(hp.seed, hp.seed_scope), self.tokenizer.pad_token_id,
+                                    hp.sharded_rollout)
+        return self._sampler
+
+    @property
+    def rollouts(self) -> Rollouts:
+        """The turn loop of this module's rollouts (single-turn here; episodes with an online algorithm's
+        ``environment``)."""
+        if self._rollouts is None:
+            self._rollouts = self.make_rollouts()
+        return self._rollouts
+
+    def make_rollouts(self) -> Rollouts:
+        """The :class:`~rlhf_lightning.rollout.rollouts.Rollouts` of :attr:`rollouts`."""
+        return Rollouts(self.sampler, self.tokenizer)
 
     def setup(self, stage: str) -> None:
-        self.sampling  # noqa: B018 (a stop_token the tokenizer lacks fails here, before the model is built)
+        self.sampler  # noqa: B018 (a stop_token the tokenizer lacks fails here, before the model is built)
         super().setup(stage)
 
     def check_lengths(self, datamodule: Any) -> None:
@@ -267,35 +277,21 @@ class PolicyModule(StageModule):
     def generate(self, input_ids: Tensor, attention_mask: Tensor, role: str | None = POLICY,
                  seeds: Sequence[int] | None = None, with_logprobs: bool = False, group: int = 1
                  ) -> tuple[Tensor, ...]:
-        """Sample ``group`` responses to each prompt (consecutive rows): ``(prompt + response ids, attention mask,
-        response mask [B * group, R])``, and with ``with_logprobs`` the sampler's own log-probs ``[B * group, R]``.
-        ``seeds``: one per response, each drawn from a generator of its own (``seed_scope: prompt``); None = the
+        """Sample ``group`` responses to each prompt (consecutive rows), outside any rollout: ``(prompt + response
+        ids, attention mask, response mask [B * group, R])``, and with ``with_logprobs`` the sampler's own
+        log-probs ``[B * group, R]``. ``seeds``: one per response, each drawn from a generator of its own; None = the
         global random stream."""
-        draws = None if seeds is None else row_draws(list(seeds), self.sampling.max_new_tokens, input_ids.device)
-        synced = self.model.is_sharded and self.hparams.sharded_rollout == "per_layer"
-        with self.rollout_gathered():
-            return sample_responses(self.model, role, input_ids, attention_mask, self.sampling,
-                                    self.tokenizer.pad_token_id, draws=draws, synced=synced,
-                                    with_logprobs=with_logprobs, group=group)
+        self.check_built()
+        with self.sampler.gathered(self.model):
+            drawn = self.sampler.draw(self.model, role, input_ids, attention_mask, group, seeds)
+        sampled = (drawn.sequences, drawn.attention_mask, drawn.mask)
+        return (*sampled, drawn.logprobs) if with_logprobs else sampled
 
-    def rollout_gathered(self):
-        """A block of no-grad passes over the sharded base (sampling and scoring), gathered as
-        ``sharded_rollout`` says; nothing without sharding."""
+    def check_built(self) -> None:
+        """Refuse to sample before ``configure_model`` has built the model."""
         if self.model is None:
             raise RuntimeError(f"{type(self).__name__}'s model is not built: call configure_model() first (a "
                                "Trainer does when a fit, validation or test starts)")
-        return gathered(self.model, whole=self.hparams.sharded_rollout == "gathered")
-
-    def row_seeds(self, purpose: str, indices: Tensor | None, per_prompt: int = 1) -> list[int] | None:
-        """With ``seed_scope: prompt``, the seed of each response to the prompts numbered ``indices`` (their rows
-        in the dataset), ``per_prompt`` responses each (consecutive rows); None with ``seed_scope: rank``."""
-        if self.hparams.seed_scope != "prompt":
-            return None
-        if indices is None or bool((indices < 0).any()):
-            raise ValueError("seed_scope: prompt needs prompts numbered by their row in the dataset (the data "
-                             "modules' batches carry them as `index`)")
-        return [derive_seed(self.hparams.seed, purpose, int(index), sample)
-                for index in indices.tolist() for sample in range(per_prompt)]
 
     def decode(self, ids: Tensor, mask: Tensor) -> list[str]:
         """The texts of ``ids`` where ``mask`` is set, special tokens dropped."""
@@ -305,17 +301,47 @@ class PolicyModule(StageModule):
     # ---- evaluation of samples on held-out prompts --------------------------------------------------------
 
     @torch.no_grad()
-    def evaluate_samples(self, input_ids: Tensor, attention_mask: Tensor, prompts: Sequence[str], batch_idx: int,
-                         raw_prompts: Sequence[Any] | None = None, columns: dict[str, list] | None = None,
-                         indices: Tensor | None = None) -> dict[str, Tensor]:
-        """Sample one response per prompt (fixed seed per batch, training's random stream untouched) and
-        update the validation metrics with its KL to the reference, length, stop rate and gold reward."""
-        with self.rollout_gathered():
-            values, (ids, mask, response_mask, texts) = self.measure_samples(input_ids, attention_mask, prompts,
-                                                                              batch_idx, indices)
-            values.update(self.evaluate_extra(ids, mask, response_mask, prompts, texts, raw_prompts, columns))
+    def evaluate_samples(self, prompts: dict[str, Any], batch_idx: int) -> dict[str, Tensor]:
+        """One response per held-out prompt of ``prompts`` (a data module's prompt batch), sampled from evaluation
+        batch ``batch_idx``'s fixed stream (training's left untouched), and its :meth:`sample_values` and
+        :meth:`evaluate_extra` added to the validation metrics."""
+        values, _ = self.sample_and_measure(prompts, batch_idx)
         self.record_validation(values)
         return values
+
+    @torch.no_grad()
+    def sample_and_measure(self, prompts: dict[str, Any], batch_idx: int) -> tuple[dict[str, Tensor], Rollout]:
+        """The per-sample validation values of one response per prompt (evaluation batch ``batch_idx``'s stream;
+        with ``seed_scope: prompt`` each prompt's own), and the rollout itself."""
+        self.check_built()
+        with self.sampler.seeds.evaluation(batch_idx, self.global_rank, self.device), \
+                self.sampler.gathered(self.model):
+            rollout = self.rollouts.run(self.model, POLICY, prompts, 1, "validation")
+            values = self.sample_values(rollout, prompts["prompt"])
+            values.update(self.evaluate_extra(rollout, prompts))
+        return values, rollout
+
+    @torch.no_grad()
+    def sample_values(self, rollout: Rollout, prompts: Sequence[str]) -> dict[str, Tensor]:
+        """Per-sample validation values of a rollout: ``kl`` (nats, to the reference, over the policy's tokens),
+        ``length``, ``eos_frac`` and ``gold`` (with a gold reward, of the text reward sources read)."""
+        ids, mask, response_mask = rollout.input_ids, rollout.attention_mask, rollout.response_mask
+        logprobs, _ = self.response_logprobs(POLICY, ids, mask, response_mask)
+        ref_logprobs, _ = self.response_logprobs(REFERENCE, ids, mask, response_mask)
+        values = {
+            "kl": sequence_kl(logprobs, ref_logprobs, response_mask),
+            "length": response_mask.sum(-1).float(),
+            "eos_frac": rollout.is_stopped.float(),
+        }
+        if self.gold_reward is not None:
+            texts = self.decode(rollout.responses, rollout.read_mask)
+            values["gold"] = torch.tensor([float(g) for g in self.gold_reward(list(prompts), texts)])
+        return values
+
+    def evaluate_extra(self, rollout: Rollout, prompts: dict[str, Any]) -> dict[str, Tensor]:
+        """More per-sample validation values of a held-out rollout (``validation_metrics`` must name them); none
+        here."""
+        return {}
 
     def record_validation(self, values: dict[str, Tensor]) -> None:
         """Add per-sample validation ``values`` to the metrics logged when validation ends. An empty value (a
@@ -324,54 +350,6 @@ class PolicyModule(StageModule):
         for name, value in values.items():
             if value.numel():
                 self.val_metrics[name].update(value.to(self.device))
-
-    @contextmanager
-    def validation_randomness(self, batch_idx: int) -> Iterator[None]:
-        """Evaluation batch ``batch_idx``'s fixed random stream, training's left untouched."""
-        devices = [self.device.index or 0] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(derive_seed(self.hparams.seed, "validation", batch_idx, self.global_rank))
-            yield
-
-    @torch.no_grad()
-    def measure_samples(self, input_ids: Tensor, attention_mask: Tensor, prompts: Sequence[str], batch_idx: int,
-                        indices: Tensor | None = None
-                        ) -> tuple[dict[str, Tensor], tuple[Tensor, Tensor, Tensor, list[str]]]:
-        """One response per prompt, sampled with evaluation batch ``batch_idx``'s fixed seed (with ``seed_scope:
-        prompt``, each prompt's own, from its number in ``indices``), and its :meth:`sample_values`.
-
-        Returns the values and ``(sequences, attention_mask, response_mask, texts)`` of the samples.
-        """
-        with self.validation_randomness(batch_idx), self.rollout_gathered():
-            ids, mask, response_mask = self.generate(input_ids, attention_mask,
-                                                     seeds=self.row_seeds("validation", indices))
-        texts = self.decode(ids[:, input_ids.shape[1]:], response_mask)
-        return self.sample_values(ids, mask, response_mask, prompts, texts), (ids, mask, response_mask, texts)
-
-    @torch.no_grad()
-    def sample_values(self, ids: Tensor, mask: Tensor, response_mask: Tensor, prompts: Sequence[str],
-                      texts: list[str]) -> dict[str, Tensor]:
-        """Per-sample validation values of sampled sequences (responses in the last ``R`` columns, ``texts`` what
-        the gold reward reads): ``kl`` (nats, to the reference), ``length``, ``eos_frac`` and ``gold`` (with a gold
-        reward)."""
-        with self.rollout_gathered():
-            logprobs, _ = self.response_logprobs(POLICY, ids, mask, response_mask)
-            ref_logprobs, _ = self.response_logprobs(REFERENCE, ids, mask, response_mask)
-        responses = ids[:, ids.shape[1] - response_mask.shape[1]:]
-        values = {
-            "kl": sequence_kl(logprobs, ref_logprobs, response_mask),
-            "length": response_mask.sum(-1).float(),
-            "eos_frac": stopped(responses, response_mask, self.sampling.stop_token_ids).float(),
-        }
-        if self.gold_reward is not None:
-            values["gold"] = torch.tensor([float(g) for g in self.gold_reward(list(prompts), texts)])
-        return values
-
-    def evaluate_extra(self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor,
-                       prompts: Sequence[str], texts: list[str], raw_prompts: Sequence[Any] | None = None,
-                       columns: dict[str, list] | None = None) -> dict[str, Tensor]:
-        """More per-sample validation values (``validation_metrics`` must name them); none here."""
-        return {}
 
     def on_validation_epoch_end(self) -> None:
         for name, metric in self.val_metrics.items():

@@ -156,25 +156,29 @@ def gathered(base: nn.Module, whole: bool = True) -> Iterator[None]:
     model itself, such as ``generate``, bypasses the root's registered methods), and with ``whole`` every
     decoder layer too, kept gathered until the block ends (one all-gather per layer for the whole block, instead
     of one per layer per forward pass: a decode of ``R`` tokens makes ``R`` passes). Nothing happens to a base
-    that is not sharded."""
-    depth = getattr(base, "_gathered_depth", 0)
-    if not is_sharded(base) or depth:  # not sharded, or inside another gathered block: nothing more to do
-        base._gathered_depth = depth + 1
+    that is not sharded.
+
+    A rollout enters it once, around every pass it makes; entering it again inside is refused (the inner block's
+    end would free the layers the outer block still relies on), sharded or not, so that misuse shows in any test.
+    """
+    if getattr(base, "_gathered", False):
+        raise RuntimeError("gathered() entered inside another gathered() block of the same base: a rollout enters it "
+                           "once, around all of its passes")
+    base._gathered = True
+    try:
+        if not is_sharded(base):
+            yield
+            return
+        base.unshard()
+        layers = [module for module in base.modules() if module is not base and is_sharded(module)] if whole else []
+        for layer in layers:
+            layer.set_reshard_after_forward(False, recurse=False)
+            layer.unshard()
         try:
             yield
         finally:
-            base._gathered_depth = depth
-        return
-    base.unshard()
-    layers = [module for module in base.modules() if module is not base and is_sharded(module)] if whole else []
-    for layer in layers:
-        layer.set_reshard_after_forward(False, recurse=False)
-        layer.unshard()
-    base._gathered_depth = 1
-    try:
-        yield
+            for layer in layers:
+                layer.reshard()
+                layer.set_reshard_after_forward(True, recurse=False)
     finally:
-        base._gathered_depth = 0
-        for layer in layers:
-            layer.reshard()
-            layer.set_reshard_after_forward(True, recurse=False)
+        base._gathered = False

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 from peft import PeftConfig, PeftModel, get_peft_model
@@ -71,9 +70,6 @@ class SharedBase(nn.Module):
         self.fused_lora = fused_lora
         self.trainable_adapters: set[str] = set()
         self._requires_grad: list[tuple[nn.Parameter, bool]] = []
-        # The rollout decoders of this model by decoding name (rlhf_lightning.rollout.decode.Decoder): kept with
-        # it, so that their static caches and compiled steps serve every rollout.
-        self.decoders: dict[str, Any] = {}
         # None: the model post-processes its logits in a way we cannot reproduce from the hidden states. A base
         # built on the meta device has no values to probe: `inspect_logits` runs once it has them.
         self.logit_transform: LogitTransform | None = None

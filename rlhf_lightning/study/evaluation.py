@@ -18,7 +18,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from rlhf_lightning.rollout.rewards import AdapterReward, RewardSet, reward_inputs
+from rlhf_lightning.rewards import AdapterReward, RewardSet, reward_inputs
 from rlhf_lightning.study.gao import kl_distance
 
 
@@ -126,12 +126,12 @@ class HeldOutEvaluation(L.Callback):
         for index, batch in enumerate(self.batches):
             batch = {key: value.to(pl_module.device) if isinstance(value, torch.Tensor) else value
                      for key, value in batch.items()}
-            values, (ids, mask, response_mask, texts) = pl_module.measure_samples(
-                batch["input_ids"], batch["attention_mask"], batch["prompt"], index)
+            values, rollout = pl_module.sample_and_measure(batch, index)
+            texts = pl_module.decode(rollout.responses, rollout.read_mask)
             raw = batch.get("raw_prompt") or batch["prompt"]
             scores = self.rewards.combine(self.rewards.score(reward_inputs(
-                ids, mask, response_mask, texts, raw, batch.get("columns"), pl_module.tokenizer,
-                pl_module.sampling.stop_token_ids)))
+                rollout.input_ids, rollout.attention_mask, rollout.read_mask, texts, raw, batch.get("columns"),
+                pl_module.tokenizer, pl_module.sampler.settings.stop_token_ids)))
             sums["kl"] += float(values["kl"].sum())
             sums["gold"] += float(values["gold"].sum())
             sums["proxy"] += float(scores.float().sum())

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlhf_lightning.episodes.tools import Tool, ToolResult, make_tools
+from rlhf_lightning.environments.tools import Tool, ToolResult, make_tools
 
 Message = dict[str, Any]
 
@@ -44,7 +44,7 @@ class Step:
 class Environment:
     """One episode's world. Override :meth:`step` (and :meth:`reset` when the opening is not the row's prompt).
 
-    ``tools`` (name -> :class:`~rlhf_lightning.episodes.tools.Tool`) are shown to the model through the chat
+    ``tools`` (name -> :class:`~rlhf_lightning.environments.tools.Tool`) are shown to the model through the chat
     template's ``tools=``; an environment without tools shows none.
     """
 

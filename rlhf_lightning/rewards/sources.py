@@ -1,8 +1,8 @@
 """Where the reward comes from: an adapter on the shared base, a separate model, or Python functions.
 
 Each source is configured by ``class_path`` under the module's ``reward:`` argument (one source, or a list whose
-scores are summed with ``reward_weights``); subclass :class:`RewardSource` for anything else (a verifier, an
-ensemble, an API).
+scores are summed with ``reward_weights``, :mod:`rlhf_lightning.rewards.combine`); subclass :class:`RewardSource`
+for anything else (a verifier, an ensemble, an API).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import json
 import math
 import numbers
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,57 +20,14 @@ from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
 from rlhf_lightning.data.collate import pad
-from rlhf_lightning.data.tokenize import completion_end_id, encode_completion, encode_prompt
+from rlhf_lightning.data.tokenize import encode_completion, encode_prompt
 from rlhf_lightning.models.adapter_fit import warn_if_other_base
 from rlhf_lightning.models.heads import ScalarHead
 from rlhf_lightning.models.shared_base import SharedBase, position_ids_from_mask
-from rlhf_lightning.rollout.generate import is_stop
+from rlhf_lightning.rewards.inputs import RewardInputs
 
 REWARD_ROLE = "reward"
 REWARD_STATS = "reward_stats.json"
-
-
-@dataclass
-class RewardInputs:
-    """One batch of responses to score, as token ids (closed with EOS, for reward models) and as texts (for
-    functions). Lists have one entry per response."""
-
-    input_ids: Tensor  # [B, T] prompt + response, each closed with its end token (EOS or the turn-end token)
-    attention_mask: Tensor  # [B, T]
-    last_index: Tensor  # [B] position of that token, where a reward model reads its score
-    prompts: list[Any]  # the prompts as the dataset holds them: text, or a list of messages
-    completions: list[str]  # the responses as text (special tokens dropped)
-    completion_ids: list[list[int]]  # the response tokens (stop token included)
-    columns: dict[str, list[Any]] = field(default_factory=dict)  # the dataset's other columns
-
-
-def last_token_index(attention_mask: Tensor) -> Tensor:
-    """``[B]`` index of the last real token of each row (prompt left-padded, response right-padded)."""
-    length = attention_mask.shape[1]
-    positions = torch.arange(length, device=attention_mask.device).expand_as(attention_mask)
-    return torch.where(attention_mask.bool(), positions, -1).max(-1).values
-
-
-def close_responses(input_ids: Tensor, attention_mask: Tensor, end_token_id: int | Tensor,
-                    stop_token_ids: tuple[int, ...] = ()) -> tuple[Tensor, Tensor, Tensor]:
-    """Sequences as a reward model reads them: each ends with its end token (EOS, or the chat template's turn-end
-    token), appended where the response ends with neither it nor another stop token.
-
-    A reward model is trained on sequences that end with that token and reads its score there; read at the last
-    word of a response cut off by ``max_new_tokens`` its output is meaningless, and a policy learns to exploit
-    that. ``end_token_id`` is one id or one per row ``[B]``. Returns ``(input_ids, attention_mask, last_index)``
-    one column wider than the inputs.
-    """
-    rows = torch.arange(input_ids.shape[0], device=input_ids.device)
-    end = torch.as_tensor(end_token_id, dtype=input_ids.dtype, device=input_ids.device).expand(rows.shape[0])
-    last = last_token_index(attention_mask)
-    closed = (input_ids[rows, last] == end) | is_stop(input_ids[rows, last], stop_token_ids)
-    input_ids = torch.cat([input_ids, end[:, None].clone()], 1)
-    attention_mask = torch.cat([attention_mask, torch.zeros_like(attention_mask[:, :1])], 1)
-    position = torch.where(closed, last, last + 1)
-    input_ids[rows, position] = torch.where(closed, input_ids[rows, position], end)
-    attention_mask[rows, position] = 1
-    return input_ids, attention_mask, position
 
 
 class RewardSource:
@@ -318,86 +274,3 @@ class FunctionReward(RewardSource):
                                  "expected a finite float, or None for 'not applicable'")
             values.append(float(score))
         return torch.tensor(values, dtype=torch.float32, device=inputs.input_ids.device)
-
-
-class RewardSet:
-    """The reward sources of a run and their weights: scores each source separately (``[B, S]``, NaN where a
-    source does not apply), normalises them with each source's saved statistics, and sums them with weights.
-
-    Args:
-        sources: the reward sources.
-        weights: one weight per source; None = 1 each.
-    """
-
-    def __init__(self, sources: Sequence[RewardSource], weights: Sequence[float] | None = None) -> None:
-        if not sources:
-            raise ValueError("reward: no reward source given (an empty list); give at least one, e.g. "
-                             "{class_path: rlhf_lightning.AdapterReward, init_args: {path: ...}}")
-        self.sources = list(sources)
-        self.weights = [1.0] * len(self.sources) if weights is None else [float(w) for w in weights]
-        if len(self.weights) != len(self.sources):
-            raise ValueError(f"reward_weights has {len(self.weights)} entries for {len(self.sources)} reward sources")
-
-    @property
-    def names(self) -> list[str]:
-        return [source.name for source in self.sources]
-
-    def setup(self, base: SharedBase, tokenizer: PreTrainedTokenizerBase, normalize: bool = False) -> None:
-        """Set every source up; with ``normalize``, check that each one knows its mean and std."""
-        for source in self.sources:
-            source.setup(base, tokenizer)
-        lacking = [source.name for source in self.sources if source.statistics is None]
-        if normalize and lacking:
-            raise ValueError(f"reward_normalize needs each reward source's mean/std (reward_stats.json), which "
-                             f"{lacking} lack")
-
-    def score(self, inputs: RewardInputs) -> Tensor:
-        """Scores ``[B, S]`` of every source (NaN where a source does not apply)."""
-        # A source of one's own may score on another device (a CPU verifier, an API): scores join the rollout's.
-        device = inputs.input_ids.device
-        return torch.stack([source.score(inputs).float().to(device) for source in self.sources], -1)
-
-    def normalize(self, scores: Tensor) -> Tensor:
-        """``[B, S]`` scores standardised with each source's validation mean and std."""
-        mean = scores.new_tensor([source.statistics[0] for source in self.sources])
-        std = scores.new_tensor([max(source.statistics[1], 1e-8) for source in self.sources])
-        return (scores - mean) / std
-
-    def combine(self, scores: Tensor) -> Tensor:
-        """The weighted sum ``[B]`` of the sources' scores ``[B, S]``, NaN ("not applicable") counting as absent.
-
-        A row that no source applies to is an error naming the row: training on it would be training on nothing.
-        """
-        applicable = ~torch.isnan(scores)
-        none = ~applicable.any(-1)
-        if none.any():
-            raise ValueError(f"no reward source applies to rows {none.nonzero().flatten().tolist()} "
-                             f"(every one of {self.names} returned None)")
-        weights = scores.new_tensor(self.weights)
-        return torch.where(applicable, scores * weights, 0.0).sum(-1)
-
-    @torch.no_grad()
-    def statistics(self, scores: Tensor) -> dict[str, Tensor]:
-        """Mean and std of each source's scores over the responses it applies to: ``score/<name>[_std]``."""
-        stats = {}
-        for column, name in zip(scores.unbind(-1), self.names, strict=True):
-            applicable = column[~column.isnan()]
-            stats[f"score/{name}"] = applicable.mean() if applicable.numel() else column.new_zeros(())
-            stats[f"score/{name}_std"] = applicable.std() if applicable.numel() > 1 else column.new_zeros(())
-        return stats
-
-
-def reward_inputs(input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor, completions: list[str],
-                  prompts: Sequence[Any], columns: dict[str, list] | None, tokenizer: PreTrainedTokenizerBase,
-                  stop_token_ids: tuple[int, ...] = ()) -> RewardInputs:
-    """What reward sources read of sampled rollouts (responses in the last ``R`` columns of ``input_ids``): each
-    sequence closed as the data stage closed completions (:func:`~rlhf_lightning.data.tokenize.completion_end_id`:
-    the turn-end token after a conversation, EOS after text)."""
-    prompts = list(prompts)
-    ends = torch.tensor([completion_end_id(tokenizer, isinstance(prompt, list)) for prompt in prompts],
-                        dtype=input_ids.dtype, device=input_ids.device)
-    responses = input_ids[:, input_ids.shape[1] - response_mask.shape[1]:]
-    return RewardInputs(
-        *close_responses(input_ids, attention_mask, ends, stop_token_ids), prompts=prompts, completions=completions,
-        completion_ids=[row[keep].tolist() for row, keep in zip(responses, response_mask, strict=True)],
-        columns=dict(columns or {}))

@@ -1,0 +1,250 @@
+"""Collection: a batch of prompts in, one :class:`~rlhf_lightning.core.experience.Experience` out.
+
+One rollout (single-turn, or episodes with an ``environment``), then the passes that run once per rollout: the
+policy's log-probs at sampling time (when the update needs them), the reference's (when a KL term or measure
+needs them), the reward sources' scores, with the statistics of what was sampled and the guards that keep a
+non-finite score out of training. Held-out prompts go through the same rollout.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rlhf_lightning.algorithms import masked_mean
+from rlhf_lightning.core.experience import Experience, Samples, sequence_kl
+from rlhf_lightning.core.policy import POLICY, PolicyModule
+from rlhf_lightning.environments.environment import Environment
+from rlhf_lightning.models.shared_base import REFERENCE, SharedBase
+from rlhf_lightning.rewards.combine import RewardSet
+from rlhf_lightning.rewards.inputs import reward_inputs
+from rlhf_lightning.rewards.sources import RewardSource
+from rlhf_lightning.rollout.episodes import episode_statistics, transcript_text
+from rlhf_lightning.rollout.rollouts import Rollout, Rollouts
+from rlhf_lightning.timing import phase
+from rlhf_lightning.utils import checks
+from rlhf_lightning.utils.nonfinite import SKIP_HINT, NonFiniteError, listing, score_problems
+
+Stats = dict[str, Tensor]
+log = logging.getLogger(__name__)
+
+
+class SkipIteration(Exception):
+    """Raised by collection under ``nonfinite: skip`` when the iteration must not be trained on."""
+
+
+class ExperienceCollector(PolicyModule):
+    """The policy module that samples and scores: prompts in, :class:`Experience` out (:meth:`collect`).
+
+    Args:
+        reward: how responses are scored: ``AdapterReward`` (the reward stage's adapter on this base),
+            ``ModelReward`` (a separate model), ``FunctionReward`` (a Python function with TRL's signature),
+            or a list of them, summed with ``reward_weights``.
+        reward_weights: weight of each reward source; null = 1 each.
+        samples_per_prompt: responses sampled per prompt (the group size of group baselines).
+        missing_eos_penalty: subtracted from the score of a response that never emits the stop token; null = off.
+        reward_normalize: standardise each reward model's scores with its validation mean and std (saved by the
+            reward stage).
+        reward_clip: clip scores to [-reward_clip, reward_clip]; null = off.
+        environment: multi-turn episodes instead of one response per prompt: the episode's environment
+            (``class_path`` + ``init_args``, made anew for every episode), e.g.
+            ``rlhf_lightning.environments.ToolEnvironment`` with ``tools: [my_tools.search]``. Each assistant turn
+            (up to ``max_new_tokens``) ends at the turn-end token; the environment answers; its tokens are
+            context only. Reward sources score the whole transcript; null = single-turn.
+        max_turns: assistant turns per episode at most.
+        max_episode_tokens: tokens per episode after its opening (the policy's and the environment's) at most;
+            null = ``max_turns`` x ``max_new_tokens``.
+    """
+
+    # per-sample validation values; the episode ones are logged only by runs with an environment
+    validation_metrics = ("score", "kl", "length", "eos_frac", "gold", "turns", "tool_calls", "tool_errors",
+                          "invalid_tool_calls")
+
+    def __init__(
+        self,
+        *args: Any,
+        reward: RewardSource | list[RewardSource],
+        reward_weights: list[float] | None = None,
+        samples_per_prompt: int = 1,
+        missing_eos_penalty: float | None = None,
+        reward_normalize: bool = False,
+        reward_clip: float | None = None,
+        environment: Callable[[], Environment] | None = None,
+        max_turns: int = 4,
+        max_episode_tokens: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        checks.at_least("samples_per_prompt", samples_per_prompt)
+        checks.at_least("max_turns", max_turns)
+        checks.non_negative("missing_eos_penalty", missing_eos_penalty, optional=True)
+        checks.positive("reward_clip", reward_clip, optional=True)
+        checks.positive("max_episode_tokens", max_episode_tokens, optional=True)
+        for index, weight in enumerate(reward_weights or []):
+            checks.finite(f"reward_weights[{index}]", weight)
+        self.rewards = RewardSet(reward if isinstance(reward, list | tuple) else [reward], reward_weights,
+                                 reward_normalize, missing_eos_penalty, reward_clip)
+        self.environment = environment
+        self.last_samples: Samples | None = None  # the latest rollout as text (see callbacks.CompletionsTable)
+
+    def build_model(self, empty: bool) -> SharedBase:
+        model = super().build_model(empty)
+        self.rewards.setup(model, self.tokenizer)
+        return model
+
+    def make_rollouts(self) -> Rollouts:
+        hp = self.hparams
+        return Rollouts(self.sampler, self.tokenizer, self.environment, hp.max_turns, hp.max_episode_tokens)
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        if self.environment is not None and self.hparams.sharded_rollout == "per_layer":
+            raise ValueError("episodes need sharded_rollout: gathered (ranks finish their episodes at different "
+                             "turns, so they cannot gather layers in step)")
+        self.rollouts  # noqa: B018 (an environment or chat template that cannot run episodes fails here)
+        # A reward function that cannot take TRL's keywords or the data's columns fails now, not after a rollout.
+        datamodule = self.trainer.datamodule if self._trainer is not None else None
+        for source in self.rewards.sources:
+            source.check_columns(getattr(datamodule, "columns", []))
+
+    def check_lengths(self, datamodule: Any) -> None:
+        """With an environment, the longest prompt and a whole episode must fit the model's positions (the
+        opening's chat template adds its markers on top)."""
+        if self.environment is None:
+            return super().check_lengths(datamodule)
+        longest, budget = datamodule.longest(), self.rollouts.max_tokens
+        self.check_positions(longest + budget, f"the longest prompt ({longest} tokens) and an episode of {budget} "
+                             "tokens", "lower max_episode_tokens (null = max_turns x max_new_tokens) or "
+                             "data.init_args.max_length")
+
+    # ---- what the rollout computes, decided by the loop ----------------------------------------------------
+
+    @property
+    def needs_logprobs(self) -> bool:
+        """Whether collection computes the policy's log-probs of its samples (the loop: when its update makes
+        more than one optimizer step, or a KL penalty in the rewards reads them)."""
+        return False
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether collection computes the reference's log-probs (the loop: when a KL term or measure needs them)."""
+        return False
+
+    # ---- collection ---------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def collect(self, prompts: dict[str, Any]) -> tuple[Experience, Stats]:
+        """``samples_per_prompt`` responses (or episodes) to each prompt of a data module's batch, every pass over
+        them made once, and what they show. Run inside the sampler's gathered scope (``sampler.gathered``)."""
+        group = self.hparams.samples_per_prompt
+        with phase("rollout/generate"):
+            rollout = self.rollouts.run(self.model, POLICY, prompts, group, f"train {self.iteration}")
+        ids, attention, mask = rollout.input_ids, rollout.attention_mask, rollout.response_mask
+        logprobs = entropy = ref_logprobs = None
+        with phase("rollout/logprobs"):
+            if self.needs_logprobs:
+                logprobs, entropy = self.response_logprobs(POLICY, ids, attention, mask, with_entropy=True)
+            if self.needs_reference:
+                ref_logprobs, _ = self.response_logprobs(REFERENCE, ids, attention, mask)
+        texts = [text for text in prompts["prompt"] for _ in range(group)]
+        completions = self.decode(rollout.responses, rollout.read_mask)
+        try:
+            with phase("rollout/reward"):
+                source_scores = self.score_responses(
+                    ids, attention, rollout.read_mask, completions,
+                    prompts=[p for p in prompts.get("raw_prompt", prompts["prompt"]) for _ in range(group)],
+                    columns={name: [v for v in column for _ in range(group)]
+                             for name, column in prompts.get("columns", {}).items()})
+        except ValueError as error:  # e.g. FunctionReward's refusal of a NaN, which names the row: add when
+            raise ValueError(f"iteration {self.iteration + 1}: {error}") from error
+        self.guard_scores(score_problems(source_scores, self.rewards.sources)[0])
+        raw_scores = self.rewards.combine(source_scores)
+        scores = self.rewards.response_scores(source_scores, rollout.is_stopped)
+        bad = ~torch.isfinite(scores)
+        self.guard_scores([f"the combined reward is non-finite for rows {listing(bad.nonzero().flatten().tolist())} "
+                           f"of {bad.shape[0]} (reward_normalize statistics or reward_weights?)"] if bad.any() else [])
+        experience = Experience(ids, attention, mask, scores, rollout.is_stopped, rollout.sampler_logprobs, logprobs,
+                                ref_logprobs, rollout.turn_rewards, group_size=group)
+        kl = None if logprobs is None or ref_logprobs is None else sequence_kl(logprobs, ref_logprobs, mask)
+        stats = self.sample_statistics(rollout, source_scores, raw_scores, entropy, kl)
+        gold = None
+        if self.gold_reward is not None:
+            gold = [float(g) for g in self.gold_reward(texts, completions)]
+            stats["objective/gold"] = torch.tensor(gold).mean()
+        if rollout.episodes is not None:
+            stats.update(episode_statistics(rollout.episodes))
+            completions = [transcript_text(self.tokenizer, episode) for episode in rollout.episodes]
+        self.last_samples = Samples(self.iteration, texts, completions, raw_scores.tolist(),
+                                    [0.0] * len(completions) if kl is None else kl.tolist(), gold)
+        return experience, stats
+
+    def score_responses(self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor,
+                        completions: list[str], prompts: Sequence[Any],
+                        columns: dict[str, list] | None = None) -> Tensor:
+        """Scores ``[B, S]`` of sampled responses by every reward source (NaN where a source does not apply).
+
+        ``prompts`` are the prompts as the dataset holds them (text or messages), ``columns`` its other columns.
+        """
+        return self.rewards.score(reward_inputs(input_ids, attention_mask, response_mask, completions, prompts,
+                                                columns, self.tokenizer, self.sampler.settings.stop_token_ids))
+
+    def guard_scores(self, problems: list[str]) -> None:
+        """Stop on non-finite scores (``problems``, one line each, possibly from another rank): raise
+        :class:`NonFiniteError`, or under ``nonfinite: skip`` raise :class:`SkipIteration`."""
+        found = torch.tensor(float(bool(problems)), device=self.device)
+        if self._trainer is not None and self.trainer.world_size > 1:  # every rank takes the same decision
+            found = self.trainer.strategy.reduce(found, reduce_op="sum")
+        if not bool(found > 0):
+            return
+        message = f"iteration {self.iteration + 1}: {'; '.join(problems) or 'non-finite reward on another rank'}"
+        if self.nonfinite_policy != "skip":
+            raise NonFiniteError(f"{message}; {SKIP_HINT}")
+        raise SkipIteration(message)
+
+    def sample_statistics(self, rollout: Rollout, source_scores: Tensor, raw_scores: Tensor,
+                          entropy: Tensor | None, kl: Tensor | None) -> Stats:
+        """What the rollout shows: scores (per source too), KL (``kl``, per sequence), lengths, stop rate,
+        entropy."""
+        mask = rollout.response_mask
+        stats = {
+            "objective/score": raw_scores.mean(),
+            "objective/score_std": raw_scores.std() if raw_scores.numel() > 1 else torch.zeros(()),
+            "response/length": mask.sum(-1).float().mean(),
+            "response/eos_frac": rollout.is_stopped.float().mean(),
+        }
+        if len(self.rewards.sources) > 1:
+            stats.update({f"objective/{name}": value for name, value in self.rewards.statistics(source_scores).items()})
+        if kl is not None:
+            stats["objective/kl"] = kl.mean()
+        if entropy is not None:
+            stats["policy/entropy"] = masked_mean(entropy, mask)
+        return stats
+
+    # ---- held-out prompts ---------------------------------------------------------------------------------
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        self.evaluate_samples(batch, batch_idx)
+
+    def evaluate_extra(self, rollout: Rollout, prompts: dict[str, Any]) -> dict[str, Tensor]:
+        """The held-out rollout's ``score`` and, for episodes, its ``turns``, ``tool_calls``, ``tool_errors`` and
+        ``invalid_tool_calls``."""
+        values = {}
+        if rollout.episodes is not None:
+            values["turns"] = torch.tensor([float(e.turns) for e in rollout.episodes])
+            for name in ("tool_calls", "tool_errors", "invalid_tool_calls"):
+                values[name] = torch.tensor([float(e.counts[name]) for e in rollout.episodes])
+        completions = self.decode(rollout.responses, rollout.read_mask)
+        scores = self.score_responses(rollout.input_ids, rollout.attention_mask, rollout.read_mask, completions,
+                                      prompts.get("raw_prompt", prompts["prompt"]), prompts.get("columns"))
+        problems, bad = score_problems(scores, self.rewards.sources)
+        if problems:  # no optimizer step depends on it, but a NaN validation score must not pass unnoticed
+            message = f"validation after iteration {self.iteration}: {'; '.join(problems)}"
+            if self.nonfinite_policy != "skip":
+                raise NonFiniteError(f"{message}; {SKIP_HINT}")
+            log.warning("%s; those rows are left out of %s/val/score", message, self.metric_prefix)
+            scores = scores[~bad]
+        return {**values, "score": self.rewards.combine(scores)}

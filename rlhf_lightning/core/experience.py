@@ -1,0 +1,132 @@
+"""What the on-policy loop trains on: an immutable batch of experience, its shaped rewards, and its texts for
+callbacks."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from rlhf_lightning.algorithms.kl import token_rewards
+
+
+@dataclass(frozen=True)
+class Experience:
+    """Sampled responses and what every algorithm measures on them: built once per iteration, never changed during
+    the update (``dataclasses.replace`` makes a new one).
+
+    ``B`` sequences of ``P`` left-padded prompt tokens followed by ``R`` right-padded response (or episode) tokens;
+    per-token tensors are ``[B, R]`` and aligned with them. Rows of one prompt are consecutive (``group_size`` of
+    them). An algorithm that measures more subclasses it (PPO's values and returns, a teacher's log-probs, online
+    DPO's pair weights) and makes it (:meth:`extended`) in its
+    :meth:`~rlhf_lightning.core.online.OnlineRL.extend_experience` or
+    :meth:`~rlhf_lightning.core.online.OnlineRL.prepare_update`.
+    """
+
+    input_ids: Tensor  # [B, P + R] prompt and response tokens
+    attention_mask: Tensor  # [B, P + R] 1 on real tokens
+    # [B, R] bool: the policy's tokens, up to and including the stop token. In an episode, the policy's turns only:
+    # the tool and environment tokens between them are context, with no loss, KL or entropy.
+    response_mask: Tensor
+    scores: Tensor  # [B] the reward sources' scores as trained on (normalised, penalised, clipped)
+    is_stopped: Tensor  # [B] bool: the response ended with a stop token (not cut off by a token limit)
+    # [B, R] log-probs the sampler gave the response tokens (its own distribution, kept to measure and correct a
+    # mismatch with the trainer's pass)
+    sampler_logprobs: Tensor
+    # [B, R] log-probs under the policy at sampling time; None when the update makes a single optimizer step, whose
+    # own pass (detached) gives them: the policy has not changed before it.
+    logprobs: Tensor | None = None
+    ref_logprobs: Tensor | None = None  # [B, R] under the reference; None when nothing needs them
+    # [B, R] an episode's environment rewards, each at the last policy token of its turn; None for single-turn
+    turn_rewards: Tensor | None = None
+    advantages: Tensor | None = None  # [B, R], set by the algorithm
+    group_size: int = 1  # responses per prompt
+
+    @property
+    def prompt_length(self) -> int:
+        return self.input_ids.shape[1] - self.response_mask.shape[1]
+
+    @property
+    def responses(self) -> Tensor:
+        """``[B, R]`` response tokens (padding after the stop token)."""
+        return self.input_ids[:, self.prompt_length :]
+
+    @property
+    def full_response_mask(self) -> Tensor:
+        """``[B, P + R]`` bool: the response tokens, in the coordinates of ``input_ids``."""
+        prompt = torch.zeros_like(self.input_ids[:, : self.prompt_length], dtype=torch.bool)
+        return torch.cat([prompt, self.response_mask], 1)
+
+    def extended(self, cls: type[Experience], **fields: Tensor) -> Experience:
+        """This experience as ``cls`` (a subclass), with its own ``fields`` added."""
+        return cls(**{field.name: getattr(self, field.name) for field in dataclasses.fields(self)}, **fields)
+
+    def select(self, rows: Tensor) -> Experience:
+        """The experience of ``rows`` only (a minibatch or micro-batch), of the same class."""
+        changes = {f.name: getattr(self, f.name)[rows] for f in dataclasses.fields(self)
+                   if isinstance(getattr(self, f.name), Tensor)}
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class ShapedRewards:
+    """A rollout's rewards with the KL penalty to the reference, made once per iteration (the loop's step 2) for the
+    algorithm's hook.
+
+    ``kl`` is the rollout's per-token KL estimate (``kl_estimator`` of the log-probs at sampling time against the
+    reference's, ``kl_clamp``-ed, 0 off the policy's tokens), computed once; ``kl_coef`` its coefficient in the
+    rewards (0 when the KL goes into the loss, or when nothing penalises it). ``dense`` holds rewards placed at
+    single tokens: an episode's environment rewards at the ends of its turns, and whatever a subclass adds
+    (:meth:`with_dense`).
+    """
+
+    scores: Tensor  # [B] the reward sources' scores
+    mask: Tensor  # [B, R] the policy's tokens
+    kl: Tensor | None = None  # [B, R]; None without both log-prob passes
+    kl_coef: float = 0.0
+    dense: Tensor | None = None  # [B, R]
+
+    def with_dense(self, rewards: Tensor) -> ShapedRewards:
+        """These rewards plus ``rewards`` ``[B, R]`` at single tokens (e.g. a cost on every response token)."""
+        return dataclasses.replace(self, dense=rewards if self.dense is None else self.dense + rewards)
+
+    @property
+    def total_scores(self) -> Tensor:
+        """``[B]`` each response's score plus its dense rewards (an episode's environment rewards)."""
+        return self.scores if self.dense is None else self.scores + self.dense.sum(-1)
+
+    @property
+    def kl_or_zero(self) -> Tensor:
+        """``[B, R]`` the per-token KL, zeros without it."""
+        return torch.zeros_like(self.mask, dtype=torch.float32) if self.kl is None else self.kl
+
+    def sequence_rewards(self) -> Tensor:
+        """``[B]`` each response's reward: its total score less ``kl_coef`` times its summed KL (GRPO, RLOO)."""
+        if not self.kl_coef:
+            return self.total_scores
+        return self.total_scores - self.kl_coef * self.kl.sum(-1)
+
+    def token_rewards(self, scores: Tensor | None = None) -> Tensor:
+        """``[B, R]`` per-token rewards: ``-kl_coef * KL_t`` on every policy token, ``scores`` (the sources' unless
+        given) at the last one, and the dense rewards where they are (PPO, REINFORCE++)."""
+        rewards = token_rewards(self.scores if scores is None else scores, self.kl_or_zero, self.mask, self.kl_coef)
+        return rewards if self.dense is None else rewards + self.dense
+
+
+def sequence_kl(logprobs: Tensor, ref_logprobs: Tensor, response_mask: Tensor) -> Tensor:
+    """KL of each response to the reference, ``[B]``: the sum of ``log pi - log pi_ref`` over its tokens."""
+    return torch.where(response_mask, logprobs - ref_logprobs, 0.0).sum(-1)
+
+
+@dataclass
+class Samples:
+    """What a rollout sampled, as text, for callbacks that show it (one entry per response)."""
+
+    iteration: int  # iterations completed before this rollout
+    prompts: list[str]
+    responses: list[str]
+    scores: list[float]  # sequence rewards before normalisation, clipping and penalties
+    kl: list[float]  # sequence KL to the reference (0 when the algorithm computes no reference log-probs)
+    gold: list[float] | None  # the task's true reward, when it has one

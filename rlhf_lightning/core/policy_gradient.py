@@ -1,0 +1,264 @@
+"""Policy-gradient algorithms on the on-policy loop: a registered policy loss, the KL penalty to the reference, the
+entropy bonus and PPO-ptx.
+
+The loss of a micro-batch is built around the registered loss (:mod:`rlhf_lightning.algorithms.policy_losses`),
+each piece applied once: the policy's log-probs, the loss's per-token terms, the importance-sampling correction
+of the sampler's log-probs, ``+ kl_coef x`` the per-token KL (in the loss, GRPO's way; or shaped into the rewards
+before the advantages, PPO's), ``- ent_coef x`` the entropy, aggregated over the optimizer step
+(``loss_aggregation``), ``+ ptx_coef x`` the pretraining loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Literal, get_args
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from rlhf_lightning.algorithms import (
+    AdaptiveKLController,
+    FixedKLController,
+    KLEstimator,
+    kl_penalty,
+    masked_mean,
+)
+from rlhf_lightning.algorithms.policy_losses import Clip, PolicyLoss
+from rlhf_lightning.algorithms.rollout_correction import (
+    CORRECTIONS,
+    RolloutCorrection,
+    correction_weights,
+    mismatch_statistics,
+)
+from rlhf_lightning.algorithms.surrogate import (
+    LossAggregation,
+    aggregate_loss,
+    log_importance_ratio,
+    loss_normaliser,
+)
+from rlhf_lightning.core.collect import Stats
+from rlhf_lightning.core.experience import Experience, ShapedRewards, sequence_kl
+from rlhf_lightning.core.online import OnlineRL
+from rlhf_lightning.core.policy import POLICY
+from rlhf_lightning.data.collate import IGNORE_INDEX
+from rlhf_lightning.timing import phase
+from rlhf_lightning.utils import checks
+
+
+class PolicyGradient(OnlineRL):
+    """The on-policy loop with a policy-gradient loss: subclasses define :meth:`estimate_advantages`.
+
+    Args:
+        policy_loss: the registered policy loss and its arguments: ``Clip`` (PPO's clipped surrogate:
+            ``clip_range``, ``clip_range_high``, ``ratio_level``) or ``CISPO`` (``max_weight``, ``min_weight``,
+            ``ratio_level``), or a :class:`~rlhf_lightning.algorithms.policy_losses.PolicyLoss` of your own by
+            import path.
+        loss_aggregation: ``token_mean`` over every token of the optimizer step (DAPO, verl, OpenRLHF);
+            ``sequence_mean`` of per-response token means (the original GRPO); ``constant``: token sum divided
+            by responses x ``max_new_tokens`` (Dr. GRPO).
+        mask_truncated_completions: responses that never stop carry no loss (DAPO): a cut-off answer is no
+            evidence for or against its tokens.
+        kl_coef: coefficient of the KL penalty to the reference (the initial one when ``kl_target`` is set);
+            0 with no ``kl_target`` = no reference pass at all.
+        kl_estimator: per-token KL estimator: ``k1`` (log-ratio), ``k2`` or ``k3`` (Schulman).
+        kl_clamp: clamp every per-token KL estimate to [-kl_clamp, kl_clamp], as OpenRLHF does with 10 (it biases
+            the estimate where the policy has moved far from the reference); null = off.
+        kl_in: where the KL penalty goes: ``reward`` (shaped into the rewards before the advantages) or
+            ``loss`` (a per-token term of the loss, GRPO's way).
+        kl_ratio_weighting: with ``kl_in: loss``, weight each token's KL term by the policy loss's importance ratio
+            (TRL 1.16's bias correction: the tokens were sampled from the old policy).
+        kl_target: target KL per sequence (nats) of the adaptive controller; null = fixed ``kl_coef``.
+        kl_horizon: horizon of the adaptive controller, in samples (with ``kl_target``).
+        ent_coef: weight of the entropy bonus.
+        ptx_coef: weight of the pretraining loss (PPO-ptx) on the data module's ``ptx`` batches; 0 = off.
+        rollout_correction: importance-sampling correction of the sampler's log-probs against the trainer's (another
+            precision or kernel, a stale policy): each token's policy loss times w = pi_trainer / pi_sampler per
+            token or per response, truncated to [``rollout_correction_min``, ``rollout_correction_max``]
+            (``*_truncate``, TIS) or zero outside it (``*_mask``, MIS), TRL 1.16's ``vllm_importance_sampling_mode``
+            names; ``none`` = off. The mismatch is logged either way (``rollout/mismatch_kl``).
+        rollout_correction_min: lower bound of the correction's weight; null = none.
+        rollout_correction_max: upper bound of the correction's weight (TRL's 3.0); null = none.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        policy_loss: PolicyLoss = Clip(),  # noqa: B008 (never mutated; the CLI shows it as the default)
+        loss_aggregation: LossAggregation = "token_mean",
+        mask_truncated_completions: bool = False,
+        kl_coef: float = 0.05,
+        kl_estimator: KLEstimator = "k1",
+        kl_clamp: float | None = None,
+        kl_in: Literal["reward", "loss"] = "reward",
+        kl_ratio_weighting: bool = True,
+        kl_target: float | None = None,
+        kl_horizon: int = 10_000,
+        ent_coef: float = 0.0,
+        ptx_coef: float = 0.0,
+        rollout_correction: RolloutCorrection = "none",
+        rollout_correction_min: float | None = None,
+        rollout_correction_max: float | None = 3.0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        if not isinstance(policy_loss, PolicyLoss):
+            raise TypeError(f"policy_loss must be a PolicyLoss (one of {', '.join(PolicyLoss.registry)}, or a "
+                            f"subclass of your own), got {policy_loss!r}")
+        checks.one_of("loss_aggregation", loss_aggregation, get_args(LossAggregation))
+        for name, value in {"kl_coef": kl_coef, "ent_coef": ent_coef, "ptx_coef": ptx_coef}.items():
+            checks.non_negative(name, value)
+        for name, value in {"kl_clamp": kl_clamp, "kl_target": kl_target}.items():
+            checks.positive(name, value, optional=True)
+        checks.at_least("kl_horizon", kl_horizon)
+        checks.one_of("kl_estimator", kl_estimator, get_args(KLEstimator))
+        checks.one_of("kl_in", kl_in, ("reward", "loss"))
+        checks.one_of("rollout_correction", rollout_correction, CORRECTIONS)
+        checks.non_negative("rollout_correction_min", rollout_correction_min, optional=True)
+        checks.positive("rollout_correction_max", rollout_correction_max, optional=True)
+        if mask_truncated_completions and checks.optional_str(self.hparams.stop_token) is None:
+            raise ValueError("mask_truncated_completions needs a stop_token: without one no response ever stops, "
+                             "so every response would be masked and nothing would train")
+        self.policy_loss = policy_loss
+        self.kl_controller = (FixedKLController(kl_coef) if kl_target is None
+                              else AdaptiveKLController(kl_coef, kl_target, kl_horizon))
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        datamodule = self.trainer.datamodule if self._trainer is not None else None
+        ptx = getattr(datamodule, "ptx", None)
+        if stage == "fit" and self.hparams.ptx_coef and ptx is None and datamodule is not None:
+            raise ValueError(f"ptx_coef={self.hparams.ptx_coef} needs pretraining text: set "
+                             "data.init_args.ptx_dataset (SFT-format data), or ptx_coef: 0")
+        if ptx is not None and ptx.train_set is not None:
+            self.check_positions(ptx.longest(), "the longest pretraining (ptx) example",
+                                 "lower data.init_args.ptx_max_length (longer examples are then skipped)")
+
+    @property
+    def needs_reference(self) -> bool:
+        """The reference log-probs: when a KL term (or the adaptive controller) needs them, or with ``measure_kl``."""
+        return self.measure_kl or self.kl_controller.value > 0 or self.hparams.kl_target is not None
+
+    @property
+    def needs_logprobs(self) -> bool:
+        return super().needs_logprobs or (self.needs_reference and self.hparams.kl_in == "reward")
+
+    def kl_coef_in(self, place: Literal["reward", "loss"]) -> float:
+        """The current KL coefficient if the KL penalty goes into ``place`` (``kl_in``), else 0."""
+        return self.kl_controller.value if self.hparams.kl_in == place else 0.0
+
+    # ---- 2. rewards, 3. advantages -------------------------------------------------------------------------
+
+    def shape_rewards(self, experience: Experience) -> tuple[ShapedRewards, Stats]:
+        """The loop's rewards with the per-token KL of the rollout (``kl_estimator``, ``kl_clamp``; when both log-prob
+        passes ran) and this iteration's coefficient of it in the rewards."""
+        rewards, stats = super().shape_rewards(experience)
+        kl = None
+        if experience.logprobs is not None and experience.ref_logprobs is not None:
+            hp = self.hparams
+            kl = torch.where(experience.response_mask, kl_penalty(experience.logprobs, experience.ref_logprobs,
+                                                                  hp.kl_estimator, hp.kl_clamp), 0.0)
+        stats["objective/kl_coef"] = torch.tensor(self.kl_controller.value)
+        return dataclasses.replace(rewards, kl=kl, kl_coef=self.kl_coef_in("reward")), stats
+
+    def prepare_update(self, experience: Experience, rewards: ShapedRewards) -> tuple[Experience, Stats]:
+        return self.estimate_advantages(experience, rewards)
+
+    def estimate_advantages(self, experience: Experience, rewards: ShapedRewards) -> tuple[Experience, Stats]:
+        """The algorithm: the experience with its advantages ``[B, R]`` (and what else its loss reads), and
+        statistics. ``rewards`` holds the scores, the per-token KL and its coefficient in the rewards."""
+        raise NotImplementedError
+
+    # ---- 4. the loss --------------------------------------------------------------------------------------
+
+    def loss_mask(self, experience: Experience) -> Tensor:
+        """``[B, R]`` tokens that carry loss: the responses, less those that never stopped when
+        ``mask_truncated_completions`` is set."""
+        if not self.hparams.mask_truncated_completions:
+            return experience.response_mask
+        return experience.response_mask & experience.is_stopped[:, None]
+
+    def step_normalisers(self, micros: Sequence[Experience]) -> dict[str, Tensor]:
+        """The policy loss's denominator over the step (``loss_aggregation`` of the tokens that carry loss)."""
+        hp = self.hparams
+        policy = sum(loss_normaliser(self.loss_mask(m), hp.loss_aggregation, hp.max_new_tokens) for m in micros)
+        return {"policy": self.mean_over_ranks(policy.float()).clamp(min=1e-8)}
+
+    def loss(self, micro: Experience, normalisers: dict[str, Tensor],
+             ptx: dict[str, Tensor] | None) -> tuple[Tensor, Stats]:
+        return self.policy_losses(micro, normalisers["policy"], ptx)
+
+    def policy_losses(self, micro: Experience, normaliser: Tensor,
+                      ptx: dict[str, Tensor] | None = None) -> tuple[Tensor, Stats]:
+        """``(policy part of the loss, its terms)``: the registered loss, corrected for the sampler, + the KL term
+        at this iteration's coefficient in the loss, - the entropy bonus, aggregated over the step
+        (``normaliser``); + PPO-ptx."""
+        hp = self.hparams
+        mask, loss_mask = micro.response_mask, self.loss_mask(micro)
+        with phase("update/policy forward"):
+            logprobs, entropy = self.response_logprobs(
+                POLICY, micro.input_ids, micro.attention_mask, mask,
+                with_entropy=bool(hp.ent_coef) or micro.logprobs is None, entropy_grad=bool(hp.ent_coef))
+        # One optimizer step per rollout: the policy has not moved since sampling, so its own pass, detached,
+        # gives the old log-probs (ratio 1 in value, the policy gradient in gradient).
+        old_logprobs = logprobs.detach() if micro.logprobs is None else micro.logprobs
+        per_token, statistics = self.policy_loss(logprobs, old_logprobs, micro.advantages, mask)
+        # the trainer's log-probs at sampling time against the sampler's
+        mismatch = mismatch_statistics(old_logprobs, micro.sampler_logprobs, mask)
+        terms: Stats = {f"rollout/mismatch_{name}": value for name, value in mismatch.items()}
+        if hp.rollout_correction != "none":
+            weights = correction_weights(old_logprobs, micro.sampler_logprobs, mask, hp.rollout_correction,
+                                         hp.rollout_correction_min, hp.rollout_correction_max)
+            per_token = per_token * weights
+            terms["rollout/correction_weight"] = masked_mean(weights, mask)
+            terms["rollout/corrected_out"] = masked_mean((weights == 0).float(), mask)
+        log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0).detach()
+        terms["policy/approx_kl"] = masked_mean(torch.expm1(log_ratio) - log_ratio, mask)
+        terms |= {f"policy/{name}": value for name, value in statistics.items()}
+        if micro.logprobs is None:
+            terms["policy/entropy"] = masked_mean(entropy.detach(), mask)
+            if micro.ref_logprobs is not None:
+                terms["objective/kl"] = sequence_kl(logprobs.detach(), micro.ref_logprobs, mask).mean()
+        terms["loss/policy"] = aggregate_loss(per_token, loss_mask, hp.loss_aggregation, normaliser)
+        kl_coef = self.kl_coef_in("loss")
+        if kl_coef > 0:
+            # Padding gets the reference's own log-prob (KL 0 there): garbage could overflow k3's exp and turn
+            # the masked-out zero gradient into NaN.
+            kl = kl_penalty(torch.where(mask, logprobs, micro.ref_logprobs), micro.ref_logprobs, hp.kl_estimator,
+                            hp.kl_clamp)
+            if hp.kl_ratio_weighting:  # by the loss's own ratio: per token, or per response (GSPO)
+                kl = kl * torch.exp(log_importance_ratio(logprobs, old_logprobs, mask, self.policy_loss.ratio_level))
+            per_token = per_token + kl_coef * kl
+            terms["loss/kl"] = masked_mean(kl.detach(), mask)
+        if hp.ent_coef:
+            per_token = per_token - hp.ent_coef * entropy
+            terms["loss/entropy"] = masked_mean(entropy.detach(), mask)
+        total = aggregate_loss(per_token, loss_mask, hp.loss_aggregation, normaliser)
+        if hp.ptx_coef and ptx is not None:
+            terms["loss/ptx"] = self.ptx_loss(ptx)
+            total = total + hp.ptx_coef * terms["loss/ptx"]
+        return total, terms
+
+    def ptx_loss(self, batch: dict[str, Tensor]) -> Tensor:
+        """Next-token loss of the policy on pretraining/SFT text (the PPO-ptx term of InstructGPT)."""
+        with self.model.role(POLICY):
+            logits = self.model.next_token_logits(batch["input_ids"], batch["attention_mask"]).float()
+        return F.cross_entropy(logits.flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=IGNORE_INDEX)
+
+    # ---- 5. after the iteration ---------------------------------------------------------------------------
+
+    def end_iteration(self, experience: Experience, stats: Stats, start: float, rollout_seconds: float) -> None:
+        """The adaptive KL coefficient's update from this iteration's KL, then the loop's bookkeeping."""
+        if "objective/kl" in stats:
+            world_samples = experience.response_mask.shape[0] * (self.trainer.world_size if self._trainer else 1)
+            self.kl_controller.update(float(self.mean_over_ranks(stats["objective/kl"])), world_samples)
+        super().end_iteration(experience, stats, start, rollout_seconds)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        checkpoint["kl_controller"] = self.kl_controller.state_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        self.kl_controller.load_state_dict(checkpoint["kl_controller"])

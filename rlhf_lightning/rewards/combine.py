@@ -1,0 +1,102 @@
+"""How the scores of a run's reward sources combine into one score per response."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedTokenizerBase
+
+from rlhf_lightning.models.shared_base import SharedBase
+from rlhf_lightning.rewards.inputs import RewardInputs
+from rlhf_lightning.rewards.sources import RewardSource
+
+
+class RewardSet:
+    """The reward sources of a run and how their scores combine: each source scores separately (``[B, S]``, NaN
+    where a source does not apply); :meth:`response_scores` normalises them with each source's saved statistics,
+    sums them with weights, penalises responses that never stop and clips.
+
+    Args:
+        sources: the reward sources.
+        weights: one weight per source; None = 1 each.
+        normalize: standardise each source's scores with its validation mean and std (``reward_normalize``).
+        missing_eos_penalty: subtracted from the score of a response that never stops; None = off.
+        clip: clip scores to [-clip, clip]; None = off.
+    """
+
+    def __init__(self, sources: Sequence[RewardSource], weights: Sequence[float] | None = None,
+                 normalize: bool = False, missing_eos_penalty: float | None = None,
+                 clip: float | None = None) -> None:
+        if not sources:
+            raise ValueError("reward: no reward source given (an empty list); give at least one, e.g. "
+                             "{class_path: rlhf_lightning.AdapterReward, init_args: {path: ...}}")
+        self.sources = list(sources)
+        self.weights = [1.0] * len(self.sources) if weights is None else [float(w) for w in weights]
+        if len(self.weights) != len(self.sources):
+            raise ValueError(f"reward_weights has {len(self.weights)} entries for {len(self.sources)} reward sources")
+        self.normalize_scores = normalize
+        self.missing_eos_penalty = missing_eos_penalty
+        self.clip = clip
+
+    @property
+    def names(self) -> list[str]:
+        return [source.name for source in self.sources]
+
+    def setup(self, base: SharedBase, tokenizer: PreTrainedTokenizerBase) -> None:
+        """Set every source up; with ``normalize``, check that each one knows its mean and std."""
+        for source in self.sources:
+            source.setup(base, tokenizer)
+        lacking = [source.name for source in self.sources if source.statistics is None]
+        if self.normalize_scores and lacking:
+            raise ValueError(f"reward_normalize needs each reward source's mean/std (reward_stats.json), which "
+                             f"{lacking} lack")
+
+    def score(self, inputs: RewardInputs) -> Tensor:
+        """Scores ``[B, S]`` of every source (NaN where a source does not apply)."""
+        # A source of one's own may score on another device (a CPU verifier, an API): scores join the rollout's.
+        device = inputs.input_ids.device
+        return torch.stack([source.score(inputs).float().to(device) for source in self.sources], -1)
+
+    def normalize(self, scores: Tensor) -> Tensor:
+        """``[B, S]`` scores standardised with each source's validation mean and std."""
+        mean = scores.new_tensor([source.statistics[0] for source in self.sources])
+        std = scores.new_tensor([max(source.statistics[1], 1e-8) for source in self.sources])
+        return (scores - mean) / std
+
+    def combine(self, scores: Tensor) -> Tensor:
+        """The weighted sum ``[B]`` of the sources' scores ``[B, S]``, NaN ("not applicable") counting as absent.
+
+        A row that no source applies to is an error naming the row: training on it would be training on nothing.
+        """
+        applicable = ~torch.isnan(scores)
+        none = ~applicable.any(-1)
+        if none.any():
+            raise ValueError(f"no reward source applies to rows {none.nonzero().flatten().tolist()} "
+                             f"(every one of {self.names} returned None)")
+        weights = scores.new_tensor(self.weights)
+        return torch.where(applicable, scores * weights, 0.0).sum(-1)
+
+    def response_scores(self, scores: Tensor, is_stopped: Tensor) -> Tensor:
+        """The score ``[B]`` each response is trained on, from the sources' ``[B, S]``: normalised (``normalize``),
+        weighted and summed, less ``missing_eos_penalty`` where the response never stopped (``is_stopped`` ``[B]``),
+        clipped."""
+        combined = self.combine(self.normalize(scores) if self.normalize_scores else scores)
+        if self.missing_eos_penalty is not None:
+            combined = combined - self.missing_eos_penalty * (~is_stopped).float()
+        if self.clip is not None:
+            combined = combined.clamp(-self.clip, self.clip)
+        return combined
+
+    @torch.no_grad()
+    def statistics(self, scores: Tensor) -> dict[str, Tensor]:
+        """Mean and std of each source's scores over the responses it applies to: ``score/<name>[_std]``."""
+        stats = {}
+        for column, name in zip(scores.unbind(-1), self.names, strict=True):
+            applicable = column[~column.isnan()]
+            stats[f"score/{name}"] = applicable.mean() if applicable.numel() else column.new_zeros(())
+            stats[f"score/{name}_std"] = applicable.std() if applicable.numel() > 1 else column.new_zeros(())
+        return stats
+
+

@@ -1,0 +1,99 @@
+"""The sampler: one object that owns how tokens are drawn.
+
+It holds the sampling settings, the random streams (:class:`~rlhf_lightning.rollout.seeds.Seeds`), the engine that
+``decoding`` selects (made on first use and kept with its caches and compiled steps, one per model) and the
+gathering of an FSDP2-sharded base. Callers enter :meth:`Sampler.gathered` once per rollout (sampling and every
+scoring pass run inside it) and call :meth:`Sampler.draw` for each turn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from rlhf_lightning.models.sharding import gathered
+from rlhf_lightning.models.shared_base import SharedBase
+from rlhf_lightning.rollout.engines import ENGINES, Engine
+from rlhf_lightning.rollout.seeds import Seeds
+from rlhf_lightning.rollout.settings import SamplingSettings, truncate_after_stop
+
+ShardedRollout = Literal["gathered", "per_layer"]
+
+
+@dataclass(frozen=True)
+class Drawn:
+    """Responses drawn for prompts: each prompt's row repeated for its ``group`` responses (consecutive rows)."""
+
+    prompt_ids: Tensor  # [N, P] left-padded prompts, one row per response
+    prompt_mask: Tensor  # [N, P]
+    tokens: Tensor  # [N, R] response tokens, pad after each row's stop token
+    mask: Tensor  # [N, R] bool: each response's tokens, its stop token included
+    logprobs: Tensor  # [N, R] the log-probs the sampler drew them with (0 after the stop)
+
+    @property
+    def sequences(self) -> Tensor:
+        """``[N, P + R]`` prompts and responses."""
+        return torch.cat([self.prompt_ids, self.tokens], 1)
+
+    @property
+    def attention_mask(self) -> Tensor:
+        """``[N, P + R]`` 1 on real tokens."""
+        return torch.cat([self.prompt_mask, self.mask.long()], 1)
+
+
+class Sampler:
+    """Draws responses from a role of the shared base.
+
+    Args:
+        settings: how tokens are sampled, and which engine draws them (``settings.decoding``).
+        seeds: the random streams.
+        pad_token_id: what fills a response after its stop token.
+        sharded_rollout: how an FSDP2-sharded base is gathered during a rollout (the modules' argument).
+    """
+
+    def __init__(self, settings: SamplingSettings, seeds: Seeds, pad_token_id: int,
+                 sharded_rollout: ShardedRollout = "gathered") -> None:
+        self.settings = settings
+        self.seeds = seeds
+        self.pad_token_id = pad_token_id
+        self.sharded_rollout = sharded_rollout
+        self._engines: dict[str, Engine] = {}
+
+    def engine(self, model: SharedBase) -> Engine:
+        """The engine that draws from ``model``: made on first use, then kept (its caches and compiled steps
+        serve every rollout)."""
+        name = self.settings.engine_name(next(model.parameters()).device, model.is_sharded)
+        engine = self._engines.get(name)
+        if engine is None or engine.model is not model:
+            engine = self._engines[name] = ENGINES[name](model)
+        return engine
+
+    def gathered(self, model: SharedBase) -> AbstractContextManager[None]:
+        """A rollout's block of no-grad passes over ``model`` (sampling and scoring): a sharded base gathered as
+        ``sharded_rollout`` says (every layer for the whole block, or each layer per forward pass); nothing
+        without sharding. Entered once per rollout."""
+        return gathered(model, whole=self.sharded_rollout == "gathered")
+
+    @torch.no_grad()
+    def draw(self, model: SharedBase, role: str | None, input_ids: Tensor, attention_mask: Tensor, group: int = 1,
+             seeds: Sequence[int] | None = None, max_new_tokens: int | None = None) -> Drawn:
+        """``group`` responses to each left-padded prompt ``[B, P]`` from ``role``, cut after their stop token.
+
+        ``seeds``: one per response (see :meth:`Seeds.rows`); None = the global random stream.
+        ``max_new_tokens``: fewer than the settings' (an episode's last turns); None = the settings'.
+        """
+        settings = self.settings
+        if max_new_tokens is not None and max_new_tokens != settings.max_new_tokens:
+            settings = dataclasses.replace(settings, max_new_tokens=max_new_tokens)
+        synced = model.is_sharded and self.sharded_rollout == "per_layer"
+        tokens, logprobs = self.engine(model).draw(role, input_ids, attention_mask, group, settings,
+                                                   self.pad_token_id, seeds, synced)
+        tokens, mask = truncate_after_stop(tokens, settings.stop_token_ids, self.pad_token_id)
+        return Drawn(input_ids.repeat_interleave(group, 0), attention_mask.repeat_interleave(group, 0), tokens, mask,
+                     torch.where(mask, logprobs.to(tokens.device), 0.0))
