@@ -121,6 +121,7 @@ def run_grpo(settings: GRPOSettings, beta: float, profile: bool = False) -> None
     other side (see ``grpo_vs_trl.py``): k3 KL in the loss weighted by the ratio, token-mean loss over each
     optimizer step, group-std scaling with eps 1e-4, clip 0.2, gradient norm clipped to 1, constant learning rate."""
     from rlhf_lightning import GRPO, FunctionReward
+    from rlhf_lightning.algorithms.policy_losses import Clip
 
     configure_threads(settings)
     torch.manual_seed(settings.seed)
@@ -131,8 +132,8 @@ def run_grpo(settings: GRPOSettings, beta: float, profile: bool = False) -> None
         max_new_tokens=settings.response_length, temperature=1.0, top_k=0, top_p=1.0, stop_token=None,
         samples_per_prompt=settings.group_size, scale_rewards="group", std_eps=1e-4,
         kl_coef=beta, kl_estimator="k3", kl_in="loss", kl_ratio_weighting=True, loss_aggregation="token_mean",
-        epochs=settings.ppo_epochs, num_minibatches=settings.num_minibatches, clip_range=0.2,
-        clip_range_high=None, max_grad_norm=1.0, policy_lr=settings.lr, adam_eps=1e-8, weight_decay=0.0,
+        epochs=settings.ppo_epochs, num_minibatches=settings.num_minibatches, policy_loss=Clip(clip_range=0.2),
+        max_grad_norm=1.0, policy_lr=settings.lr, adam_eps=1e-8, weight_decay=0.0,
         lr_schedule="constant", seed=settings.seed,
         **settings.ppo_options,
     )

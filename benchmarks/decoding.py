@@ -36,8 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.harness.settings import GPT2_VOCAB, PRESETS  # noqa: E402
 from rlhf_lightning.models.shared_base import SharedBase  # noqa: E402
 from rlhf_lightning.models.spec import LoraSpec  # noqa: E402
-from rlhf_lightning.ops.sampling import row_draws  # noqa: E402
-from rlhf_lightning.rollout.generate import SamplingSettings, sample_responses  # noqa: E402
+from rlhf_lightning.rollout.sampler import Sampler  # noqa: E402
+from rlhf_lightning.rollout.seeds import Seeds  # noqa: E402
+from rlhf_lightning.rollout.settings import SamplingSettings  # noqa: E402
 
 # Layer shapes of public models (random weights): Qwen2-0.5B and Llama-3.2-1B.
 SHAPES = {
@@ -74,16 +75,14 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def rollout(base: SharedBase, side: str, ids: torch.Tensor, mask: torch.Tensor, args: argparse.Namespace,
-            draws: torch.Tensor) -> tuple[float, torch.Tensor]:
-    """Seconds of one rollout under ``side`` and its response tokens."""
-    settings = SamplingSettings(max_new_tokens=args.response_length, decoding=side)
+def rollout(base: SharedBase, sampler: Sampler, ids: torch.Tensor, mask: torch.Tensor, args: argparse.Namespace,
+            seeds: list[int]) -> tuple[float, torch.Tensor]:
+    """Seconds of one rollout by ``sampler`` (its engine kept between rollouts) and its response tokens."""
     synchronize(args.device)
     started = time.perf_counter()
-    sequences, _, _ = sample_responses(base, "policy", ids, mask, settings, pad_token_id=0, draws=draws,
-                                       group=args.group)
+    drawn = sampler.draw(base, "policy", ids, mask, args.group, seeds)
     synchronize(args.device)
-    return time.perf_counter() - started, sequences[:, ids.shape[1]:]
+    return time.perf_counter() - started, drawn.tokens
 
 
 def prefill_seconds(base: SharedBase, ids: torch.Tensor, mask: torch.Tensor, args: argparse.Namespace) -> float:
@@ -123,15 +122,16 @@ def main(argv: list[str] | None = None) -> dict:
     ids = torch.randint(1, vocab, (args.prompts, args.prompt_length), generator=generator).to(args.device)
     mask = torch.ones_like(ids)
     rows = args.prompts * args.group
-    draws = row_draws(list(range(rows)), args.response_length, args.device)
+    seeds = list(range(rows))  # one random stream per response, the same for every side
     parameters = sum(p.numel() for p in base.hf_model.parameters())
     print(f"{args.shape}: {parameters / 1e6:.1f}M parameters, {args.dtype} on {args.device} "
           f"({torch.get_num_threads()} threads); {args.prompts} prompts x {args.group} samples, prompt "
           f"{args.prompt_length}, response {args.response_length} tokens")
     results, reference_tokens = {}, None
     for side in sides:
-        warmup, tokens = rollout(base, side, ids, mask, args, draws)
-        seconds = statistics.median(rollout(base, side, ids, mask, args, draws)[0] for _ in range(args.repeats))
+        sampler = Sampler(SamplingSettings(max_new_tokens=args.response_length, decoding=side), Seeds(0), 0)
+        warmup, tokens = rollout(base, sampler, ids, mask, args, seeds)
+        seconds = statistics.median(rollout(base, sampler, ids, mask, args, seeds)[0] for _ in range(args.repeats))
         prefill_rows = rows if side == "generate" else args.prompts
         prefill = statistics.median(prefill_seconds(base, ids.repeat_interleave(prefill_rows // args.prompts, 0),
                                                     mask.repeat_interleave(prefill_rows // args.prompts, 0), args)
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
         if reference_tokens is None:
             reference_tokens = tokens
         same = float((tokens == reference_tokens).float().mean()) if tokens.shape == reference_tokens.shape else 0.0
-        decoder = base.decoders.get(side)
+        decoder = getattr(sampler.engine(base), "decoder", None)  # our engines' decoding loop (not generate's)
         results[side] = {"seconds": seconds, "prefill_seconds": prefill, "decode_seconds": seconds - prefill,
                          "tokens_per_second": rows * args.response_length / seconds,
                          "warmup_seconds": warmup, "same_tokens": same,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import difflib
 import importlib
-import inspect
 import linecache
 import os
 import re
@@ -243,23 +242,22 @@ def class_problem(lines: list[str], path: list[str]) -> str | None:
 
 
 def accepted_arguments(class_path: str) -> list[str]:
-    """Every argument ``class_path``'s constructor takes, its parents' included where it passes ``**kwargs`` up."""
+    """Every argument ``class_path``'s constructor takes, as the command line reads it: its parents' included where
+    it passes ``**kwargs`` up, less those it fixes itself in that call (online DPO's ``samples_per_prompt``)."""
+    from jsonargparse import ArgumentParser
+
     from rlhf_lightning.resume import import_class
 
     cls = import_class(class_path)
-    names: list[str] = []
-    for klass in (cls.__mro__ if cls is not None else ()):
-        init = klass.__dict__.get("__init__")
-        if init is None:
-            continue
-        try:
-            parameters = inspect.signature(init).parameters.values()
-        except (TypeError, ValueError):
-            break
-        names += [p.name for p in parameters if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-        if not any(p.kind == p.VAR_KEYWORD for p in parameters):
-            break
-    return list(dict.fromkeys(names))
+    if cls is None:
+        return []
+    parser = ArgumentParser(exit_on_error=False)
+    try:
+        parser.add_class_arguments(cls, "init", fail_untyped=False)
+    except Exception:  # noqa: BLE001 - a class the parser cannot read: no names to suggest
+        return []
+    names = [action.dest.removeprefix("init.") for action in parser._actions if action.dest.startswith("init.")]
+    return list(dict.fromkeys(name.split(".")[0] for name in names))
 
 
 def module_names(module: str) -> list[str]:

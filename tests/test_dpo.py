@@ -93,8 +93,9 @@ def test_fresh_policy_has_zero_implicit_reward_and_sigmoid_loss_log_2(tiny_model
     assert values["rewards/accuracy"].sum().item() == 0  # ties count as wrong
     assert (values["logps/chosen"] < 0).all() and (values["logps/rejected"] < 0).all()
     module.eval()
-    samples = module.evaluate_samples(batch["prompt_input_ids"], batch["prompt_attention_mask"],
-                                      module.decode(batch["prompt_input_ids"], batch["prompt_attention_mask"]), 0)
+    prompts = {"input_ids": batch["prompt_input_ids"], "attention_mask": batch["prompt_attention_mask"],
+               "prompt": module.decode(batch["prompt_input_ids"], batch["prompt_attention_mask"])}
+    samples = module.evaluate_samples(prompts, 0)
     assert samples["kl"].abs().max().item() < 1e-6 and samples["gold"].shape == (8,)
 
 

@@ -281,8 +281,11 @@ def instantiated_value(cli: RLHFCLI, key: str) -> Any:
     if head in ("model", "data"):
         assert path[:1] == ["init_args"], f"{key}: the configs use subclass mode, so keys read {head}.init_args.*"
         target, path = (cli.model if head == "model" else cli.datamodule), path[1:]
-        if path[0] in target.hparams:  # what the module saved with save_hyperparameters, else its attribute
-            target, path = target.hparams[path[0]], path[1:]
+        saved = target.hparams.get(path[0])
+        # what the module saved with save_hyperparameters, else its attribute (a group given by class_path, such as
+        # policy_loss, is the object the module built from it)
+        if path[0] in target.hparams and not (isinstance(saved, Mapping) and "class_path" in saved):
+            target, path = saved, path[1:]
     elif head == "trainer":
         target = cli.trainer
     else:

@@ -1,0 +1,364 @@
+"""No argument is silently ignored: every argument of every on-policy module, set to a value other than its default,
+changes what the module does, or is refused in one line.
+
+Each argument has a row in :data:`CASES`: the value, the setting it needs to matter in (a KL coefficient for the KL
+estimator, a rollout correction for its bounds, a moved policy for the clip ranges, an environment for the episode
+bounds) and what shows the change: the rollout and its loss terms (``rollout``), one iteration of training
+(``fit``: the trained weights, the logged metrics, the KL coefficient, the files written), or a named observation for
+the settings that by design change no number (which engine samples, how many micro-batches, how many backward
+passes). A module argument without a row fails the test: a new argument must say how it takes effect.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+
+from rlhf_lightning import (
+    GRPO,
+    PPO,
+    RLOO,
+    AdapterReward,
+    FunctionReward,
+    OnlineDPO,
+    OnPolicyDistillation,
+    PromptDataModule,
+    REINFORCEPlusPlus,
+)
+from rlhf_lightning.algorithms.policy_losses import CISPO, Clip
+from rlhf_lightning.environments import Environment, Step, ToolEnvironment
+from rlhf_lightning.errors import accepted_arguments
+from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
+from rlhf_lightning.tasks.calculator import correct_answer
+from rlhf_lightning.tasks.synthetic import gold_rewards
+from rlhf_lightning.timing import record_phases
+from tests.conftest import LORA, built
+from tests.test_episodes import calculator_model_dir  # noqa: F401 (a fixture)
+
+MODULES = [GRPO, RLOO, REINFORCEPlusPlus, PPO, OnPolicyDistillation, OnlineDPO]
+# Documented as taking effect only where a single process cannot show it; the named test shows it there.
+ELSEWHERE = {
+    "sharded_rollout": "only under FSDP2 (ignored without sharding, as documented): tests/test_distributed.py runs "
+                       "GRPO with per_layer and checks it equals one process",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """An argument's non-default ``value``, the ``setting`` (other arguments, and flags: ``perturb`` the adapters
+    before the rollout, ``moved``: after it, ``stale`` sampler log-probs, a ``ptx`` batch, ``calculator`` prompts)
+    it needs, and what shows its effect."""
+
+    value: Any
+    setting: tuple[tuple[str, Any], ...] = ()
+    shows: str = "rollout"  # rollout | fit | refused | the name of an OBSERVATIONS entry
+
+
+def case(value: Any, shows: str = "rollout", **setting: Any) -> Case:
+    return Case(value, tuple(setting.items()), shows)
+
+
+class Feedback(Environment):
+    """Answers every turn and never ends an episode: only ``max_turns`` and ``max_episode_tokens`` do."""
+
+    def step(self, messages):
+        return Step([{"role": "user", "content": "try again"}], reward=0.25)
+
+
+KL = {"kl_coef": 0.5, "perturb": True}
+MOVED = {"moved": True, "perturb": True, "epochs": 2}  # the update's policy is not the sampler's: ratios away from 1
+EPISODES = {"calculator": True, "environment": Feedback}
+CASES: dict[str, Case] = {
+    # the policy, its sampling and its base
+    "base": case("other base"),
+    "policy_lora": case(LoraSpec(r=2, alpha=8), "fit"),
+    "max_new_tokens": case(3),
+    "temperature": case(0.7),
+    "top_k": case(5, "refused"),
+    "top_p": case(0.9, "refused"),
+    "kv_cache": case("dynamic", "engine"),
+    "decoding": case("generate", "engine"),
+    "stop_token": case(None),
+    "logprob_chunk": case(2, "saved_for_backward"),
+    "seed": case(1, "fit"),
+    "seed_scope": case("prompt"),
+    "gold_reward": case(gold_rewards),
+    "export_dir": case("adapters", "fit"),
+    # collection
+    "reward": case(FunctionReward(gold_rewards)),
+    "reward_weights": case([2.0]),
+    "samples_per_prompt": case(4),
+    "missing_eos_penalty": case(1.0),
+    "reward_normalize": case(True),
+    "reward_clip": case(0.01),
+    "environment": case(lambda: ToolEnvironment(["rlhf_lightning.tasks.calculator.add"]), calculator=True),
+    "max_turns": case(2, **EPISODES),
+    "max_episode_tokens": case(12, **EPISODES),
+    # the loop's update
+    "epochs": case(2, "fit"),
+    "num_minibatches": case(2, "fit"),
+    "gradient_accumulation": case(2, "micro_batches"),
+    "target_kl": case(1e-9, "fit", epochs=2),
+    "max_grad_norm": case(1e-4, "fit"),
+    "policy_lr": case(1e-2, "fit"),
+    "adam_eps": case(0.1, "fit"),
+    "weight_decay": case(0.5, "fit"),
+    "warmup_iterations": case(1, "fit"),
+    "lr_schedule": case("linear", "fit"),
+    "nonfinite": case("skip", "nonfinite"),
+    # the policy-gradient loss, its KL penalty and corrections
+    "policy_loss": case(CISPO(max_weight=1.01), **MOVED),
+    "policy_loss.clip_range": case(Clip(clip_range=0.01), **MOVED),
+    "policy_loss.clip_range_high": case(Clip(clip_range_high=0.5), **MOVED),
+    "policy_loss.ratio_level": case(Clip(ratio_level="sequence"), **MOVED),
+    "policy_loss.max_weight": case(CISPO(max_weight=1.01), **MOVED, policy_loss=CISPO()),
+    "policy_loss.min_weight": case(CISPO(min_weight=0.99), **MOVED, policy_loss=CISPO()),
+    "loss_aggregation": case("sequence_mean"),
+    "mask_truncated_completions": case(True),
+    "kl_coef": case(0.5, perturb=True),
+    "kl_estimator": case("k2", **KL),
+    "kl_clamp": case(1e-3, **KL),
+    "kl_in": case("swap", **KL),
+    "kl_ratio_weighting": case(False, kl_in="loss", **{**KL, **MOVED}),
+    "kl_target": case(1.0, "fit", perturb=True),
+    "kl_horizon": case(100, "fit", kl_target=1.0, perturb=True),
+    "ent_coef": case(0.1),
+    "ptx_coef": case(0.5, ptx=True),
+    "rollout_correction": case("token_truncate", stale=True),
+    "rollout_correction_min": case(2.0, stale=True, rollout_correction="token_truncate"),
+    "rollout_correction_max": case(1.1, stale=True, rollout_correction="token_truncate"),
+    # the algorithms' own
+    "scale_rewards": case("none"),
+    "std_eps": case(0.5),
+    "whiten_advantages": case("swap"),
+    "baseline": case("group", samples_per_prompt=2),
+    "gamma": case(0.5),
+    "critic_lora": case(LoraSpec(r=2, alpha=8), "fit"),
+    "critic_from_reward": case(True),
+    "clip_range_value": case(0.01, **MOVED),
+    "vf_coef": case(0.5),
+    "whiten_rewards": case(True),
+    "lam": case(0.5),
+    "critic_lr": case(1e-2, "fit"),
+    "backward": case("joint", "backward_passes"),
+    "teacher": case("other teacher"),
+    "teacher_dtype": case("bfloat16", teacher="model"),
+    "reward_coef": case(0.5),
+    "beta": case(0.5, perturb=True),
+    "loss_type": case("ipo", perturb=True),
+    "label_smoothing": case(0.2, perturb=True),
+    "simpo_gamma": case(1.0, perturb=True, loss_type="simpo"),
+}
+
+
+# ---- running a module ---------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def models(tiny_model_dir, reward_dir, calculator_model_dir, tmp_path_factory) -> dict[str, Path]:  # noqa: F811
+    """The base (the tiny GPT-2 with its EOS made likely, so that responses stop at varied lengths), a second base, the
+    reward adapter, a second adapter (another teacher) and the calculator's model."""
+    from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer
+    from rlhf_lightning.models.shared_base import SharedBase
+
+    spec = BaseModelSpec(name_or_path=str(tiny_model_dir))
+    tokenizer = load_tokenizer(spec)
+    folders = {}
+    for name, seed in (("base", None), ("other base", 7)):
+        model = load_causal_lm(spec, tokenizer)
+        with torch.no_grad():
+            if seed is not None:
+                torch.manual_seed(seed)
+                for parameter in model.parameters():
+                    parameter.add_(0.05 * torch.randn_like(parameter))
+            # the (tied) EOS embedding along the mean final hidden state: about half the responses stop in 6 tokens
+            hidden = model.transformer(torch.randint(0, len(tokenizer), (8, 12))).last_hidden_state.mean((0, 1))
+            model.transformer.wte.weight[tokenizer.eos_token_id] = 2.0 * hidden / hidden.square().sum()
+        folders[name] = tmp_path_factory.mktemp(name.replace(" ", "-"))
+        model.save_pretrained(folders[name])
+        tokenizer.save_pretrained(folders[name])
+    base = SharedBase(load_causal_lm(spec, tokenizer))
+    base.add_adapter("teacher", LORA)
+    torch.manual_seed(8)
+    with torch.no_grad():
+        for name, parameter in base.model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.5)
+    teacher = base.save_adapter("teacher", tmp_path_factory.mktemp("teacher"))
+    return {**folders, "reward": reward_dir, "teacher": reward_dir, "other teacher": teacher,
+            "calculator": calculator_model_dir}
+
+
+def arguments(cls: type, models: dict[str, Path], setting: dict[str, Any]) -> dict[str, Any]:
+    """The module's constructor arguments: small defaults for a fast run, then the ``setting``'s."""
+    calculator = setting.get("calculator", False)
+    kwargs: dict[str, Any] = {
+        "base": BaseModelSpec(name_or_path=str(models["calculator" if calculator else "base"])),
+        "reward": FunctionReward(correct_answer) if calculator else AdapterReward(str(models["reward"])),
+        "policy_lora": LORA, "max_new_tokens": 6, "policy_lr": 1e-3,
+    }
+    if cls in (GRPO, RLOO):
+        kwargs["samples_per_prompt"] = 2
+    if cls is PPO:
+        kwargs |= {"critic_lora": LORA, "epochs": 1}
+    if cls is OnPolicyDistillation:
+        kwargs["teacher"] = str(models["teacher"])
+    for name, value in setting.items():
+        if name in ("perturb", "moved", "stale", "ptx", "calculator"):
+            continue
+        if name == "teacher" and value == "model":
+            value = str(models["base"])
+        kwargs[name] = value
+    return kwargs
+
+
+def prompt_data(module, calculator: bool) -> PromptDataModule:
+    data = PromptDataModule(dataset="calculator" if calculator else "synthetic", synthetic_rows=4, batch_size=4,
+                            val_fraction=0.0)
+    data.tokenizer = module.tokenizer
+    data.setup("fit")
+    return data
+
+
+def perturb(module, seed: int) -> None:
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in module.model.model.named_parameters():
+            if "lora_B" in name and (".policy." in name or ".critic." in name):
+                parameter.normal_(0, 0.3)
+
+
+def rollout_values(module, setting: dict[str, Any]) -> dict[str, float]:
+    """The statistics and loss terms of one rollout (every value a float)."""
+    if setting.get("perturb"):
+        perturb(module, 1)
+    data = prompt_data(module, setting.get("calculator", False))
+    torch.manual_seed(0)
+    experience, stats = module.rollout(next(iter(data.train_dataloader()["prompts"])))
+    if setting.get("moved"):
+        perturb(module, 2)  # the policy moves after sampling: ratios away from 1
+    if setting.get("stale"):  # a sampler whose log-probs disagree with the trainer's
+        experience = dataclasses.replace(experience, sampler_logprobs=experience.sampler_logprobs - 0.5)
+    ptx = None
+    if setting.get("ptx"):
+        ptx_data = PromptDataModule(synthetic_rows=4, batch_size=4, val_fraction=0.0, ptx_dataset="synthetic",
+                                    ptx_batch_size=2)
+        ptx_data.tokenizer = module.tokenizer
+        ptx_data.setup("fit")
+        ptx = next(iter(ptx_data.train_dataloader()["ptx"]))
+    values = {**stats, **module.losses(experience, ptx)}
+    if experience.advantages is not None:
+        values["advantages"] = experience.advantages.float().abs().sum()
+    values["sequences"] = experience.input_ids.float().sum()
+    values["scores"] = experience.scores.sum()
+    return {name: float(value) for name, value in values.items()}
+
+
+def fit_values(module, setting: dict[str, Any], directory: Path) -> dict[str, Any]:
+    """One iteration of training: the trained weights, the logged metrics, the KL coefficient, the files written,
+    and how many times each phase ran."""
+    if setting.get("perturb"):
+        perturb(module, 1)
+    phases: Counter = Counter()
+    trainer = L.Trainer(max_epochs=1, limit_train_batches=1, limit_val_batches=0, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        default_root_dir=directory)
+    torch.manual_seed(0)
+    with record_phases(lambda name, seconds: phases.update([name])):
+        trainer.fit(module, datamodule=prompt_data(module, setting.get("calculator", False)))
+    trained = {name: round(float(p.detach().double().abs().sum()), 12) for name, p in module.named_parameters()
+               if p.requires_grad}
+    return {"weights": trained, "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+            "kl_coef": getattr(getattr(module, "kl_controller", None), "value", None), "phases": dict(phases),
+            "files": sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())}
+
+
+def engine(module, setting: dict[str, Any]) -> str:
+    return module.sampler.engine(module.model).name
+
+
+def saved_for_backward(module, setting: dict[str, Any]) -> int:
+    """Elements the loss of one rollout keeps for its backward pass (``logprob_chunk`` recomputes each chunk's
+    logits in the backward instead of keeping them)."""
+    saved = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tensor.numel())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        rollout_values(module, setting)
+    return sum(saved)
+
+
+def nonfinite(module, setting: dict[str, Any]) -> str:
+    """What a non-finite gradient does before an optimizer step: the run stops, or the step is skipped."""
+    for parameter in module.parameters():
+        if parameter.requires_grad:
+            parameter.grad = torch.full_like(parameter, float("nan"))
+            break
+    try:
+        return f"step taken: {module.guard_step('test')}, skipped {module.skipped_steps}"
+    except FloatingPointError as error:
+        return f"stopped: {type(error).__name__}"
+
+
+OBSERVATIONS: dict[str, Callable[..., Any]] = {
+    "engine": engine, "saved_for_backward": saved_for_backward, "nonfinite": nonfinite,
+    "micro_batches": lambda module, setting, directory: fit_values(module, setting, directory)["phases"],
+    "backward_passes": lambda module, setting, directory: fit_values(module, setting, directory)["phases"],
+}
+
+
+def observe(cls: type, shows: str, models: dict[str, Path], setting: dict[str, Any], directory: Path) -> Any:
+    module = built(cls(**arguments(cls, models, setting)))
+    if shows == "rollout":
+        return rollout_values(module, setting)
+    if shows == "fit":
+        return fit_values(module, setting, directory)
+    observation = OBSERVATIONS[shows]
+    return observation(module, setting, directory) if shows in ("micro_batches", "backward_passes") \
+        else observation(module, setting)
+
+
+def cases() -> list[tuple[type, str]]:
+    found = []
+    for cls in MODULES:
+        for name in accepted_arguments(f"{cls.__module__}.{cls.__qualname__}"):
+            found.append((cls, name))
+            if name == "policy_loss":
+                found += [(cls, key) for key in CASES if key.startswith("policy_loss.")]
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cls, name", cases(), ids=lambda item: getattr(item, "__name__", item))
+def test_every_argument_changes_the_run_or_is_refused(cls, name, models, tmp_path):
+    if name in ELSEWHERE:
+        print(f"{cls.__name__}.{name}: {ELSEWHERE[name]}")
+        return
+    assert name in CASES, f"{cls.__name__}.{name} has no row in CASES: say how the argument takes effect"
+    row = CASES[name]
+    setting = dict(row.setting)
+    argument = name.split(".")[0]
+    value = row.value
+    if value in ("swap",):  # a boolean or two-way choice: the other one of the module's default
+        default = cls(**arguments(cls, models, setting)).hparams[argument]
+        value = {"reward": "loss", "loss": "reward", True: False, False: True}[default]
+    elif value in ("other base", "other teacher"):
+        value = BaseModelSpec(name_or_path=str(models[value])) if argument == "base" else str(models[value])
+    if row.shows == "refused":
+        with pytest.raises(ValueError) as refusal:
+            cls(**arguments(cls, models, {**setting, argument: value}))
+        assert "\n" not in str(refusal.value) and argument in str(refusal.value)
+        return
+    before = observe(cls, row.shows, models, setting, tmp_path / "before")
+    after = observe(cls, row.shows, models, {**setting, argument: value}, tmp_path / "after")
+    print(f"{cls.__name__}.{name}={value!r}: {row.shows} differs")
+    assert before != after, f"{cls.__name__}.{name}={value!r} changed nothing ({row.shows}: {before})"
