@@ -16,10 +16,10 @@ from rlhf_lightning import GRPO, PPO, RLOO, AdapterReward, FunctionReward, REINF
 from rlhf_lightning.algorithms import kl_penalty, token_rewards
 from rlhf_lightning.algorithms.group import group_advantages, returns_to_go, rloo_advantages
 from rlhf_lightning.algorithms.policy_losses import Clip
+from rlhf_lightning.core.experience import sequence_kl
 from rlhf_lightning.core.online import OnlineRL
 from rlhf_lightning.models.shared_base import adapter_of
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
-from rlhf_lightning.core.experience import sequence_kl
 from rlhf_lightning.tasks.synthetic import gold_rewards
 from tests.conftest import LORA, built
 from tests.test_ppo import _fit, _perturb, assert_one_copy_of_the_base, prompts
