@@ -20,14 +20,12 @@ from lightning.pytorch.utilities.parsing import collect_init_args
 from torch import Tensor
 from torchmetrics import MeanMetric
 
-from rlhf_lightning.algorithms import entropy_from_logits, logprobs_from_logits
 from rlhf_lightning.core.experience import sequence_kl
 from rlhf_lightning.core.stage import StageModule
 from rlhf_lightning.metrics import reset_metrics
-from rlhf_lightning.models.sharding import is_dtensor
+from rlhf_lightning.models.logprobs import predicting_hidden_states, token_logprobs
 from rlhf_lightning.models.shared_base import REFERENCE, SharedBase, adapter_of
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
-from rlhf_lightning.ops.lm_head import head_logprobs
 from rlhf_lightning.rollout.rollouts import Rollout, Rollouts
 from rlhf_lightning.rollout.sampler import Sampler
 from rlhf_lightning.rollout.seeds import Seeds
@@ -197,54 +195,10 @@ class PolicyModule(StageModule):
     def token_logprobs(self, role: str | None, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor,
                        with_entropy: bool = False, entropy_grad: bool = True) -> tuple[Tensor, Tensor | None]:
         """``(log-probs [B, T], entropy [B, T] or None)`` of the tokens of ``input_ids`` under ``role`` at the
-        sampling temperature, on the positions ``response_mask`` ``[B, T]`` marks (0 before the first of them).
-
-        The LM head runs only from the first marked column on, optionally ``logprob_chunk`` positions at a time,
-        so the full ``[B, T, V]`` logits never exist at once; with a chunk size, each chunk's logits are
-        recomputed in the backward pass rather than kept. ``entropy_grad=False`` computes the entropy as a
-        detached statistic, so its ``[B, T, V]`` softmax is not kept for a backward. The logits are the model's own,
-        post-processing included (Gemma-2's soft cap; see :mod:`rlhf_lightning.models.logits`); for a model whose
-        post-processing is not recognised they come from its full forward pass.
-        """
-        if self.model.logit_transform is None:
-            return self._forward_logprobs(role, input_ids, attention_mask, response_mask, with_entropy, entropy_grad)
-        hidden, start = self.predicting_hidden_states(role, input_ids, attention_mask, response_mask)
-        logprobs, entropy = head_logprobs(hidden, input_ids[:, start:], self.model.logits, self.hparams.temperature,
-                                          chunk=self.hparams.logprob_chunk, with_entropy=with_entropy,
-                                          entropy_grad=entropy_grad, **self._fused_head())
-        left = input_ids.new_zeros((input_ids.shape[0], start), dtype=logprobs.dtype)
-        return torch.cat([left, logprobs], 1), None if entropy is None else torch.cat([left, entropy], 1)
-
-    def _forward_logprobs(self, role: str | None, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor,
-                          with_entropy: bool, entropy_grad: bool) -> tuple[Tensor, Tensor | None]:
-        """:meth:`token_logprobs` through the model's full forward pass, for models whose logit post-processing
-        cannot be reproduced from the hidden states."""
-        start = self._first_marked(response_mask)
-        with self.model.role(role):
-            logits = self.model.next_token_logits(input_ids, attention_mask, start).float() / self.hparams.temperature
-        left = input_ids.new_zeros((input_ids.shape[0], start), dtype=logits.dtype)
-        logprobs = torch.cat([left, logprobs_from_logits(logits, input_ids[:, start:])], 1)
-        if not with_entropy:
-            return logprobs, None
-        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
-            entropy = entropy_from_logits(logits if entropy_grad else logits.detach())
-        return logprobs, torch.cat([left, entropy], 1)
-
-    @staticmethod
-    def _first_marked(response_mask: Tensor) -> int:
-        marked = response_mask.any(0).nonzero()
-        if marked.numel() == 0 or int(marked[0]) == 0:
-            raise ValueError("response_mask must mark at least one token after the first column")
-        return int(marked[0])
-
-    def predicting_hidden_states(self, role: str | None, input_ids: Tensor, attention_mask: Tensor,
-                                 response_mask: Tensor) -> tuple[Tensor, int]:
-        """``(hidden states [B, T - start, H], start)`` of ``role`` at the positions that predict tokens
-        ``start .. T-1``, where ``start`` is the first column ``response_mask`` marks in any row."""
-        start = self._first_marked(response_mask)
-        with self.model.role(role):
-            hidden = self.model.hidden_states(input_ids, attention_mask)
-        return hidden[:, start - 1 : -1], start
+        sampling temperature, on the positions ``response_mask`` ``[B, T]`` marks, ``logprob_chunk`` positions at a
+        time (see :func:`~rlhf_lightning.models.logprobs.token_logprobs`)."""
+        return token_logprobs(self.model, role, input_ids, attention_mask, response_mask, self.hparams.temperature,
+                              self.hparams.logprob_chunk, with_entropy=with_entropy, entropy_grad=entropy_grad)
 
     def response_logprobs(self, role: str | None, input_ids: Tensor, attention_mask: Tensor,
                           response_mask: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
@@ -258,18 +212,9 @@ class PolicyModule(StageModule):
     def response_hidden_states(self, role: str | None, input_ids: Tensor, attention_mask: Tensor,
                                response_mask: Tensor) -> Tensor:
         """Hidden states ``[B, R, H]`` of ``role`` at the positions that predict a rollout's response tokens."""
-        hidden, _ = self.predicting_hidden_states(role, input_ids, attention_mask,
-                                                  pad_to_sequence(response_mask, input_ids.shape[1]))
+        hidden, _ = predicting_hidden_states(self.model, role, input_ids, attention_mask,
+                                             pad_to_sequence(response_mask, input_ids.shape[1]))
         return hidden[:, -response_mask.shape[1]:]
-
-    def _fused_head(self) -> dict[str, Any]:
-        """The fused log-prob head's arguments when the logits are a scaled bias-free linear head, else none."""
-        head, transform = self.model.lm_head, self.model.logit_transform
-        if not (isinstance(head, torch.nn.Linear) and head.bias is None and transform.is_linear):
-            return {}
-        if is_dtensor(head.weight):  # FSDP2 keeps the root unit gathered after a forward pass; never a shard here
-            raise RuntimeError("the LM head's weight is a shard: log-probs must follow a hidden_states pass")
-        return {"fused_weight": head.weight, "fused_scale": transform.scale}
 
     # ---- sampling ---------------------------------------------------------------------------------------
 

@@ -27,21 +27,13 @@ from transformers.pytorch_utils import Conv1D
 from rlhf_lightning.models.adapter_fit import check_adapter_fits
 from rlhf_lightning.models.heads import ScalarHead
 from rlhf_lightning.models.logits import LogitTransform, find_logit_transform
+from rlhf_lightning.models.merging import adapter_of, merged_state_dict
 from rlhf_lightning.models.sharding import decoder_layers, full_tensor, is_sharded
 from rlhf_lightning.models.spec import LoraSpec
 from rlhf_lightning.ops.lora import fuse_lora_layers
 from rlhf_lightning.utils.nonfinite import check_finite_weights
 
 REFERENCE = None  # the role name of the plain base model
-
-
-def adapter_of(parameter_name: str) -> str | None:
-    """The adapter a peft parameter belongs to (``...lora_A.policy.weight`` -> ``policy``), or None for the base."""
-    parts = parameter_name.split(".")
-    for part, following in zip(parts, parts[1:], strict=False):
-        if part.startswith("lora_"):
-            return following
-    return None
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
@@ -207,43 +199,13 @@ class SharedBase(nn.Module):
             ScalarHead.save_state(adapter_dir, head, self.heads[name].hidden_size)
         return adapter_dir
 
-    def merged_state_dict(self, adapter: str | None) -> dict[str, Tensor]:
-        """Weights of a plain transformers model equal to the base with ``adapter`` folded in.
-
-        Non-destructive: the base is not touched (merging in place and unmerging would leave rounding drift in
-        weights the reference relies on). ``None`` gives the base alone. Sharded, every rank must call it (each
-        weight is gathered in turn) and gets the whole state.
-        """
-        state, gathered = {}, {}
-        for key, value in self.hf_model.state_dict(keep_vars=True).items():
-            # Tied weights (an LM head that is the embeddings) are one object: gathered once, kept one tensor.
-            if id(value) not in gathered:
-                gathered[id(value)] = full_tensor(value.detach())
-            state[key] = gathered[id(value)]
-        merged = {}
-        modules = dict(self.hf_model.named_modules())
-        for key, value in state.items():
-            if adapter_of(key) is not None:
-                continue
-            if ".base_layer." in key:
-                module_name, _, parameter_name = key.partition(".base_layer.")
-                layer = modules[module_name]
-                if parameter_name == "weight" and adapter is not None and adapter in getattr(layer, "lora_A", {}):
-                    delta = lora_delta(state[f"{module_name}.lora_A.{adapter}.weight"],
-                                       state[f"{module_name}.lora_B.{adapter}.weight"],
-                                       layer.scaling[adapter], layer.fan_in_fan_out)
-                    value = value + delta.to(value.dtype)
-                key = f"{module_name}.{parameter_name}"
-            merged[key] = value
-        return merged
-
     def save_merged(self, adapter: str | None, directory: str | Path, tokenizer=None, write: bool = True) -> Path:
         """Write a standalone transformers model (``from_pretrained``-able) with ``adapter`` merged in.
 
         Sharded, every rank must call it (the weights are gathered) and only the one with ``write`` writes.
         """
         directory = Path(directory)
-        state = self.merged_state_dict(adapter)
+        state = merged_state_dict(self.hf_model, adapter)
         if not write:
             return directory
         check_finite_weights(state, f"the model to {directory}")
@@ -361,11 +323,3 @@ class SharedBase(nn.Module):
             hidden = self.hidden_states(input_ids, attention_mask)
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         return self.heads[role](hidden[rows, last_index])
-
-
-def lora_delta(lora_a: Tensor, lora_b: Tensor, scaling: float, fan_in_fan_out: bool) -> Tensor:
-    """The weight update of a plain LoRA layer, ``scaling * B @ A`` (transposed for layers that store their
-    weight transposed, GPT-2's ``Conv1D``): peft's ``get_delta_weight``, from the matrices themselves so that
-    gathered shards can be merged."""
-    delta = (lora_b.float() @ lora_a.float()) * scaling
-    return delta.t() if fan_in_fan_out else delta
