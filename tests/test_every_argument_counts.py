@@ -1,10 +1,11 @@
-"""No argument is silently ignored: every argument of every on-policy module, set to a value other than its default,
-changes what the module does, or is refused in one line.
+"""No argument is silently ignored: every argument of every module (the on-policy family, DPO, KTO, SFT, the reward
+model), set to a value other than its default, changes what the module does, or is refused in one line.
 
 Each argument has a row in :data:`CASES`: the value, the setting it needs to matter in (a KL coefficient for the KL
 estimator, a rollout correction for its bounds, a moved policy for the clip ranges, an environment for the episode
-bounds) and what shows the change: the rollout and its loss terms (``rollout``), one iteration of training
-(``fit``: the trained weights, the logged metrics, the KL coefficient, the files written), or a named observation for
+bounds) and what shows the change: the rollout and its loss terms (``rollout``), one iteration or step of training
+and, for the offline stages, one validation batch with its samples (``fit``: the trained weights, the logged
+metrics, the KL coefficient, the files written, the phases run), or a named observation for
 the settings that by design change no number (which engine samples, how many micro-batches, how many backward
 passes). A module argument without a row fails the test: a new argument must say how it takes effect.
 """
@@ -21,17 +22,7 @@ import lightning as L
 import pytest
 import torch
 
-from rlhf_lightning import (
-    GRPO,
-    PPO,
-    RLOO,
-    AdapterReward,
-    FunctionReward,
-    OnlineDPO,
-    OnPolicyDistillation,
-    PromptDataModule,
-    REINFORCEPlusPlus,
-)
+import rlhf_lightning as rl
 from rlhf_lightning.algorithms.policy_losses import CISPO, Clip
 from rlhf_lightning.environments import Environment, Step, ToolEnvironment
 from rlhf_lightning.errors import accepted_arguments
@@ -42,7 +33,9 @@ from rlhf_lightning.timing import record_phases
 from tests.conftest import LORA, built
 from tests.test_episodes import calculator_model_dir  # noqa: F401 (a fixture)
 
-MODULES = [GRPO, RLOO, REINFORCEPlusPlus, PPO, OnPolicyDistillation, OnlineDPO]
+ONLINE = [rl.GRPO, rl.RLOO, rl.REINFORCEPlusPlus, rl.PPO, rl.OnPolicyDistillation, rl.OnlineDPO]
+OFFLINE = [rl.DPO, rl.KTO, rl.SFT, rl.RewardModel]
+MODULES = ONLINE + OFFLINE
 # Documented as taking effect only where a single process cannot show it; the named test shows it there.
 ELSEWHERE = {
     "sharded_rollout": "only under FSDP2 (ignored without sharding, as documented): tests/test_distributed.py runs "
@@ -92,7 +85,7 @@ CASES: dict[str, Case] = {
     "gold_reward": case(gold_rewards),
     "export_dir": case("adapters", "fit"),
     # collection
-    "reward": case(FunctionReward(gold_rewards)),
+    "reward": case(rl.FunctionReward(gold_rewards)),
     "reward_weights": case([2.0]),
     "samples_per_prompt": case(4),
     "missing_eos_penalty": case(1.0),
@@ -158,6 +151,40 @@ CASES: dict[str, Case] = {
 }
 
 
+# The offline stages sample only to evaluate: what their sampling arguments change shows in a validation batch, and
+# every other argument in a training step.
+OFFLINE_CASES: dict[str, Case] = {
+    **{name: dataclasses.replace(CASES[name], shows="fit") for name in (
+        "max_new_tokens", "temperature", "stop_token", "seed", "seed_scope", "gold_reward", "base", "policy_lora",
+        "export_dir", "nonfinite", "kv_cache", "decoding", "weight_decay", "adam_eps")},
+    "nonfinite": CASES["nonfinite"], "kv_cache": CASES["kv_cache"], "decoding": CASES["decoding"],
+    "logprob_chunk": CASES["logprob_chunk"],
+    "top_k": case(5, "fit"),
+    "top_p": case(0.5, "fit"),
+    "lora": case("swap lora", "fit"),
+    "lr": case(1e-2, "fit"),
+    "warmup_steps": case(1, "fit"),
+    "lr_schedule": case("swap schedule", "fit"),
+    "beta": case(0.5, "fit"),
+    "loss_type": case("swap loss", "fit"),
+    "label_smoothing": case(0.2, "fit"),
+    "simpo_gamma": case(1.0, "fit", loss_type="simpo"),
+    "rpo_alpha": case(0.5, "fit"),
+    "precompute_reference": case(True, "fit"),
+    "sample_eval_batches": case(0, "fit"),
+    "desirable_weight": case(2.0, "fit"),
+    "undesirable_weight": case(2.0, "fit"),
+    "center_coef": case(0.5, "fit"),
+}
+# the other choice than the module's default
+SWAPS: dict[str, Callable[[Any], Any]] = {
+    "swap": lambda default: {"reward": "loss", "loss": "reward", True: False, False: True}[default],
+    "swap lora": lambda default: LoraSpec(r=4, alpha=8) if default is None else LoraSpec(r=2, alpha=8),
+    "swap schedule": lambda default: "linear" if default == "constant" else "constant",
+    "swap loss": lambda default: {"sigmoid": "ipo", "kto": "apo_zero_unpaired"}[default],
+}
+
+
 # ---- running a module ---------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -198,16 +225,19 @@ def models(tiny_model_dir, reward_dir, calculator_model_dir, tmp_path_factory) -
 def arguments(cls: type, models: dict[str, Path], setting: dict[str, Any]) -> dict[str, Any]:
     """The module's constructor arguments: small defaults for a fast run, then the ``setting``'s."""
     calculator = setting.get("calculator", False)
-    kwargs: dict[str, Any] = {
-        "base": BaseModelSpec(name_or_path=str(models["calculator" if calculator else "base"])),
-        "reward": FunctionReward(correct_answer) if calculator else AdapterReward(str(models["reward"])),
-        "policy_lora": LORA, "max_new_tokens": 6, "policy_lr": 1e-3,
-    }
-    if cls in (GRPO, RLOO):
+    kwargs: dict[str, Any] = {"base": BaseModelSpec(name_or_path=str(models["calculator" if calculator else "base"]))}
+    if cls in (rl.DPO, rl.KTO):
+        kwargs |= {"policy_lora": LORA, "max_new_tokens": 6, "lr": 1e-3}
+    elif cls in (rl.SFT, rl.RewardModel):
+        kwargs |= {"lr": 1e-3} if cls is rl.SFT else {"lora": LORA, "lr": 1e-3}
+    else:
+        kwargs |= {"reward": rl.FunctionReward(correct_answer) if calculator else rl.AdapterReward(str(models["reward"])),
+                   "policy_lora": LORA, "max_new_tokens": 6, "policy_lr": 1e-3}
+    if cls in (rl.GRPO, rl.RLOO):
         kwargs["samples_per_prompt"] = 2
-    if cls is PPO:
+    if cls is rl.PPO:
         kwargs |= {"critic_lora": LORA, "epochs": 1}
-    if cls is OnPolicyDistillation:
+    if cls is rl.OnPolicyDistillation:
         kwargs["teacher"] = str(models["teacher"])
     for name, value in setting.items():
         if name in ("perturb", "moved", "stale", "ptx", "calculator"):
@@ -218,8 +248,16 @@ def arguments(cls: type, models: dict[str, Path], setting: dict[str, Any]) -> di
     return kwargs
 
 
-def prompt_data(module, calculator: bool) -> PromptDataModule:
-    data = PromptDataModule(dataset="calculator" if calculator else "synthetic", synthetic_rows=4, batch_size=4,
+def prompt_data(module, calculator: bool) -> rl.PromptDataModule:
+    """The stage's data: 4 prompts for the on-policy family; 4 training and 4 held-out examples otherwise."""
+    offline = {rl.DPO: rl.PreferenceDataModule, rl.RewardModel: rl.PreferenceDataModule, rl.KTO: rl.UnpairedPreferenceDataModule,
+               rl.SFT: rl.SFTDataModule}.get(type(module))
+    if offline is not None:
+        data = offline(synthetic_rows=8, batch_size=4, val_fraction=0.5, max_length=64)
+        data.tokenizer = module.tokenizer
+        data.setup("fit")
+        return data
+    data = rl.PromptDataModule(dataset="calculator" if calculator else "synthetic", synthetic_rows=4, batch_size=4,
                             val_fraction=0.0)
     data.tokenizer = module.tokenizer
     data.setup("fit")
@@ -235,7 +273,11 @@ def perturb(module, seed: int) -> None:
 
 
 def rollout_values(module, setting: dict[str, Any]) -> dict[str, float]:
-    """The statistics and loss terms of one rollout (every value a float)."""
+    """The statistics and loss terms of one rollout (every value a float); for an offline stage, the loss terms of
+    one training batch."""
+    if type(module) in OFFLINE:
+        loss, values = module.batch_losses(next(iter(prompt_data(module, False).train_dataloader())), "train")
+        return {"loss": float(loss), **{name: float(value.float().sum()) for name, value in values.items()}}
     if setting.get("perturb"):
         perturb(module, 1)
     data = prompt_data(module, setting.get("calculator", False))
@@ -247,7 +289,7 @@ def rollout_values(module, setting: dict[str, Any]) -> dict[str, float]:
         experience = dataclasses.replace(experience, sampler_logprobs=experience.sampler_logprobs - 0.5)
     ptx = None
     if setting.get("ptx"):
-        ptx_data = PromptDataModule(synthetic_rows=4, batch_size=4, val_fraction=0.0, ptx_dataset="synthetic",
+        ptx_data = rl.PromptDataModule(synthetic_rows=4, batch_size=4, val_fraction=0.0, ptx_dataset="synthetic",
                                     ptx_batch_size=2)
         ptx_data.tokenizer = module.tokenizer
         ptx_data.setup("fit")
@@ -266,7 +308,9 @@ def fit_values(module, setting: dict[str, Any], directory: Path) -> dict[str, An
     if setting.get("perturb"):
         perturb(module, 1)
     phases: Counter = Counter()
-    trainer = L.Trainer(max_epochs=1, limit_train_batches=1, limit_val_batches=0, logger=False,
+    offline = type(module) in OFFLINE  # with a validation batch: what the offline stages sample shows there
+    trainer = L.Trainer(max_epochs=1, limit_train_batches=1, limit_val_batches=int(offline), logger=False,
+                        num_sanity_val_steps=0,
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                         default_root_dir=directory)
     torch.manual_seed(0)
@@ -276,6 +320,7 @@ def fit_values(module, setting: dict[str, Any], directory: Path) -> dict[str, An
                if p.requires_grad}
     return {"weights": trained, "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
             "kl_coef": getattr(getattr(module, "kl_controller", None), "value", None), "phases": dict(phases),
+            "learning_rates": [group["lr"] for optimizer in trainer.optimizers for group in optimizer.param_groups],
             "files": sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())}
 
 
@@ -316,7 +361,21 @@ OBSERVATIONS: dict[str, Callable[..., Any]] = {
 }
 
 
-def observe(cls: type, shows: str, models: dict[str, Path], setting: dict[str, Any], directory: Path) -> Any:
+BASELINES: dict[tuple, Any] = {}  # what a module shows in a setting, before the argument is set: computed once
+
+
+def observe(cls: type, shows: str, models: dict[str, Path], setting: dict[str, Any], directory: Path,
+            baseline: bool = False) -> Any:
+    key = (cls, shows, tuple(sorted((name, repr(value)) for name, value in setting.items())))
+    if baseline and key in BASELINES:
+        return BASELINES[key]
+    result = observe_once(cls, shows, models, setting, directory)
+    if baseline:
+        BASELINES[key] = result
+    return result
+
+
+def observe_once(cls: type, shows: str, models: dict[str, Path], setting: dict[str, Any], directory: Path) -> Any:
     module = built(cls(**arguments(cls, models, setting)))
     if shows == "rollout":
         return rollout_values(module, setting)
@@ -343,14 +402,14 @@ def test_every_argument_changes_the_run_or_is_refused(cls, name, models, tmp_pat
     if name in ELSEWHERE:
         print(f"{cls.__name__}.{name}: {ELSEWHERE[name]}")
         return
-    assert name in CASES, f"{cls.__name__}.{name} has no row in CASES: say how the argument takes effect"
-    row = CASES[name]
+    table = OFFLINE_CASES if cls in OFFLINE else CASES
+    assert name in table, f"{cls.__name__}.{name} has no row in its table: say how the argument takes effect"
+    row = table[name]
     setting = dict(row.setting)
     argument = name.split(".")[0]
     value = row.value
-    if value in ("swap",):  # a boolean or two-way choice: the other one of the module's default
-        default = cls(**arguments(cls, models, setting)).hparams[argument]
-        value = {"reward": "loss", "loss": "reward", True: False, False: True}[default]
+    if isinstance(value, str) and value.startswith("swap"):
+        value = SWAPS[value](cls(**arguments(cls, models, setting)).hparams.get(argument))
     elif value in ("other base", "other teacher"):
         value = BaseModelSpec(name_or_path=str(models[value])) if argument == "base" else str(models[value])
     if row.shows == "refused":
@@ -358,7 +417,7 @@ def test_every_argument_changes_the_run_or_is_refused(cls, name, models, tmp_pat
             cls(**arguments(cls, models, {**setting, argument: value}))
         assert "\n" not in str(refusal.value) and argument in str(refusal.value)
         return
-    before = observe(cls, row.shows, models, setting, tmp_path / "before")
+    before = observe(cls, row.shows, models, setting, tmp_path / "before", baseline=True)
     after = observe(cls, row.shows, models, {**setting, argument: value}, tmp_path / "after")
     print(f"{cls.__name__}.{name}={value!r}: {row.shows} differs")
     assert before != after, f"{cls.__name__}.{name}={value!r} changed nothing ({row.shows}: {before})"

@@ -292,3 +292,22 @@ class DrGRPO(GRPO):
     grpo.configure_model()
     experience, _ = grpo.rollout(prompt_batch(grpo))  # reads both during the iteration
     assert experience.advantages is not None
+
+
+@pytest.mark.parametrize("ptx_coef, ptx_dataset, message", [
+    (0.5, None, "ptx_coef=0.5 needs pretraining text: set data.init_args.ptx_dataset"),
+    (0.0, "synthetic", "data.init_args.ptx_dataset is set, but GRPO has no pretraining loss on it"),
+])
+def test_pretraining_text_and_its_loss_come_together(tiny_model_dir, reward_dir, ptx_coef, ptx_dataset, message):
+    """A ptx_coef without ptx data would train without the term; ptx data without a ptx_coef would be read and
+    never trained on: both are refused before the first rollout."""
+    import lightning as L
+
+    module = GRPO(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), reward=AdapterReward(str(reward_dir)),
+                  policy_lora=LORA, samples_per_prompt=2, max_new_tokens=4, ptx_coef=ptx_coef)
+    data = prompts(module, n=8, batch_size=2, ptx_dataset=ptx_dataset)
+    trainer = L.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0)
+    with pytest.raises(ValueError, match=message):
+        trainer.fit(module, datamodule=data)
+    assert module.last_samples is None  # no rollout was sampled

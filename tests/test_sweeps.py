@@ -296,8 +296,11 @@ def instantiated_value(cli: RLHFCLI, key: str) -> Any:
 
 
 def nested(config: Mapping[str, Any], key: str) -> Any:
-    """``config['model']['init_args']['lr']`` for ``model.init_args.lr``."""
+    """``config['model']['init_args']['lr']`` for ``model.init_args.lr``; a group given by ``class_path`` may omit
+    its ``init_args`` (``policy_loss.clip_range``), as the command line does."""
     for part in key.split("."):
+        if part not in config and "init_args" in config:
+            config = config["init_args"]
         config = config[part]
     return config
 

@@ -1,3 +1,4 @@
 """What every stage shares: the model built in ``configure_model`` with optimizers and checkpoints (stage), the
-policy with its reference (policy), the on-policy RL loop (online), and the strategy's device mesh
-(distributed)."""
+policy with its reference and its sampler (policy), what the on-policy loop trains on (experience), collection
+(collect), the on-policy loop (online), its policy-gradient loss (policy_gradient), what DPO and KTO share (offline),
+and the strategy's device mesh (distributed)."""
