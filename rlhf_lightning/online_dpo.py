@@ -60,7 +60,9 @@ class OnlineDPO(OnlineRL):
 
     def __init__(self, *args: Any, beta: float = 0.1, loss_type: DPOLossType = "sigmoid",
                  label_smoothing: float = 0.0, simpo_gamma: float = 0.5, **kwargs: Any) -> None:
-        # Each prompt's two samples are its pair.
+        if "samples_per_prompt" in kwargs:
+            raise ValueError(f"samples_per_prompt={kwargs['samples_per_prompt']}: online DPO samples exactly 2 "
+                             "responses per prompt, its pair (for more per prompt, use GRPO or RLOO)")
         super().__init__(*args, samples_per_prompt=2, **kwargs)
         check_dpo_arguments(beta, loss_type, label_smoothing)
         checks.non_negative("simpo_gamma", simpo_gamma)

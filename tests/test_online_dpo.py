@@ -138,3 +138,11 @@ def test_settings_that_do_not_apply_are_refused_in_one_line(tiny_model_dir, rewa
                                                             code):
     arguments = cli_arguments(tiny_model_dir, reward_dir, argument, "--trainer.logger=false")
     assert expected in one_line(capsys, *arguments, code=code)
+
+
+def test_from_python_too_a_pair_size_and_episode_bounds_without_episodes_are_refused(tiny_model_dir, reward_dir):
+    arguments = dict(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), reward=AdapterReward(str(reward_dir)))
+    with pytest.raises(ValueError, match=r"^samples_per_prompt=3: online DPO samples exactly 2 responses"):
+        OnlineDPO(**arguments, samples_per_prompt=3)
+    with pytest.raises(ValueError, match=r"^max_turns=2, max_episode_tokens=None: they bound episodes"):
+        OnlineDPO(**arguments, max_turns=2)

@@ -46,7 +46,9 @@ class PolicyLoss:
     importance weighting follows it)."""
 
     ratio_level: RatioLevel = "token"
-    registry: ClassVar[dict[str, type[PolicyLoss]]] = {}  # class name -> class, every loss defined so far
+    # class name -> class, every loss defined so far: for listings and messages (the command line resolves names
+    # and import paths itself)
+    registry: ClassVar[dict[str, type[PolicyLoss]]] = {}
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -118,7 +120,7 @@ class CISPO(PolicyLoss):
         max_weight: cap on the importance weight (TRL's ``epsilon_high`` under ``cispo``, 5.0 as ScaleRL
             recommends).
         min_weight: floor on the importance weight; null = none (TRL's).
-        ratio_level: ``token`` or ``sequence`` weights, as :class:`Clip`'s ``ratio_level``.
+        ratio_level: ``token``, ``sequence`` or ``sequence_sum`` weights, as :class:`Clip`'s ``ratio_level``.
     """
 
     def __init__(self, max_weight: float = 5.0, min_weight: float | None = None,

@@ -86,6 +86,9 @@ class ExperienceCollector(PolicyModule):
         checks.positive("max_episode_tokens", max_episode_tokens, optional=True)
         for index, weight in enumerate(reward_weights or []):
             checks.finite(f"reward_weights[{index}]", weight)
+        if environment is None and (max_turns != 4 or max_episode_tokens is not None):
+            raise ValueError(f"max_turns={max_turns}, max_episode_tokens={max_episode_tokens}: they bound episodes, "
+                             "and there is no environment; set environment, or leave them at 4 and null")
         self.rewards = RewardSet(reward if isinstance(reward, list | tuple) else [reward], reward_weights,
                                  reward_normalize, missing_eos_penalty, reward_clip)
         self.environment = environment
@@ -102,9 +105,6 @@ class ExperienceCollector(PolicyModule):
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        if self.environment is not None and self.hparams.sharded_rollout == "per_layer":
-            raise ValueError("episodes need sharded_rollout: gathered (ranks finish their episodes at different "
-                             "turns, so they cannot gather layers in step)")
         self.rollouts  # noqa: B018 (an environment or chat template that cannot run episodes fails here)
         # A reward function that cannot take TRL's keywords or the data's columns fails now, not after a rollout.
         datamodule = self.trainer.datamodule if self._trainer is not None else None
@@ -159,7 +159,7 @@ class ExperienceCollector(PolicyModule):
                     prompts=[p for p in prompts.get("raw_prompt", prompts["prompt"]) for _ in range(group)],
                     columns={name: [v for v in column for _ in range(group)]
                              for name, column in prompts.get("columns", {}).items()})
-        except ValueError as error:  # e.g. FunctionReward's refusal of a NaN, which names the row: add when
+        except ValueError as error:  # e.g. FunctionReward's refusal of a NaN, which names the row: add the iteration
             raise ValueError(f"iteration {self.iteration + 1}: {error}") from error
         self.guard_scores(score_problems(source_scores, self.rewards.sources)[0])
         raw_scores = self.rewards.combine(source_scores)

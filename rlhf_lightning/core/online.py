@@ -144,6 +144,7 @@ class OnlineRL(ExperienceCollector):
 
     @property
     def needs_reference(self) -> bool:
+        """The reference's log-probs: with ``measure_kl``."""
         return self.measure_kl
 
     # ---- the iteration ------------------------------------------------------------------------------------

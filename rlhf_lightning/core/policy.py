@@ -255,15 +255,18 @@ class PolicyModule(StageModule):
         return values
 
     @torch.no_grad()
-    def sample_and_measure(self, prompts: dict[str, Any], batch_idx: int) -> tuple[dict[str, Tensor], Rollout]:
+    def sample_and_measure(self, prompts: dict[str, Any], batch_idx: int,
+                           extra: bool = True) -> tuple[dict[str, Tensor], Rollout]:
         """The per-sample validation values of one response per prompt (evaluation batch ``batch_idx``'s stream;
-        with ``seed_scope: prompt`` each prompt's own), and the rollout itself."""
+        with ``seed_scope: prompt`` each prompt's own), and the rollout itself. ``extra``: with
+        :meth:`evaluate_extra`'s values (the reward sources' scores of the online modules)."""
         self.check_built()
         with self.sampler.seeds.evaluation(batch_idx, self.global_rank, self.device), \
                 self.sampler.gathered(self.model):
             rollout = self.rollouts.run(self.model, POLICY, prompts, 1, "validation")
             values = self.sample_values(rollout, prompts["prompt"])
-            values.update(self.evaluate_extra(rollout, prompts))
+            if extra:
+                values.update(self.evaluate_extra(rollout, prompts))
         return values, rollout
 
     @torch.no_grad()

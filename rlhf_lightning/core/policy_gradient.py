@@ -142,7 +142,9 @@ class PolicyGradient(OnlineRL):
 
     @property
     def needs_logprobs(self) -> bool:
-        return super().needs_logprobs or (self.needs_reference and self.hparams.kl_in == "reward")
+        """The rollout's log-probs: for an update of more than one optimizer step, or for a KL penalty in the
+        rewards (with a single step and the KL in the loss, the step's own pass measures the KL)."""
+        return self.steps_per_rollout > 1 or (self.needs_reference and self.hparams.kl_in == "reward")
 
     def kl_coef_in(self, place: Literal["reward", "loss"]) -> float:
         """The current KL coefficient if the KL penalty goes into ``place`` (``kl_in``), else 0."""

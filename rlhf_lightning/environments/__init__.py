@@ -1,6 +1,6 @@
 """What answers the policy between the turns of an episode: environments (``reset``/``step``), tools (typed Python
 functions) and the tool-call formats of chat templates. The turn loop that runs them is
-:mod:`rlhf_lightning.rollout.episodes`."""
+:class:`rlhf_lightning.rollout.rollouts.Rollouts`."""
 
 from rlhf_lightning.environments.environment import Environment, Step, ToolEnvironment
 from rlhf_lightning.environments.tools import Tool

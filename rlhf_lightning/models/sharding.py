@@ -158,27 +158,22 @@ def gathered(base: nn.Module, whole: bool = True) -> Iterator[None]:
     of one per layer per forward pass: a decode of ``R`` tokens makes ``R`` passes). Nothing happens to a base
     that is not sharded.
 
-    A rollout enters it once, around every pass it makes; entering it again inside is refused (the inner block's
-    end would free the layers the outer block still relies on), sharded or not, so that misuse shows in any test.
+    A rollout enters it once, around every pass it makes. A block inside it (a subclass's pass that samples again)
+    finds the base gathered already and leaves it to the outer block, which alone frees the layers.
     """
-    if getattr(base, "_gathered", False):
-        raise RuntimeError("gathered() entered inside another gathered() block of the same base: a rollout enters it "
-                           "once, around all of its passes")
+    if getattr(base, "_gathered", False) or not is_sharded(base):
+        yield
+        return
+    base.unshard()
+    layers = [module for module in base.modules() if module is not base and is_sharded(module)] if whole else []
+    for layer in layers:
+        layer.set_reshard_after_forward(False, recurse=False)
+        layer.unshard()
     base._gathered = True
     try:
-        if not is_sharded(base):
-            yield
-            return
-        base.unshard()
-        layers = [module for module in base.modules() if module is not base and is_sharded(module)] if whole else []
-        for layer in layers:
-            layer.set_reshard_after_forward(False, recurse=False)
-            layer.unshard()
-        try:
-            yield
-        finally:
-            for layer in layers:
-                layer.reshard()
-                layer.set_reshard_after_forward(True, recurse=False)
+        yield
     finally:
         base._gathered = False
+        for layer in layers:
+            layer.reshard()
+            layer.set_reshard_after_forward(True, recurse=False)

@@ -73,7 +73,7 @@ def _draws(seeds: Sequence[int] | None, settings: SamplingSettings, device: torc
     return None if seeds is None else row_draws(list(seeds), settings.max_new_tokens, device)
 
 
-class OwnDecoder(Engine):
+class EagerDecoder(Engine):
     """Our decoding loop over a static KV cache (:class:`~rlhf_lightning.rollout.decode.Decoder`), its caches and
     compiled step kept between rollouts."""
 
@@ -95,8 +95,8 @@ class OwnDecoder(Engine):
                                 draws=_draws(seeds, settings, device), group=group, synced=synced)
 
 
-class CompiledDecoder(OwnDecoder):
-    """:class:`OwnDecoder` with its decode step ``torch.compile``-d (CUDA graphs on a GPU), compiled once per batch
+class CompiledDecoder(EagerDecoder):
+    """:class:`EagerDecoder` with its decode step ``torch.compile``-d (CUDA graphs on a GPU), compiled once per batch
     size, 64-token prompt bucket and adapter role."""
 
     name = "compiled"
@@ -138,4 +138,4 @@ def generation_config(settings: SamplingSettings, pad_token_id: int) -> Generati
 
 
 # ``decoding`` name -> engine class
-ENGINES: dict[str, type[Engine]] = {engine.name: engine for engine in (OwnDecoder, CompiledDecoder, Generate)}
+ENGINES: dict[str, type[Engine]] = {engine.name: engine for engine in (EagerDecoder, CompiledDecoder, Generate)}

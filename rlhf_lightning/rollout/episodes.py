@@ -32,7 +32,7 @@ class Episode:
     """One episode while it runs: its opening tokens, the tokens after them and which of those the policy
     sampled, the conversation as messages, and the rewards and counts of its turns."""
 
-    row: int  # the episode's number in its rollout
+    index: int  # the episode's number in its rollout
     environment: Environment
     opening: list[int]
     messages: list[Message]

@@ -98,6 +98,9 @@ class Rollouts:
                                       Seeds.turn(seeds, 1))
             return Rollout(drawn.sequences, drawn.attention_mask, drawn.mask, drawn.mask, drawn.logprobs,
                            stopped(drawn.tokens, drawn.mask, self.sampler.settings.stop_token_ids))
+        if model.is_sharded and self.sampler.sharded_rollout == "per_layer":
+            raise ValueError("episodes need sharded_rollout: gathered (ranks finish their episodes at different "
+                             "turns, so they cannot gather layers in step)")
         episodes = self.open_episodes(prompts, group)
         device = prompts["input_ids"].device
         for turn in range(1, self.max_turns + 1):
@@ -138,7 +141,7 @@ class Rollouts:
         pad_id = self.tokenizer.pad_token_id
         room = max(self.max_tokens - len(episode.tokens) for episode in running)
         max_new_tokens = min(self.sampler.settings.max_new_tokens, room)
-        turn_seeds = Seeds.turn(None if seeds is None else [seeds[e.row] for e in running], turn)
+        turn_seeds = Seeds.turn(None if seeds is None else [seeds[e.index] for e in running], turn)
         sequences = [episode.opening + episode.tokens for episode in running[::group]]
         input_ids, attention_mask = (t.to(device) for t in pad(sequences, pad_id, "left"))
         return self.sampler.draw(model, role, input_ids, attention_mask, group, turn_seeds, max_new_tokens)

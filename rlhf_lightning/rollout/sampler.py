@@ -1,8 +1,8 @@
 """The sampler: one object that owns how tokens are drawn.
 
 It holds the sampling settings, the random streams (:class:`~rlhf_lightning.rollout.seeds.Seeds`), the engine that
-``decoding`` selects (made on first use and kept with its caches and compiled steps, one per model) and the
-gathering of an FSDP2-sharded base. Callers enter :meth:`Sampler.gathered` once per rollout (sampling and every
+``decoding`` selects (made on first use and kept with its caches and compiled steps; made anew for another model)
+and the gathering of an FSDP2-sharded base. Callers enter :meth:`Sampler.gathered` once per rollout (sampling and every
 scoring pass run inside it) and call :meth:`Sampler.draw` for each turn.
 """
 
