@@ -188,11 +188,16 @@ def condense_parser_error(message: str, options: list[str] = ()) -> str:
 EXPECTED_PATH = re.compile(r"Expected a path but (\S+) either not accessible or invalid")
 
 
+def moved_module(module: str) -> str | None:
+    """The module that ``module`` (or the package it is in) moved to, or None."""
+    return next((new for old, new in MOVED_MODULES.items() if module == old or module.startswith(old + ".")), None)
+
+
 def unknown_class(key: str, given: str) -> str:
     """The one line for ``key`` given ``given``, a name that imports no class: a module that moved, a policy loss
     by an old name, or where classes of one's own must be."""
     module, _, attribute = given.rpartition(".")
-    moved = next((new for old, new in MOVED_MODULES.items() if module == old or module.startswith(old + ".")), None)
+    moved = moved_module(module)
     if moved is not None:
         return f"{key}: {given}: {module} moved to {moved}; write {moved}.{attribute}"
     if key.endswith("policy_loss"):
@@ -227,7 +232,7 @@ def class_problem(lines: list[str], path: list[str]) -> str | None:
             return (f"{key}.init_args.{name}: {class_name} takes no argument {name!r}{hint}; --{key}.help "
                     f"{class_name} lists them all")
         module, _, attribute = class_name.rpartition(".")
-        moved = next((new for old, new in MOVED_MODULES.items() if module == old or module.startswith(old + ".")), None)
+        moved = moved_module(module)
         if moved is not None:
             return f"{key}.class_path {class_name}: {module} moved to {moved}; write {moved}.{attribute}"
         if "has no attribute" in problem:

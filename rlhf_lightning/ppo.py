@@ -151,15 +151,13 @@ class PPO(PolicyGradient):
     def micro_step(self, micro: CriticExperience, normalisers: dict[str, Tensor],
                    ptx: dict[str, Tensor] | None) -> Stats:
         """Policy and critic losses of one micro-batch, backpropagated together or one after the other."""
-        policy_total, terms = self.policy_losses(micro, normalisers["policy"], ptx)
         if self.joint_backward:
-            critic_total, critic_terms = self.critic_losses(micro, normalisers["tokens"])
-            self.manual_backward(policy_total + critic_total)
-        else:
-            # The policy graph is freed by its backward before the critic's forward pass builds the next one.
-            self.manual_backward(policy_total)
-            critic_total, critic_terms = self.critic_losses(micro, normalisers["tokens"])
-            self.manual_backward(critic_total)
+            return super().micro_step(micro, normalisers, ptx)
+        # The policy graph is freed by its backward before the critic's forward pass builds the next one.
+        policy_total, terms = self.policy_losses(micro, normalisers["policy"], ptx)
+        self.manual_backward(policy_total)
+        critic_total, critic_terms = self.critic_losses(micro, normalisers["tokens"])
+        self.manual_backward(critic_total)
         return {**terms, **critic_terms, "loss/total": policy_total.detach() + critic_total.detach()}
 
     @property

@@ -63,6 +63,7 @@ BAD_MODULE_ARGUMENTS = [
     (PPO, dict(temperature=0.0), "temperature must be > 0, got 0.0"),
     (PPO, dict(logprob_chunk=0), "logprob_chunk must be an integer >= 1 or null, got 0"),
     (GRPO, dict(samples_per_prompt=1), "GRPO needs samples_per_prompt >= 2"),
+    (GRPO, dict(kl_target=1.0), "kl_target=1.0 with kl_coef=0: the adaptive controller multiplies the coefficient"),
     (GRPO, dict(std_eps=-1e-4), "std_eps must be >= 0, got -0.0001"),
     (GRPO, dict(scale_rewards="mean"), "scale_rewards must be one of group, batch, none, got 'mean'"),
     (RLOO, dict(samples_per_prompt=1), "RLOO needs samples_per_prompt >= 2"),

@@ -229,7 +229,7 @@ class ExperienceCollector(PolicyModule):
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         self.evaluate_samples(batch, batch_idx)
 
-    def evaluate_extra(self, rollout: Rollout, prompts: dict[str, Any]) -> dict[str, Tensor]:
+    def evaluate_extra(self, rollout: Rollout, prompts: dict[str, Any], texts: list[str]) -> dict[str, Tensor]:
         """The held-out rollout's ``score`` and, for episodes, its ``turns``, ``tool_calls``, ``tool_errors`` and
         ``invalid_tool_calls``."""
         values = {}
@@ -237,8 +237,7 @@ class ExperienceCollector(PolicyModule):
             values["turns"] = torch.tensor([float(e.turns) for e in rollout.episodes])
             for name in ("tool_calls", "tool_errors", "invalid_tool_calls"):
                 values[name] = torch.tensor([float(e.counts[name]) for e in rollout.episodes])
-        completions = self.decode(rollout.responses, rollout.read_mask)
-        scores = self.score_responses(rollout.input_ids, rollout.attention_mask, rollout.read_mask, completions,
+        scores = self.score_responses(rollout.input_ids, rollout.attention_mask, rollout.read_mask, texts,
                                       prompts.get("raw_prompt", prompts["prompt"]), prompts.get("columns"))
         problems, bad = score_problems(scores, self.rewards.sources)
         if problems:  # no optimizer step depends on it, but a NaN validation score must not pass unnoticed

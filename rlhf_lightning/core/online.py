@@ -126,10 +126,17 @@ class OnlineRL(ExperienceCollector):
             self.minibatch_sizes(batch_size * self.hparams.samples_per_prompt,
                                  f"data.init_args.batch_size={batch_size} prompts x samples_per_prompt="
                                  f"{self.hparams.samples_per_prompt}")
-        if getattr(datamodule, "ptx", None) is not None and not self.hparams.get("ptx_coef"):
-            raise ValueError(f"data.init_args.ptx_dataset is set, but {type(self).__name__} has no pretraining "
-                             "loss on it (ptx_coef 0, or none at all): its batches would be read and never trained "
-                             "on; set model.init_args.ptx_coef or drop ptx_dataset")
+        no_text = getattr(datamodule, "ptx", None) is None  # pretraining text and a loss on it come together
+        if stage == "fit" and datamodule is not None and no_text != (self.ptx_coef == 0):
+            raise ValueError(f"ptx_coef={self.ptx_coef} needs pretraining text: set data.init_args.ptx_dataset" if no_text
+                             else f"data.init_args.ptx_dataset is set, but {type(self).__name__} has no pretraining "
+                             "loss on it (ptx_coef 0): its batches would never be trained on; drop it")
+
+    @property
+    def ptx_coef(self) -> float:
+        """Weight of a pretraining loss on the data module's ``ptx`` batches: none in the loop itself
+        (:class:`~rlhf_lightning.core.policy_gradient.PolicyGradient` has ``ptx_coef``)."""
+        return 0.0
 
     @property
     def steps_per_rollout(self) -> int:

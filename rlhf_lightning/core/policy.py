@@ -250,29 +250,30 @@ class PolicyModule(StageModule):
         """One response per held-out prompt of ``prompts`` (a data module's prompt batch), sampled from evaluation
         batch ``batch_idx``'s fixed stream (training's left untouched), and its :meth:`sample_values` and
         :meth:`evaluate_extra` added to the validation metrics."""
-        values, _ = self.sample_and_measure(prompts, batch_idx)
+        values, _, _ = self.sample_and_measure(prompts, batch_idx)
         self.record_validation(values)
         return values
 
     @torch.no_grad()
     def sample_and_measure(self, prompts: dict[str, Any], batch_idx: int,
-                           extra: bool = True) -> tuple[dict[str, Tensor], Rollout]:
+                           extra: bool = True) -> tuple[dict[str, Tensor], Rollout, list[str]]:
         """The per-sample validation values of one response per prompt (evaluation batch ``batch_idx``'s stream;
-        with ``seed_scope: prompt`` each prompt's own), and the rollout itself. ``extra``: with
-        :meth:`evaluate_extra`'s values (the reward sources' scores of the online modules)."""
+        with ``seed_scope: prompt`` each prompt's own), the rollout itself and its texts (what reward sources read).
+        ``extra``: with :meth:`evaluate_extra`'s values (the reward sources' scores of the online modules)."""
         self.check_built()
         with self.sampler.seeds.evaluation(batch_idx, self.global_rank, self.device), \
                 self.sampler.gathered(self.model):
             rollout = self.rollouts.run(self.model, POLICY, prompts, 1, "validation")
-            values = self.sample_values(rollout, prompts["prompt"])
+            texts = self.decode(rollout.responses, rollout.read_mask)
+            values = self.sample_values(rollout, prompts["prompt"], texts)
             if extra:
-                values.update(self.evaluate_extra(rollout, prompts))
-        return values, rollout
+                values.update(self.evaluate_extra(rollout, prompts, texts))
+        return values, rollout, texts
 
     @torch.no_grad()
-    def sample_values(self, rollout: Rollout, prompts: Sequence[str]) -> dict[str, Tensor]:
+    def sample_values(self, rollout: Rollout, prompts: Sequence[str], texts: list[str]) -> dict[str, Tensor]:
         """Per-sample validation values of a rollout: ``kl`` (nats, to the reference, over the policy's tokens),
-        ``length``, ``eos_frac`` and ``gold`` (with a gold reward, of the text reward sources read)."""
+        ``length``, ``eos_frac`` and ``gold`` (with a gold reward, of ``texts``: what reward sources read)."""
         ids, mask, response_mask = rollout.input_ids, rollout.attention_mask, rollout.response_mask
         logprobs, _ = self.response_logprobs(POLICY, ids, mask, response_mask)
         ref_logprobs, _ = self.response_logprobs(REFERENCE, ids, mask, response_mask)
@@ -282,11 +283,10 @@ class PolicyModule(StageModule):
             "eos_frac": rollout.is_stopped.float(),
         }
         if self.gold_reward is not None:
-            texts = self.decode(rollout.responses, rollout.read_mask)
             values["gold"] = torch.tensor([float(g) for g in self.gold_reward(list(prompts), texts)])
         return values
 
-    def evaluate_extra(self, rollout: Rollout, prompts: dict[str, Any]) -> dict[str, Tensor]:
+    def evaluate_extra(self, rollout: Rollout, prompts: dict[str, Any], texts: list[str]) -> dict[str, Tensor]:
         """More per-sample validation values of a held-out rollout (``validation_metrics`` must name them); none
         here."""
         return {}

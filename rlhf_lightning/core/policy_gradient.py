@@ -112,6 +112,9 @@ class PolicyGradient(OnlineRL):
         for name, value in {"kl_clamp": kl_clamp, "kl_target": kl_target}.items():
             checks.positive(name, value, optional=True)
         checks.at_least("kl_horizon", kl_horizon)
+        if kl_target is not None and kl_coef == 0:
+            raise ValueError(f"kl_target={kl_target} with kl_coef=0: the adaptive controller multiplies the coefficient, "
+                             "so it would stay 0; start it from a kl_coef > 0 (e.g. 0.05)")
         checks.one_of("kl_estimator", kl_estimator, get_args(KLEstimator))
         checks.one_of("kl_in", kl_in, ("reward", "loss"))
         checks.one_of("rollout_correction", rollout_correction, CORRECTIONS)
@@ -128,12 +131,13 @@ class PolicyGradient(OnlineRL):
         super().setup(stage)
         datamodule = self.trainer.datamodule if self._trainer is not None else None
         ptx = getattr(datamodule, "ptx", None)
-        if stage == "fit" and self.hparams.ptx_coef and ptx is None and datamodule is not None:
-            raise ValueError(f"ptx_coef={self.hparams.ptx_coef} needs pretraining text: set "
-                             "data.init_args.ptx_dataset (SFT-format data), or ptx_coef: 0")
         if ptx is not None and ptx.train_set is not None:
             self.check_positions(ptx.longest(), "the longest pretraining (ptx) example",
                                  "lower data.init_args.ptx_max_length (longer examples are then skipped)")
+
+    @property
+    def ptx_coef(self) -> float:
+        return self.hparams.ptx_coef
 
     @property
     def needs_reference(self) -> bool:
@@ -153,11 +157,13 @@ class PolicyGradient(OnlineRL):
     # ---- 2. rewards, 3. advantages -------------------------------------------------------------------------
 
     def shape_rewards(self, experience: Experience) -> tuple[ShapedRewards, Stats]:
-        """The loop's rewards with the per-token KL of the rollout (``kl_estimator``, ``kl_clamp``; when both log-prob
-        passes ran) and this iteration's coefficient of it in the rewards."""
+        """The loop's rewards with the per-token KL of the rollout (``kl_estimator``, ``kl_clamp``) and this
+        iteration's coefficient of it in the rewards. The KL is computed when the rewards charge it, or with
+        ``measure_kl`` (PPO logs it as ``objective/kl_penalty``), and both log-prob passes ran."""
         rewards, stats = super().shape_rewards(experience)
         kl = None
-        if experience.logprobs is not None and experience.ref_logprobs is not None:
+        read = self.kl_coef_in("reward") > 0 or self.measure_kl
+        if read and experience.logprobs is not None and experience.ref_logprobs is not None:
             hp = self.hparams
             kl = torch.where(experience.response_mask, kl_penalty(experience.logprobs, experience.ref_logprobs,
                                                                   hp.kl_estimator, hp.kl_clamp), 0.0)
