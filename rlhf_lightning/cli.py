@@ -16,10 +16,12 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from rlhf_lightning.callbacks.checkpoint import Checkpoint
+from rlhf_lightning.callbacks.learning_check import LearningCheck
 from rlhf_lightning.callbacks.preemption import Preemption
 from rlhf_lightning.callbacks.progress import default_progress_bar
 from rlhf_lightning.callbacks.progress_lines import ProgressLines
 from rlhf_lightning.callbacks.run_report import RunReport
+from rlhf_lightning.callbacks.validate_at_start import ValidateAtStart
 from rlhf_lightning.errors import (
     condense_parser_error,
     config_file_problem,
@@ -109,6 +111,11 @@ class RLHFCLI(LightningCLI):
             args=args,
             run=run,
         )
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        # Callbacks every fit gets, set from the top level (``--validate_at_start.enabled false``).
+        parser.add_lightning_class_args(ValidateAtStart, "validate_at_start")
+        parser.add_lightning_class_args(LearningCheck, "not_learning")
 
     def _parse_ckpt_path(self) -> None:
         # LightningCLI would load the checkpoint's hyper-parameters into the config here. The config wins;

@@ -12,9 +12,10 @@ import lightning as L
 import pytest
 
 from rlhf_lightning import GRPO, FunctionReward
-from rlhf_lightning.callbacks import ProgressLines, RunReport
+from rlhf_lightning.callbacks import LearningCheck, NotLearningError, ProgressLines, RunReport
 from rlhf_lightning.callbacks.progress_lines import duration, metric_text
 from rlhf_lightning.cli import RLHFCLI, main
+from tests.conftest import built
 from tests.test_online import make
 from tests.test_ppo import Recorder, prompts
 
@@ -51,12 +52,18 @@ def test_a_cli_fit_prints_progress_lines_and_a_summary_led_by_held_out_metrics(c
     assert [line.split(" · ")[0] for line in progress] == ["[sft] batch 1", "[sft] batch 6"]
     assert re.search(r" · step 6/6 · \d+s · [\d.]+ s/batch · sft/loss [\d.]+$", progress[-1]), progress[-1]
     validations = [line for line in lines if line.startswith("[sft] validation after batch ")]
-    assert [line.split(":")[0] for line in validations] == ["[sft] validation after batch 3",
+    # the starting policy's validation first (ValidateAtStart), then every 3 batches
+    assert [line.split(":")[0] for line in validations] == ["[sft] validation after batch 0",
+                                                           "[sft] validation after batch 3",
                                                            "[sft] validation after batch 6"]
     start = lines.index(next(line for line in lines if line.startswith("[sft] fit ended: 6 batches, 6 optimizer")))
-    held_out, training, places = lines[start + 1 : start + 4]
+    held_out, change, training, places = lines[start + 1 : start + 5]
     assert held_out.startswith("  held-out (validation after batch 6): sft/val/loss ")
     assert numbers(held_out) == numbers(validations[-1].split(": ", 1)[1])  # the last validation's values
+    first, last = numbers(validations[0].split(": ", 1)[1]), numbers(held_out)
+    assert change == "  change (batch 0 → 6): " + " · ".join(
+        f"{name} {first[name]:.4g} → {last[name]:.4g}" for name in sorted(last))
+    assert last["sft/val/loss"] < first["sft/val/loss"]  # six steps of SFT lower the held-out loss
     assert set(numbers(held_out)) == {"sft/val/loss", "sft/val/perplexity"}
     assert training.startswith("  training (last batch): sft/loss ")
     assert re.fullmatch(r"  run folder: outputs/sft · checkpoints: \S*outputs/sft/checkpoints · exports: outputs/sft/model",
@@ -151,3 +158,49 @@ def test_the_reward_function_help_shows_its_signature_and_a_working_example(caps
     assert isinstance(source, FunctionReward) and source.name == "brevity"
     source.check_columns(["topic"])  # takes TRL's keywords and the data's columns
     assert source.fn(prompts=["p", "q"], completions=["ab", "abcd"], completion_ids=[[1], [1, 2]]) == [-0.02, -0.04]
+
+
+def constant_reward(prompts, completions, **columns):
+    return [1.0] * len(completions)
+
+
+def grpo_fit(tiny_model_dir, reward_dir, tmp_path, check, reward=None, **kwargs):
+    """A 3-iteration GRPO fit of the tiny model with ``check``, progress lines and the summary."""
+    module = make(GRPO, tiny_model_dir, reward_dir, epochs=1, num_minibatches=1, **kwargs)
+    if reward is not None:  # the same module scored by ``reward`` instead of the reward adapter
+        module = built(GRPO(**{**module.hparams, "reward": reward}))
+    trainer = L.Trainer(max_epochs=1, limit_train_batches=3, limit_val_batches=0, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        default_root_dir=tmp_path, callbacks=[check, ProgressLines(every_seconds=0), RunReport()])
+    trainer.fit(module, datamodule=prompts(module, n=12, batch_size=4))
+    return trainer
+
+
+@pytest.mark.slow
+def test_a_run_whose_groups_all_score_alike_is_told_it_is_not_learning(tiny_model_dir, reward_dir, tmp_path, capsys):
+    """Every advantage 0 (the cut-short calculator run): the warning names the cause and its metric, once, and the
+    summary repeats it with the whole span; action raise stops the fit with that line."""
+    flat = FunctionReward(constant_reward)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        grpo_fit(tiny_model_dir, reward_dir, tmp_path, LearningCheck(patience=2), reward=flat, kl_coef=0.0)
+    said = [str(w.message) for w in caught if "not learning" in str(w.message)]
+    cause = ("every group's responses scored alike, so every advantage was 0 (raise samples_per_prompt or the "
+             "reward's resolution, or start from a policy that solves some prompts) (grpo/objective/frac_zero_std 1)")
+    assert said == [f"[grpo] not learning: no gradient reached the trainable weights in iterations 1-2: {cause}"]
+    out = capsys.readouterr().out
+    assert f"\n  [grpo] not learning: no gradient reached the trainable weights in iterations 1-3: {cause}\n" in out
+    with pytest.raises(NotLearningError, match=r"^\[grpo\] not learning: .* in iterations 1-2: every group's .*"
+                                               r"\(LearningCheck action: raise\)$"):
+        grpo_fit(tiny_model_dir, reward_dir, tmp_path, LearningCheck(patience=2, action="raise"), reward=flat,
+                 kl_coef=0.0)
+
+
+@pytest.mark.slow
+def test_a_run_that_learns_is_not_warned(tiny_model_dir, reward_dir, tmp_path, capsys):
+    check = LearningCheck(patience=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        grpo_fit(tiny_model_dir, reward_dir, tmp_path, check)
+    assert check.stalls == [] and not [w for w in caught if "not learning" in str(w.message)]
+    assert "not learning" not in capsys.readouterr().out

@@ -19,8 +19,10 @@ Experience is never modified during the update. The loss of an optimizer step is
 would in one batch.
 
 Manual optimization: ``trainer.global_step`` counts optimizer steps (iterations x epochs x num_minibatches, fewer
-when ``target_kl`` stops the epochs early). Metrics are logged per iteration (training batch); bound a run with
-``trainer.max_epochs`` over the prompt set or ``trainer.limit_train_batches``.
+when ``target_kl`` stops the epochs early). Metrics are logged per iteration (training batch); every row, training
+and validation, carries the x-axis ``<prefix>/iteration`` (iterations done) and, as ``trainer/global_step``, the
+optimizer steps so far. Bound a run with ``trainer.max_epochs`` over the prompt set or
+``trainer.limit_train_batches``.
 """
 
 from __future__ import annotations
@@ -206,6 +208,7 @@ class OnlineRL(ExperienceCollector):
             scheduler.step()
         self.log_dict({f"{self.metric_prefix}/skipped_steps": float(self.skipped_steps),
                        f"{self.metric_prefix}/iteration": float(self.iteration + 1)}, sync_dist=True)
+        self.log("step", float(self.global_step))
 
     # ---- 4. update ----------------------------------------------------------------------------------------
 
@@ -330,6 +333,7 @@ class OnlineRL(ExperienceCollector):
         prefix = self.metric_prefix
         self.log_dict({f"{prefix}/{name}": value.float() for name, value in stats.items()}, sync_dist=True,
                       batch_size=experience.response_mask.shape[0])
+        self.log("step", float(self.global_step))  # the row's trainer/global_step: optimizer steps, not iterations
         self.log_dict({"iteration": stats["iteration"], "reward": stats["objective/score"],
                        **({"kl": stats["objective/kl"]} if "objective/kl" in stats else {}),
                        **({"gold": stats["objective/gold"]} if "objective/gold" in stats else {})},

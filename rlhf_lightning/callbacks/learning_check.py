@@ -1,0 +1,147 @@
+"""A run that learns nothing says so: no gradient reaching the trainable weights for several batches in a row."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from rlhf_lightning.models.sharding import full_tensor
+
+Action = Literal["warn", "raise"]
+
+
+class NotLearningError(RuntimeError):
+    """No gradient reached the trainable weights for ``patience`` training batches (``LearningCheck(action=raise)``)."""
+
+
+@dataclass(frozen=True)
+class Cause:
+    """A reason for zero gradients that a logged metric shows: ``metric`` (after the module's prefix) at a value
+    for which ``applies`` holds."""
+
+    metric: str
+    applies: Callable[[float], bool]
+    text: str
+
+
+# In the order they are looked for; the first that applies names the stall.
+CAUSES = (
+    Cause("objective/frac_zero_std", lambda value: value >= 1.0,
+          "every group's responses scored alike, so every advantage was 0 (raise samples_per_prompt or the reward's "
+          "resolution, or start from a policy that solves some prompts)"),
+    Cause("objective/tie_frac", lambda value: value >= 1.0,
+          "the two responses of every pair scored alike, so no pair was ordered (check the reward source)"),
+    Cause("response/eos_frac", lambda value: value <= 0.0,
+          "no response stopped: with mask_truncated_completions every response is masked (raise max_new_tokens)"),
+)
+
+
+@dataclass
+class Stall:
+    """Training batches ``first``..``last`` (1-based) without a gradient, and why."""
+
+    first: int
+    last: int
+    cause: str
+
+
+class LearningCheck(Callback):
+    """Watches every optimizer step's gradient on the trainable weights. When ``patience`` training batches in a
+    row (iterations of the on-policy loop, batches of the offline stages) brought no optimizer step with a
+    non-zero, finite gradient — every advantage 0, every pair tied, every row masked, every step skipped — it
+    warns with the cause and the metric that shows it::
+
+        [grpo] not learning: no gradient reached the trainable weights in iterations 1-3: every group's responses
+        scored alike, so every advantage was 0 (...) (grpo/objective/frac_zero_std 1)
+
+    and the end-of-fit summary repeats it. With ``action: raise`` the fit stops there instead (for sweeps: a
+    trial that cannot learn ends in seconds, with its reason). Under gradient accumulation only the batches that
+    end with an optimizer step count.
+
+    The command line adds it to every fit: ``--not_learning.patience 5``, ``--not_learning.action raise``.
+
+    Args:
+        patience: training batches in a row without a gradient before it speaks; 0 turns the check off.
+        action: ``warn`` (a warning line, repeated in the summary) or ``raise`` (stop the fit with that line).
+    """
+
+    def __init__(self, patience: int = 3, action: Action = "warn") -> None:
+        if patience < 0 or action not in ("warn", "raise"):
+            raise ValueError(f"LearningCheck: patience must be >= 0 and action 'warn' or 'raise', got {patience}, "
+                             f"{action!r}")
+        self.patience = patience
+        self.action = action
+        self.stalls: list[Stall] = []
+        self._streak = 0
+        self._steps = self._learning_steps = 0  # in the current training batch
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.stalls, self._streak = [], 0
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._steps = self._learning_steps = 0
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                                 optimizer: torch.optim.Optimizer) -> None:
+        if not self.patience:
+            return
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        # Sharded gradients are combined over the ranks (every rank calls this hook).
+        norm = float(full_tensor(torch.nn.utils.get_total_norm(grads))) if grads else 0.0
+        self._steps += 1
+        self._learning_steps += math.isfinite(norm) and norm > 0.0
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if not self.patience:
+            return
+        if self._learning_steps:
+            self._streak = 0
+            return
+        # A batch of an accumulation window that takes no step says nothing; an iteration of the on-policy loop
+        # whose steps were all skipped does.
+        if not self._steps and pl_module.automatic_optimization:
+            return
+        self._streak += 1
+        done = trainer.fit_loop.epoch_loop.batch_progress.total.processed
+        if self._streak < self.patience:
+            return
+        if self._streak == self.patience:
+            self.stalls.append(Stall(done - self.patience + 1, done, self.cause(trainer, pl_module)))
+        self.stalls[-1].last = done
+        if self._streak == self.patience:
+            line = self.message(pl_module, self.stalls[-1])
+            if self.action == "raise":
+                raise NotLearningError(f"{line} (LearningCheck action: raise)")
+            rank_zero_warn(line)
+
+    @staticmethod
+    def cause(trainer: L.Trainer, pl_module: L.LightningModule) -> str:
+        """Why no gradient came, from the metrics the batch logged."""
+        prefix = getattr(pl_module, "metric_prefix", "")
+        metrics: Mapping[str, Any] = trainer.callback_metrics
+        for cause in CAUSES:
+            value = metrics.get(f"{prefix}/{cause.metric}")
+            if value is not None and cause.applies(float(value)):
+                if cause.metric == "response/eos_frac" and not pl_module.hparams.get("mask_truncated_completions"):
+                    continue
+                return f"{cause.text} ({prefix}/{cause.metric} {float(value):.4g})"
+        skipped = metrics.get(f"{prefix}/skipped_steps")
+        if skipped is not None and float(skipped) > 0:
+            return f"optimizer steps were skipped for non-finite values ({prefix}/skipped_steps {float(skipped):.4g})"
+        return "every optimizer step's gradient was 0 (a loss that does not depend on the trainable weights?)"
+
+    @staticmethod
+    def message(pl_module: L.LightningModule, stall: Stall) -> str:
+        unit = "batches" if pl_module.automatic_optimization else "iterations"
+        span = f"{stall.first}-{stall.last}" if stall.last > stall.first else str(stall.first)
+        prefix = getattr(pl_module, "metric_prefix", type(pl_module).__name__)
+        return f"[{prefix}] not learning: no gradient reached the trainable weights in {unit} {span}: {stall.cause}"
