@@ -20,7 +20,7 @@ from rlhf_lightning.callbacks.learning_check import LearningCheck
 from rlhf_lightning.callbacks.preemption import Preemption
 from rlhf_lightning.callbacks.progress import default_progress_bar
 from rlhf_lightning.callbacks.progress_lines import ProgressLines
-from rlhf_lightning.callbacks.run_report import RunReport
+from rlhf_lightning.callbacks.run_report import RunReport, shown_path
 from rlhf_lightning.callbacks.validate_at_start import ValidateAtStart
 from rlhf_lightning.errors import (
     condense_parser_error,
@@ -31,6 +31,8 @@ from rlhf_lightning.errors import (
     want_traceback,
 )
 from rlhf_lightning.loggers import WandbLogger
+from rlhf_lightning.plots import main as plot_main
+from rlhf_lightning.plots import plot_run
 from rlhf_lightning.resume import (
     class_mismatch,
     differences_warning,
@@ -156,6 +158,8 @@ class RLHFCLI(LightningCLI):
         for callback in self.trainer.callbacks:
             if isinstance(callback, RunReport) and not callback.print_at_fit_end and callback.summary_text:
                 print(callback.summary_text, flush=True)
+        if subcommand == "fit" and self.trainer.is_global_zero:
+            print(f"  plots: {drawn_plots(self.trainer.default_root_dir)}", flush=True)
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> L.Trainer:
         listed = list(config.get("callbacks") or []) + list(callbacks)
@@ -185,10 +189,21 @@ class RLHFCLI(LightningCLI):
         return trainer
 
 
+def drawn_plots(run_folder: str) -> str:
+    """Draw the run folder's curves (see :mod:`rlhf_lightning.plots`); the files, or why there are none. The
+    fit's result is already saved: a failure here is reported, never raised."""
+    try:
+        paths = plot_run(run_folder)
+    except Exception as error:  # noqa: BLE001 - pictures must not turn a finished fit into a failed one
+        return f"none ({one_line(error).removeprefix('error: ')})"
+    return " · ".join(shown_path(path) for path in paths) or "none (no metric to plot)"
+
+
 def main(args: Sequence[str] | None = None) -> None:
     """Entry point of ``python -m rlhf_lightning`` and the ``rlhf-lightning`` script.
 
-    ``fit``, ``validate``, ``test`` and ``predict`` go to LightningCLI; ``merge`` folds an adapter into its base.
+    ``fit``, ``validate``, ``test`` and ``predict`` go to LightningCLI; ``merge`` folds an adapter into its base;
+    ``plot RUN_FOLDER`` draws a run folder's curves.
     An error of ours (a bad argument, file or checkpoint) is printed as one line ``error: ...`` and exits with
     status 1 (2 for an unreadable config file); ``RLHF_LIGHTNING_TRACEBACK=1`` shows the full traceback instead.
     """
@@ -203,6 +218,9 @@ def main(args: Sequence[str] | None = None) -> None:
             from rlhf_lightning.merge import main as merge_main
 
             merge_main(argv[1:])
+            return
+        if argv[:1] == ["plot"]:
+            plot_main(argv[1:])
             return
         RLHFCLI(args=None if args is None else argv)
     except SIGTERMException:

@@ -111,6 +111,8 @@ class RewardModel(StageModule):
             },
             prog_bar=False, sync_dist=True,  # the global batch's values, not rank 0's share
         )
+        self.log_dict({"loss": loss, "acc": (chosen > rejected).float().mean()}, prog_bar=True, logger=False,
+                      sync_dist=True)
 
         return loss
 
@@ -137,8 +139,9 @@ class RewardModel(StageModule):
         }
         if self.val_gold_accuracy.update_count > 0:
             metrics["rm/val/gold_accuracy"] = self.val_gold_accuracy.compute()
-        self.log_dict(metrics, prog_bar=True)
+        self.log_dict(metrics, prog_bar=True, sync_dist=True)  # every rank's values already: sync_dist keeps them
         reset_metrics(self.val_loss, self.val_accuracy, self.val_margin, self.val_rewards, self.val_gold_accuracy)
+        super().on_validation_epoch_end()
 
     def configure_optimizers(self):
         hp = self.hparams

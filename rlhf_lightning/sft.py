@@ -101,8 +101,10 @@ class SFT(StageModule):
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()  # token-weighted over the whole validation set, all ranks
         reset_metrics(self.val_loss)
-        self.log("sft/val/loss", loss)
-        self.log("sft/val/perplexity", torch.exp(loss.clamp(max=50.0)))
+        # Already the value of every rank: sync_dist averages equal values (and keeps Lightning's advice away).
+        self.log("sft/val/loss", loss, sync_dist=True)
+        self.log("sft/val/perplexity", torch.exp(loss.clamp(max=50.0)), sync_dist=True)
+        super().on_validation_epoch_end()
 
     def configure_optimizers(self):
         hp = self.hparams

@@ -5,6 +5,7 @@ function's signature and example in ``--help``."""
 from __future__ import annotations
 
 import re
+import time
 import warnings
 from pathlib import Path
 
@@ -50,7 +51,7 @@ def test_a_cli_fit_prints_progress_lines_and_a_summary_led_by_held_out_metrics(c
     progress = [line for line in lines if line.startswith("[sft] batch ")]
     # every_seconds 60: the first and the last batch (this run takes a few seconds)
     assert [line.split(" · ")[0] for line in progress] == ["[sft] batch 1", "[sft] batch 6"]
-    assert re.search(r" · step 6/6 · \d+s · [\d.]+ s/batch · sft/loss [\d.]+$", progress[-1]), progress[-1]
+    assert re.search(r" · step 6/6 · \d+s · [\d.]+ s/batch · 0s left · sft/loss [\d.]+$", progress[-1]), progress[-1]
     validations = [line for line in lines if line.startswith("[sft] validation after batch ")]
     # the starting policy's validation first (ValidateAtStart), then every 3 batches
     assert [line.split(":")[0] for line in validations] == ["[sft] validation after batch 0",
@@ -138,8 +139,30 @@ def test_an_online_fit_counts_iterations_and_reports_gold_and_kl(tiny_model_dir,
 def test_durations_and_metrics_read_as_text():
     assert [duration(s) for s in (0.4, 59.6, 185, 7380)] == ["0s", "1m00s", "3m05s", "2h03m"]
     assert metric_text({"reward": 1.23456, "kl": float("nan")}) == "reward 1.235 · kl nan"
-    with pytest.raises(ValueError, match="every_seconds must be >= 0, got -1"):
+    with pytest.raises(ValueError, match="every_seconds must be >= 0 and window >= 1, got -1, 20"):
         ProgressLines(every_seconds=-1)
+
+
+class SlowLater(L.Callback):
+    """Batches after the fifth take 0.2 s more."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if batch_idx >= 5:
+            time.sleep(0.2)
+
+
+def test_progress_lines_time_the_recent_batches_and_say_the_time_left(tmp_path, capsys):
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    trainer = L.Trainer(max_steps=8, limit_val_batches=0, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path,
+                        callbacks=[SlowLater(), ProgressLines(every_seconds=0, window=2)])
+    trainer.fit(BoringModel())
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[BoringModel] batch ")]
+    rates = [float(re.search(r" ([\d.e-]+) s/batch", line).group(1)) for line in lines]
+    assert max(rates[:5]) < 0.1 and min(rates[-2:]) >= 0.2  # the slowdown shows at once, not diluted by the start
+    left = [re.search(r" · (\w+) left", line).group(1) for line in lines]
+    assert left[-1] == "0s" and left[-3] in ("0s", "1s")  # batch 6: two batches left at ~0.2 s each
 
 
 def test_the_reward_function_help_shows_its_signature_and_a_working_example(capsys, tmp_path, monkeypatch):

@@ -1,64 +1,100 @@
-"""A W&B table of what the policy writes, so a researcher can read it, not only plot its rewards."""
+"""A table of what the policy writes, so a researcher can read it, not only plot its rewards."""
 
 from __future__ import annotations
 
-import logging
+import json
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 from lightning.pytorch.loggers import WandbLogger
 
-log = logging.getLogger(__name__)
+from rlhf_lightning.core.experience import Samples
+from rlhf_lightning.utils.atomic_io import atomic_write
 
 COLUMNS = ["iteration", "prompt", "response", "score", "gold", "kl"]
 
 
 class CompletionsTable(L.Callback):
-    """Logs a ``wandb.Table`` of the latest rollout every ``every_n_iterations`` PPO iterations.
+    """The policy's responses as a table, every ``every_n_iterations`` iterations and at the end of the fit.
 
-    Reads ``pl_module.last_samples`` (a :class:`rlhf_lightning.core.experience.Samples`, which the PPO module
-    fills at every rollout) after the training batch and logs its first ``max_rows`` responses under ``key``
-    with the columns ``iteration, prompt, response, score, gold, kl``: the iteration the samples were drawn at
-    (0 = the SFT policy, before any update), the reward-model score before normalisation and penalties, the
-    gold reward when the task knows one (empty otherwise) and the sequence KL to the reference in nats.
+    During the fit it reads ``pl_module.last_samples`` (a :class:`rlhf_lightning.core.experience.Samples`, which the
+    on-policy modules fill at every rollout) after the training batch, for the rollouts drawn at iterations 0, N,
+    2N, ... When the fit ends it samples the **final policy** once on the first validation batch (the first training
+    batch without validation data), from the evaluation stream (as validation does: training's seeds untouched).
 
-    The table goes through the Trainer's W&B logger, so W&B keeps every version of it (one file per logged
-    step under the run's ``media/table``). Without a W&B logger the callback does nothing; only rank 0 logs,
-    its own samples.
+    Columns ``iteration, prompt, response, score, gold, kl``: the iterations the policy had been trained for when it
+    wrote the response (0 = the starting policy), the reward sources' score before normalisation and penalties
+    (the validation score for the final table), the gold reward when the task knows one (empty otherwise) and the
+    sequence KL to the reference in nats.
+
+    Each table is written to ``<run folder>/completions/iteration_<NNNN>.jsonl`` (one JSON object per row; the name
+    and the rows' ``iteration`` agree) and, with a W&B logger, logged under ``key`` (W&B keeps every version; its
+    media file names count W&B's own log calls, not iterations). Only rank 0 writes, its own samples.
 
     Args:
-        every_n_iterations: log the rollouts drawn at iterations 0, N, 2N, ...; 0 turns the table off.
+        every_n_iterations: tables of the rollouts drawn at iterations 0, N, 2N, ...; 0 = only the final table.
         max_rows: at most this many responses per table (the batch's prompts are already shuffled).
         key: the W&B key of the table; null = ``<module's metric prefix>/completions`` (``ppo/completions``,
             ``grpo/completions``...).
+        at_fit_end: a table of the final policy when the fit ends.
     """
 
-    def __init__(self, every_n_iterations: int = 16, max_rows: int = 16, key: str | None = None) -> None:
+    def __init__(self, every_n_iterations: int = 16, max_rows: int = 16, key: str | None = None,
+                 at_fit_end: bool = True) -> None:
         if every_n_iterations < 0 or max_rows < 1:
             raise ValueError(f"every_n_iterations must be >= 0 and max_rows >= 1, got {every_n_iterations}, "
                              f"{max_rows}")
         self.every_n_iterations = every_n_iterations
         self.max_rows = max_rows
         self.key = key
-        self._warned = False
+        self.at_fit_end = at_fit_end
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         samples = getattr(pl_module, "last_samples", None)
         if samples is None or self.every_n_iterations < 1 or samples.iteration % self.every_n_iterations:
             return
-        loggers = [logger for logger in trainer.loggers if isinstance(logger, WandbLogger)]
-        if not loggers:
-            if not self._warned:
-                log.info("CompletionsTable: the Trainer has no WandbLogger; no table is logged")
-                self._warned = True
+        self.write(trainer, pl_module, samples)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self.at_fit_end or not hasattr(pl_module, "last_samples"):
             return
+        done = trainer.fit_loop.epoch_loop.batch_progress.total.processed
+        # Every rank samples (a sharded model's forward passes are collective); rank 0 writes.
+        self.write(trainer, pl_module, self.final_samples(trainer, pl_module, done))
+
+    def final_samples(self, trainer: L.Trainer, pl_module: Any, iteration: int) -> Samples:
+        """One response of the final policy to each prompt of the first held-out batch (else training batch)."""
+        datamodule = trainer.datamodule
+        loader = datamodule.val_dataloader() if trainer.enable_validation else []
+        prompts = next(iter(loader)) if loader else next(iter(datamodule.train_dataloader()["prompts"]))
+        prompts = trainer.strategy.batch_to_device(prompts)
+        values, rollout, texts = pl_module.sample_and_measure(prompts, 0)
+        if rollout.episodes is not None:
+            from rlhf_lightning.rollout.episodes import transcript_text
+
+            texts = [transcript_text(pl_module.tokenizer, episode) for episode in rollout.episodes]
+        gold = values.get("gold")
+        return Samples(iteration, list(prompts["prompt"]), texts, values["score"].tolist(), values["kl"].tolist(),
+                       None if gold is None else gold.tolist())
+
+    def write(self, trainer: L.Trainer, pl_module: L.LightningModule, samples: Samples) -> None:
+        """``samples`` as the table's file and, with a W&B logger, as a W&B table (rank 0)."""
         if not trainer.is_global_zero:
             return
-        key = self.key or f"{getattr(pl_module, 'metric_prefix', 'ppo')}/completions"
-        loggers[0].log_table(key, columns=COLUMNS, data=self.rows(samples), step=trainer.global_step)
+        rows = self.rows(samples)
+        path = Path(trainer.default_root_dir) / "completions" / f"iteration_{samples.iteration:04d}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        text = "".join(json.dumps(dict(zip(COLUMNS, row, strict=True))) + "\n" for row in rows)
+        atomic_write(path, lambda file: file.write(text.encode()))
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                key = self.key or f"{getattr(pl_module, 'metric_prefix', 'ppo')}/completions"
+                logger.log_table(key, columns=COLUMNS, data=rows, step=trainer.global_step)
+                break
 
-    def rows(self, samples: Any) -> list[list[Any]]:
+    def rows(self, samples: Samples) -> list[list[Any]]:
         """The table's rows: one per response, at most ``max_rows``."""
         count = min(self.max_rows, len(samples.responses))
         gold = samples.gold if samples.gold is not None else [None] * len(samples.responses)

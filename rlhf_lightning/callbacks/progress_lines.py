@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
@@ -52,31 +53,41 @@ class ProgressLines(Callback):
     """Progress as plain lines on standard output, at most one every ``every_seconds`` (the first and the last
     training batch always), and one after each validation with its held-out metrics::
 
-        [ppo] iteration 12/96 · epoch 1/3 · step 48 · 3m05s · 15.4 s/iteration · reward 1.23 · kl 4.51 · gold 0.8
+        [ppo] iteration 12/96 · epoch 1/3 · step 48 · 3m05s · 15.4 s/iteration · 21m33s left · reward 1.23 · kl 4.51
         [ppo] validation after iteration 16: ppo/val/eos_frac 1 · ppo/val/gold 1.31 · ppo/val/kl 8.68 · ...
 
-    The metrics are those a progress bar would show. Printed by rank 0 only.
+    The time per iteration (or batch) is that of the last ``window`` ones, so a slowdown shows at once; the time
+    left is the work left at that rate (validations not included), when the run's length is known. The metrics
+    are those a progress bar would show (the main ones: reward, KL and gold for the on-policy algorithms, loss and
+    accuracy for the offline stages). Printed by rank 0 only.
 
     Args:
         every_seconds: least time between two progress lines.
+        window: training batches the time per batch is measured over.
     """
 
-    def __init__(self, every_seconds: float = 60.0) -> None:
-        if not every_seconds >= 0:
-            raise ValueError(f"ProgressLines: every_seconds must be >= 0, got {every_seconds}")
+    def __init__(self, every_seconds: float = 60.0, window: int = 20) -> None:
+        if not every_seconds >= 0 or window < 1:
+            raise ValueError(f"ProgressLines: every_seconds must be >= 0 and window >= 1, got {every_seconds}, "
+                             f"{window}")
         self.every_seconds = every_seconds
+        self.window = window
         self._started = self._last_line = 0.0
         self._first_batch = 0
+        self._recent: deque[tuple[float, int, int]] = deque(maxlen=window + 1)  # (time, batches, steps)
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._started = time.monotonic()
         self._last_line = -math.inf
         self._first_batch = self.batches_done(trainer)  # resumed runs: the rate counts this process's batches
+        self._recent.clear()
+        self._recent.append((self._started, self._first_batch, trainer.global_step))
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         now = time.monotonic()
         done, total = self.batches_done(trainer), training_batches(trainer)
+        self._recent.append((now, done, trainer.global_step))
         last = (total is not None and done >= total) or (step_bounded(trainer)
                                                          and trainer.global_step >= trainer.max_steps)
         if now - self._last_line < self.every_seconds and done > self._first_batch + 1 and not last:
@@ -99,10 +110,16 @@ class ProgressLines(Callback):
         if not step_bounded(trainer) and trainer.max_epochs not in (None, -1) and trainer.max_epochs > 1:
             parts.append(f"epoch {trainer.current_epoch + 1}/{trainer.max_epochs}")
         parts.append(f"step {trainer.global_step}" + (f"/{trainer.max_steps}" if step_bounded(trainer) else ""))
-        elapsed = now - self._started
-        parts.append(duration(elapsed))
-        if done > self._first_batch:
-            parts.append(f"{elapsed / (done - self._first_batch):.3g} s/{name}")
+        parts.append(duration(now - self._started))
+        (then, batches_then, steps_then), (_, _, steps_now) = self._recent[0], self._recent[-1]
+        if done > batches_then:
+            per_batch = (now - then) / (done - batches_then)
+            parts.append(f"{per_batch:.3g} s/{name}")
+            if total is not None:
+                parts.append(f"{duration(per_batch * max(total - done, 0))} left")
+            elif step_bounded(trainer) and steps_now > steps_then:
+                per_step = (now - then) / (steps_now - steps_then)
+                parts.append(f"{duration(per_step * max(trainer.max_steps - steps_now, 0))} left")
         training = {key: value for key, value in trainer.progress_bar_metrics.items()
                     if key not in HIDDEN and "/val/" not in key}
         if training:

@@ -20,8 +20,9 @@ would in one batch.
 
 Manual optimization: ``trainer.global_step`` counts optimizer steps (iterations x epochs x num_minibatches, fewer
 when ``target_kl`` stops the epochs early). Metrics are logged per iteration (training batch); every row, training
-and validation, carries the x-axis ``<prefix>/iteration`` (iterations done) and, as ``trainer/global_step``, the
-optimizer steps so far. Bound a run with ``trainer.max_epochs`` over the prompt set or
+and validation, carries the x-axis ``<prefix>/iteration`` (iterations done, this one included) and, as
+``trainer/global_step``, the optimizer steps the policy had taken when the row's values were measured (at the
+rollout for a training row: as the offline stages' rows, whose loss is that of the weights before their step). Bound a run with ``trainer.max_epochs`` over the prompt set or
 ``trainer.limit_train_batches``.
 """
 
@@ -117,6 +118,7 @@ class OnlineRL(ExperienceCollector):
         checks.one_of("lr_schedule", lr_schedule, get_args(Schedule))
         checks.one_of("nonfinite", nonfinite, get_args(NonFinite))
         self.automatic_optimization = False
+        self.steps_at_start = 0  # optimizer steps before the current iteration
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
@@ -160,6 +162,7 @@ class OnlineRL(ExperienceCollector):
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         start = time.perf_counter()
+        self.steps_at_start = self.global_step  # the rows' trainer/global_step: steps behind the rollout's policy
         self.sampler.seeds.start_iteration(self.iteration, self.global_rank)
         try:
             experience, stats = self.rollout(batch["prompts"])  # steps 1 to 3
@@ -208,7 +211,7 @@ class OnlineRL(ExperienceCollector):
             scheduler.step()
         self.log_dict({f"{self.metric_prefix}/skipped_steps": float(self.skipped_steps),
                        f"{self.metric_prefix}/iteration": float(self.iteration + 1)}, sync_dist=True)
-        self.log("step", float(self.global_step))
+        self.log("step", float(self.steps_at_start))
 
     # ---- 4. update ----------------------------------------------------------------------------------------
 
@@ -333,7 +336,7 @@ class OnlineRL(ExperienceCollector):
         prefix = self.metric_prefix
         self.log_dict({f"{prefix}/{name}": value.float() for name, value in stats.items()}, sync_dist=True,
                       batch_size=experience.response_mask.shape[0])
-        self.log("step", float(self.global_step))  # the row's trainer/global_step: optimizer steps, not iterations
+        self.log("step", float(self.steps_at_start))  # the row's trainer/global_step: optimizer steps, as offline
         self.log_dict({"iteration": stats["iteration"], "reward": stats["objective/score"],
                        **({"kl": stats["objective/kl"]} if "objective/kl" in stats else {}),
                        **({"gold": stats["objective/gold"]} if "objective/gold" in stats else {})},

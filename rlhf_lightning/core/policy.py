@@ -300,15 +300,13 @@ class PolicyModule(StageModule):
                 self.val_metrics[name].update(value.to(self.device))
 
     def on_validation_epoch_end(self) -> None:
-        # The metrics are already those of every rank (torchmetrics syncs them): sync_dist averages equal values.
+        # Already the values of every rank (torchmetrics syncs them): sync_dist averages equal values (and keeps
+        # Lightning's advice to use it away).
         for name, metric in self.val_metrics.items():
             if metric.update_count:
                 self.log(f"{self.metric_prefix}/val/{name}", metric.compute(), sync_dist=True)
         reset_metrics(*self.val_metrics.values())
-        if self._trainer is not None and self.trainer.state.fn == "fit" and not self.automatic_optimization:
-            # The on-policy loop's x-axis on validation rows too: iterations done, and optimizer steps as ``step``.
-            done = self.trainer.fit_loop.epoch_loop.batch_progress.total.processed
-            self.log_dict({f"{self.metric_prefix}/iteration": float(done), "step": float(self.global_step)})
+        super().on_validation_epoch_end()
 
     # ---- optimizer, export ------------------------------------------------------------------------------
 

@@ -1,0 +1,139 @@
+"""Pictures of a run without W&B: PNG curves of a run folder's main metrics, training and validation.
+
+``python -m rlhf_lightning plot outputs/ppo`` draws them for any run folder; the command line draws them at the end
+of every ``fit`` (``<run folder>/plots/<stage>.png``). They are read back from the W&B run files the folder holds
+(offline runs, and the local copy of online ones), every run of the folder in order, so that a resumed run's curves
+continue its first part's.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+
+from rlhf_lightning.wandb_offline import has_history, read_history
+
+# What a panel shows first, by metric name after ``<prefix>/`` (``val/<name>`` beside its training counterpart).
+PREFERRED = ("gold", "score", "kl", "loss", "accuracy", "gold_accuracy", "perplexity", "length", "eos_frac",
+             "margin", "reverse_kl")
+TRAINING_PLACES = ("", "objective/", "response/", "teacher/", "rewards/")  # where a validation name's twin lives
+TRAINING_ONLY = ("objective/score", "objective/gold", "objective/kl", "loss", "loss/total", "accuracy", "grad_norm")
+MAX_PANELS = 9
+
+
+def run_files(folder: Path) -> list[Path]:
+    """The folder's W&B run files that logged something, oldest first."""
+    files = sorted(folder.rglob("run-*.wandb"), key=lambda path: path.stat().st_mtime)
+    return [path for path in files if has_history(path)]
+
+
+def numeric_rows(folder: Path) -> list[dict[str, float]]:
+    """Every logged row of every run of ``folder``, in order, with its finite numbers only."""
+    rows = []
+    for path in run_files(folder):
+        for row in read_history(path):
+            rows.append({key: float(value) for key, value in row.items()
+                         if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)})
+    return rows
+
+
+def stage_prefixes(rows: Sequence[dict[str, float]]) -> list[str]:
+    """The metric prefixes (``ppo``, ``sft``...) of the rows, in the order they first appear."""
+    prefixes: dict[str, None] = {}
+    for row in rows:
+        for key in row:
+            head, _, rest = key.partition("/")
+            if rest and head != "trainer" and not head.startswith("_"):
+                prefixes.setdefault(head)
+    return list(prefixes)
+
+
+def panels(prefix: str, keys: set[str]) -> list[tuple[str, list[str]]]:
+    """``(title, [metric keys])`` per panel: each validation metric with its training twin, then the main
+    training-only curves; at most ``MAX_PANELS``."""
+    validation = sorted((key.split("/val/", 1)[1] for key in keys if key.startswith(f"{prefix}/val/")),
+                        key=lambda name: (PREFERRED.index(name) if name in PREFERRED else len(PREFERRED), name))
+    chosen: list[tuple[str, list[str]]] = []
+    shown: set[str] = set()
+    for name in validation:
+        twins = [f"{prefix}/{place}{name}" for place in TRAINING_PLACES if f"{prefix}/{place}{name}" in keys][:1]
+        chosen.append((name, [*twins, f"{prefix}/val/{name}"]))
+        shown.update(twins)
+    for name in TRAINING_ONLY:
+        key = f"{prefix}/{name}"
+        if key in keys and key not in shown:
+            chosen.append((name, [key]))
+            shown.add(key)
+    return chosen[:MAX_PANELS]
+
+
+def x_axis(prefix: str, keys: set[str]) -> str:
+    """The stage's x-axis: ``<prefix>/iteration`` for the on-policy loop, optimizer steps otherwise."""
+    return f"{prefix}/iteration" if f"{prefix}/iteration" in keys else "trainer/global_step"
+
+
+def series(rows: Sequence[dict[str, float]], x: str, key: str) -> tuple[list[float], list[float]]:
+    """``key`` against ``x``, sorted by ``x``; a later row at the same ``x`` (a resumed run) replaces the earlier."""
+    points = {row[x]: row[key] for row in rows if x in row and key in row}
+    xs = sorted(points)
+    return xs, [points[value] for value in xs]
+
+
+def plot_run(folder: str | Path) -> list[Path]:
+    """Draw ``<folder>/plots/<prefix>.png`` for every stage logged in ``folder``'s W&B runs; returns the files.
+    Raises ``FileNotFoundError`` when the folder holds no run that logged something."""
+    from matplotlib.figure import Figure  # no pyplot: no global backend, nothing opened on screen
+
+    folder = Path(folder)
+    rows = numeric_rows(folder)
+    if not rows:
+        raise FileNotFoundError(f"{folder}: no W&B run with logged metrics to plot (was W&B disabled?)")
+    keys = {key for row in rows for key in row}
+    written = []
+    for prefix in stage_prefixes(rows):
+        chosen, x = panels(prefix, keys), x_axis(prefix, keys)
+        if not chosen:
+            continue
+        columns = min(3, len(chosen))
+        lines = math.ceil(len(chosen) / columns)
+        figure = Figure(figsize=(4.2 * columns, 3.2 * lines), layout="constrained")
+        axes = figure.subplots(lines, columns, squeeze=False).flatten()
+        for ax, (title, metrics) in zip(axes, chosen, strict=False):
+            for key in metrics:
+                xs, ys = series(rows, x, key)
+                validation = "/val/" in key
+                sparse = validation or len(xs) <= 20  # a marker on each point a reader should see
+                ax.plot(xs, ys, marker="o" if sparse else None, markersize=4 if validation else 2.5,
+                        label="validation" if validation else "training")
+            ax.set_title(f"{prefix}/{title}", fontsize=10)
+            ax.set_xlabel(x.split("/", 1)[1] if x.startswith(f"{prefix}/") else "optimizer step")
+            ax.grid(alpha=0.3)
+            if len(metrics) > 1:
+                ax.legend(fontsize=8)
+        for ax in axes[len(chosen):]:
+            ax.set_visible(False)
+        figure.suptitle(f"{folder} · {prefix}", fontsize=11)
+        path = folder / "plots" / f"{prefix}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        figure.savefig(path, dpi=100)
+        written.append(path)
+    return written
+
+
+def main(argv: Sequence[str]) -> None:
+    """``python -m rlhf_lightning plot RUN_FOLDER [RUN_FOLDER ...]``: draw each folder's curves."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: python -m rlhf_lightning plot RUN_FOLDER [RUN_FOLDER ...]\n\n"
+              "Draw PNG curves of a run folder's main metrics, training and validation, into RUN_FOLDER/plots/ "
+              "(read from the folder's W&B run files, offline or online).")
+        return
+    drawn: dict[str, list[Path]] = defaultdict(list)
+    for folder in argv:
+        if not Path(folder).is_dir():
+            raise FileNotFoundError(f"plot: {folder} is not a run folder (no such directory)")
+        drawn[folder] = plot_run(folder)
+    for folder, paths in drawn.items():
+        print(f"{folder}: " + (", ".join(str(path) for path in paths) or "no metric to plot"), file=sys.stdout)
