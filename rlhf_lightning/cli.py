@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 import lightning as L
@@ -31,6 +32,7 @@ from rlhf_lightning.errors import (
     want_traceback,
 )
 from rlhf_lightning.loggers import WandbLogger
+from rlhf_lightning.model_card import write_model_card
 from rlhf_lightning.plots import main as plot_main
 from rlhf_lightning.plots import plot_run
 from rlhf_lightning.resume import (
@@ -101,6 +103,7 @@ class RLHFCLI(LightningCLI):
     """
 
     def __init__(self, args: Sequence[str] | None = None, run: bool = True) -> None:
+        self.argv = list(sys.argv[1:] if args is None else args)  # for the exports' model card
         super().__init__(
             model_class=L.LightningModule,
             datamodule_class=L.LightningDataModule,
@@ -155,10 +158,16 @@ class RLHFCLI(LightningCLI):
             refuse_overwrite(self.trainer, export_path(self.trainer, getattr(self.model, "hparams", {}).get(
                 "export_dir")))
         super()._run_subcommand(subcommand)
-        for callback in self.trainer.callbacks:
-            if isinstance(callback, RunReport) and not callback.print_at_fit_end and callback.summary_text:
-                print(callback.summary_text, flush=True)
+        reports = [callback for callback in self.trainer.callbacks if isinstance(callback, RunReport)]
+        for report in reports:
+            if not report.print_at_fit_end and report.summary_text:
+                print(report.summary_text, flush=True)
         if subcommand == "fit" and self.trainer.is_global_zero:
+            export = getattr(self.model, "export_folder", None)
+            if export is not None and Path(export).is_dir():
+                config = yaml.safe_load(self.parser.dump(self.config, skip_none=False))[subcommand]
+                write_model_card(self.trainer, self.model, self.argv, reports[0].change_text() if reports else "",
+                                 (config.get("data") or {}).get("init_args"))
             print(f"  plots: {drawn_plots(self.trainer.default_root_dir)}", flush=True)
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> L.Trainer:

@@ -3,6 +3,7 @@ tiny end-to-end SFT -> reward run writes its exports and logs every term to an o
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -55,7 +56,7 @@ def _fit(config: str, *overrides: str) -> None:
 
 
 @pytest.mark.slow
-def test_tiny_sft_then_reward_run_end_to_end_with_wandb_logs(tmp_path):
+def test_tiny_sft_then_reward_run_end_to_end_with_wandb_logs(tmp_path, capsys):
     tiny = "{model_type: gpt2, n_layer: 1, n_embd: 16, n_head: 2, n_positions: 64}"
     _fit("sft.yaml", "--trainer.max_steps=6", "--trainer.val_check_interval=3",
          f"--model.init_args.base.architecture={tiny}", "--data.init_args.synthetic_rows=400")
@@ -73,6 +74,20 @@ def test_tiny_sft_then_reward_run_end_to_end_with_wandb_logs(tmp_path):
                    "rm/val/loss", "rm/val/accuracy", "rm/val/margin", "rm/val/reward_mean", "rm/val/reward_std",
                    "rm/val/gold_accuracy"}
     assert reward_keys <= logged_keys(tmp_path / "outputs/reward", reward_keys)
+    # Each fit ends by drawing its run folder's curves, and says where.
+    out = capsys.readouterr().out
+    for stage, prefix in (("sft", "sft"), ("reward", "rm")):
+        assert f"  plots: outputs/{stage}/plots/{prefix}.png\n" in out
+        assert (tmp_path / f"outputs/{stage}/plots/{prefix}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The exports carry a model card of the run, not peft's empty template.
+    card = (tmp_path / "outputs/reward/adapters/README.md").read_text()
+    assert "More Information Needed" not in card
+    assert "- **Stage**: `rlhf_lightning.RewardModel`, 6 batches, 6 optimizer steps\n" in card
+    assert "adapters here: `reward/`" in card and "- **Data**: `rlhf_lightning.PreferenceDataModule` (" in card
+    assert f"- **Command**: `python -m rlhf_lightning fit --config {REPO / 'configs/reward.yaml'} " in card
+    assert re.search(r"- \*\*Result\*\* \(the last validation\): rm/val/accuracy [\d.]+ · ", card)
+    assert re.search(r"- \*\*Change from the starting policy\*\*: rm/val/accuracy [\d.]+ → [\d.]+ · ", card)
+    assert "- **Stage**: `rlhf_lightning.SFT`, 6 batches" in (tmp_path / "outputs/sft/model/README.md").read_text()
     config = read_config(find_run_file(tmp_path / "outputs/reward"))["cli"]
     assert config["model"]["class_path"] == "rlhf_lightning.RewardModel"
     assert config["model"]["init_args"]["lora"]["r"] == 2

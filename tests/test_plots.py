@@ -1,0 +1,76 @@
+"""PNG curves of a run folder, readable without W&B: which curves, on which x-axis, from every run of the folder."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.demos.boring_classes import BoringModel
+from matplotlib.image import imread
+
+from rlhf_lightning.cli import main
+from rlhf_lightning.loggers import WandbLogger
+from rlhf_lightning.plots import panels, series, x_axis
+
+PPO_KEYS = {"ppo/iteration", "ppo/objective/score", "ppo/objective/gold", "ppo/objective/kl", "ppo/loss/total",
+            "ppo/grad_norm", "ppo/response/length", "ppo/response/eos_frac", "ppo/val/gold", "ppo/val/kl",
+            "ppo/val/score", "ppo/val/length", "ppo/val/eos_frac", "ppo/lr/policy", "trainer/global_step"}
+
+
+def test_each_validation_metric_shares_a_panel_with_its_training_twin():
+    assert panels("ppo", PPO_KEYS) == [
+        ("gold", ["ppo/objective/gold", "ppo/val/gold"]),
+        ("score", ["ppo/objective/score", "ppo/val/score"]),
+        ("kl", ["ppo/objective/kl", "ppo/val/kl"]),
+        ("length", ["ppo/response/length", "ppo/val/length"]),
+        ("eos_frac", ["ppo/response/eos_frac", "ppo/val/eos_frac"]),
+        ("loss/total", ["ppo/loss/total"]),
+        ("grad_norm", ["ppo/grad_norm"]),
+    ]
+    assert x_axis("ppo", PPO_KEYS) == "ppo/iteration"
+    assert x_axis("sft", {"sft/loss", "sft/val/loss", "trainer/global_step"}) == "trainer/global_step"
+    assert panels("sft", {"sft/loss", "sft/val/loss", "sft/val/perplexity"}) == [
+        ("loss", ["sft/loss", "sft/val/loss"]), ("perplexity", ["sft/val/perplexity"])]
+
+
+def test_a_resumed_run_continues_the_curve():
+    rows = [{"x": 1, "y": 1.0}, {"x": 2, "y": 2.0}, {"x": 3, "y": 3.0},  # killed after 3, resumed from 2
+            {"x": 3, "y": 3.5}, {"x": 4, "y": 4.0}, {"x": 5}]
+    assert series(rows, "x", "y") == ([1, 2, 3, 4], [1.0, 2.0, 3.5, 4.0])
+
+
+class Toy(BoringModel):
+    """BoringModel logging a training and a validation loss under the prefix ``toy``."""
+
+    def training_step(self, batch, batch_idx):
+        output = super().training_step(batch, batch_idx)
+        self.log("toy/loss", output["loss"])
+        return output
+
+    def validation_step(self, batch, batch_idx):
+        self.log("toy/val/loss", self.step(batch))
+
+
+def test_the_plot_command_draws_a_run_folder(tmp_path, capsys):
+    torch.manual_seed(0)
+    folder = tmp_path / "run"
+    logger = WandbLogger(save_dir=str(folder), offline=True)
+    trainer = L.Trainer(max_steps=8, limit_train_batches=4, limit_val_batches=2, log_every_n_steps=1, logger=logger,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        default_root_dir=folder)
+    trainer.fit(Toy())
+    main(["plot", str(folder)])
+    assert capsys.readouterr().out == f"{folder}: {folder / 'plots' / 'toy.png'}\n"
+    image = imread(folder / "plots" / "toy.png")
+    assert image.shape[:2] == (320, 420)  # one panel: the loss, training and validation, at 100 dpi
+
+
+def test_the_plot_command_names_what_is_missing(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_status:
+        main(["plot", str(tmp_path / "nowhere")])
+    assert exit_status.value.code == 1
+    assert capsys.readouterr().err == f"error: plot: {tmp_path / 'nowhere'} is not a run folder (no such directory)\n"
+    with pytest.raises(SystemExit):
+        main(["plot", str(tmp_path)])
+    assert capsys.readouterr().err == (f"error: {tmp_path}: no W&B run with logged metrics to plot (was W&B "
+                                       "disabled?)\n")
