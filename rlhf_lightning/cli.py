@@ -43,7 +43,7 @@ from rlhf_lightning.resume import (
     load_for_comparison,
     saved_class_of,
 )
-from rlhf_lightning.run_folder import export_path, refuse_overwrite
+from rlhf_lightning.run_folder import export_path, refuse_overwrite, refuse_unwritable
 from rlhf_lightning.utils.atomic_io import CheckpointError
 
 # `ckpt_path` values that Lightning resolves itself rather than naming a file.
@@ -188,6 +188,8 @@ class RLHFCLI(LightningCLI):
         if missing(RunReport):  # printed by _run_subcommand, after the loggers' own last words
             callbacks = [*callbacks, RunReport(print_at_fit_end=False)]
         trainer = super()._instantiate_trainer(config, callbacks)
+        if self.subcommand == "fit":  # before the loggers make the run folder: one line instead of mkdir's traceback
+            refuse_unwritable(trainer, export_path(trainer, getattr(self.model, "hparams", {}).get("export_dir")))
         # The run folder: loggers and checkpoint callbacks given no folder of their own write under it.
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):

@@ -24,7 +24,6 @@ from rlhf_lightning.algorithms.masked import masked_mean
 from rlhf_lightning.core.collect import Stats
 from rlhf_lightning.core.experience import Experience, ShapedRewards
 from rlhf_lightning.core.policy_gradient import PolicyGradient
-from rlhf_lightning.models.adapter_fit import warn_if_other_base
 from rlhf_lightning.models.shared_base import SharedBase, position_ids_from_mask
 from rlhf_lightning.timing import phase
 
@@ -70,7 +69,6 @@ class OnPolicyDistillation(PolicyGradient):
     def build_model(self, empty: bool) -> SharedBase:
         model = super().build_model(empty)
         if self.teacher_is_adapter:
-            warn_if_other_base(self.hparams.teacher, model.hf_model.config.name_or_path, "teacher adapter")
             model.load_adapter(self.hparams.teacher, TEACHER, trainable=False)
         else:
             self._teacher[:] = [self.load_teacher()]

@@ -14,7 +14,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlhf_lightning.algorithms.kto import KTOLossType, kto_loss, kto_reference_point, recommended_weights
+from rlhf_lightning.algorithms.kto import (
+    KTOLossType,
+    kto_loss,
+    kto_reference_point,
+    one_label_only,
+    recommended_weights,
+)
 from rlhf_lightning.core.offline import OfflinePreference
 from rlhf_lightning.core.policy import POLICY, PolicyModule
 from rlhf_lightning.timing import phase
@@ -45,7 +51,8 @@ class KTO(OfflinePreference):
             so no mismatched rows are run).
         desirable_weight: lambda_D, the weight of a desirable response's loss.
         undesirable_weight: lambda_U, the weight of an undesirable response's loss. With unequal counts, the
-            paper asks lambda_D n_D / (lambda_U n_U) in [1, 4/3]; a run outside that range warns at setup.
+            paper asks lambda_D n_D / (lambda_U n_U) in [1, 4/3]; a run outside that range warns at setup, and so
+            does training data whose responses all carry the same label.
     """
 
     metric_prefix = "kto"
@@ -82,8 +89,9 @@ class KTO(OfflinePreference):
             raise ValueError(f"data.init_args.batch_size={datamodule.batch_size}: KTO's reference point pairs each "
                              "prompt with another example's response of the same batch, so a batch needs at least 2 "
                              "examples (TRL refuses 1 too)")
-        advice = recommended_weights(*datamodule.label_counts(), self.hparams.desirable_weight,
-                                     self.hparams.undesirable_weight)
+        counts = datamodule.label_counts()
+        advice = (one_label_only(*counts, datamodule.training_source())
+                  or recommended_weights(*counts, self.hparams.desirable_weight, self.hparams.undesirable_weight))
         if advice:
             log.warning("KTO: %s", advice)
 

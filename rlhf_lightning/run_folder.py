@@ -8,11 +8,14 @@ elsewhere is one override: ``--trainer.default_root_dir=outputs/my-run``.
 
 A ``fit`` that would write over another run's exports or checkpoints stops before it starts, with one line naming
 them and the two ways on: ``--ckpt_path last`` continues that run in its folder, another
-``--trainer.default_root_dir`` starts this one elsewhere.
+``--trainer.default_root_dir`` starts this one elsewhere. So does a ``fit`` whose run folder, checkpoint folder or
+export folder could not take its files (not writable, or a file where a folder must be): the export is written at
+the very end, and a fit should not run for hours to lose its result at the last step.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -54,3 +57,39 @@ def refuse_overwrite(trainer: Any, export: Path | None) -> None:
             f"run folder {trainer.default_root_dir} already holds a run: {', '.join(found)}; continue that run with "
             "--ckpt_path last, or give this one its own folder with --trainer.default_root_dir=DIR (or remove "
             "those files)")
+
+
+def why_unwritable(folder: Path) -> tuple[type[OSError], str] | None:
+    """Why files cannot be written into ``folder`` (made when missing, with its missing parents), as the error
+    to raise and the reason; None when they can. Permissions are the process's own (root's included)."""
+    if folder.exists():
+        if not folder.is_dir():
+            return NotADirectoryError, "is a file, not a folder"
+        return None if os.access(folder, os.W_OK | os.X_OK) else (PermissionError, "is not writable")
+    existing = folder.parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        return NotADirectoryError, f"cannot be made ({existing} is a file)"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return PermissionError, f"cannot be made ({existing} is not writable)"
+    return None
+
+
+def refuse_unwritable(trainer: Any, export: Path | None) -> None:
+    """Stop a fit before anything is built whose files could not be written: the run folder (the resolved config,
+    checkpoints and logs go there from the start), the checkpoint callbacks' folders, the export folder (written at
+    the end of the fit). One line names the folder, what is wrong, and the setting that moves it."""
+    folders = [(Path(trainer.default_root_dir), "run folder", "the fit writes its config, checkpoints and logs there",
+                "--trainer.default_root_dir=DIR")]
+    folders += [(folder, "checkpoint folder", "the fit writes its checkpoints there",
+                 "the checkpoint callback's dirpath") for folder in checkpoint_folders(trainer)]
+    if export is not None:
+        folders.append((export, "export folder", "the fit writes the trained model there at its end",
+                        "--model.init_args.export_dir=DIR"))
+    for folder, what, use, setting in folders:
+        problem = why_unwritable(folder)
+        if problem is not None:
+            error, reason = problem
+            remedy = "make it writable" if error is PermissionError else "move that file away"
+            raise error(f"{what} {folder} {reason}: {use}; {remedy}, or give another with {setting}")

@@ -1,15 +1,22 @@
 """On-policy distillation: each token's advantage is the teacher's log-prob minus the student's, on the student's
-own samples; a teacher with another vocabulary is refused with one line; only the policy adapter trains."""
+own samples; a teacher with another vocabulary, or a teacher adapter whose base was retrained in place, is refused
+with one line; only the policy adapter trains."""
 
 from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlhf_lightning import AdapterReward, OnPolicyDistillation
+from rlhf_lightning import AdapterReward, FunctionReward, OnPolicyDistillation
 from rlhf_lightning.merge import merge_adapter
+from rlhf_lightning.models.fingerprint import BASE_RECORD, weights_fingerprint
 from rlhf_lightning.models.spec import BaseModelSpec
+from rlhf_lightning.tasks.synthetic import gold_rewards
 from tests.conftest import LORA, built
 from tests.families import FAMILIES, build_model_dir
 from tests.test_ppo import _perturb, first_batch
@@ -90,3 +97,46 @@ def test_a_teacher_adapter_on_the_same_base_grades_as_its_merged_model_does(tiny
     reached = {name for name, p in module.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
     assert reached and all(".policy." in name for name in reached)  # the teacher adapter stays frozen
     assert not any("teacher" in key for key in module.state_dict())  # and is not checkpointed
+
+
+def retrain_in_place(folder: Path) -> None:
+    """What another SFT run exported into the same folder leaves: other weights under the same path."""
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.01 * torch.randn_like(parameter))
+    model.save_pretrained(folder)
+
+
+def test_a_teacher_adapter_whose_base_was_retrained_in_place_is_refused_by_its_fingerprint(tiny_model_dir, tmp_path,
+                                                                                           caplog):
+    def distill(base, teacher):
+        return built(OnPolicyDistillation(base=BaseModelSpec(name_or_path=str(base)), policy_lora=LORA,
+                                          max_new_tokens=6, reward=FunctionReward(gold_rewards), teacher=str(teacher)))
+
+    trained = distill(tiny_model_dir, teacher=tiny_model_dir)
+    _perturb(trained, "policy")
+    teacher = trained.export(tmp_path / "grpo")["policy"]  # records the fingerprint of the base it was trained on
+    base = tmp_path / "sft"  # the same weights in another folder
+    shutil.copytree(tiny_model_dir, base)
+    before = weights_fingerprint(str(base))
+    assert (teacher / BASE_RECORD).is_file() and before == weights_fingerprint(str(tiny_model_dir))
+    with caplog.at_level(logging.WARNING, logger="rlhf_lightning.models.adapter_fit"):
+        assert distill(base, teacher).teacher_is_adapter
+        assert not caplog.records  # same weights, other path: no warning (the path check alone warned here)
+        retrain_in_place(base)
+        after = weights_fingerprint(str(base))
+        with pytest.raises(ValueError) as error:
+            distill(base, teacher)
+        assert str(error.value) == (
+            f"the teacher adapter {teacher} was trained on other weights than base {base} holds now (its "
+            f"{BASE_RECORD} says {before[:12]}, the base's files give {after[:12]}): the base was retrained or "
+            "replaced since; train the teacher adapter again on this base, or load the base it was trained on (if "
+            f"only the base's file format changed, delete {BASE_RECORD} there to compare paths only)")
+        # An adapter exported before fingerprints were recorded keeps the path check: it warns and loads.
+        (teacher / BASE_RECORD).unlink()
+        distill(base, teacher)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"the teacher adapter in {teacher} was trained on {tiny_model_dir}, but the base is {base}: they must hold "
+        "the same weights"]

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from rlhf_lightning import KTO, UnpairedPreferenceDataModule
-from rlhf_lightning.algorithms.kto import kto_loss, kto_reference_point, recommended_weights
+from rlhf_lightning.algorithms.kto import kto_loss, kto_reference_point, one_label_only, recommended_weights
 from rlhf_lightning.cli import main
 from rlhf_lightning.data.sources import DataFormatError, Record
 from rlhf_lightning.kto import EXAMPLE_METRICS
@@ -86,6 +86,16 @@ def test_trl_weight_advice():
     assert recommended_weights(100, 90, 1.0, 1.0) is None  # ratio 1.11 is inside [1, 4/3]
     advice = recommended_weights(100, 300, 1.0, 1.0)  # TRL: desirable_weight in [3.0, 3.99]
     assert "desirable_weight in [3.00, 4.00]" in advice and "undesirable_weight in [0.25, 0.33]" in advice
+
+
+def test_data_of_one_label_is_named_with_its_counts():
+    assert one_label_only(3, 2, "kto.jsonl") is None and one_label_only(0, 0, "kto.jsonl") is None
+    assert one_label_only(0, 7, "my/folder[train]") == (
+        "all 7 training examples of my/folder[train] are undesirable (0 desirable): the loss can only lower their "
+        "likelihood against the reference point, and nothing shows the policy what to prefer; kto/rewards/margin is "
+        "never logged. Add desirable examples (label: true), or give preference pairs, which split into both")
+    # TRL counts a missing label as 1 and advises weights for 36:1; ours says what is wrong instead
+    assert recommended_weights(36, 0, 1.0, 1.0) is None
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -234,3 +244,19 @@ def test_mistakes_are_one_line(tiny_model_dir, capsys, caplog):
     # TRL's bounds for these counts: desirable_weight in [round(10/26, 2), round(10/26 * 1.33, 2)], undesirable
     # in [round(26/10 / 1.33, 2), round(26/10, 2)]
     assert "desirable_weight in [0.38, 0.51] or undesirable_weight in [1.95, 2.60]" in advice[0]
+
+
+def test_data_whose_labels_are_all_desirable_trains_with_a_warning_naming_the_file_and_counts(tiny_model_dir, caplog):
+    pairs = make_task("synthetic", 0).preference_rows(40)
+    rows = [{"prompt": p["prompt"], "completion": p["chosen"], "label": True} for p in pairs]
+    Path("desirable.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with caplog.at_level(logging.WARNING, logger="rlhf_lightning.kto"):
+        run_cli(tiny_model_dir, "--data.init_args.dataset=desirable.jsonl", "--trainer.max_steps=1",
+                "--trainer.limit_val_batches=0", "--trainer.logger=false")
+    warnings = [r.getMessage() for r in caplog.records if r.name == "rlhf_lightning.kto"]
+    assert warnings == [  # 4 of the 40 rows held out for validation; no weight advice beside it
+        "KTO: all 36 training examples of desirable.jsonl are desirable (0 undesirable): the loss can only raise "
+        "their likelihood against the reference point, and nothing shows the policy what to avoid; "
+        "kto/rewards/margin is never logged. Add undesirable examples (label: false), or give preference pairs, "
+        "which split into both"]
+    assert Path("outputs/kto/adapters/policy/adapter_config.json").exists()  # a warning: the fit ran to its export

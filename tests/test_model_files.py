@@ -27,6 +27,7 @@ from rlhf_lightning import (
     RewardModel,
 )
 from rlhf_lightning.cli import RLHFCLI, main
+from rlhf_lightning.models.fingerprint import BASE_RECORD
 from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer
 from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.models.spec import BaseModelSpec
@@ -134,11 +135,15 @@ def test_a_reward_adapter_of_another_shape_is_refused_in_one_line(tiny_model_dir
                    policy_lora=LORA))
 
 
-def test_a_reward_adapter_from_another_path_of_the_same_shape_warns_naming_both(tiny_model_dir, reward_dir,
-                                                                                 tmp_path, caplog):
+def test_a_reward_adapter_from_another_path_of_the_same_weights_loads_and_an_older_one_warns_naming_both(
+        tiny_model_dir, reward_dir, tmp_path, caplog):
     copy = shutil.copytree(tiny_model_dir, tmp_path / "copy")
+    older = shutil.copytree(reward_dir, tmp_path / "older")  # as exported before base fingerprints were recorded
+    (older / BASE_RECORD).unlink()
     with caplog.at_level(logging.WARNING):
         built(GRPO(base=BaseModelSpec(name_or_path=str(copy)), reward=AdapterReward(str(reward_dir)), policy_lora=LORA))
+        assert not [r for r in caplog.records if "trained on" in r.getMessage()]  # the fingerprints agree
+        built(GRPO(base=BaseModelSpec(name_or_path=str(copy)), reward=AdapterReward(str(older)), policy_lora=LORA))
     warnings = [r.getMessage() for r in caplog.records if "trained on" in r.getMessage()]
     assert len(warnings) == 1 and str(tiny_model_dir) in warnings[0] and str(copy) in warnings[0]
 

@@ -2,8 +2,8 @@
 inside torch or the parser's union report, and never silence: misspelled keys (with the closest names, and TRL's
 names mapped to ours), classes that do not import, abbreviated options, reward functions of another signature or
 needing a column the data lacks, an empty reward list, prompts and responses longer than the model's positions, a
-hub name that is not on disk, a merge whose recorded base is relative, a null prompt in preference data, a
-non-finite loss, and text the tokenizer cannot spell (a warning)."""
+hub name that is not on disk, a merge whose recorded base is relative, a reward adapter whose base was retrained in
+place, a null prompt in preference data, a non-finite loss, and text the tokenizer cannot spell (a warning)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -123,6 +124,21 @@ def test_a_non_finite_loss_at_the_first_step_is_one_line(capsys, tiny_model_dir,
                                   "--model.init_args.std_eps=0", "--model.init_args.scale_rewards=group"))
     assert line.startswith("error: iteration 1, optimizer step 1 of 4, micro-batch 1 of 1: non-finite loss "), line
     assert line.endswith("; set nonfinite: skip to skip such optimizer steps instead")
+
+
+def test_a_reward_adapter_whose_base_was_retrained_in_place_is_one_line(capsys, tiny_model_dir, reward_dir, tmp_path):
+    from rlhf_lightning.models.fingerprint import BASE_RECORD, weights_fingerprint
+    from tests.test_distill import retrain_in_place
+
+    base = tmp_path / "sft"  # where the reward adapter's base was, retrained since
+    shutil.copytree(tiny_model_dir, base)
+    retrain_in_place(base)
+    before, after = weights_fingerprint(str(tiny_model_dir)), weights_fingerprint(str(base))
+    assert one_line(capsys, *grpo(base, reward_dir)) == (
+        f"error: the reward adapter {reward_dir} was trained on other weights than base {base} holds now (its "
+        f"{BASE_RECORD} says {before[:12]}, the base's files give {after[:12]}): the base was retrained or replaced "
+        "since; train the reward adapter again on this base, or load the base it was trained on (if only the base's "
+        f"file format changed, delete {BASE_RECORD} there to compare paths only)")
 
 
 def test_a_hub_name_that_is_not_on_disk_is_one_line(capsys):

@@ -1,5 +1,6 @@
-"""Importance-sampling correction of the sampler's log-probs: TRL 1.16's four modes number by number, the
-sampler's own log-probs kept with the rollout, the mismatch logged, and the loss weighted by the correction."""
+"""Importance-sampling correction of the sampler's log-probs: TRL 1.16's four modes number by number, in the
+log-probs' dtype (float32 at least), the sampler's own log-probs kept with the rollout, the mismatch logged, the loss
+weighted by the correction, and bounds that leave no room refused with one line."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import math
 import pytest
 import torch
 
-from rlhf_lightning import GRPO
+from rlhf_lightning import GRPO, AdapterReward
 from rlhf_lightning.algorithms.rollout_correction import correction_weights, mismatch_statistics
 from rlhf_lightning.models.spec import BaseModelSpec
 from tests.conftest import LORA, built
+from tests.test_one_line_errors import grpo as grpo_arguments
+from tests.test_one_line_errors import one_line
 from tests.test_ppo import first_batch
 
 
@@ -51,6 +54,36 @@ def test_the_weights_are_trls_number_by_number(mode, clip_min, clip_max):
     assert correction_weights(trainer, sampler, mask, "none").eq(1).all()
 
 
+@pytest.mark.parametrize("mode", ["token_mask", "sequence_truncate"])
+def test_the_weights_follow_the_log_probs_dtype_float32_at_least(mode):
+    torch.manual_seed(0)
+    trainer = torch.randn(4, 5, dtype=torch.float64) - 2
+    sampler = trainer + 0.3 * torch.randn(4, 5, dtype=torch.float64)
+    mask = torch.ones(4, 5, dtype=torch.bool)
+    ours = correction_weights(trainer, sampler, mask, mode, 0.5, 2.0)
+    # float64 log-probs: TRL's lines in float64, to the last bit (in float32 they differ by ~5e-7 relative)
+    assert ours.dtype == torch.float64
+    torch.testing.assert_close(ours, trl_is_ratio(trainer, sampler, mask.double(), mode, 0.5, 2.0).expand(4, 5),
+                               rtol=0, atol=0)
+    assert mismatch_statistics(trainer, sampler, mask)["kl"].dtype == torch.float64
+    for dtype in (torch.float32, torch.bfloat16):  # never below float32: exp of a bf16 difference keeps 3 digits
+        assert correction_weights(trainer.to(dtype), sampler.to(dtype), mask, mode, 0.5, 2.0).dtype == torch.float32
+        assert mismatch_statistics(trainer.to(dtype), sampler.to(dtype), mask)["kl"].dtype == torch.float32
+
+
+def test_a_minimum_not_below_the_maximum_is_refused_with_both_values(capsys, tiny_model_dir, reward_dir):
+    # Set on the command line against the default maximum: a mask over an empty range would drop every token.
+    line = one_line(capsys, *grpo_arguments(tiny_model_dir, reward_dir,
+                                            "--model.init_args.rollout_correction=token_mask",
+                                            "--model.init_args.rollout_correction_min=5"))
+    assert line == ("error: rollout_correction_min=5.0 is not below rollout_correction_max=3.0: the correction keeps "
+                    "weights inside [min, max], so every token would be masked out or get the same weight; set the "
+                    "minimum below the maximum (TRL's bounds: none and 3.0)")
+    with pytest.raises(ValueError, match=r"^rollout_correction_min=2.0 is not below rollout_correction_max=2.0: "):
+        GRPO(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), reward=AdapterReward(str(reward_dir)),
+             rollout_correction="token_truncate", rollout_correction_min=2.0, rollout_correction_max=2.0)
+
+
 def test_the_mismatch_is_a_kl_and_trls_logprob_difference():
     trainer = torch.tensor([[-1.0, -2.0, -3.0]])
     sampler = torch.tensor([[-1.5, -2.0, -9.0]])
@@ -64,8 +97,6 @@ def test_the_mismatch_is_a_kl_and_trls_logprob_difference():
 
 
 def grpo(tiny_model_dir, reward_dir, **kwargs):
-    from rlhf_lightning import AdapterReward
-
     return built(GRPO(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), policy_lora=LORA, max_new_tokens=6,
                       samples_per_prompt=2, reward=AdapterReward(str(reward_dir)), **kwargs))
 

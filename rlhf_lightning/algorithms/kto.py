@@ -85,3 +85,20 @@ def recommended_weights(desirable: int, undesirable: int, desirable_weight: floa
             f"KTO paper's [1, 4/3]; set desirable_weight in [{low_d:.2f}, {low_d * 4 / 3:.2f}] or undesirable_weight "
             f"in [{low_u * 3 / 4:.2f}, {low_u:.2f}]")
 
+
+def one_label_only(desirable: int, undesirable: int, source: str) -> str | None:
+    """A line for training data whose responses all carry one label (``source`` names the data), or None.
+
+    The loss is still defined and has a gradient (each response's log-ratio against the reference point), so such
+    data trains; but it can only raise (or only lower) the likelihood of the responses it has, and nothing tells the
+    policy what to avoid (or what to prefer): a labelling or filtering mistake more often than an intent. TRL
+    1.16 warns too, with weight advice computed from a count of 1 for the missing label.
+    """
+    if (desirable and undesirable) or desirable + undesirable == 0:
+        return None
+    label, other = ("desirable", "undesirable") if desirable else ("undesirable", "desirable")
+    effect = "raise" if desirable else "lower"
+    return (f"all {desirable + undesirable} training examples of {source} are {label} (0 {other}): the loss can "
+            f"only {effect} their likelihood against the reference point, and nothing shows the policy "
+            f"{'what to avoid' if desirable else 'what to prefer'}; kto/rewards/margin is never logged. Add "
+            f"{other} examples (label: {str(not desirable).lower()}), or give preference pairs, which split into both")

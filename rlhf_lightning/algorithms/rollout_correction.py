@@ -22,20 +22,28 @@ RolloutCorrection = Literal["none", "token_truncate", "token_mask", "sequence_tr
 CORRECTIONS: tuple[str, ...] = get_args(RolloutCorrection)
 
 
+def weight_dtype(trainer_logprobs: Tensor, sampler_logprobs: Tensor) -> torch.dtype:
+    """The dtype the correction is computed in: the log-probs' own (float64 log-probs give float64 weights, as TRL's
+    lines compute them), never below float32 (exp of a bfloat16 difference would keep 3 significant digits)."""
+    return torch.promote_types(torch.promote_types(trainer_logprobs.dtype, sampler_logprobs.dtype), torch.float32)
+
+
 def correction_weights(trainer_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor, mode: RolloutCorrection,
                        clip_min: float | None = None, clip_max: float | None = 3.0) -> Tensor:
     """Detached weights ``[B, T]`` of each token's policy loss (1 everywhere with ``mode="none"``).
 
     As TRL 1.16 computes them: d = (lp_trainer - lp_sampler) on response tokens (0 elsewhere); token modes take
     w_t = exp(d_t), sequence modes one w = exp(sum_t d_t) per response on each of its tokens; ``*_truncate``
-    clamps w to [clip_min, clip_max], ``*_mask`` sets w to 0 outside it (a missing bound is no bound).
+    clamps w to [clip_min, clip_max], ``*_mask`` sets w to 0 outside it (a missing bound is no bound). Computed in
+    the log-probs' dtype, float32 at least (:func:`weight_dtype`).
     """
     if mode not in CORRECTIONS:
         raise ValueError(f"Unknown rollout correction {mode!r}; expected one of {', '.join(CORRECTIONS)}.")
     valid = mask.bool()
+    dtype = weight_dtype(trainer_logprobs, sampler_logprobs)
     if mode == "none":
-        return torch.ones_like(trainer_logprobs, dtype=torch.float32)
-    difference = torch.where(valid, trainer_logprobs.detach().float() - sampler_logprobs.float(), 0.0)
+        return torch.ones_like(trainer_logprobs, dtype=dtype)
+    difference = torch.where(valid, trainer_logprobs.detach().to(dtype) - sampler_logprobs.to(dtype), 0.0)
     if mode.startswith("sequence"):
         difference = difference.sum(-1, keepdim=True)
     weights = torch.exp(difference)
@@ -54,7 +62,8 @@ def mismatch_statistics(trainer_logprobs: Tensor, sampler_logprobs: Tensor, mask
     KL(sampler || trainer) per token, on the sampler's own samples), ``logprob_diff_mean`` and
     ``logprob_diff_max`` (|lp_trainer - lp_sampler|, TRL's ``sampling_logp_difference``)."""
     valid = mask.bool()
-    trainer, sampler = trainer_logprobs.detach().float(), sampler_logprobs.float()
+    dtype = weight_dtype(trainer_logprobs, sampler_logprobs)
+    trainer, sampler = trainer_logprobs.detach().to(dtype), sampler_logprobs.to(dtype)
     absolute = torch.where(valid, trainer - sampler, 0.0).abs()
     return {"kl": masked_mean(kl_penalty(sampler, trainer, "k3"), valid),
             "logprob_diff_mean": masked_mean(absolute, valid),

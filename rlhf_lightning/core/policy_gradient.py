@@ -78,7 +78,8 @@ class PolicyGradient(OnlineRL):
             token or per response, truncated to [``rollout_correction_min``, ``rollout_correction_max``]
             (``*_truncate``, TIS) or zero outside it (``*_mask``, MIS), TRL 1.16's ``vllm_importance_sampling_mode``
             names; ``none`` = off. The mismatch is logged either way (``rollout/mismatch_kl``).
-        rollout_correction_min: lower bound of the correction's weight; null = none.
+        rollout_correction_min: lower bound of the correction's weight; null = none. It must be below
+            ``rollout_correction_max``.
         rollout_correction_max: upper bound of the correction's weight (TRL's 3.0); null = none.
     """
 
@@ -120,6 +121,14 @@ class PolicyGradient(OnlineRL):
         checks.one_of("rollout_correction", rollout_correction, CORRECTIONS)
         checks.non_negative("rollout_correction_min", rollout_correction_min, optional=True)
         checks.positive("rollout_correction_max", rollout_correction_max, optional=True)
+        bounds = (rollout_correction_min, rollout_correction_max)
+        if None not in bounds and bounds[0] >= bounds[1]:
+            # An empty range masks every token (*_mask) and a single point gives every token the same weight
+            # (*_truncate): nothing would be corrected, and with a mask nothing would train.
+            raise ValueError(f"rollout_correction_min={rollout_correction_min} is not below rollout_correction_max="
+                             f"{rollout_correction_max}: the correction keeps weights inside [min, max], so every "
+                             "token would be masked out or get the same weight; set the minimum below the maximum "
+                             "(TRL's bounds: none and 3.0)")
         if mask_truncated_completions and checks.optional_str(self.hparams.stop_token) is None:
             raise ValueError("mask_truncated_completions needs a stop_token: without one no response ever stops, "
                              "so every response would be masked and nothing would train")

@@ -20,7 +20,7 @@ from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.optim import Schedule, adamw, lr_lambda
 from rlhf_lightning.resume import CLASS_KEY, class_mismatch, class_path, saved_state_keys
-from rlhf_lightning.run_folder import export_path, refuse_overwrite
+from rlhf_lightning.run_folder import export_path, refuse_overwrite, refuse_unwritable
 from rlhf_lightning.timing import phase
 from rlhf_lightning.utils.atomic_io import CheckpointError
 from rlhf_lightning.utils.nonfinite import (
@@ -134,6 +134,10 @@ class StageModule(L.LightningModule):
         raise NotImplementedError
 
     def setup(self, stage: str) -> None:
+        if stage == "fit" and self._trainer is not None:
+            # Before the model is built (the command line checks this earlier still): a folder the fit could not
+            # write would lose the run's result at its end.
+            refuse_unwritable(self.trainer, self.export_folder)
         datamodule = self.trainer.datamodule if self._trainer is not None else None
         if datamodule is not None and hasattr(datamodule, "longest"):
             self.check_lengths(datamodule)

@@ -8,6 +8,7 @@ The tokenizer is the LightningModule's, so model and data can never disagree on 
 from __future__ import annotations
 
 import logging
+import os
 import random
 from dataclasses import replace
 from functools import partial
@@ -164,6 +165,13 @@ class StageDataModule(L.LightningDataModule):
         return DataLoader(
             self.val_set, batch_size=self.val_batch_size, collate_fn=self.collate, num_workers=self.num_workers
         )
+
+    def training_source(self) -> str:
+        """Where the training rows come from, as the data's own messages name it: a file's path, an embedded
+        task, or ``folder-or-hub-id[split]``."""
+        if self.dataset in TASKS or os.path.isfile(self.dataset):
+            return self.dataset
+        return f"{self.dataset}[{self.split}]"
 
     # ---- helpers ----------------------------------------------------------------------------------------
 

@@ -2,8 +2,11 @@
 
 peft loads an adapter of another shape with a long ``size mismatch`` traceback from deep inside torch; one
 trained on another base of the same shape loads silently and computes nonsense. Shapes are compared here and
-refused with one line; a base recorded under another path is reported by :func:`warn_if_other_base`, which the
-callers that load a trained adapter onto the run's base call (the reward adapter, a distillation teacher).
+refused with one line; so are weights other than those the adapter was trained on, by the content fingerprint
+recorded beside it (:mod:`~rlhf_lightning.models.fingerprint`), in :func:`check_same_base`, which
+:meth:`~rlhf_lightning.models.shared_base.SharedBase.load_adapter` calls for every trained adapter it loads (a
+reward adapter, a distillation teacher, a merge). An adapter exported before fingerprints were recorded keeps the
+path check: a warning when it records another base path.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from pathlib import Path
 from safetensors import safe_open
 from torch import nn
 from transformers.pytorch_utils import Conv1D
+
+from rlhf_lightning.models.fingerprint import BASE_RECORD, recorded_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +72,20 @@ def check_adapter_fits(directory: str | Path, model: nn.Module, base_name: str |
                              "base; load it on the model it was trained on")
 
 
-def warn_if_other_base(directory: str | Path, base_name: str | None, what: str) -> None:
-    """Warn when the adapter in ``directory`` records another base path than ``base_name``, the loaded base's: an
-    adapter of the same shape trained on other weights loads silently and computes nonsense (``what`` names it)."""
+def check_same_base(directory: str | Path, base_name: str | None, fingerprint: str | None, what: str) -> None:
+    """Refuse with one line an adapter whose recorded base fingerprint differs from ``fingerprint``, the loaded
+    base's: the base was retrained or replaced since the adapter was trained (``what`` names the adapter). Without
+    two fingerprints to compare (an adapter exported before they were recorded, a base named by a hub id), warn
+    when the adapter records another base path than ``base_name``, as before."""
+    recorded = recorded_fingerprint(directory)
+    if recorded is not None and fingerprint is not None:
+        if recorded != fingerprint:
+            raise ValueError(
+                f"the {what} {directory} was trained on other weights than base {base_name} holds now (its "
+                f"{BASE_RECORD} says {recorded[:12]}, the base's files give {fingerprint[:12]}): the base was "
+                f"retrained or replaced since; train the {what} again on this base, or load the base it was trained "
+                f"on (if only the base's file format changed, delete {BASE_RECORD} there to compare paths only)")
+        return  # the same weights, wherever the base now lies
     trained_on = json.loads((Path(directory) / "adapter_config.json").read_text()).get("base_model_name_or_path")
     if trained_on and base_name and Path(trained_on).resolve() != Path(base_name).resolve():
         log.warning("the %s in %s was trained on %s, but the base is %s: they must hold the same weights", what,

@@ -24,7 +24,8 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 from transformers.pytorch_utils import Conv1D
 
-from rlhf_lightning.models.adapter_fit import check_adapter_fits
+from rlhf_lightning.models.adapter_fit import check_adapter_fits, check_same_base
+from rlhf_lightning.models.fingerprint import weights_fingerprint, write_base_record
 from rlhf_lightning.models.heads import ScalarHead
 from rlhf_lightning.models.logits import LogitTransform, find_logit_transform
 from rlhf_lightning.models.merging import adapter_of, merged_state_dict
@@ -61,6 +62,9 @@ class SharedBase(nn.Module):
         self.train_base = train_base
         self.fused_lora = fused_lora
         self.trainable_adapters: set[str] = set()
+        # Of the weight files as they were when loaded: recorded beside the exported adapters, compared with the
+        # record beside a trained adapter loaded onto this base.
+        self.base_fingerprint = weights_fingerprint(model.config.name_or_path)
         self._requires_grad: list[tuple[nn.Parameter, bool]] = []
         # None: the model post-processes its logits in a way we cannot reproduce from the hidden states. A base
         # built on the meta device has no values to probe: `inspect_logits` runs once it has them.
@@ -122,11 +126,14 @@ class SharedBase(nn.Module):
         self._adapters_changed()
 
     def load_adapter(self, directory: str | Path, name: str, trainable: bool = False) -> None:
-        """Load an adapter saved by :meth:`save_adapter` (peft format), and its head if one is beside it."""
+        """Load an adapter saved by :meth:`save_adapter` (peft format), and its head if one is beside it, after
+        checking that it fits this base: its layers' shapes, and the weights it was trained on (see
+        :func:`~rlhf_lightning.models.adapter_fit.check_same_base`; the adapter is named ``<name> adapter``)."""
         directory = str(directory)
         if not (Path(directory) / "adapter_config.json").exists():
             raise FileNotFoundError(f"{directory}/adapter_config.json not found: not a peft adapter folder")
         check_adapter_fits(directory, self.hf_model, self.hf_model.config.name_or_path)
+        check_same_base(directory, self.hf_model.config.name_or_path, self.base_fingerprint, f"{name} adapter")
         if self.is_empty:
             # The shapes without the values, which rank 0 sends once the base is sharded.
             config = PeftConfig.from_pretrained(directory)
@@ -178,7 +185,8 @@ class SharedBase(nn.Module):
             raise ValueError(f"adapter {target!r} has no parameters to copy into")
 
     def save_adapter(self, name: str, directory: str | Path, write: bool = True) -> Path:
-        """Write adapter ``name`` in peft format (readable by ``PeftModel.from_pretrained``) plus its head.
+        """Write adapter ``name`` in peft format (readable by ``PeftModel.from_pretrained``) plus its head, and the
+        fingerprint of the base's weights it was trained on (a base from a local folder).
 
         Sharded, every rank must call it (the weights are gathered) and only the one with ``write`` writes.
         Returns the folder holding the adapter: ``directory/name``.
@@ -197,6 +205,8 @@ class SharedBase(nn.Module):
         self.model.save_pretrained(str(directory), selected_adapters=[name], state_dict=weights)
         if head:
             ScalarHead.save_state(adapter_dir, head, self.heads[name].hidden_size)
+        if self.base_fingerprint is not None:
+            write_base_record(adapter_dir, self.hf_model.config.name_or_path, self.base_fingerprint)
         return adapter_dir
 
     def save_merged(self, adapter: str | None, directory: str | Path, tokenizer=None, write: bool = True) -> Path:

@@ -21,7 +21,6 @@ from transformers import PreTrainedTokenizerBase
 
 from rlhf_lightning.data.collate import pad
 from rlhf_lightning.data.tokenize import encode_completion, encode_prompt
-from rlhf_lightning.models.adapter_fit import warn_if_other_base
 from rlhf_lightning.models.heads import ScalarHead
 from rlhf_lightning.models.shared_base import SharedBase, position_ids_from_mask
 from rlhf_lightning.rewards.inputs import RewardInputs
@@ -86,7 +85,6 @@ class AdapterReward(RewardSource):
                 f"reward adapter: {config_path} not found; run the reward stage first "
                 "(python -m rlhf_lightning fit --config configs/reward.yaml) or set reward.init_args.path"
             )
-        warn_if_other_base(self.path, base.hf_model.config.name_or_path, "reward adapter")
         base.load_adapter(self.path, REWARD_ROLE, trainable=False)
         if REWARD_ROLE not in base.heads:
             raise FileNotFoundError(f"reward adapter: {self.path} has no score head (head.safetensors)")
