@@ -22,7 +22,12 @@ from torch import Tensor
 
 from rlhf_lightning.data.collate import pad
 from rlhf_lightning.data.tokenize import completion_end_id
-from rlhf_lightning.environments.environment import Environment, checked_reset, checked_step
+from rlhf_lightning.environments.environment import (
+    Environment,
+    checked_reset,
+    checked_step,
+    not_an_environment,
+)
 from rlhf_lightning.environments.tool_calls import ParsedTurn, detect_format
 from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.rollout.episodes import (
@@ -82,8 +87,8 @@ class Rollouts:
             # run here, naming itself.
             probe = environment()
             if not isinstance(probe, Environment):
-                raise TypeError(f"environment: expected a factory of rlhf_lightning.environments.Environment, got "
-                                f"one of {type(probe).__name__}")
+                made = type(probe)
+                raise TypeError(f"environment: {not_an_environment(f'{made.__module__}.{made.__qualname__}')}")
             self.tool_format = detect_format(tokenizer) if probe.tools else None
             self.delta = TemplateDelta(tokenizer, completion_end_id(tokenizer, conversational=True))
 
