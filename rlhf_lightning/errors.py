@@ -176,6 +176,9 @@ def condense_parser_error(message: str, options: list[str] = ()) -> str:
         detail = next((rest.strip() for rest in lines[index + 1:] if rest.strip()), "")
     if not path or not detail or PARSER_KEY.match(detail):
         return message if len(lines) < 2 else lines[0]
+    callable_class = CALLABLE_CLASS.search(message)
+    if callable_class is not None:  # a class given for a factory argument (an environment) that is not one
+        return callable_class_problem(".".join(path), callable_class.group(2), callable_class.group(1))
     given = EXPECTED_PATH.search(detail)
     if given is not None:  # a class or function named by a string that imports nothing
         return unknown_class(".".join(path), given.group(1))
@@ -186,6 +189,23 @@ def condense_parser_error(message: str, options: list[str] = ()) -> str:
 
 
 EXPECTED_PATH = re.compile(r"Expected a path but (\S+) either not accessible or invalid")
+# A class given by class_path for an argument typed as a factory (``environment: Callable[[], Environment]``).
+CALLABLE_CLASS = re.compile(r"expects a function or a callable class: (.+?)\. Got value: Namespace\(class_path='([^']+)'")
+NOT_A_SUBCLASS = re.compile(r"Expected '[^']+' to be a subclass of <class '([^']+)'>")
+def callable_class_problem(key: str, given: str, problem: str) -> str:
+    """The one line for a class given by ``class_path`` to a factory argument: not a subclass of the base it must
+    extend (what that base is and asks for), or a name its module does not have."""
+    from rlhf_lightning.environments.environment import not_an_environment
+
+    base = NOT_A_SUBCLASS.search(problem)
+    module, _, attribute = given.rpartition(".")
+    if base is not None and base.group(1) == "Environment":
+        return f"{key}: {not_an_environment(given)}"
+    if base is not None:
+        return f"{key}: {given} is not a subclass of {base.group(1)}, as {key} requires"
+    if "has no attribute" in problem:
+        return f"{key}.class_path {given}: {module} has no {attribute!r}{suggestion(attribute, module_names(module))}"
+    return f"{key}.class_path {given}: {problem}"
 
 
 def moved_module(module: str) -> str | None:

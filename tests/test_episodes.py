@@ -4,6 +4,8 @@ every online algorithm trains on episodes (and resumes exactly)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -18,6 +20,7 @@ from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.rollout.episodes import opening_ids
 from rlhf_lightning.tasks.calculator import build_tokenizer, correct_answer
 from tests.conftest import LORA, built
+from tests.test_cli_errors import REPO, cli_subprocess
 from tests.test_ppo import _fit, prompts
 
 
@@ -212,10 +215,48 @@ def test_a_grpo_run_on_episodes_resumes_exactly(calculator_model_dir, tmp_path):
     assert {"grpo/episode/turns", "grpo/episode/env_tokens"} <= set(whole[0])
 
 
-def test_episodes_beyond_the_model_positions_are_refused_before_training(calculator_model_dir):
-    module = episodic(GRPO, calculator_model_dir, max_episode_tokens=150)
-    data = prompts(module, n=4, dataset="calculator", batch_size=4)
-    with pytest.raises(ValueError, match=r"and an episode of 150 tokens reach \d+ positions, beyond the 160") as error:
+def test_episodes_whose_turns_could_pass_the_model_positions_are_refused_before_training(calculator_model_dir):
+    # The calculator's longest prompt is 19 tokens, its opening 25 (the template's markers); n_positions is 160.
+    module = episodic(GRPO, calculator_model_dir, max_episode_tokens=141, max_new_tokens=12, max_turns=40,
+                      samples_per_prompt=4)
+    data = prompts(module, n=8, dataset="calculator", batch_size=8)
+    assert data.longest() + 141 == 160  # what the check once counted: it passed, and a late turn crashed
+    with pytest.raises(ValueError) as error:
         module.check_lengths(data)
-    assert "lower max_episode_tokens" in str(error.value)
-    episodic(GRPO, calculator_model_dir, max_episode_tokens=100).check_lengths(data)
+    assert str(error.value) == (
+        "the longest prompt's opening (25 tokens) and an episode of 141 tokens (a turn can start after 140 of them "
+        f"and decode 12 more: max_new_tokens) reach 177 positions, beyond the 160 of model {calculator_model_dir} "
+        "(n_positions), whose learned position embeddings stop there; lower max_episode_tokens (null = max_turns x "
+        "max_new_tokens), max_new_tokens or data.init_args.max_length")
+    # The largest budget it accepts (25 + 123 + 12 = 160) runs episodes that never end to their budget.
+    module = episodic(GRPO, calculator_model_dir, environment=Feedback, max_episode_tokens=124, max_new_tokens=12,
+                      max_turns=40)
+    module.check_lengths(data)
+    torch.manual_seed(0)
+    batch = sample_episodes(module, calculator_batch(module, 2), 2)
+    assert len(batch.episodes) == 4
+    assert all(episode.truncated and len(episode.tokens) <= 124 for episode in batch.episodes)
+
+
+def test_a_sum_written_with_thousands_separators_is_read_as_the_number():
+    prompt = ["what is 70000 + 84616 ?"] * 4
+    completions = ["answer 154616", "answer 154,616", "answer 154", "answer 154,6160"]
+    assert correct_answer(prompt, completions, answer=["154,616"] * 4) == [1.0, 1.0, 0.0, 0.0]
+    assert correct_answer(prompt, completions, answer=[154616.0] * 4) == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_an_answer_that_is_no_number_stops_the_fit_at_setup_naming_file_row_and_column(calculator_model_dir,
+                                                                                        tmp_path):
+    rows = [{"prompt": "what is 48213 + 90377 ?", "answer": 138590},
+            {"prompt": "what is 70000 + 84616 ?", "answer": "154,616"},
+            {"prompt": "what is 70000 + 84616 ?", "answer": "about 154 thousand"}]
+    (tmp_path / "sums.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    result = cli_subprocess(
+        tmp_path, "fit", "--config", str(REPO / "configs" / "calculator_grpo.yaml"),
+        f"--model.init_args.base.name_or_path={calculator_model_dir}", "--data.init_args.dataset=sums.jsonl",
+        "--data.init_args.val_fraction=0", "--trainer.logger=false", "--trainer.callbacks=[]")
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == [
+        "error: sums.jsonl line 3: column 'answer': expected a whole number such as 154616 or 154,616, got "
+        "'about 154 thousand' (read by reward function rlhf_lightning.tasks.calculator.correct_answer)"]
+    assert "Traceback" not in result.stderr and "rollout" not in result.stderr

@@ -5,15 +5,21 @@ from __future__ import annotations
 
 import math
 import time
+import types
 
+import numpy as np
 import pytest
 
+from rlhf_lightning import GRPO
 from rlhf_lightning.environments import Environment, Step, Tool, ToolEnvironment
 from rlhf_lightning.environments.environment import checked_reset, checked_step
 from rlhf_lightning.environments.tool_calls import HermesFormat, Llama3JsonFormat, detect_format
+from rlhf_lightning.environments.tools import ToolResult
 from rlhf_lightning.tasks.calculator import add, build_tokenizer
 from tests.families import CHATML_TEMPLATE, FAMILIES, LLAMA3_TEMPLATE
 from tests.families import build_tokenizer as family_tokenizer
+from tests.test_cli_errors import REPO, cli_subprocess
+from tests.test_episodes import calculator_model_dir, episodic  # noqa: F401 (a fixture)
 
 # The tiny families' templates with tool calling, in the shape of Qwen2.5's and Llama 3.1's own.
 QWEN_TOOL_TEMPLATE = (
@@ -161,3 +167,129 @@ def test_an_environment_that_misbehaves_stops_the_run_with_one_line(answer, expe
     assert checked_step(Faulty(([{"role": "user", "content": "higher"}], 0.5, False)), [], 1, 1).reward == 0.5
     with pytest.raises(TypeError, match="environment Empty, row 3: reset must return a non-empty list"):
         checked_reset(type("Empty", (Faulty,), {"reset": lambda self, row: []})(None), {"prompt": "q"}, 3)
+
+
+def numpy_count(n: int) -> np.int64:
+    """Count as numpy does.
+
+    Args:
+        n: a number.
+    """
+    return np.int64(n)
+
+
+class Unprintable:
+    def __str__(self) -> str:
+        raise RuntimeError("no text")
+
+
+def returns(value):
+    """A tool returning ``value``."""
+
+    def give(x: int) -> object:
+        """Give.
+
+        Args:
+            x: anything.
+        """
+        return value
+
+    return give
+
+
+def test_whatever_a_tool_returns_reaches_the_model_as_text():
+    assert Tool(numpy_count)({"n": 7}) == ToolResult("7")
+    assert Tool(returns(np.arange(3)))({"x": 1}).text == "[0, 1, 2]"
+    assert Tool(returns({"mean": np.float64(0.5), "tags": {"a"}}))({"x": 1}).text == '{"mean": 0.5, "tags": "{\'a\'}"}'
+    circular = []
+    circular.append(circular)
+    assert Tool(returns(circular))({"x": 1}).text == "[[...]]"
+    unprintable = Tool(returns(Unprintable()))({"x": 1})
+    assert unprintable == ToolResult("error: give returned a Unprintable that cannot be written as text "
+                                     "(RuntimeError: no text)", "error")
+
+
+# A tool that never returns, and an environment that calls it in every turn whatever the policy writes (a random
+# tiny model writes no calls), printing what the model reads back.
+STUCK_TOOL = """
+import time
+
+from rlhf_lightning.environments import ToolEnvironment
+
+
+def never_returns(seconds: int) -> str:
+    \"\"\"Wait.
+
+    Args:
+        seconds: how long.
+    \"\"\"
+    time.sleep(10**6)
+    return "never"
+
+
+class CallsEveryTurn(ToolEnvironment):
+    def step(self, messages):
+        call = {"type": "function", "function": {"name": "never_returns", "arguments": {"seconds": 1}}}
+        step = super().step([*messages[:-1], {**messages[-1], "tool_calls": [call]}])
+        print("tool answered:", step.messages[0]["content"], flush=True)
+        return step
+"""
+
+
+@pytest.mark.slow
+def test_a_tool_that_never_returns_costs_its_timeout_and_the_fit_exits(calculator_model_dir, tmp_path):  # noqa: F811
+    (tmp_path / "stuck.py").write_text(STUCK_TOOL)
+    (tmp_path / "stuck.yaml").write_text(
+        "model:\n  init_args:\n    environment:\n      class_path: stuck.CallsEveryTurn\n"
+        "      init_args: {tools: [stuck.never_returns], timeout: 1.0}\n")
+    start = time.perf_counter()
+    result = cli_subprocess(
+        tmp_path, "fit", "--config", str(REPO / "configs" / "calculator_grpo.yaml"), "--config", "stuck.yaml",
+        f"--model.init_args.base.name_or_path={calculator_model_dir}", "--model.init_args.samples_per_prompt=2",
+        "--model.init_args.max_turns=2", "--model.init_args.max_new_tokens=16", "--model.init_args.max_episode_tokens=64",
+        "--model.init_args.num_minibatches=1", "--data.init_args.batch_size=1", "--data.init_args.synthetic_rows=4",
+        "--data.init_args.val_fraction=0", "--trainer.max_steps=1", "--trainer.logger=false",
+        "--trainer.callbacks=[]", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false")
+    elapsed = time.perf_counter() - start
+    assert result.returncode == 0, result.stderr[-3000:]
+    answers = [line for line in result.stdout.splitlines() if line.startswith("tool answered:")]
+    assert answers and set(answers) == {"tool answered: error: never_returns did not return within 1 s"}
+    assert "max_steps=1" in result.stderr  # the fit ran to its end ...
+    assert elapsed < 60  # ... and the process exited with the stuck threads still sleeping
+
+
+GYM_STYLE = """
+class GuessTheNumber:
+    def __init__(self, high: int = 100):
+        self.high = high
+
+    def reset(self, row):
+        return [{"role": "user", "content": "guess"}]
+
+    def step(self, messages):
+        return [], 0.0, True
+"""
+NOT_AN_ENVIRONMENT = ("is not an rlhf_lightning Environment: an environment must subclass "
+                      "rlhf_lightning.environments.Environment (an episode calls reset(row) -> opening messages and "
+                      "step(messages) -> Step(messages, reward, done)); a gym-style class keeps its reset and step "
+                      "and adds the base: class GuessTheNumber(Environment)")
+
+
+def test_a_gym_style_environment_class_is_told_what_an_environment_must_be(tmp_path):
+    (tmp_path / "gym_style.py").write_text(GYM_STYLE)
+    (tmp_path / "env.yaml").write_text("model:\n  init_args:\n    environment:\n      class_path: "
+                                       "gym_style.GuessTheNumber\n      init_args: {high: 10}\n")
+    result = cli_subprocess(tmp_path, "fit", "--config", str(REPO / "configs" / "calculator_grpo.yaml"),
+                            "--config", "env.yaml", "--trainer.logger=false")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == [
+        f"error: model.init_args.environment: gym_style.GuessTheNumber {NOT_AN_ENVIRONMENT}"]
+    assert "Traceback" not in result.stderr
+
+
+def test_a_gym_style_environment_given_through_the_api_gets_the_same_line(calculator_model_dir):  # noqa: F811
+    gym_style = types.ModuleType("gym_style")
+    exec(GYM_STYLE, gym_style.__dict__)  # noqa: S102 (the class as a user's module defines it)
+    with pytest.raises(TypeError) as error:
+        episodic(GRPO, calculator_model_dir, environment=gym_style.GuessTheNumber)
+    assert str(error.value) == f"environment: gym_style.GuessTheNumber {NOT_AN_ENVIRONMENT}"

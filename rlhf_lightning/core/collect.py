@@ -57,7 +57,8 @@ class ExperienceCollector(PolicyModule):
             context only. Reward sources score the whole transcript; null = single-turn.
         max_turns: assistant turns per episode at most.
         max_episode_tokens: tokens per episode after its opening (the policy's and the environment's) at most;
-            null = ``max_turns`` x ``max_new_tokens``.
+            null = ``max_turns`` x ``max_new_tokens``. A turn can decode ``max_new_tokens`` after ``max_episode_tokens
+            - 1`` of them, so the longest opening plus both must fit the model's positions (checked at setup).
     """
 
     # per-sample validation values; the episode ones are logged only by runs with an environment
@@ -106,20 +107,32 @@ class ExperienceCollector(PolicyModule):
     def setup(self, stage: str) -> None:
         super().setup(stage)
         self.rollouts  # noqa: B018 (an environment or chat template that cannot run episodes fails here)
-        # A reward function that cannot take TRL's keywords or the data's columns fails now, not after a rollout.
+        # A reward function that cannot take TRL's keywords or the data's columns, or cannot read a row's value of
+        # one, fails now, not after a rollout.
         datamodule = self.trainer.datamodule if self._trainer is not None else None
+        examples = [*(getattr(datamodule, "train_set", None) or []), *getattr(datamodule, "val_set", [])]
+        rows = [(example.where, example.columns) for example in examples if hasattr(example, "columns")]
         for source in self.rewards.sources:
             source.check_columns(getattr(datamodule, "columns", []))
+            source.check_values(rows)
 
     def check_lengths(self, datamodule: Any) -> None:
-        """With an environment, the longest prompt and a whole episode must fit the model's positions (the
-        opening's chat template adds its markers on top)."""
+        """With an environment, every position a turn can reach must be within the model's: the longest prompt's
+        opening (the chat template's markers and the tools' schemas included) and the episode, whose last turn can
+        start one token before the budget and decode ``max_new_tokens`` (see :meth:`Rollouts.positions`)."""
         if self.environment is None:
             return super().check_lengths(datamodule)
-        longest, budget = datamodule.longest(), self.rollouts.max_tokens
-        self.check_positions(longest + budget, f"the longest prompt ({longest} tokens) and an episode of {budget} "
-                             "tokens", "lower max_episode_tokens (null = max_turns x max_new_tokens) or "
-                             "data.init_args.max_length")
+        rollouts, hp = self.rollouts, self.hparams
+        examples = [*(datamodule.train_set or []), *datamodule.val_set]
+        longest = max(examples, key=datamodule.length)
+        opening = rollouts.default_opening_length(longest.raw if longest.raw is not None else longest.text)
+        budget, turn = rollouts.max_tokens, min(hp.max_new_tokens, rollouts.max_tokens)
+        what = (f"the longest prompt's opening ({opening} tokens) and an episode of {budget} tokens (a turn can "
+                f"start after {budget - 1} of them and decode {turn} more: max_new_tokens)"
+                if rollouts.max_turns > 1 else
+                f"the longest prompt's opening ({opening} tokens) and a turn of {turn} tokens")
+        self.check_positions(rollouts.positions(opening), what, "lower max_episode_tokens (null = max_turns x "
+                             "max_new_tokens), max_new_tokens or data.init_args.max_length")
 
     # ---- what the rollout computes, decided by the loop ----------------------------------------------------
 

@@ -56,6 +56,7 @@ class EncodedPrompt:
     raw: Any = None  # the prompt column: text, or a list of messages
     columns: dict[str, Any] = field(default_factory=dict)  # the row's other columns
     index: int = -1  # the prompt's position in its dataset (-1 = not numbered)
+    where: str = ""  # the row's file and line (or source and row), for errors about its columns
 
 
 def pad(sequences: list[list[int]], pad_id: int, side: Literal["left", "right"]) -> tuple[Tensor, Tensor]:

@@ -399,7 +399,8 @@ class PromptDataModule(StageDataModule):
         if not ids:
             raise DataFormatError(f"{record.where}: the prompt has no tokens; generation needs at least one")
         columns = {name: value for name, value in record.fields.items() if name != "prompt"}
-        return EncodedPrompt(ids, self.tokenizer.decode(ids, skip_special_tokens=True), example.prompt, columns)
+        return EncodedPrompt(ids, self.tokenizer.decode(ids, skip_special_tokens=True), example.prompt, columns,
+                             where=record.where)
 
     def length(self, example: EncodedPrompt) -> int:
         return len(example.input_ids)

@@ -97,6 +97,16 @@ class ToolEnvironment(Environment):
         return step
 
 
+def not_an_environment(given: str) -> str:
+    """Why ``given`` (a class's import path or name), which is not an :class:`Environment`, cannot be one, and what
+    it must be: the line for a gym-style class named in a config."""
+    name = given.rpartition(".")[2]
+    return (f"{given} is not an rlhf_lightning Environment: an environment must subclass "
+            "rlhf_lightning.environments.Environment (an episode calls reset(row) -> opening messages and "
+            "step(messages) -> Step(messages, reward, done)); a gym-style class keeps its reset and step and adds "
+            f"the base: class {name}(Environment)")
+
+
 def checked_step(environment: Environment, messages: list[Message], row: int, turn: int) -> Step:
     """``environment.step(messages)``, or one line naming the environment, the episode's row and the turn when
     it raises or answers with something other than a finite reward and a list of messages."""

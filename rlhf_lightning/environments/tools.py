@@ -11,9 +11,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +48,8 @@ class Tool:
     Args:
         function: a function with type hints and a Google-style docstring (transformers' ``get_json_schema``
             reads both), or its import path.
-        timeout: seconds a call may run before it is cut off (its thread is abandoned: Python cannot stop it).
+        timeout: seconds a call may run before it is cut off (its thread is abandoned: Python cannot stop it; it
+            runs on until it returns, and the process exits without waiting for it).
     """
 
     def __init__(self, function: Callable[..., Any] | str, timeout: float = 10.0) -> None:
@@ -66,18 +66,48 @@ class Tool:
             inspect.signature(self.function).bind(**arguments)
         except TypeError as error:
             return ToolResult(f"error: {self.name}: {error}", "invalid")
-        pool = ThreadPoolExecutor(max_workers=1)
-        future = pool.submit(self.function, **arguments)
-        try:
-            value = future.result(timeout=self.timeout)
-        except FutureTimeout:
+        outcome: dict[str, Any] = {}
+        worker = threading.Thread(target=_run_into, args=(outcome, self.function, arguments), daemon=True,
+                                  name=f"tool {self.name}")
+        worker.start()
+        worker.join(self.timeout)
+        if worker.is_alive():
             return ToolResult(f"error: {self.name} did not return within {self.timeout:g} s", "timeout")
-        except Exception as error:  # the model reads the tool's failure, as it would from a real API
+        if "error" in outcome:  # the model reads the tool's failure, as it would from a real API
+            error = outcome["error"]
             return ToolResult(f"error: {type(error).__name__}: {error}", "error")
-        finally:
-            pool.shutdown(wait=False)
-        return ToolResult(value if isinstance(value, str) else json.dumps(value))
+        try:
+            return ToolResult(result_text(outcome["value"]))
+        except Exception as error:  # a value whose __str__ raises: the model reads that, the run goes on
+            return ToolResult(f"error: {self.name} returned a {type(outcome['value']).__name__} that cannot be "
+                              f"written as text ({type(error).__name__}: {error})", "error")
 
+
+def _run_into(outcome: dict[str, Any], function: Callable[..., Any], arguments: dict[str, Any]) -> None:
+    """The worker thread's body: the function's value or its exception, into ``outcome``. A ``SystemExit`` or
+    ``KeyboardInterrupt`` raised inside a tool is its failure too, never the run's end."""
+    try:
+        outcome["value"] = function(**arguments)
+    except BaseException as error:  # noqa: BLE001 - whatever the tool raises is reported to the model
+        outcome["error"] = error
+
+
+def result_text(value: Any) -> str:
+    """What a tool returned, as the text the model reads: a string as it is, anything else as JSON, numpy and
+    torch values as their Python values (``np.int64(7)`` -> ``7``, an array -> a list), and what JSON cannot
+    write (a set, an object of one's own, a circular structure) as its ``str()``."""
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value, default=_plain)
+    except (TypeError, ValueError):  # a circular structure, or a tolist() that JSON cannot write either
+        return str(value)
+
+
+def _plain(value: Any) -> Any:
+    """``json.dumps``' fallback: numpy scalars and arrays (and tensors) by ``tolist()``, anything else by ``str()``."""
+    to_list = getattr(value, "tolist", None)
+    return to_list() if callable(to_list) else str(value)
 
 def json_schema(function: Callable[..., Any]) -> dict[str, Any]:
     """The function's JSON schema as chat templates take it, or a one-line error naming what is missing."""

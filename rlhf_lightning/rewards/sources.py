@@ -20,6 +20,7 @@ from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
 from rlhf_lightning.data.collate import pad
+from rlhf_lightning.data.sources import DataFormatError
 from rlhf_lightning.data.tokenize import encode_completion, encode_prompt
 from rlhf_lightning.models.heads import ScalarHead
 from rlhf_lightning.models.shared_base import SharedBase, position_ids_from_mask
@@ -49,6 +50,10 @@ class RewardSource:
     def check_columns(self, columns: Sequence[str]) -> None:
         """Raise a one-line error, before any rollout, if the source cannot score rows with these dataset
         ``columns`` (a reward function's signature); nothing to check by default."""
+
+    def check_values(self, rows: Sequence[tuple[str, dict[str, Any]]]) -> None:
+        """Raise a one-line error, before any rollout, naming the row (``rows``: each row's file and line, and its
+        columns) whose column values the source cannot score; nothing to check by default."""
 
     def score(self, inputs: RewardInputs) -> Tensor:
         """Scores ``[B]`` (float); NaN marks a response the source does not apply to."""
@@ -198,7 +203,10 @@ class FunctionReward(RewardSource):
     decoded responses), ``completion_ids`` (their token ids) and every other column of the prompt dataset (one
     value per response), so accept ``**kwargs``. It returns one float per response, or ``None`` for "not
     applicable to this response": the row's reward is then the weighted sum of the other sources. A rule-based
-    verifier, or the synthetic task's ``rlhf_lightning.tasks.synthetic.gold_rewards``.
+    verifier, or the synthetic task's ``rlhf_lightning.tasks.synthetic.gold_rewards``. A function that reads a
+    column in a form of its own may say how, as a ``column_readers`` attribute (``{column: read}``, ``read``
+    raising ``ValueError`` on a value it cannot read): every row's value is read before any rollout, and a bad
+    one stops the run naming the file, row and column (the tasks' checkers do so for ``answer``).
 
     Args:
         fn: the function, an import path in YAML, called as ``fn(prompts=..., completions=...,
@@ -249,6 +257,21 @@ class FunctionReward(RewardSource):
                     f"{', '.join(columns) or 'only prompt'})") from error
             raise TypeError(f"reward function {self.label}{signature} cannot take the dataset's columns "
                             f"{', '.join(unknown)}: accept **kwargs ({error})") from error
+
+    def check_values(self, rows: Sequence[tuple[str, dict[str, Any]]]) -> None:
+        """Each row's value of every column the function reads through its ``column_readers`` (``{column: read}``,
+        e.g. the tasks' ``answer``), read once before any rollout: a value ``read`` refuses stops the run with one
+        line naming the row's file and line, the column and what was expected."""
+        readers = getattr(self.fn, "column_readers", {})
+        for where, columns in rows:
+            for name, read in readers.items():
+                if columns.get(name) is None:
+                    continue
+                try:
+                    read(columns[name])
+                except ValueError as error:
+                    raise DataFormatError(f"{where}: column {name!r}: {error} (read by reward function "
+                                          f"{self.label})") from None
 
     def score(self, inputs: RewardInputs) -> Tensor:
         where = f"reward function {getattr(self.fn, '__module__', '?')}.{self.name}"

@@ -22,7 +22,12 @@ from torch import Tensor
 
 from rlhf_lightning.data.collate import pad
 from rlhf_lightning.data.tokenize import completion_end_id
-from rlhf_lightning.environments.environment import Environment, checked_reset, checked_step
+from rlhf_lightning.environments.environment import (
+    Environment,
+    checked_reset,
+    checked_step,
+    not_an_environment,
+)
 from rlhf_lightning.environments.tool_calls import ParsedTurn, detect_format
 from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.rollout.episodes import (
@@ -77,15 +82,31 @@ class Rollouts:
         self.max_turns = max_turns if environment is not None else 1
         self.max_tokens = max_tokens or self.max_turns * sampler.settings.max_new_tokens
         self.tool_format = self.delta = None
+        self.tool_schemas: list[dict] = []
         if environment is not None:
             # The template's tool-call format and turn delimiters, read once: a template we cannot parse stops the
             # run here, naming itself.
             probe = environment()
             if not isinstance(probe, Environment):
-                raise TypeError(f"environment: expected a factory of rlhf_lightning.environments.Environment, got "
-                                f"one of {type(probe).__name__}")
+                made = type(probe)
+                raise TypeError(f"environment: {not_an_environment(f'{made.__module__}.{made.__qualname__}')}")
             self.tool_format = detect_format(tokenizer) if probe.tools else None
+            self.tool_schemas = [tool.schema for tool in probe.tools.values()]
             self.delta = TemplateDelta(tokenizer, completion_end_id(tokenizer, conversational=True))
+
+    def default_opening_length(self, prompt: Any) -> int:
+        """Tokens of the opening of an episode on ``prompt`` whose environment keeps :meth:`Environment.reset`'s
+        default: the prompt under the chat template, with the tools' schemas."""
+        messages = Environment.reset(Environment(), {"prompt": prompt})
+        return len(opening_ids(self.tokenizer, messages, self.tool_schemas))
+
+    def positions(self, opening: int) -> int:
+        """The most positions a turn reaches after an opening of ``opening`` tokens. The running episodes of a
+        batch decode their turn together, for as many tokens as the one with the most room left may take (at most
+        ``max_new_tokens``), so an episode that has used all but one of its ``max_tokens`` (it takes another turn
+        only while it has room) decodes that many more before its tokens past the budget are dropped."""
+        started = self.max_tokens - 1 if self.max_turns > 1 else 0
+        return opening + started + min(self.sampler.settings.max_new_tokens, self.max_tokens)
 
     @torch.no_grad()
     def run(self, model: SharedBase, role: str | None, prompts: dict[str, Any], group: int, purpose: str) -> Rollout:

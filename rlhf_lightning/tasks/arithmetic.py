@@ -21,7 +21,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rlhf_lightning.tasks.checking import check_sums
+from rlhf_lightning.tasks.checking import check_sums, reads_answer_column
 from rlhf_lightning.tasks.synthetic import CHAT_TEMPLATE, EOS, PAD, SPECIAL_TOKENS, UNK
 
 DIGITS = tuple(str(d) for d in range(10))
@@ -81,6 +81,7 @@ def final_answer(completion: str) -> int | None:
     return int(number) if number.isdigit() else None
 
 
+@reads_answer_column
 def exact_match(prompts: Sequence[str], completions: Sequence[str], answer: Sequence[int] | None = None,
                 **_: object) -> list[float]:
     """The checker, with TRL's reward-function signature: 1.0 when a completion's final answer equals the sum,

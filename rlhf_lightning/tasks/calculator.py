@@ -24,7 +24,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rlhf_lightning.tasks.checking import check_sums
+from rlhf_lightning.tasks.checking import WHOLE_NUMBER_PATTERN, check_sums, reads_answer_column
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, EOS, UNK, "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>")
@@ -43,7 +43,7 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}<|im_start|>assistant{% endif -%}"
 )
 _PROMPT = re.compile(r"what is (\d+) \+ (\d+) \?")
-_ANSWER = re.compile(r"answer (-?\d+)")
+_ANSWER = re.compile(f"answer ({WHOLE_NUMBER_PATTERN})")
 
 
 def add(a: int, b: int) -> int:
@@ -66,15 +66,17 @@ def parse_prompt(prompt: str) -> tuple[int, int] | None:
 
 
 def final_answer(transcript: str) -> int | None:
-    """The number after the last ``answer`` of a transcript, or None."""
+    """The number after the last ``answer`` of a transcript (thousands separators read: ``answer 154,616``), or
+    None."""
     answers = _ANSWER.findall(transcript)
-    return int(answers[-1]) if answers else None
+    return int(answers[-1].replace(",", "")) if answers else None
 
 
+@reads_answer_column
 def correct_answer(prompts: Sequence[str], completions: Sequence[str], answer: Sequence[int] | None = None,
                    **_: object) -> list[float]:
     """1.0 when an episode's final answer is the sum, else 0.0 (TRL's reward-function signature; ``answer`` is
-    the dataset's column of sums, else the sum is read from the prompt)."""
+    the dataset's column of sums, an integer or text such as "154,616", else the sum is read from the prompt)."""
     return check_sums("correct_answer", prompts, completions, answer, parse_prompt, final_answer, "what is A + B ?")
 
 
