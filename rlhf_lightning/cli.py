@@ -35,6 +35,7 @@ from rlhf_lightning.loggers import WandbLogger
 from rlhf_lightning.model_card import write_model_card
 from rlhf_lightning.plots import main as plot_main
 from rlhf_lightning.plots import plot_run
+from rlhf_lightning.quiet import quiet_libraries
 from rlhf_lightning.resume import (
     class_mismatch,
     differences_warning,
@@ -219,6 +220,8 @@ def main(args: Sequence[str] | None = None) -> None:
     status 1 (2 for an unreadable config file); ``RLHF_LIGHTNING_TRACEBACK=1`` shows the full traceback instead.
     """
     argv = list(sys.argv[1:] if args is None else args)
+    if args is None:  # this process is ours (not a caller's, such as a test runner's): quiet the libraries
+        quiet_libraries()
     for path in config_files(argv):
         problem = config_file_problem(path)
         if problem:

@@ -6,6 +6,7 @@ import configparser
 import contextlib
 import netrc
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -13,7 +14,7 @@ from urllib.parse import urlparse
 from lightning.pytorch.loggers import WandbLogger as LightningWandbLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
-from rlhf_lightning.wandb_offline import wait_until_finished
+from rlhf_lightning.wandb_offline import has_history, wait_until_finished
 
 DEFAULT_HOST = "api.wandb.ai"
 FINISH_TIMEOUT_SECONDS = 60.0  # how long finalize waits for W&B's service process to write a finished run
@@ -45,6 +46,22 @@ def wandb_api_key_configured() -> bool:
         return path.is_file() and netrc.netrc(str(path)).authenticators(wandb_host()) is not None
     except (OSError, netrc.NetrcParseError):
         return False
+
+
+def offline_run_folder(run_file: str | Path) -> bool:
+    """Whether ``run_file`` lies in an offline run's folder (``offline-run-<time>-<id>``)."""
+    return Path(run_file).parent.name.startswith("offline-run-")
+
+
+def remove_run(run_folder: Path) -> None:
+    """Delete an offline run's folder, and the links W&B left to it (``latest-run``, ``debug*.log``)."""
+    shutil.rmtree(run_folder, ignore_errors=True)
+    wandb_folder = run_folder.parent
+    for path in wandb_folder.iterdir():
+        if path.is_symlink() and not path.exists():
+            path.unlink()
+    with contextlib.suppress(OSError):  # only when nothing else is left in it
+        wandb_folder.rmdir()
 
 
 class WandbLogger(LightningWandbLogger):
@@ -111,3 +128,5 @@ class WandbLogger(LightningWandbLogger):
             if run_file and not wait_until_finished(run_file, FINISH_TIMEOUT_SECONDS):
                 rank_zero_warn(f"W&B had not written the end of {run_file} {FINISH_TIMEOUT_SECONDS:.0f} s after the "
                                "run finished: reading it now may miss its last rows")
+            elif run_file and status != "success" and offline_run_folder(run_file) and not has_history(run_file):
+                remove_run(Path(run_file).parent)  # a run that failed before logging anything leaves nothing

@@ -107,6 +107,8 @@ def test_sigterm_mid_step_checkpoints_that_step_exits_143_and_resumes_exactly(ti
         f"error: stopped by SIGTERM after step {3 * per_batch} (training batch 3): checkpoint {last} written; "
         "resume with --ckpt_path last"]
     assert "Traceback" not in signalled.stderr
+    assert ("SIGTERM received: the run stops after the current step, with a checkpoint (send it again to stop at "
+            "once)\n") in signalled.stderr
     assert torch.load(last, weights_only=False)["global_step"] == 3 * per_batch  # the step of the signal
     assert not (tmp_path / "signalled" / "adapters").exists() and not (tmp_path / "signalled" / "model").exists()
 
@@ -239,3 +241,23 @@ def test_under_slurm_sigusr1_checkpoints_and_requeues_the_job(tiny_model_dir, re
                                           "written; resume with --ckpt_path last; SLURM job 4242 requeued"]
     assert (tmp_path / "scontrol.args").read_text().split() == ["requeue", "4242"]
     assert torch.load(last, weights_only=False)["global_step"] == 2
+
+
+def test_without_a_checkpoint_callback_the_signal_line_says_nothing_will_be_saved(tmp_path, capsys):
+    import lightning as L
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from rlhf_lightning.callbacks import Preemption
+
+    preemption = Preemption()
+    for checkpointing, saying in ((False, "without a checkpoint (no checkpoint callback is configured: "
+                                          "trainer.enable_checkpointing)"), (True, "with a checkpoint")):
+        trainer = L.Trainer(enable_checkpointing=checkpointing, logger=False, default_root_dir=tmp_path)
+        trainer.strategy.connect(BoringModel())
+        preemption.on_train_start(trainer, trainer.lightning_module)
+        try:
+            preemption._handle(signal.SIGTERM, None)  # what the signal calls
+        finally:
+            preemption._restore()
+        assert capsys.readouterr().err == (f"SIGTERM received: the run stops after the current step, {saying} "
+                                           "(send it again to stop at once)\n")

@@ -85,6 +85,7 @@ class Preemption(L.Callback):
         self.received: int | None = None
         self._previous: dict[int, Any] = {}
         self._after_validation = False
+        self._saves = True  # whether stopping writes a checkpoint (a checkpoint callback is configured)
 
     # ---- the signals --------------------------------------------------------------------------------------
 
@@ -92,6 +93,7 @@ class Preemption(L.Callback):
         # Lightning installs its own SIGTERM handler just before training starts (it ends the fit with status 0
         # and no checkpoint): ours replaces it for the fit's duration.
         self.received, self._after_validation = None, False
+        self._saves = any(isinstance(callback, ModelCheckpoint) for callback in trainer.checkpoint_callbacks)
         for signum in SIGNALS:
             self._previous[signum] = signal.signal(signum, self._handle)
         self._launcher = trainer.strategy.launcher
@@ -116,8 +118,10 @@ class Preemption(L.Callback):
                 self._launcher.kill(signal.SIGKILL)  # the other ranks of this machine, wherever they wait
             os._exit(128 + signum)
         self.received = signum
-        print(f"{name} received: the run stops after the current step, with a checkpoint (send it again to stop "
-              "at once)", file=sys.stderr, flush=True)
+        saving = ("with a checkpoint" if self._saves else "without a checkpoint (no checkpoint callback is "
+                  "configured: trainer.enable_checkpointing)")
+        print(f"{name} received: the run stops after the current step, {saving} (send it again to stop at once)",
+              file=sys.stderr, flush=True)
 
     # ---- the step boundaries ------------------------------------------------------------------------------
 
