@@ -23,6 +23,7 @@ from rlhf_lightning.callbacks.progress import default_progress_bar
 from rlhf_lightning.callbacks.progress_lines import ProgressLines
 from rlhf_lightning.callbacks.run_report import RunReport, shown_path
 from rlhf_lightning.callbacks.validate_at_start import ValidateAtStart
+from rlhf_lightning.core.distributed import check_parallel_sizes
 from rlhf_lightning.errors import (
     condense_parser_error,
     config_file_problem,
@@ -36,6 +37,7 @@ from rlhf_lightning.model_card import write_model_card
 from rlhf_lightning.plots import main as plot_main
 from rlhf_lightning.plots import plot_run
 from rlhf_lightning.quiet import quiet_libraries
+from rlhf_lightning.rank_failures import rank_failures_reported
 from rlhf_lightning.resume import (
     class_mismatch,
     differences_warning,
@@ -147,6 +149,7 @@ class RLHFCLI(LightningCLI):
             rank_zero_warn(message)
 
     def _run_subcommand(self, subcommand: str) -> None:
+        check_parallel_sizes(self.trainer)  # before Lightning starts the other processes
         ckpt_path = self.config_init[subcommand].get("ckpt_path")
         if ckpt_path == "last":
             resolved = self.trainer._checkpoint_connector._parse_ckpt_path(
@@ -158,7 +161,8 @@ class RLHFCLI(LightningCLI):
             # Before the model is built: a fresh run must not write over another run's exports or checkpoints.
             refuse_overwrite(self.trainer, export_path(self.trainer, getattr(self.model, "hparams", {}).get(
                 "export_dir")))
-        super()._run_subcommand(subcommand)
+        with rank_failures_reported(self.trainer):  # one line on every rank when one fails or disappears
+            super()._run_subcommand(subcommand)
         reports = [callback for callback in self.trainer.callbacks if isinstance(callback, RunReport)]
         for report in reports:
             if not report.print_at_fit_end and report.summary_text:

@@ -71,12 +71,16 @@ def process_rank() -> int:
     return 0
 
 
+def error_message(error: BaseException) -> str:
+    """The message of a user error as the user reads it (a ``KeyError``'s quotes dropped)."""
+    return error.args[0] if isinstance(error, KeyError) and error.args else str(error)
+
+
 def one_line(error: BaseException) -> str:
-    """``error: <message>``, the line printed for a user error (a ``KeyError``'s quotes dropped); the other ranks
-    of a distributed run prefix theirs with ``[rank N]``, so that the job's log holds one ``error:`` line."""
-    message = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
+    """``error: <message>``, the line printed for a user error; the other ranks of a distributed run prefix theirs
+    with ``[rank N]``, so that the job's log holds one ``error:`` line."""
     rank = process_rank()
-    return f"{f'[rank {rank}] ' if rank else ''}error: {message}"
+    return f"{f'[rank {rank}] ' if rank else ''}error: {error_message(error)}"
 
 
 def config_files(argv: list[str]) -> list[str]:

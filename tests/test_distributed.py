@@ -25,6 +25,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -207,28 +208,34 @@ def test_under_fsdp2_each_rank_holds_half_of_the_base(results, stage):
         assert share <= 0.5 * total * 1.05, (share, total)
 
 
-def checkpointed_grpo(model_dir: Path, reward_dir: Path, directory: Path) -> list[str]:
-    """Four GRPO iterations under FSDP2 on two ranks, a checkpoint after each."""
+def checkpointed_grpo(model_dir: Path, reward_dir: Path, strategy: str = "fsdp2") -> list[str]:
+    """Four GRPO iterations in one process (``single``) or on two ranks (``ddp``, ``fsdp2``), on the same global
+    batch; the checkpoint callbacks are the run's (:func:`iteration_checkpoints`)."""
     config, overrides, batch, _ = stages(model_dir, reward_dir)["grpo"]
-    args = ["--config", str(REPO / "configs" / config), *COMMON, *overrides, f"--data.init_args.batch_size={batch // 2}",
+    ranks = 1 if strategy == "single" else 2
+    return ["--config", str(REPO / "configs" / config), *COMMON, *overrides, f"--data.init_args.batch_size={batch // ranks}",
             "--trainer.enable_checkpointing=true", "--trainer.limit_train_batches=4", "--trainer.limit_val_batches=0",
-            "--model.init_args.sharded_rollout=gathered", "--model.init_args.export_dir=null", *STRATEGIES["fsdp2"]]
-    return args
+            "--model.init_args.sharded_rollout=gathered", "--model.init_args.export_dir=null",
+            *STRATEGIES.get(strategy, ["--trainer.devices=1"])]
+
+
+def iteration_checkpoints(directory: Path) -> dict:
+    """A checkpoint after every iteration in ``directory``, every one kept (``epoch=0-step=<2 x iteration>.ckpt``:
+    two optimizer steps per iteration), and ``last.ckpt``."""
+    return {"class_path": "rlhf_lightning.callbacks.IterationCheckpoint",
+            "init_args": {"dirpath": str(directory), "every_n_iterations": 1, "save_last": True, "save_top_k": -1,
+                          "enable_version_counter": False}}
 
 
 @pytest.mark.slow
 def test_fsdp2_resume_after_kill_9_is_exact(tiny_model_dir, reward_dir, tmp_path):
     """Both ranks killed with SIGKILL in the middle of iteration 3's update; resumed with ``--ckpt_path last``, the
     run logs the values and reaches the weights of an uninterrupted run; its checkpoints hold no base weight."""
-    args = checkpointed_grpo(tiny_model_dir, reward_dir, tmp_path)
-    checkpoint = {"class_path": "rlhf_lightning.callbacks.IterationCheckpoint",
-                  "init_args": {"every_n_iterations": 1, "save_last": True, "save_top_k": -1,
-                                "enable_version_counter": False}}
+    args = checkpointed_grpo(tiny_model_dir, reward_dir)
 
     def plan(name: str, *extra: dict, resume: bool = False) -> list[dict]:
-        directory = {**checkpoint, "init_args": {**checkpoint["init_args"], "dirpath": str(tmp_path / name)}}
         return [{"args": [*args, *(["--ckpt_path=last"] if resume else [])], "out": str(tmp_path / f"{name}.pt"),
-                 "callbacks": [directory, *extra]}]
+                 "callbacks": [iteration_checkpoints(tmp_path / name), *extra]}]
 
     run_all(plan("uninterrupted"), tmp_path, "uninterrupted")
     runs_file = tmp_path / "killed.json"
@@ -263,6 +270,61 @@ def test_fsdp2_resume_after_kill_9_is_exact(tiny_model_dir, reward_dir, tmp_path
           "tensors compared with the uninterrupted run: 0 differ (bit for bit)")
 
 
+def largest_differences(full: dict, resumed: dict) -> dict[str, float]:
+    """Asserts that ``resumed`` (a run resumed from a checkpoint of another layout) continues ``full`` (the
+    uninterrupted run in one process) within the equivalence tolerance: its logged values, the gradients of its
+    optimizer steps and its final weights (the metrics that are per-rank means by design excepted); returns the
+    largest absolute difference of each."""
+    metrics = full["metrics"][-len(resumed["metrics"]):]
+    gradients = full["gradients"][-len(resumed["gradients"]):]
+    assert resumed["metrics"] and len(resumed["gradients"]) == 2 * len(resumed["metrics"])
+    largest = {"metrics": 0.0, "gradients": 0.0, "weights": 0.0}
+    for expected, actual in zip(metrics, resumed["metrics"], strict=True):
+        assert expected.keys() == actual.keys()
+        for name, value in expected.items():
+            if not name.endswith(PER_RANK):
+                assert actual[name] == pytest.approx(value, rel=1e-4, abs=1e-6), name
+                largest["metrics"] = max(largest["metrics"], abs(actual[name] - value))
+    for expected, actual in zip(gradients, resumed["gradients"], strict=True):
+        assert expected.keys() == actual.keys() and expected
+        for name, value in expected.items():
+            assert close(actual[name], value, 1e-4, 1e-6), name
+            largest["gradients"] = max(largest["gradients"], float((actual[name] - value).abs().max()))
+    assert full["weights"].keys() == resumed["weights"].keys()
+    for name, value in full["weights"].items():
+        assert close(resumed["weights"][name], value, 1e-5, 1e-5), name
+        largest["weights"] = max(largest["weights"], float((resumed["weights"][name] - value).abs().max()))
+    return largest
+
+
+@pytest.mark.slow
+def test_a_checkpoint_moves_between_one_process_and_two_ranks(tiny_model_dir, reward_dir, tmp_path):
+    """A GRPO checkpoint written in one process after iteration 2 resumes under DDP and under FSDP2 on two ranks,
+    and their checkpoints after iteration 3 resume in one process again: each resumed run continues the
+    uninterrupted one-process run (same logged values, gradients and final weights, to the tolerance of the
+    equivalence tests above: the ranks add their partial sums in another order)."""
+
+    def plan(name: str, strategy: str, ckpt_path: Path | None = None) -> dict:
+        return {"args": [*checkpointed_grpo(tiny_model_dir, reward_dir, strategy),
+                         *([f"--ckpt_path={ckpt_path}"] if ckpt_path else [])],
+                "out": str(tmp_path / f"{name}.pt"), "callbacks": [iteration_checkpoints(tmp_path / name)]}
+
+    after = {iteration: f"epoch=0-step={2 * iteration}.ckpt" for iteration in (2, 3)}
+    run_all([plan("single", "single")], tmp_path, "single")
+    run_all([plan(strategy, strategy, tmp_path / "single" / after[2]) for strategy in STRATEGIES], tmp_path, "ranks")
+    run_all([plan(f"{strategy}-single", "single", tmp_path / strategy / after[3]) for strategy in STRATEGIES],
+            tmp_path, "back")
+
+    full = torch.load(tmp_path / "single.pt")
+    assert len(full["metrics"]) == 4
+    for name, iterations in [(strategy, 2) for strategy in STRATEGIES] + [(f"{s}-single", 1) for s in STRATEGIES]:
+        resumed = torch.load(tmp_path / f"{name}.pt")
+        assert len(resumed["metrics"]) == iterations, name
+        largest = largest_differences(full, resumed)
+        print(f"\n{name}: resumed {iterations} iteration(s); largest differences from the uninterrupted run: "
+              + ", ".join(f"{what} {value:.1e}" for what, value in largest.items()))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("devices, settings, error", [
     (1, ["data_parallel_size=1", "tensor_parallel_size=1", "save_distributed_checkpoint=false"], None),
@@ -272,6 +334,10 @@ def test_fsdp2_resume_after_kill_9_is_exact(tiny_model_dir, reward_dir, tmp_path
      "checkpoint, which the atomic checkpoints and the resume fallback do not cover; set "
      "trainer.strategy.init_args.save_distributed_checkpoint=false (the checkpoint holds only the adapters, heads "
      "and optimizer state, gathered on rank 0)"),
+    (2, ["data_parallel_size=4", "tensor_parallel_size=1", "save_distributed_checkpoint=false"],
+     "error: trainer.strategy.init_args.data_parallel_size=4 x tensor_parallel_size=1 does not match the world size 2 "
+     "(trainer.devices=2 x trainer.num_nodes=1); set data_parallel_size=2 and tensor_parallel_size=1: our modules "
+     "shard the base over data-parallel ranks"),
     (2, ["data_parallel_size=1", "tensor_parallel_size=2", "save_distributed_checkpoint=false"],
      "error: trainer.strategy ModelParallelStrategy with tensor_parallel_size=2: our modules shard the base with "
      "FSDP2 over data-parallel ranks and apply no tensor parallelism; set "
@@ -280,7 +346,8 @@ def test_fsdp2_resume_after_kill_9_is_exact(tiny_model_dir, reward_dir, tmp_path
 def test_model_parallel_settings_run_or_are_refused_in_one_line(tiny_model_dir, reward_dir, tmp_path, devices,
                                                                 settings, error):
     """FSDP2 over a world of one runs (a single GPU's case), in fp32 and in bf16-true (the plugin's conversion is
-    applied before sharding); folder checkpoints and tensor parallelism are refused before any weight is read."""
+    applied before sharding); folder checkpoints, sizes that do not multiply to the world size (refused before the
+    second process starts) and tensor parallelism are refused before any weight is read."""
     command = [sys.executable, "-m", "rlhf_lightning", "fit", "--config", str(REPO / "configs" / "grpo.yaml"), *COMMON,
                *stages(tiny_model_dir, reward_dir)["grpo"][1], "--data.init_args.batch_size=2",
                "--trainer.limit_val_batches=0", f"--trainer.devices={devices}", f"--trainer.strategy={MODEL_PARALLEL}",
@@ -297,3 +364,51 @@ def test_model_parallel_settings_run_or_are_refused_in_one_line(tiny_model_dir, 
         lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
         assert lines and set(lines) == {error}, result.stderr[-3000:]
         assert "Traceback" not in result.stderr
+
+
+FAILING_REWARD = """
+import os
+import signal
+import time
+
+
+def reward(prompts, completions, **columns):
+    if os.environ.get("LOCAL_RANK", "0") == "{rank}":
+        with open("failed_at", "w") as file:
+            file.write(str(time.time()))
+        {failure}
+    return [0.0] * len(completions)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, rank, failure, lines", [
+    ("ddp", 1, "raise ValueError('the reward service returned 503')",
+     ["[rank 1] error: iteration 1: the reward service returned 503",
+      "error: rank 1 failed: ValueError: iteration 1: the reward service returned 503"]),
+    ("fsdp2", 1, "os.kill(os.getpid(), signal.SIGKILL)",
+     ["error: rank 1 was killed by SIGKILL, without an error report"]),
+    ("fsdp2", 0, "return [1 / 0]",  # a bug: its traceback, printed by its own rank only
+     ["[rank 1] error: rank 0 failed: ZeroDivisionError: division by zero (its traceback is in that rank's output)"]),
+])
+def test_a_rank_that_fails_or_dies_is_named_in_one_line_by_every_rank(tiny_model_dir, tmp_path, strategy, rank,
+                                                                      failure, lines):
+    """A reward function that raises (or kills its process) on one rank of two: the rank that raised prints its own
+    error, every other rank one line naming it and its error (or how it ended), instead of gloo's traceback about a
+    closed connection; the job exits with status 1 within seconds."""
+    (tmp_path / "failing.py").write_text(FAILING_REWARD.format(rank=rank, failure=failure))
+    command = [sys.executable, "-m", "rlhf_lightning", "fit", "--config", str(REPO / "configs" / "grpo.yaml"), *COMMON,
+               *ONLINE, f"--model.init_args.base.name_or_path={tiny_model_dir}",
+               "--model.init_args.reward={class_path: rlhf_lightning.FunctionReward, init_args: {fn: failing.reward}}",
+               "--data.init_args.batch_size=2", "--trainer.limit_val_batches=0", "--model.init_args.export_dir=null",
+               f"--trainer.default_root_dir={tmp_path / 'run'}", "--trainer.callbacks=[]", *STRATEGIES[strategy]]
+    result = subprocess.run(command, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+                            text=True, timeout=300)
+    seconds = time.time() - float((tmp_path / "failed_at").read_text())
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert [line for line in result.stderr.splitlines() if "error:" in line] == lines, result.stderr[-3000:]
+    assert "Connection closed" not in result.stderr and "RuntimeError" not in result.stderr
+    tracebacks = result.stderr.count("Traceback")
+    assert tracebacks == (1 if "1 / 0" in failure else 0), result.stderr[-3000:]
+    assert seconds < 30, seconds  # no hang (gloo's timeout is 30 minutes): the measured time is printed below
+    print(f"\n{strategy}, rank {rank}: {failure}: the job ended {seconds:.1f} s after the failure")

@@ -47,3 +47,28 @@ def sharding_mesh(trainer: L.Trainer | None) -> Any | None:
             "trainer.strategy.init_args.save_distributed_checkpoint=false (the checkpoint holds only the "
             "adapters, heads and optimizer state, gathered on rank 0)")
     return mesh["data_parallel"]
+
+
+def check_parallel_sizes(trainer: L.Trainer) -> None:
+    """Refuse a ``ModelParallelStrategy`` whose ``data_parallel_size`` x ``tensor_parallel_size`` is not the number
+    of processes, before any process starts (Lightning finds it once every rank has started, and each prints its
+    traceback). ``auto`` counts as Lightning resolves it: ``num_nodes`` and ``devices``."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    strategy = trainer.strategy
+    if not isinstance(strategy, ModelParallelStrategy):
+        return
+    devices, nodes = strategy.num_processes, strategy.num_nodes
+    world = devices * nodes
+    # Lightning's attributes: the sizes are stored as given ("auto" or a number), not exposed.
+    sizes = {"data_parallel_size": (strategy._data_parallel_size, nodes),
+             "tensor_parallel_size": (strategy._tensor_parallel_size, devices)}
+    resolved = {name: auto if given == "auto" else int(given) for name, (given, auto) in sizes.items()}
+    if resolved["data_parallel_size"] * resolved["tensor_parallel_size"] == world:
+        return
+    shown = {name: f"auto ({resolved[name]})" if given == "auto" else str(given) for name, (given, _) in sizes.items()}
+    raise ValueError(
+        f"trainer.strategy.init_args.data_parallel_size={shown['data_parallel_size']} x tensor_parallel_size="
+        f"{shown['tensor_parallel_size']} does not match the world size {world} (trainer.devices={devices} x "
+        f"trainer.num_nodes={nodes}); set data_parallel_size={world} and tensor_parallel_size=1: our modules "
+        "shard the base over data-parallel ranks")

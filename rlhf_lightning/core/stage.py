@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from rlhf_lightning.core.distributed import sharding_mesh
+from rlhf_lightning.core.optimizer_ids import numbered_by_module_position
 from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer, position_limit
 from rlhf_lightning.models.sharding import build_sharded, local_tensor
 from rlhf_lightning.models.shared_base import SharedBase
@@ -293,6 +294,13 @@ class StageModule(L.LightningModule):
 
     # ---- checkpoints --------------------------------------------------------------------------------------
 
+    @property
+    def is_model_parallel(self) -> bool:
+        """Whether the fit runs under Lightning's ``ModelParallelStrategy`` (FSDP2), on any number of ranks."""
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        return self._trainer is not None and isinstance(self.trainer.strategy, ModelParallelStrategy)
+
     def checkpointed_keys(self) -> set[str]:
         """State-dict keys a checkpoint must hold: every parameter that trains."""
         return {name for name, parameter in self.named_parameters() if parameter.requires_grad}
@@ -303,6 +311,12 @@ class StageModule(L.LightningModule):
         # Under FSDP2 the state is gathered on rank 0; the other ranks hold an empty one.
         check_finite_weights(checkpoint["state_dict"], f"a checkpoint{where}")
         checkpoint["skipped_steps"] = self.skipped_steps
+        if "optimizer_states" in checkpoint and self._trainer is not None and not self.is_model_parallel:
+            # FSDP2's numbering of the optimizer's parameters (Lightning's own under FSDP2), so that a checkpoint of
+            # one process or DDP resumes under FSDP2 too
+            checkpoint["optimizer_states"] = [
+                numbered_by_module_position(state, optimizer, self)
+                for state, optimizer in zip(checkpoint["optimizer_states"], self.trainer.optimizers, strict=True)]
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         refusal = class_mismatch(self.trainer.ckpt_path if self._trainer else "(loaded)", checkpoint.get(CLASS_KEY),
