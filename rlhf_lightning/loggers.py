@@ -8,6 +8,7 @@ import netrc
 import os
 import shutil
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlparse
 
@@ -17,6 +18,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from rlhf_lightning.wandb_offline import has_history, wait_until_finished
 
 DEFAULT_HOST = "api.wandb.ai"
+GLOBAL_STEP = "trainer/global_step"  # the x-axis of every row, as Lightning's W&B logger names it
 FINISH_TIMEOUT_SECONDS = 60.0  # how long finalize waits for W&B's service process to write a finished run
 
 
@@ -115,6 +117,13 @@ class WandbLogger(LightningWandbLogger):
         """Write under the run folder when no ``save_dir`` was given."""
         if self.follows_run_folder and self._experiment is None:
             self.set_save_dir(run_folder)
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        """Lightning's, with the row's ``trainer/global_step`` taken from the module when it logs one (the optimizer
+        steps of the on-policy loop and of validation rows; Lightning's own step counts iterations there)."""
+        metrics = dict(metrics)
+        own = metrics.pop(GLOBAL_STEP, None)
+        super().log_metrics(metrics, step if own is None else int(own))
 
     def finalize(self, status: str) -> None:
         """Finish the W&B run when the Trainer is done, so its data is complete on disk before the next run in

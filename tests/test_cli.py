@@ -70,6 +70,10 @@ def test_tiny_sft_then_reward_run_end_to_end_with_wandb_logs(tmp_path, capsys):
 
     sft_keys = {"sft/loss", "sft/lr", "sft/tokens", "sft/val/loss", "sft/val/perplexity"}
     assert sft_keys <= logged_keys(tmp_path / "outputs/sft", sft_keys)
+    # the x-axis: the starting model's validation at step 0, then after steps 3 and 6; a batch's loss before its step
+    history = read_history(tmp_path / "outputs/sft")
+    assert [row["trainer/global_step"] for row in history if "sft/val/loss" in row] == [0, 3, 6]
+    assert [row["trainer/global_step"] for row in history if "sft/loss" in row] == [0, 1, 2, 3, 4, 5]
     reward_keys = {"rm/loss", "rm/accuracy", "rm/margin", "rm/reward_mean", "rm/reward_std", "rm/lr",
                    "rm/val/loss", "rm/val/accuracy", "rm/val/margin", "rm/val/reward_mean", "rm/val/reward_std",
                    "rm/val/gold_accuracy"}

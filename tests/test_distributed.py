@@ -84,6 +84,9 @@ def run_all(runs: list[dict], tmp_path: Path, name: str) -> None:
     result = subprocess.run([sys.executable, str(REPO / "tests" / "equivalence.py"), str(runs_file)], cwd=tmp_path,
                             env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
+    # A correct sharded run says nothing alarming (docs/scaling.md): no FSDP2 view warning, no sync_dist advice.
+    for alarming in ("returned a view tensor", "It is recommended to use `self.log("):
+        assert alarming not in result.stderr, result.stderr[result.stderr.index(alarming) - 300:][:1000]
 
 
 @pytest.fixture(scope="module")

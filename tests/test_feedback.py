@@ -227,3 +227,26 @@ def test_a_run_that_learns_is_not_warned(tiny_model_dir, reward_dir, tmp_path, c
         grpo_fit(tiny_model_dir, reward_dir, tmp_path, check)
     assert check.stalls == [] and not [w for w in caught if "not learning" in str(w.message)]
     assert "not learning" not in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_every_row_carries_the_iteration_and_the_optimizer_steps(tiny_model_dir, reward_dir, tmp_path):
+    """The documented x-axes: ``grpo/iteration`` on training and validation rows, ``trainer/global_step`` the
+    optimizer steps behind the row's values (the rollout's policy for a training row), from the starting policy's
+    validation (ValidateAtStart) on."""
+    from rlhf_lightning.callbacks import ValidateAtStart
+    from rlhf_lightning.loggers import WandbLogger
+    from rlhf_lightning.wandb_offline import read_history
+
+    module = make(GRPO, tiny_model_dir, reward_dir, epochs=2, num_minibatches=1)  # 2 optimizer steps per iteration
+    logger = WandbLogger(save_dir=str(tmp_path), offline=True)
+    trainer = L.Trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=1, val_check_interval=1,
+                        check_val_every_n_epoch=None, logger=logger, log_every_n_steps=1, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path,
+                        callbacks=[ValidateAtStart()])
+    trainer.fit(module, datamodule=prompts(module, n=24, batch_size=4, val_fraction=0.25))
+    rows = read_history(tmp_path)
+    validation = [(row["grpo/iteration"], row["trainer/global_step"]) for row in rows if "grpo/val/gold" in row]
+    training = [(row["grpo/iteration"], row["trainer/global_step"]) for row in rows if "grpo/loss/total" in row]
+    assert validation == [(0, 0), (1, 2), (2, 4)]
+    assert training == [(1, 0), (2, 2)]

@@ -211,7 +211,7 @@ class OnlineRL(ExperienceCollector):
             scheduler.step()
         self.log_dict({f"{self.metric_prefix}/skipped_steps": float(self.skipped_steps),
                        f"{self.metric_prefix}/iteration": float(self.iteration + 1)}, sync_dist=True)
-        self.log("step", float(self.steps_at_start))
+        self.log("trainer/global_step", float(self.steps_at_start))
 
     # ---- 4. update ----------------------------------------------------------------------------------------
 
@@ -336,7 +336,8 @@ class OnlineRL(ExperienceCollector):
         prefix = self.metric_prefix
         self.log_dict({f"{prefix}/{name}": value.float() for name, value in stats.items()}, sync_dist=True,
                       batch_size=experience.response_mask.shape[0])
-        self.log("step", float(self.steps_at_start))  # the row's trainer/global_step: optimizer steps, as offline
+        # The row's trainer/global_step (see StageModule.on_validation_epoch_end): optimizer steps, as offline.
+        self.log("trainer/global_step", float(self.steps_at_start))
         self.log_dict({"iteration": stats["iteration"], "reward": stats["objective/score"],
                        **({"kl": stats["objective/kl"]} if "objective/kl" in stats else {}),
                        **({"gold": stats["objective/gold"]} if "objective/gold" in stats else {})},

@@ -203,17 +203,18 @@ class StageModule(L.LightningModule):
         return self.hparams.get("nonfinite", "raise")
 
     def on_validation_epoch_end(self) -> None:
-        """Log where in the fit this validation is (subclasses log their metrics, then call this): ``step``, the
-        row's ``trainer/global_step``, is the optimizer steps so far (Lightning would log the count before the last
-        step for a validation inside the epoch), and the on-policy loop's rows get their x-axis
-        ``<prefix>/iteration``, the iterations done."""
+        """Log where in the fit this validation is (subclasses log their metrics, then call this): the row's
+        ``trainer/global_step`` is the optimizer steps so far (Lightning's logging step would be the count before the
+        last step for a validation inside the epoch, and the iterations for the on-policy loop;
+        :class:`~rlhf_lightning.loggers.WandbLogger` writes this value instead), and the on-policy loop's rows get
+        their x-axis ``<prefix>/iteration``, the iterations done."""
         if self._trainer is None or self.trainer.state.fn != "fit":
             return
-        position = {"step": float(self.global_step)}
+        position = {"trainer/global_step": float(self.global_step)}
         if not self.automatic_optimization:
             done = self.trainer.fit_loop.epoch_loop.batch_progress.total.processed
             position[f"{self.metric_prefix}/iteration"] = float(done)
-        self.log_dict(position)
+        self.log_dict(position, sync_dist=True)  # equal on every rank: sync_dist keeps Lightning's advice away
 
     def training_position(self) -> str:
         """Where training is, for messages: the optimizer step about to be made."""
