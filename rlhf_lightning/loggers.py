@@ -7,8 +7,8 @@ import contextlib
 import netrc
 import os
 import shutil
-from pathlib import Path
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 

@@ -9,6 +9,7 @@ restores every warning as Python shows it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import warnings
@@ -39,10 +40,8 @@ def show_warning(message, category, filename, lineno, file=None, line=None) -> N
     stream = file if file is not None else sys.stderr
     text = f"warning: {message}\n" if ours(filename) else warnings.formatwarning(message, category, filename, lineno,
                                                                                  line)
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # no stream to write to: as Python does, say nothing
         stream.write(text)
-    except (OSError, AttributeError):  # no stream to write to: as Python does, say nothing
-        pass
 
 
 def quiet_libraries() -> None:

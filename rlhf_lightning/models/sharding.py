@@ -27,9 +27,8 @@ base, and every rank starts from the same adapters and heads as a one-process ru
 
 from __future__ import annotations
 
-import warnings
-
 import contextlib
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
