@@ -170,13 +170,22 @@ class RLHFCLI(LightningCLI):
         if subcommand == "fit" and self.trainer.is_global_zero:
             export = getattr(self.model, "export_folder", None)
             if export is not None and Path(export).is_dir():
-                config = yaml.safe_load(self.parser.dump(self.config, skip_none=False))[subcommand]
-                write_model_card(self.trainer, self.model, self.argv, reports[0].change_text() if reports else "",
-                                 (config.get("data") or {}).get("init_args"))
+                try:
+                    config = yaml.safe_load(self.parser.dump(self.config, skip_none=False))[subcommand]
+                    write_model_card(self.trainer, self.model, self.argv,
+                                     reports[0].change_text() if reports else "",
+                                     (config.get("data") or {}).get("init_args"))
+                except Exception as error:  # noqa: BLE001 - the export is written: a card must not fail the run
+                    print(f"  model card: not written ({one_line(error).removeprefix('error: ')})", flush=True)
             print(f"  plots: {drawn_plots(self.trainer.default_root_dir)}", flush=True)
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> L.Trainer:
-        listed = list(config.get("callbacks") or []) + list(callbacks)
+        # A callback of the top-level groups (validate_at_start, not_learning) that the config also lists in
+        # trainer.callbacks is the config's: once.
+        configured = list(config.get("callbacks") or [])
+        callbacks = [c for c in callbacks if not (isinstance(c, ValidateAtStart | LearningCheck)
+                                                  and any(isinstance(o, type(c)) for o in configured))]
+        listed = configured + list(callbacks)
 
         def missing(kind: type) -> bool:
             return not any(isinstance(c, kind) for c in listed)

@@ -43,9 +43,10 @@ def model_card(trainer: L.Trainer, module: Any, argv: Sequence[str], change: str
     done = trainer.fit_loop.epoch_loop.batch_progress.total.processed
     unit = "batches" if module.automatic_optimization else "iterations"
     roles = sorted(path.name for path in Path(module.export_folder).iterdir() if path.is_dir())
+    built_from_config = module.base_spec.name_or_path is None  # a base built from an architecture: no folder
     lines = [
         "---",
-        f"base_model: {base}",
+        *([] if built_from_config else [f"base_model: {base}"]),
         "library_name: peft" if roles else "library_name: transformers",
         "tags:",
         "- rlhf_lightning",
@@ -55,7 +56,8 @@ def model_card(trainer: L.Trainer, module: Any, argv: Sequence[str], change: str
         f"# {module.metric_prefix}: trained with rlhf_lightning",
         "",
         f"- **Stage**: `{public_name(type(module))}`, {done} {unit}, {trainer.global_step} optimizer steps",
-        f"- **Base model**: `{base}`" + (f"; adapters here: {', '.join(f'`{r}/`' for r in roles)}" if roles else ""),
+        ("- **Base model**: built from its architecture" if built_from_config else f"- **Base model**: `{base}`")
+        + (f"; adapters here: {', '.join(f'`{r}/`' for r in roles)}" if roles else ""),
         f"- **Data**: `{public_name(type(datamodule))}`" + (
             " (" + ", ".join(f"{key}: {value}" for key, value in data_settings.items()) + ")" if data_settings else ""),
         f"- **Command**: `{command_line(argv)}`",

@@ -2,8 +2,8 @@
 
 ``python -m rlhf_lightning plot outputs/ppo`` draws them for any run folder; the command line draws them at the end
 of every ``fit`` (``<run folder>/plots/<stage>.png``). They are read back from the W&B run files the folder holds
-(offline runs, and the local copy of online ones), every run of the folder in order, so that a resumed run's curves
-continue its first part's.
+(offline runs, and the local copy of online ones): the folder's latest run and the runs it resumed, in order, so
+that a resumed run's curves continue its first part's.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
-from rlhf_lightning.wandb_offline import has_history, read_history
+from rlhf_lightning.wandb_offline import has_history, read_config, read_history
 
 # What a panel shows first, by metric name after ``<prefix>/`` (``val/<name>`` beside its training counterpart).
 PREFERRED = ("gold", "score", "kl", "loss", "accuracy", "gold_accuracy", "perplexity", "length", "eos_frac",
@@ -24,10 +24,22 @@ TRAINING_ONLY = ("objective/score", "objective/gold", "objective/kl", "loss", "l
 MAX_PANELS = 9
 
 
+def resumed(run_file: Path) -> bool:
+    """Whether the run of ``run_file`` continued a checkpoint (its command had a ``ckpt_path``)."""
+    config = read_config(run_file).get("cli") or {}
+    return bool(config.get("ckpt_path"))
+
+
 def run_files(folder: Path) -> list[Path]:
-    """The folder's W&B run files that logged something, oldest first."""
+    """The W&B run files of the folder's latest run, oldest first: its newest run that logged something, and the
+    runs it resumed (one before another while each resumed a checkpoint). A folder shared by fresh runs, as a
+    sweep's trials share theirs, gives only the latest."""
     files = sorted(folder.rglob("run-*.wandb"), key=lambda path: path.stat().st_mtime)
-    return [path for path in files if has_history(path)]
+    files = [path for path in files if has_history(path)]
+    chain = files[-1:]
+    while chain and resumed(chain[0]) and len(chain) < len(files):
+        chain.insert(0, files[-len(chain) - 1])
+    return chain
 
 
 def numeric_rows(folder: Path) -> list[dict[str, float]]:

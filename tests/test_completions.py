@@ -122,3 +122,20 @@ def test_the_progress_bar_shows_iteration_reward_kl_and_gold(tiny_run):
     assert shown["reward"] == pytest.approx(sum(last.scores) / len(last.scores), abs=1e-5)
     assert shown["gold"] == pytest.approx(sum(last.gold) / len(last.gold), abs=1e-5)
     assert shown["kl"] == pytest.approx(sum(last.kl) / len(last.kl), abs=1e-5)
+
+
+def test_a_final_table_that_cannot_be_sampled_is_a_warning_not_a_lost_run(tiny_run, tmp_path):
+    """The export comes after the final table: a failure to sample it (a reward service down, memory) warns."""
+    _, trainer, _ = tiny_run
+    module = trainer.lightning_module
+
+    def unavailable(prompts, batch_idx):
+        raise RuntimeError("the reward service returned 503")
+
+    module.sample_and_measure, original = unavailable, module.sample_and_measure
+    try:
+        with pytest.warns(UserWarning, match=r"^CompletionsTable: the final policy's table was not written "
+                                             r"\(RuntimeError: the reward service returned 503\)$"):
+            CompletionsTable().on_train_end(trainer, module)
+    finally:
+        module.sample_and_measure = original

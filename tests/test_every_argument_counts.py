@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import shutil
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +28,7 @@ import rlhf_lightning as rl
 from rlhf_lightning.algorithms.policy_losses import CISPO, Clip
 from rlhf_lightning.environments import Environment, Step, ToolEnvironment
 from rlhf_lightning.errors import accepted_arguments
+from rlhf_lightning.models.fingerprint import BASE_RECORD
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
 from rlhf_lightning.tasks.calculator import correct_answer
 from rlhf_lightning.tasks.synthetic import gold_rewards
@@ -219,7 +221,17 @@ def models(tiny_model_dir, reward_dir, calculator_model_dir, tmp_path_factory) -
             if "lora_B" in name:
                 parameter.normal_(0, 0.5)
     teacher = base.save_adapter("teacher", tmp_path_factory.mktemp("teacher"))
-    return {**folders, "reward": reward_dir, "teacher": reward_dir, "other teacher": teacher,
+
+    def unrecorded(adapter: Path) -> Path:
+        """A copy of ``adapter`` without the record of its base's weights: these adapters were trained on the tiny
+        base and serve the bases above on purpose (as an older export, they get the path check only)."""
+        copy = tmp_path_factory.mktemp(f"unrecorded-{adapter.name}") / adapter.name
+        shutil.copytree(adapter, copy)
+        (copy / BASE_RECORD).unlink(missing_ok=True)
+        return copy
+
+    reward = unrecorded(reward_dir)
+    return {**folders, "reward": reward, "teacher": reward, "other teacher": unrecorded(teacher),
             "calculator": calculator_model_dir}
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import lightning as L
 import pytest
+import torch
 
 from rlhf_lightning import GRPO, FunctionReward
 from rlhf_lightning.callbacks import LearningCheck, NotLearningError, ProgressLines, RunReport
@@ -232,8 +233,8 @@ def test_a_run_that_learns_is_not_warned(tiny_model_dir, reward_dir, tmp_path, c
 @pytest.mark.slow
 def test_every_row_carries_the_iteration_and_the_optimizer_steps(tiny_model_dir, reward_dir, tmp_path):
     """The documented x-axes: ``grpo/iteration`` on training and validation rows, ``trainer/global_step`` the
-    optimizer steps behind the row's values (the rollout's policy for a training row), from the starting policy's
-    validation (ValidateAtStart) on."""
+    optimizer steps taken by then, in agreement on every row, from the starting policy's validation
+    (ValidateAtStart) on."""
     from rlhf_lightning.callbacks import ValidateAtStart
     from rlhf_lightning.loggers import WandbLogger
     from rlhf_lightning.wandb_offline import read_history
@@ -249,4 +250,35 @@ def test_every_row_carries_the_iteration_and_the_optimizer_steps(tiny_model_dir,
     validation = [(row["grpo/iteration"], row["trainer/global_step"]) for row in rows if "grpo/val/gold" in row]
     training = [(row["grpo/iteration"], row["trainer/global_step"]) for row in rows if "grpo/loss/total" in row]
     assert validation == [(0, 0), (1, 2), (2, 4)]
-    assert training == [(1, 0), (2, 2)]
+    assert training == [(1, 2), (2, 4)]
+
+
+class ZeroGradient(L.LightningModule):
+    """A loss that does not depend on the weights: every gradient is 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        return (self.layer(batch) * 0.0).sum()
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.randn(16, 4), batch_size=2)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_under_gradient_accumulation_the_stall_spans_the_batches_it_took(tmp_path):
+    check = LearningCheck(patience=2)
+    trainer = L.Trainer(max_steps=3, accumulate_grad_batches=2, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path,
+                        callbacks=[check])
+    with pytest.warns(UserWarning, match=r"^\[ZeroGradient\] not learning: no gradient reached the trainable weights "
+                                         r"in batches 1-4: every optimizer step's gradient was 0"):
+        trainer.fit(ZeroGradient())
+    assert [(stall.first, stall.last) for stall in check.stalls] == [(1, 6)]
+    restored = LearningCheck()
+    restored.load_state_dict(check.state_dict())  # what a checkpoint keeps
+    assert restored.stalls == check.stalls

@@ -12,13 +12,14 @@ PACKAGE = Path(__file__).resolve().parents[1] / "rlhf_lightning"
 
 # bottom up: a module may import its own layer and the ones before it
 LAYERS = [
-    ("utils", "metrics", "optim", "resume", "run_folder", "timing", "wandb_offline"),  # no model, no data
+    ("utils", "metrics", "optim", "resume", "run_folder", "timing", "wandb_offline", "plots"),  # no model, no data
     ("algorithms", "ops", "tasks"),  # pure math, speed code, the embedded tasks
     ("models", "data", "environments"),  # the shared base and its roles; datasets and batches; tools, environments
     ("rollout", "rewards"),  # drawing tokens (sampler, engines, the turn loop); reward sources and how they combine
     ("core",),  # the LightningModules every stage shares
     ("ppo", "grpo", "rloo", "reinforce_pp", "distill", "online_dpo", "dpo", "kto", "sft", "reward_model"),  # one per stage
-    ("callbacks", "loggers", "errors", "rank_failures", "merge", "cli", "study", "__init__", "__main__"),  # around the modules
+    ("callbacks", "loggers", "errors", "rank_failures", "model_card", "quiet", "merge", "cli", "study", "__init__",
+     "__main__"),  # around the modules
 ]
 
 

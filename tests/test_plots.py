@@ -74,3 +74,28 @@ def test_the_plot_command_names_what_is_missing(tmp_path, capsys):
         main(["plot", str(tmp_path)])
     assert capsys.readouterr().err == (f"error: {tmp_path}: no W&B run with logged metrics to plot (was W&B "
                                        "disabled?)\n")
+
+
+def toy_run(folder, ckpt_path=None, seed=0) -> None:
+    """A Toy fit logging to an offline W&B run in ``folder``, its config recording ``ckpt_path`` as the CLI's does."""
+    torch.manual_seed(seed)
+    logger = WandbLogger(save_dir=str(folder), offline=True)
+    logger.experiment.config.update({"cli": {"ckpt_path": ckpt_path}})
+    trainer = L.Trainer(max_steps=4, limit_train_batches=4, limit_val_batches=1, log_every_n_steps=1, logger=logger,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        default_root_dir=folder)
+    trainer.fit(Toy())
+
+
+def test_a_folder_shared_by_fresh_runs_plots_the_latest_and_what_it_resumed(tmp_path):
+    from rlhf_lightning.plots import run_files
+
+    folder = tmp_path / "sweep"
+    toy_run(folder)  # a first trial
+    first = set(folder.rglob("run-*.wandb"))
+    toy_run(folder, seed=1)  # a second, fresh: the first is not part of it
+    second = set(folder.rglob("run-*.wandb")) - first
+    assert run_files(folder) == sorted(second)
+    toy_run(folder, ckpt_path="last", seed=2)  # the second trial resumed
+    third = set(folder.rglob("run-*.wandb")) - first - second
+    assert run_files(folder) == [*second, *third]

@@ -164,7 +164,7 @@ def test_a_kill_9_inside_a_validation_loses_no_validation(tiny_model_dir, reward
     assert full.returncode == 0, full.stderr[-3000:]
     killed = drive(tmp_path, "killed", [run(tmp_path, "killed", arguments, checkpoint(kind, 2),
                                             {"class_path": "tests.equivalence.KillInValidation",
-                                             "init_args": {"number": 2}})])
+                                             "init_args": {"number": 3}})])  # the starting policy's is the first
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     resumed = drive(tmp_path, "resumed", [run(tmp_path, "killed", arguments, checkpoint(kind, 2), resume=True)])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -174,9 +174,9 @@ def test_a_kill_9_inside_a_validation_loses_no_validation(tiny_model_dir, reward
         return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
     expected = validations("full")
-    assert [v["batch"] for v in expected] == [2, 4, 6] and all(len(v) > 2 for v in expected)
+    assert [v["batch"] for v in expected] == [0, 2, 4, 6] and all(len(v) > 2 for v in expected)
     logged = validations("killed")  # the killed run's, then the resumed run's
-    assert sorted({v["batch"] for v in logged}) == [2, 4, 6]  # every validation, none lost
+    assert sorted({v["batch"] for v in logged}) == [0, 2, 4, 6]  # every validation, none lost
     for record in logged:
         assert record == next(v for v in expected if v["batch"] == record["batch"])  # equal values
     assert_same_training(torch.load(tmp_path / "full.pt"), torch.load(tmp_path / "killed.pt"), 3, per_batch)

@@ -14,12 +14,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def command_line(tmp_path: Path, *arguments: str, warnings: str = "") -> subprocess.CompletedProcess:
+def command_line(tmp_path: Path, *arguments: str, warnings: str = "", **environment: str) -> subprocess.CompletedProcess:
     """``python -m rlhf_lightning`` as a user runs it, its output going to a file (not a terminal)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     return subprocess.run([sys.executable, "-m", "rlhf_lightning", *arguments], cwd=tmp_path, capture_output=True,
                           text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": warnings})
+                          env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": warnings, **environment})
 
 
 @pytest.mark.slow
@@ -44,7 +44,8 @@ def test_a_fit_in_a_log_file_prints_no_library_noise_and_our_warnings_in_one_lin
 def test_a_run_that_fails_before_logging_leaves_no_wandb_run(tmp_path):
     result = command_line(tmp_path, "fit", "--config", str(REPO / "configs" / "grpo.yaml"),
                           f"--model.init_args.base.name_or_path={tmp_path / 'no_model'}",
-                          "--trainer.default_root_dir=run")
+                          "--trainer.default_root_dir=run", WANDB_SILENT="false")
     assert result.returncode == 1
+    assert f"{tmp_path / 'run' / 'wandb' / 'offline-run-'}" in result.stderr  # W&B had started its run
     assert result.stderr.splitlines()[-1] == f"error: model folder {tmp_path / 'no_model'} does not exist"
     assert not (tmp_path / "run" / "wandb").exists(), sorted(path.name for path in (tmp_path / "run").rglob("*"))

@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from rlhf_lightning.core.experience import Samples
 from rlhf_lightning.utils.atomic_io import atomic_write
 
 COLUMNS = ["iteration", "prompt", "response", "score", "gold", "kl"]
+
+
+def shown(value: float) -> float | None:
+    """A number as the table shows it: 4 decimals, empty when not finite (JSON has no NaN)."""
+    value = float(value)
+    return round(value, 4) if math.isfinite(value) else None
 
 
 class CompletionsTable(L.Callback):
@@ -37,11 +45,13 @@ class CompletionsTable(L.Callback):
         max_rows: at most this many responses per table (the batch's prompts are already shuffled).
         key: the W&B key of the table; null = ``<module's metric prefix>/completions`` (``ppo/completions``,
             ``grpo/completions``...).
-        at_fit_end: a table of the final policy when the fit ends.
+        at_fit_end: a table of the final policy when the fit ends (a failure to sample it is a warning: the fit's
+            result is saved after it).
+        files: write each table as a file in the run folder too (the sweeps, whose trials share a folder, don't).
     """
 
     def __init__(self, every_n_iterations: int = 16, max_rows: int = 16, key: str | None = None,
-                 at_fit_end: bool = True) -> None:
+                 at_fit_end: bool = True, files: bool = True) -> None:
         if every_n_iterations < 0 or max_rows < 1:
             raise ValueError(f"every_n_iterations must be >= 0 and max_rows >= 1, got {every_n_iterations}, "
                              f"{max_rows}")
@@ -49,6 +59,7 @@ class CompletionsTable(L.Callback):
         self.max_rows = max_rows
         self.key = key
         self.at_fit_end = at_fit_end
+        self.files = files
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -61,8 +72,15 @@ class CompletionsTable(L.Callback):
         if not self.at_fit_end or not hasattr(pl_module, "last_samples"):
             return
         done = trainer.fit_loop.epoch_loop.batch_progress.total.processed
-        # Every rank samples (a sharded model's forward passes are collective); rank 0 writes.
-        self.write(trainer, pl_module, self.final_samples(trainer, pl_module, done))
+        # Every rank samples (a sharded model's forward passes are collective); rank 0 writes. The export comes
+        # after this hook: nothing here may lose it.
+        try:
+            samples = self.final_samples(trainer, pl_module, done)
+        except Exception as error:  # noqa: BLE001 - a table must not cost the run its export
+            rank_zero_warn(f"CompletionsTable: the final policy's table was not written ({type(error).__name__}: "
+                           f"{error})")
+            return
+        self.write(trainer, pl_module, samples)
 
     def final_samples(self, trainer: L.Trainer, pl_module: Any, iteration: int) -> Samples:
         """One response of the final policy to each prompt of the first held-out batch (else training batch)."""
@@ -75,8 +93,10 @@ class CompletionsTable(L.Callback):
             from rlhf_lightning.rollout.episodes import transcript_text
 
             texts = [transcript_text(pl_module.tokenizer, episode) for episode in rollout.episodes]
-        gold = values.get("gold")
-        return Samples(iteration, list(prompts["prompt"]), texts, values["score"].tolist(), values["kl"].tolist(),
+        gold, scores = values.get("gold"), values["score"].tolist()
+        if len(scores) != len(texts):  # rows with a non-finite score left out (nonfinite: skip): none is shown
+            scores = [float("nan")] * len(texts)
+        return Samples(iteration, list(prompts["prompt"]), texts, scores, values["kl"].tolist(),
                        None if gold is None else gold.tolist())
 
     def write(self, trainer: L.Trainer, pl_module: L.LightningModule, samples: Samples) -> None:
@@ -84,10 +104,11 @@ class CompletionsTable(L.Callback):
         if not trainer.is_global_zero:
             return
         rows = self.rows(samples)
-        path = Path(trainer.default_root_dir) / "completions" / f"iteration_{samples.iteration:04d}.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        text = "".join(json.dumps(dict(zip(COLUMNS, row, strict=True))) + "\n" for row in rows)
-        atomic_write(path, lambda file: file.write(text.encode()))
+        if self.files:
+            path = Path(trainer.default_root_dir) / "completions" / f"iteration_{samples.iteration:04d}.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            text = "".join(json.dumps(dict(zip(COLUMNS, row, strict=True))) + "\n" for row in rows)
+            atomic_write(path, lambda file: file.write(text.encode()))
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):
                 key = self.key or f"{getattr(pl_module, 'metric_prefix', 'ppo')}/completions"
@@ -99,7 +120,7 @@ class CompletionsTable(L.Callback):
         count = min(self.max_rows, len(samples.responses))
         gold = samples.gold if samples.gold is not None else [None] * len(samples.responses)
         return [
-            [samples.iteration, samples.prompts[i], samples.responses[i], round(float(samples.scores[i]), 4),
-             None if gold[i] is None else float(gold[i]), round(float(samples.kl[i]), 4)]
+            [samples.iteration, samples.prompts[i], samples.responses[i], shown(samples.scores[i]),
+             None if gold[i] is None else float(gold[i]), shown(samples.kl[i])]
             for i in range(count)
         ]

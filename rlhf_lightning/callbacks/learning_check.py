@@ -79,11 +79,22 @@ class LearningCheck(Callback):
         self.patience = patience
         self.action = action
         self.stalls: list[Stall] = []
-        self._streak = 0
+        self._streak = 0  # training batches in a row without a gradient (those that count)
+        self._streak_start = 0  # the first batch of the streak (batches of an accumulation window included)
         self._steps = self._learning_steps = 0  # in the current training batch
 
-    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.stalls, self._streak = [], 0
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # Before a checkpoint's state is loaded: a fit starts clean, a resumed one then takes its checkpoint's.
+        self.stalls, self._streak, self._streak_start = [], 0, 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Kept in checkpoints: a resumed fit goes on counting, and its summary still names earlier stalls."""
+        return {"stalls": [vars(stall).copy() for stall in self.stalls], "streak": self._streak,
+                "streak_start": self._streak_start}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.stalls = [Stall(**stall) for stall in state_dict.get("stalls", [])]
+        self._streak, self._streak_start = state_dict.get("streak", 0), state_dict.get("streak_start", 0)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -103,19 +114,21 @@ class LearningCheck(Callback):
                            batch_idx: int) -> None:
         if not self.patience:
             return
+        done = trainer.fit_loop.epoch_loop.batch_progress.total.processed
         if self._learning_steps:
-            self._streak = 0
+            self._streak, self._streak_start = 0, done + 1
             return
         # A batch of an accumulation window that takes no step says nothing; an iteration of the on-policy loop
         # whose steps were all skipped does.
         if not self._steps and pl_module.automatic_optimization:
             return
+        if not self._streak and self._streak_start < 1:
+            self._streak_start = 1
         self._streak += 1
-        done = trainer.fit_loop.epoch_loop.batch_progress.total.processed
         if self._streak < self.patience:
             return
         if self._streak == self.patience:
-            self.stalls.append(Stall(done - self.patience + 1, done, self.cause(trainer, pl_module)))
+            self.stalls.append(Stall(self._streak_start, done, self.cause(trainer, pl_module)))
         self.stalls[-1].last = done
         if self._streak == self.patience:
             line = self.message(pl_module, self.stalls[-1])

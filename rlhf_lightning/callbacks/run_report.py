@@ -74,6 +74,9 @@ class RunReport(Callback):
         self._started = time.monotonic()
         self._held_out, self._validated_after = {}, None
 
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.at_start = {}  # before a checkpoint's state is loaded: a resumed fit then takes its checkpoint's
+
     def state_dict(self) -> dict[str, Any]:
         return {"at_start": dict(self.at_start)}
 

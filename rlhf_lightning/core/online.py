@@ -21,8 +21,8 @@ would in one batch.
 Manual optimization: ``trainer.global_step`` counts optimizer steps (iterations x epochs x num_minibatches, fewer
 when ``target_kl`` stops the epochs early). Metrics are logged per iteration (training batch); every row, training
 and validation, carries the x-axis ``<prefix>/iteration`` (iterations done, this one included) and, as
-``trainer/global_step``, the optimizer steps the policy had taken when the row's values were measured (at the
-rollout for a training row: as the offline stages' rows, whose loss is that of the weights before their step). Bound a run with ``trainer.max_epochs`` over the prompt set or
+``trainer/global_step``, the optimizer steps taken by then, so that the two agree on every row. A training row's
+rollout statistics are those of the policy the iteration started from (iteration - 1 updates). Bound a run with ``trainer.max_epochs`` over the prompt set or
 ``trainer.limit_train_batches``.
 """
 
@@ -118,7 +118,6 @@ class OnlineRL(ExperienceCollector):
         checks.one_of("lr_schedule", lr_schedule, get_args(Schedule))
         checks.one_of("nonfinite", nonfinite, get_args(NonFinite))
         self.automatic_optimization = False
-        self.steps_at_start = 0  # optimizer steps before the current iteration
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
@@ -162,7 +161,6 @@ class OnlineRL(ExperienceCollector):
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         start = time.perf_counter()
-        self.steps_at_start = self.global_step  # the rows' trainer/global_step: steps behind the rollout's policy
         self.sampler.seeds.start_iteration(self.iteration, self.global_rank)
         try:
             experience, stats = self.rollout(batch["prompts"])  # steps 1 to 3
@@ -211,7 +209,7 @@ class OnlineRL(ExperienceCollector):
             scheduler.step()
         self.log_dict({f"{self.metric_prefix}/skipped_steps": float(self.skipped_steps),
                        f"{self.metric_prefix}/iteration": float(self.iteration + 1)}, sync_dist=True)
-        self.log("trainer/global_step", float(self.steps_at_start))
+        self.log("trainer/global_step", float(self.global_step))
 
     # ---- 4. update ----------------------------------------------------------------------------------------
 
@@ -336,8 +334,9 @@ class OnlineRL(ExperienceCollector):
         prefix = self.metric_prefix
         self.log_dict({f"{prefix}/{name}": value.float() for name, value in stats.items()}, sync_dist=True,
                       batch_size=experience.response_mask.shape[0])
-        # The row's trainer/global_step (see StageModule.on_validation_epoch_end): optimizer steps, as offline.
-        self.log("trainer/global_step", float(self.steps_at_start))
+        # The row's trainer/global_step (see StageModule.on_validation_epoch_end): the optimizer steps once this
+        # iteration is done, as <prefix>/iteration counts it done.
+        self.log("trainer/global_step", float(self.global_step))
         self.log_dict({"iteration": stats["iteration"], "reward": stats["objective/score"],
                        **({"kl": stats["objective/kl"]} if "objective/kl" in stats else {}),
                        **({"gold": stats["objective/gold"]} if "objective/gold" in stats else {})},

@@ -120,6 +120,7 @@ def ppo_arguments(config: str | Path, sft_model: str | Path, reward_adapter: str
         f"--trainer.val_check_interval={eval_every}",
         "--trainer.check_val_every_n_epoch=null",
         "--trainer.num_sanity_val_steps=0",
+        "--validate_at_start.enabled=false",  # the study measures the SFT policy itself (its baseline points)
         "--trainer.max_steps=-1",
         *overrides,
     ]
