@@ -202,6 +202,12 @@ class StageModule(L.LightningModule):
         """``raise`` (the default) or ``skip``: what a non-finite loss, gradient or reward does."""
         return self.hparams.get("nonfinite", "raise")
 
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # Every training row names its step too (the value Lightning would log), so that the logged names are the
+        # same on every row, resumed or not; the on-policy loop logs its own when its iteration ends.
+        if self.automatic_optimization:
+            self.log("trainer/global_step", float(self.global_step))
+
     def on_validation_epoch_end(self) -> None:
         """Log where in the fit this validation is (subclasses log their metrics, then call this): the row's
         ``trainer/global_step`` is the optimizer steps so far (Lightning's logging step would be the count before the
