@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -28,6 +28,7 @@ from rlhf_lightning.errors import (
     condense_parser_error,
     config_file_problem,
     config_files,
+    error_message,
     one_line,
     user_error,
     want_traceback,
@@ -135,8 +136,7 @@ class RLHFCLI(LightningCLI):
 
     def check_checkpoint_against_config(self, subcommand: str, ckpt_path: str) -> None:
         """Refuse a checkpoint of another module class; warn with the list of model arguments that differ."""
-        model = yaml.safe_load(self.parser.dump(self.config, skip_none=False, skip_link_targets=False))[subcommand]
-        model = model.get("model") or {}
+        model = self.resolved_config(subcommand).get("model") or {}
         model_class = import_class(model.get("class_path", ""))
         checkpoint = load_for_comparison(ckpt_path)
         if model_class is not None:
@@ -147,6 +147,10 @@ class RLHFCLI(LightningCLI):
         message = differences_warning(ckpt_path, hparam_differences(saved, model.get("init_args") or {}))
         if message:
             rank_zero_warn(message)
+
+    def resolved_config(self, subcommand: str) -> dict[str, Any]:
+        """The subcommand's config as the run saves it (every default filled in), as plain YAML data."""
+        return yaml.safe_load(self.parser.dump(self.config, skip_none=False, skip_link_targets=False))[subcommand]
 
     def _run_subcommand(self, subcommand: str) -> None:
         check_parallel_sizes(self.trainer)  # before Lightning starts the other processes
@@ -170,14 +174,15 @@ class RLHFCLI(LightningCLI):
         if subcommand == "fit" and self.trainer.is_global_zero:
             export = getattr(self.model, "export_folder", None)
             if export is not None and Path(export).is_dir():
-                try:
-                    config = yaml.safe_load(self.parser.dump(self.config, skip_none=False))[subcommand]
-                    write_model_card(self.trainer, self.model, self.argv,
-                                     reports[0].change_text() if reports else "",
-                                     (config.get("data") or {}).get("init_args"))
-                except Exception as error:  # noqa: BLE001 - the export is written: a card must not fail the run
-                    print(f"  model card: not written ({one_line(error).removeprefix('error: ')})", flush=True)
-            print(f"  plots: {drawn_plots(self.trainer.default_root_dir)}", flush=True)
+                problem = after_the_fit(lambda: write_model_card(
+                    self.trainer, self.model, self.argv, reports[0].change_text() if reports else "",
+                    (self.resolved_config(subcommand).get("data") or {}).get("init_args")))
+                if problem:
+                    print(f"  model card: not written ({problem})", flush=True)
+            paths: list[Path] = []
+            problem = after_the_fit(lambda: paths.extend(plot_run(self.trainer.default_root_dir)))
+            drawn = " · ".join(shown_path(path) for path in paths) or "none (no metric to plot)"
+            print(f"  plots: {f'none ({problem})' if problem else drawn}", flush=True)
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> L.Trainer:
         # A callback of the top-level groups (validate_at_start, not_learning) that the config also lists in
@@ -214,14 +219,14 @@ class RLHFCLI(LightningCLI):
         return trainer
 
 
-def drawn_plots(run_folder: str) -> str:
-    """Draw the run folder's curves (see :mod:`rlhf_lightning.plots`); the files, or why there are none. The
-    fit's result is already saved: a failure here is reported, never raised."""
+def after_the_fit(action: Callable[[], Any]) -> str | None:
+    """Run ``action`` (the model card, the pictures) once the fit's result is saved: why it failed, as a short
+    text, or None. Such extras never turn a finished fit into a failed one."""
     try:
-        paths = plot_run(run_folder)
-    except Exception as error:  # noqa: BLE001 - pictures must not turn a finished fit into a failed one
-        return f"none ({one_line(error).removeprefix('error: ')})"
-    return " · ".join(shown_path(path) for path in paths) or "none (no metric to plot)"
+        action()
+    except Exception as error:  # noqa: BLE001 - the run's result is already written
+        return error_message(error)
+    return None
 
 
 def main(args: Sequence[str] | None = None) -> None:

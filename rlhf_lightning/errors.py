@@ -196,6 +196,8 @@ EXPECTED_PATH = re.compile(r"Expected a path but (\S+) either not accessible or 
 # A class given by class_path for an argument typed as a factory (``environment: Callable[[], Environment]``).
 CALLABLE_CLASS = re.compile(r"expects a function or a callable class: (.+?)\. Got value: Namespace\(class_path='([^']+)'")
 NOT_A_SUBCLASS = re.compile(r"Expected '[^']+' to be a subclass of <class '([^']+)'>")
+
+
 def callable_class_problem(key: str, given: str, problem: str) -> str:
     """The one line for a class given by ``class_path`` to a factory argument: not a subclass of the base it must
     extend (what that base is and asks for), or a name its module does not have."""

@@ -15,6 +15,7 @@ from typing import Any
 import lightning as L
 
 from rlhf_lightning.callbacks.progress_lines import held_out, metric_text
+from rlhf_lightning.callbacks.run_shape import batches_done
 from rlhf_lightning.resume import class_path
 
 CARD = "README.md"
@@ -40,7 +41,7 @@ def model_card(trainer: L.Trainer, module: Any, argv: Sequence[str], change: str
     datamodule = trainer.datamodule
     data_settings = {key: value for key, value in (data_settings or {}).items()
                      if isinstance(value, str | int | float | bool)}
-    done = trainer.fit_loop.epoch_loop.batch_progress.total.processed
+    done = batches_done(trainer)
     unit = "batches" if module.automatic_optimization else "iterations"
     roles = sorted(path.name for path in Path(module.export_folder).iterdir() if path.is_dir())
     built_from_config = module.base_spec.name_or_path is None  # a base built from an architecture: no folder

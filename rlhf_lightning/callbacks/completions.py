@@ -11,6 +11,7 @@ import lightning as L
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from rlhf_lightning.callbacks.run_shape import batches_done
 from rlhf_lightning.core.experience import Samples
 from rlhf_lightning.utils.atomic_io import atomic_write
 
@@ -71,7 +72,7 @@ class CompletionsTable(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self.at_fit_end or not hasattr(pl_module, "last_samples"):
             return
-        done = trainer.fit_loop.epoch_loop.batch_progress.total.processed
+        done = batches_done(trainer)
         # Every rank samples (a sharded model's forward passes are collective); rank 0 writes. The export comes
         # after this hook: nothing here may lose it.
         try:

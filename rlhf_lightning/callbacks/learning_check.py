@@ -12,6 +12,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from rlhf_lightning.callbacks.run_shape import batches_done
 from rlhf_lightning.models.sharding import full_tensor
 
 Action = Literal["warn", "raise"]
@@ -24,11 +25,12 @@ class NotLearningError(RuntimeError):
 @dataclass(frozen=True)
 class Cause:
     """A reason for zero gradients that a logged metric shows: ``metric`` (after the module's prefix) at a value
-    for which ``applies`` holds."""
+    for which ``applies`` holds, in a module whose hyper-parameter ``setting`` (when named) is on."""
 
     metric: str
     applies: Callable[[float], bool]
     text: str
+    setting: str | None = None
 
 
 # In the order they are looked for; the first that applies names the stall.
@@ -39,7 +41,8 @@ CAUSES = (
     Cause("objective/tie_frac", lambda value: value >= 1.0,
           "the two responses of every pair scored alike, so no pair was ordered (check the reward source)"),
     Cause("response/eos_frac", lambda value: value <= 0.0,
-          "no response stopped: with mask_truncated_completions every response is masked (raise max_new_tokens)"),
+          "no response stopped: with mask_truncated_completions every response is masked (raise max_new_tokens)",
+          setting="mask_truncated_completions"),
 )
 
 
@@ -80,21 +83,21 @@ class LearningCheck(Callback):
         self.action = action
         self.stalls: list[Stall] = []
         self._streak = 0  # training batches in a row without a gradient (those that count)
-        self._streak_start = 0  # the first batch of the streak (batches of an accumulation window included)
+        self._last_learning = 0  # the last training batch that brought a gradient (0: none yet)
         self._steps = self._learning_steps = 0  # in the current training batch
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         # Before a checkpoint's state is loaded: a fit starts clean, a resumed one then takes its checkpoint's.
-        self.stalls, self._streak, self._streak_start = [], 0, 0
+        self.stalls, self._streak, self._last_learning = [], 0, 0
 
     def state_dict(self) -> dict[str, Any]:
         """Kept in checkpoints: a resumed fit goes on counting, and its summary still names earlier stalls."""
         return {"stalls": [vars(stall).copy() for stall in self.stalls], "streak": self._streak,
-                "streak_start": self._streak_start}
+                "last_learning": self._last_learning}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.stalls = [Stall(**stall) for stall in state_dict.get("stalls", [])]
-        self._streak, self._streak_start = state_dict.get("streak", 0), state_dict.get("streak_start", 0)
+        self._streak, self._last_learning = state_dict.get("streak", 0), state_dict.get("last_learning", 0)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -102,7 +105,7 @@ class LearningCheck(Callback):
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule,
                                  optimizer: torch.optim.Optimizer) -> None:
-        if not self.patience:
+        if not self.patience or self._learning_steps:  # one step with a gradient settles the batch
             return
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         # Sharded gradients are combined over the ranks (every rank calls this hook).
@@ -114,23 +117,19 @@ class LearningCheck(Callback):
                            batch_idx: int) -> None:
         if not self.patience:
             return
-        done = trainer.fit_loop.epoch_loop.batch_progress.total.processed
+        done = batches_done(trainer)
         if self._learning_steps:
-            self._streak, self._streak_start = 0, done + 1
+            self._streak, self._last_learning = 0, done
             return
         # A batch of an accumulation window that takes no step says nothing; an iteration of the on-policy loop
         # whose steps were all skipped does.
         if not self._steps and pl_module.automatic_optimization:
             return
-        if not self._streak and self._streak_start < 1:
-            self._streak_start = 1
         self._streak += 1
-        if self._streak < self.patience:
-            return
-        if self._streak == self.patience:
-            self.stalls.append(Stall(self._streak_start, done, self.cause(trainer, pl_module)))
-        self.stalls[-1].last = done
-        if self._streak == self.patience:
+        if self._streak > self.patience:
+            self.stalls[-1].last = done
+        elif self._streak == self.patience:
+            self.stalls.append(Stall(self._last_learning + 1, done, self.cause(trainer, pl_module)))
             line = self.message(pl_module, self.stalls[-1])
             if self.action == "raise":
                 raise NotLearningError(f"{line} (LearningCheck action: raise)")
@@ -143,9 +142,8 @@ class LearningCheck(Callback):
         metrics: Mapping[str, Any] = trainer.callback_metrics
         for cause in CAUSES:
             value = metrics.get(f"{prefix}/{cause.metric}")
-            if value is not None and cause.applies(float(value)):
-                if cause.metric == "response/eos_frac" and not pl_module.hparams.get("mask_truncated_completions"):
-                    continue
+            if (value is not None and cause.applies(float(value))
+                    and (cause.setting is None or pl_module.hparams.get(cause.setting))):
                 return f"{cause.text} ({prefix}/{cause.metric} {float(value):.4g})"
         skipped = metrics.get(f"{prefix}/skipped_steps")
         if skipped is not None and float(skipped) > 0:

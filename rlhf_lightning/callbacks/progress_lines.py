@@ -15,7 +15,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 
-from rlhf_lightning.callbacks.run_shape import step_bounded, training_batches
+from rlhf_lightning.callbacks.run_shape import batches_done, step_bounded, training_batches
 
 HIDDEN = ("v_num", "iteration")  # the line says these itself
 
@@ -79,14 +79,14 @@ class ProgressLines(Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._started = time.monotonic()
         self._last_line = -math.inf
-        self._first_batch = self.batches_done(trainer)  # resumed runs: the rate counts this process's batches
+        self._first_batch = batches_done(trainer)  # resumed runs: the rate counts this process's batches
         self._recent.clear()
         self._recent.append((self._started, self._first_batch, trainer.global_step))
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         now = time.monotonic()
-        done, total = self.batches_done(trainer), training_batches(trainer)
+        done, total = batches_done(trainer), training_batches(trainer)
         self._recent.append((now, done, trainer.global_step))
         last = (total is not None and done >= total) or (step_bounded(trainer)
                                                          and trainer.global_step >= trainer.max_steps)
@@ -100,11 +100,11 @@ class ProgressLines(Callback):
             return
         metrics = held_out(trainer.callback_metrics)
         if metrics:
-            where = f"after {unit(pl_module)} {self.batches_done(trainer)}"
+            where = f"after {unit(pl_module)} {batches_done(trainer)}"
             self.emit(trainer, f"[{self.prefix(pl_module)}] validation {where}: {metric_text(metrics)}")
 
     def progress_line(self, trainer: L.Trainer, pl_module: L.LightningModule, now: float) -> str:
-        done, total = self.batches_done(trainer), training_batches(trainer)
+        done, total = batches_done(trainer), training_batches(trainer)
         name = unit(pl_module)
         parts = [f"{name} {done}" + (f"/{total}" if total is not None else "")]
         if not step_bounded(trainer) and trainer.max_epochs not in (None, -1) and trainer.max_epochs > 1:
@@ -125,11 +125,6 @@ class ProgressLines(Callback):
         if training:
             parts.append(metric_text(training))
         return f"[{self.prefix(pl_module)}] " + " · ".join(parts)
-
-    @staticmethod
-    def batches_done(trainer: L.Trainer) -> int:
-        """Training batches processed in the whole fit (resumed ones included), the current one too."""
-        return trainer.fit_loop.epoch_loop.batch_progress.total.processed
 
     @staticmethod
     def prefix(pl_module: L.LightningModule) -> str:

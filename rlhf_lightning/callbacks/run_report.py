@@ -21,7 +21,7 @@ from rlhf_lightning.callbacks.progress_lines import (
     metric_text,
     unit,
 )
-from rlhf_lightning.callbacks.run_shape import validation_problem
+from rlhf_lightning.callbacks.run_shape import batches_done, validation_problem
 
 
 def shown_path(path: str | os.PathLike) -> str:
@@ -92,7 +92,7 @@ class RunReport(Callback):
         if trainer.sanity_checking or trainer.state.fn != "fit":
             return
         self._held_out = held_out(trainer.callback_metrics)
-        self._validated_after = ProgressLines.batches_done(trainer)
+        self._validated_after = batches_done(trainer)
         if self._validated_after == 0:
             self.at_start = dict(self._held_out)
 
@@ -106,7 +106,7 @@ class RunReport(Callback):
     def summary(self, trainer: L.Trainer, pl_module: L.LightningModule) -> str:
         """The end-of-fit summary (see the class)."""
         name = unit(pl_module)
-        done = ProgressLines.batches_done(trainer)
+        done = batches_done(trainer)
         lines = [f"[{ProgressLines.prefix(pl_module)}] fit ended: {done} {plural(name, done)}, "
                  f"{trainer.global_step} optimizer steps, {duration(time.monotonic() - self._started)}"]
         if self._held_out:

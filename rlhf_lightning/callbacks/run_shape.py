@@ -7,6 +7,11 @@ import math
 import lightning as L
 
 
+def batches_done(trainer: L.Trainer) -> int:
+    """Training batches processed in the whole fit (resumed ones included), the current one too."""
+    return trainer.fit_loop.epoch_loop.batch_progress.total.processed
+
+
 def step_bounded(trainer: L.Trainer) -> bool:
     """Whether the run ends at ``max_steps`` (``max_epochs`` left at -1, as the SFT, reward and DPO configs do)."""
     return trainer.max_epochs in (-1, None) and trainer.max_steps is not None and trainer.max_steps > 0

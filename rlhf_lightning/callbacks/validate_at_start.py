@@ -5,7 +5,7 @@ from __future__ import annotations
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 
-from rlhf_lightning.callbacks.run_shape import validation_problem
+from rlhf_lightning.callbacks.run_shape import batches_done, validation_problem
 
 
 class ValidateAtStart(Callback):
@@ -31,7 +31,7 @@ class ValidateAtStart(Callback):
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # After every on_train_start (the module's checks of the run folder, the preemption handler): at the
         # start of the first epoch of a fresh fit.
-        fresh = trainer.fit_loop.epoch_loop.batch_progress.total.processed == 0 and trainer.global_step == 0
+        fresh = batches_done(trainer) == 0 and trainer.global_step == 0
         # A fit whose interval exceeds its length validates never (RunReport warns): nothing to compare with.
         if not (self.enabled and fresh and trainer.enable_validation and validation_problem(trainer) is None):
             return

@@ -22,8 +22,8 @@ Manual optimization: ``trainer.global_step`` counts optimizer steps (iterations 
 when ``target_kl`` stops the epochs early). Metrics are logged per iteration (training batch); every row, training
 and validation, carries the x-axis ``<prefix>/iteration`` (iterations done, this one included) and, as
 ``trainer/global_step``, the optimizer steps taken by then, so that the two agree on every row. A training row's
-rollout statistics are those of the policy the iteration started from (iteration - 1 updates). Bound a run with ``trainer.max_epochs`` over the prompt set or
-``trainer.limit_train_batches``.
+rollout statistics are those of the policy the iteration started from (iteration - 1 updates). Bound a run with
+``trainer.max_epochs`` over the prompt set or ``trainer.limit_train_batches``.
 """
 
 from __future__ import annotations
@@ -166,10 +166,13 @@ class OnlineRL(ExperienceCollector):
             experience, stats = self.rollout(batch["prompts"])  # steps 1 to 3
         except SkipIteration as skipped:
             self.skip_iteration(str(skipped))
-            return
-        rollout_seconds = time.perf_counter() - start
-        stats.update(self.update(experience, batch.get("ptx")))  # 4. update
-        self.end_iteration(experience, stats, start, rollout_seconds)  # 5. log
+        else:
+            rollout_seconds = time.perf_counter() - start
+            stats.update(self.update(experience, batch.get("ptx")))  # 4. update
+            self.end_iteration(experience, stats, start, rollout_seconds)  # 5. log
+        # The row's trainer/global_step: the optimizer steps once the iteration is done (skipped or not), in
+        # agreement with <prefix>/iteration, which counts it done (Lightning's logging step would count iterations).
+        self.log("trainer/global_step", float(self.global_step))
 
     @torch.no_grad()
     def rollout(self, prompts: dict[str, Any]) -> tuple[Experience, Stats]:
@@ -209,7 +212,6 @@ class OnlineRL(ExperienceCollector):
             scheduler.step()
         self.log_dict({f"{self.metric_prefix}/skipped_steps": float(self.skipped_steps),
                        f"{self.metric_prefix}/iteration": float(self.iteration + 1)}, sync_dist=True)
-        self.log("trainer/global_step", float(self.global_step))
 
     # ---- 4. update ----------------------------------------------------------------------------------------
 
@@ -334,9 +336,6 @@ class OnlineRL(ExperienceCollector):
         prefix = self.metric_prefix
         self.log_dict({f"{prefix}/{name}": value.float() for name, value in stats.items()}, sync_dist=True,
                       batch_size=experience.response_mask.shape[0])
-        # The row's trainer/global_step (see StageModule.on_validation_epoch_end): the optimizer steps once this
-        # iteration is done, as <prefix>/iteration counts it done.
-        self.log("trainer/global_step", float(self.global_step))
         self.log_dict({"iteration": stats["iteration"], "reward": stats["objective/score"],
                        **({"kl": stats["objective/kl"]} if "objective/kl" in stats else {}),
                        **({"gold": stats["objective/gold"]} if "objective/gold" in stats else {})},

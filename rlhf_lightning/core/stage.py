@@ -203,8 +203,9 @@ class StageModule(L.LightningModule):
         return self.hparams.get("nonfinite", "raise")
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        # Every training row names its step too (the value Lightning would log), so that the logged names are the
-        # same on every row, resumed or not; the on-policy loop logs its own when its iteration ends.
+        # Every training row names its step too, so that the logged names are the same on every row, resumed or
+        # not: under automatic optimization the steps before the batch's own, as Lightning logs them (the on-policy
+        # loop logs its own in its training step).
         if self.automatic_optimization:
             self.log("trainer/global_step", float(self.global_step))
 
@@ -301,13 +302,6 @@ class StageModule(L.LightningModule):
 
     # ---- checkpoints --------------------------------------------------------------------------------------
 
-    @property
-    def is_model_parallel(self) -> bool:
-        """Whether the fit runs under Lightning's ``ModelParallelStrategy`` (FSDP2), on any number of ranks."""
-        from lightning.pytorch.strategies import ModelParallelStrategy
-
-        return self._trainer is not None and isinstance(self.trainer.strategy, ModelParallelStrategy)
-
     def checkpointed_keys(self) -> set[str]:
         """State-dict keys a checkpoint must hold: every parameter that trains."""
         return {name for name, parameter in self.named_parameters() if parameter.requires_grad}
@@ -318,7 +312,7 @@ class StageModule(L.LightningModule):
         # Under FSDP2 the state is gathered on rank 0; the other ranks hold an empty one.
         check_finite_weights(checkpoint["state_dict"], f"a checkpoint{where}")
         checkpoint["skipped_steps"] = self.skipped_steps
-        if "optimizer_states" in checkpoint and self._trainer is not None and not self.is_model_parallel:
+        if "optimizer_states" in checkpoint and self._trainer is not None and not self.model.is_sharded:
             # FSDP2's numbering of the optimizer's parameters (Lightning's own under FSDP2), so that a checkpoint of
             # one process or DDP resumes under FSDP2 too
             checkpoint["optimizer_states"] = [

@@ -13,9 +13,9 @@ WHOLE_NUMBER_PATTERN = _WHOLE_NUMBER.pattern
 
 
 def read_whole_number(value: Any) -> int:
-    """A sum as a data file may hold it: an integer (numpy's too), a float without a fraction (what parquet makes of an integer
-    column with a gap), or text of digits, with commas between groups of three ("154,616" is 154616). Anything
-    else is a ``ValueError`` saying what was expected."""
+    """A sum as a data file may hold it: an integer (numpy's too), a float without a fraction (what parquet makes of
+    an integer column with a gap), or text of digits, with commas between groups of three ("154,616" is 154616).
+    Anything else is a ``ValueError`` saying what was expected."""
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):  # numpy's integers too
         return int(value)
     if isinstance(value, float) and value.is_integer():
