@@ -1,0 +1,62 @@
+"""One JSON POST to a reward endpoint (a reward server, an OpenAI-compatible judge): a timeout per try, retries with
+exponential back-off on what may pass (no connection, a timeout, HTTP 429 and 5xx), and one line naming the endpoint
+when it does not.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+
+RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+
+
+class EndpointError(RuntimeError):
+    """An endpoint that did not answer, or answered something other than JSON, after every try; one line."""
+
+
+def _reason(error: httpx.HTTPError) -> str:
+    if isinstance(error, httpx.TimeoutException):
+        return f"no answer within the timeout ({type(error).__name__})"
+    if isinstance(error, httpx.ConnectError):
+        return "connection refused or host unreachable (is the server running?)"
+    return f"{type(error).__name__}: {error}"
+
+
+def post_json(url: str, payload: dict[str, Any], *, timeout: float = 60.0, retries: int = 3, backoff: float = 1.0,
+              headers: dict[str, str] | None = None, what: str = "endpoint",
+              client: httpx.Client | None = None) -> Any:
+    """POST ``payload`` as JSON to ``url`` and return the decoded JSON answer.
+
+    Up to ``1 + retries`` tries, ``timeout`` seconds each, waiting ``backoff * 2**k`` seconds before retry ``k``;
+    only what may pass is retried (no connection, a timeout, HTTP 408/429/5xx). Anything else (another 4xx, an
+    answer that is not JSON) fails at once. ``what`` names the endpoint's role in the error, e.g. ``"RemoteReward"``.
+    """
+    owned = client is None
+    client = client or httpx.Client()
+    last = ""
+    try:
+        for attempt in range(1 + retries):
+            if attempt:
+                time.sleep(backoff * 2 ** (attempt - 1))
+            try:
+                response = client.post(url, json=payload, headers=headers, timeout=timeout)
+            except httpx.HTTPError as error:
+                last = _reason(error)
+                continue
+            if response.status_code in RETRY_STATUS:
+                last = f"HTTP {response.status_code}: {response.text[:200].strip()}"
+                continue
+            if response.status_code >= 400:
+                raise EndpointError(f"{what} {url}: HTTP {response.status_code}: {response.text[:300].strip()}")
+            try:
+                return response.json()
+            except ValueError:
+                raise EndpointError(f"{what} {url}: the answer is not JSON: {response.text[:200]!r}") from None
+    finally:
+        if owned:
+            client.close()
+    tries = f"{1 + retries} tr{'y' if retries == 0 else 'ies'}"
+    raise EndpointError(f"{what} {url}: {last} ({tries}, timeout {timeout:g}s each)")
