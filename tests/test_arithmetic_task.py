@@ -112,4 +112,11 @@ def test_grpo_on_the_checker_through_the_cli(tmp_path):
     assert {"grpo/objective/score", "grpo/val/score", "grpo/val/gold"} <= keys
     accuracy = [float(row["grpo/val/gold"]) for row in rows if row.get("grpo/val/gold")]
     assert all(0.0 <= value <= 1.0 for value in accuracy)
+    # the config's pass_at_k (8 more responses per held-out problem): pass@k grows with k, maj@k is a share
+    names = ["pass@1", "pass@4", "pass@8", "maj@4", "maj@8"]
+    assert {f"grpo/val/{name}" for name in names} <= keys and "grpo/val/maj@1" not in keys
+    for row in (row for row in rows if row.get("grpo/val/pass@1")):
+        value = {name: float(row[f"grpo/val/{name}"]) for name in names}
+        assert value["pass@1"] <= value["pass@4"] <= value["pass@8"] <= 1.0
+        assert 0.0 <= value["maj@4"] <= 1.0 and 0.0 <= value["maj@8"] <= 1.0
     assert (tmp_path / "out/policy/adapter_model.safetensors").exists()

@@ -27,6 +27,7 @@ from rlhf_lightning import (
     UnpairedPreferenceDataModule,
 )
 from rlhf_lightning.cli import RLHFCLI
+from rlhf_lightning.core.pass_at_k import PassAtK
 from rlhf_lightning.errors import accepted_arguments, user_error
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
 
@@ -54,6 +55,8 @@ def bad_values(annotation) -> list[str]:
         return ["{r: 0}", "{alpha: -2}", "{bias: some}"]
     if annotation is BaseModelSpec:
         return ["{dtype: float8}"]
+    if annotation is PassAtK:
+        return ["{samples: 0}", "{samples: 4, k: [8]}", "{correct_at: nan}"]
     return []
 
 

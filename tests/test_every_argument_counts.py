@@ -26,6 +26,7 @@ import torch
 
 import rlhf_lightning as rl
 from rlhf_lightning.algorithms.policy_losses import CISPO, Clip
+from rlhf_lightning.core.pass_at_k import PassAtK
 from rlhf_lightning.environments import Environment, Step, ToolEnvironment
 from rlhf_lightning.errors import accepted_arguments
 from rlhf_lightning.models.fingerprint import BASE_RECORD
@@ -87,6 +88,7 @@ CASES: dict[str, Case] = {
     "seed_scope": case("prompt"),
     "gold_reward": case(gold_rewards),
     "export_dir": case("adapters", "fit"),
+    "pass_at_k": case(PassAtK(samples=2), "validation", gold_reward=gold_rewards),
     # collection
     "reward": case(rl.FunctionReward(gold_rewards)),
     "reward_weights": case([2.0]),
@@ -160,6 +162,7 @@ OFFLINE_CASES: dict[str, Case] = {
     **{name: dataclasses.replace(CASES[name], shows="fit") for name in (
         "max_new_tokens", "temperature", "stop_token", "seed", "seed_scope", "gold_reward", "base", "policy_lora",
         "export_dir", "nonfinite", "kv_cache", "decoding", "weight_decay", "adam_eps")},
+    "pass_at_k": dataclasses.replace(CASES["pass_at_k"], shows="fit"),
     "nonfinite": CASES["nonfinite"], "kv_cache": CASES["kv_cache"], "decoding": CASES["decoding"],
     "logprob_chunk": CASES["logprob_chunk"],
     "top_k": case(5, "fit"),
@@ -371,10 +374,22 @@ def nonfinite(module, setting: dict[str, Any]) -> str:
         return f"stopped: {type(error).__name__}"
 
 
+def validation(module, setting: dict[str, Any], directory: Path) -> dict[str, float]:
+    """The metrics of one validation batch of 4 held-out prompts (the on-policy family's fits validate nothing)."""
+    data = rl.PromptDataModule(synthetic_rows=8, batch_size=4, val_fraction=0.5)
+    data.tokenizer = module.tokenizer
+    data.setup("fit")
+    trainer = L.Trainer(limit_val_batches=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=directory)
+    trainer.validate(module, datamodule=data)
+    return {name: float(value) for name, value in trainer.callback_metrics.items()}
+
+
 OBSERVATIONS: dict[str, Callable[..., Any]] = {
     "engine": engine, "saved_for_backward": saved_for_backward, "nonfinite": nonfinite,
     "micro_batches": lambda module, setting, directory: fit_values(module, setting, directory)["phases"],
     "backward_passes": lambda module, setting, directory: fit_values(module, setting, directory)["phases"],
+    "validation": validation,
 }
 
 
@@ -400,7 +415,7 @@ def observe_once(cls: type, shows: str, models: dict[str, Path], setting: dict[s
     if shows == "fit":
         return fit_values(module, setting, directory)
     observation = OBSERVATIONS[shows]
-    return observation(module, setting, directory) if shows in ("micro_batches", "backward_passes") \
+    return observation(module, setting, directory) if shows in ("micro_batches", "backward_passes", "validation") \
         else observation(module, setting)
 
 

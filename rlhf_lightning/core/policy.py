@@ -21,6 +21,7 @@ from torch import Tensor
 from torchmetrics import MeanMetric
 
 from rlhf_lightning.core.experience import sequence_kl
+from rlhf_lightning.core.pass_at_k import PassAtK, answer_reader, pass_at_k_values
 from rlhf_lightning.core.stage import StageModule
 from rlhf_lightning.metrics import reset_metrics
 from rlhf_lightning.models.logprobs import predicting_hidden_states, token_logprobs
@@ -93,6 +94,9 @@ class PolicyModule(StageModule):
             memory of one layer, but one all-gather per layer per decoded token). Ignored without sharding.
         gold_reward: ``fn(prompts, responses) -> scores`` of the true reward when known (the synthetic task's
             ``gold_rewards``), measured on samples and logged; never used for training.
+        pass_at_k: pass@k and maj@k of several responses per held-out prompt, judged by ``gold_reward`` (a verifier,
+            e.g. ``rlhf_lightning.tasks.arithmetic.exact_match``), logged as ``val/pass@k`` and ``val/maj@k``;
+            ``samples: 1`` = off.
         export_dir: folder for the trained adapters (peft format) at the end of ``fit``, under the run folder
             (``trainer.default_root_dir``) unless absolute; null = do not export.
     """
@@ -117,6 +121,7 @@ class PolicyModule(StageModule):
         seed_scope: Literal["rank", "prompt"] = "rank",
         sharded_rollout: Literal["gathered", "per_layer"] = "gathered",
         gold_reward: GoldReward | None = None,
+        pass_at_k: PassAtK = PassAtK(),  # noqa: B008 (never mutated; the CLI shows it as the default)
         export_dir: str | None = None,
     ) -> None:
         check_sampling(max_new_tokens, temperature, top_k, top_p, kv_cache, logprob_chunk, decoding)
@@ -131,7 +136,14 @@ class PolicyModule(StageModule):
                                  if name not in self.hparams and name not in ("reward", "gold_reward", "environment")})
         self.policy_lora = without_dropout(policy_lora.check("policy_lora"), POLICY)
         self.gold_reward = gold_reward
-        self.val_metrics = torch.nn.ModuleDict({name: MeanMetric() for name in self.validation_metrics})
+        self.pass_at_k = pass_at_k.check()
+        if pass_at_k.enabled and gold_reward is None:
+            raise ValueError(f"pass_at_k.samples={pass_at_k.samples} needs gold_reward: pass@k and maj@k count the "
+                             "responses a verifier judges correct (e.g. rlhf_lightning.tasks.arithmetic.exact_match)")
+        names = [*self.validation_metrics]
+        if pass_at_k.enabled:
+            names += pass_at_k.metric_names(with_majority=answer_reader(gold_reward) is not None)
+        self.val_metrics = torch.nn.ModuleDict({name: MeanMetric() for name in names})
         self._sampler: Sampler | None = None
         self._rollouts: Rollouts | None = None
 
@@ -251,8 +263,22 @@ class PolicyModule(StageModule):
         batch ``batch_idx``'s fixed stream (training's left untouched), and its :meth:`sample_values` and
         :meth:`evaluate_extra` added to the validation metrics."""
         values, _, _ = self.sample_and_measure(prompts, batch_idx)
+        if self.pass_at_k.enabled:
+            values.update(self.sample_pass_at_k(prompts, batch_idx))
         self.record_validation(values)
         return values
+
+    @torch.no_grad()
+    def sample_pass_at_k(self, prompts: dict[str, Any], batch_idx: int) -> dict[str, Tensor]:
+        """pass@k (and maj@k, when the gold reward reads answers) per held-out prompt of ``prompts``, from
+        ``pass_at_k.samples`` responses each, drawn from a stream of their own (``purpose`` ``pass_at_k``)."""
+        n = self.pass_at_k.samples
+        with self.sampler.seeds.evaluation(batch_idx, self.global_rank, self.device, "pass_at_k"), \
+                self.sampler.gathered(self.model):
+            rollout = self.rollouts.run(self.model, POLICY, prompts, n, "pass_at_k")
+            texts = self.decode(rollout.responses, rollout.read_mask)
+        gold = self.gold_reward([prompt for prompt in prompts["prompt"] for _ in range(n)], texts)
+        return pass_at_k_values(self.pass_at_k, gold, texts, answer_reader(self.gold_reward))
 
     @torch.no_grad()
     def sample_and_measure(self, prompts: dict[str, Any], batch_idx: int,

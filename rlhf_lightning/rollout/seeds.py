@@ -41,11 +41,13 @@ class Seeds:
         torch.manual_seed(derive_seed(self.seed, "train", iteration, rank))
 
     @contextmanager
-    def evaluation(self, batch_idx: int, rank: int, device: torch.device) -> Iterator[None]:
-        """Evaluation batch ``batch_idx``'s fixed random stream, training's left untouched."""
+    def evaluation(self, batch_idx: int, rank: int, device: torch.device,
+                   purpose: str = "validation") -> Iterator[None]:
+        """Evaluation batch ``batch_idx``'s fixed random stream for ``purpose`` (the single validation response, or
+        pass@k's), training's left untouched."""
         devices = [device.index or 0] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(derive_seed(self.seed, "validation", batch_idx, rank))
+            torch.manual_seed(derive_seed(self.seed, purpose, batch_idx, rank))
             yield
 
     def rows(self, purpose: str, indices: Tensor | None, per_prompt: int = 1) -> list[int] | None:

@@ -80,6 +80,9 @@ def correct_answer(prompts: Sequence[str], completions: Sequence[str], answer: S
     return check_sums("correct_answer", prompts, completions, answer, parse_prompt, final_answer, "what is A + B ?")
 
 
+correct_answer.answer_of = final_answer  # maj@k in validation votes on the answers it reads (PassAtK)
+
+
 def _call(a: int, b: int) -> dict:
     return {"type": "function", "function": {"name": "add", "arguments": {"a": a, "b": b}}}
 
