@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlhf_lightning import JudgeReward
+from rlhf_lightning import SFT, JudgeReward
 from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer
 from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.models.spec import BaseModelSpec
@@ -25,7 +25,7 @@ from rlhf_lightning.rewards.http import EndpointError
 from rlhf_lightning.rewards.inputs import RewardInputs
 from rlhf_lightning.rewards.judge_parsers import expected_score, parse_label, parse_number
 from rlhf_lightning.rewards.judge_template import JudgeTemplate
-from tests.conftest import LORA
+from tests.conftest import LORA, built
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["the cat", "a robot", "my friend"]
@@ -165,6 +165,29 @@ def test_the_shared_base_judge_scores_as_the_hf_model_by_hand(tiny_model_dir, re
     assert torch.equal(torch.get_rng_state(), training_stream)  # greedy: no training random number drawn
     # each judge adapter is a role of the one base: no second copy of the weights
     assert base.adapters == (["policy", "judge", "labels"] if with_adapter else ["policy"])
+
+
+def test_the_sft_stage_exports_a_judge_adapter_for_the_same_base(tiny_model_dir, tmp_path, policy_base):
+    sft = built(SFT(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), lora=LORA, export_format="adapter"))
+    folder = sft.export(tmp_path / "adapters")
+    assert folder == tmp_path / "adapters" / "sft" and (folder / "adapter_config.json").is_file()
+    base, tokenizer = policy_base
+    JudgeReward(TEMPLATE, parser="logprob", labels=LABELS, adapter=str(folder), name="exported").setup(base, tokenizer)
+    assert "exported" in base.adapters
+    with pytest.raises(ValueError) as error:
+        SFT(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), export_format="adapter")
+    assert str(error.value) == "export_format: adapter exports the LoRA adapter; set lora (or export_format: merged)"
+
+
+def test_the_arithmetic_judge_config_reads_the_judge_rows_template():
+    import yaml
+
+    from rlhf_lightning.tasks.arithmetic_judge import JUDGE_TEMPLATE, VERDICTS, ArithmeticJudgeTask
+
+    judge = yaml.safe_load((REPO / "configs/arithmetic_grpo_judge.yaml").read_text())["model"]["init_args"]["reward"]
+    assert judge["init_args"]["template"] == JUDGE_TEMPLATE and judge["init_args"]["labels"] == VERDICTS
+    row = ArithmeticJudgeTask(seed=0).prompt_rows(2)[1]
+    assert row == {"prompt": "add 6 7 + 6 6 5", "answer": 732, "reference": "7 3 2"}
 
 
 # ---- an OpenAI-compatible endpoint on the loopback address ---------------------------------------------------
