@@ -167,6 +167,21 @@ def test_the_shared_base_judge_scores_as_the_hf_model_by_hand(tiny_model_dir, re
     assert base.adapters == (["policy", "judge", "labels"] if with_adapter else ["policy"])
 
 
+def test_a_judge_prompt_longer_than_the_model_is_cut_from_the_left(policy_base, tiny_model_dir):
+    base, tokenizer = policy_base
+    judge = JudgeReward("{prompt} {response} is", parser="logprob", labels=LABELS)
+    judge.setup(base, tokenizer)
+    long = inputs()
+    long.completions = ["the dog is very good and " * 20] * 3  # 120 words: the model has 64 positions
+    ids = tokenizer(judge.prompts(long)[0])["input_ids"][-64:]  # its end, where the question is
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    with torch.no_grad():
+        probabilities = model(input_ids=torch.tensor([ids])).logits[0, -1].softmax(-1)
+    good, bad = tokenizer.convert_tokens_to_ids(["good", "bad"])
+    expected = float(probabilities[good] / (probabilities[good] + probabilities[bad]))
+    assert judge.score(long).tolist() == pytest.approx([expected] * 3, abs=1e-5)
+
+
 def test_the_sft_stage_exports_a_judge_adapter_for_the_same_base(tiny_model_dir, tmp_path, policy_base):
     sft = built(SFT(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), lora=LORA, export_format="adapter"))
     folder = sft.export(tmp_path / "adapters")

@@ -70,7 +70,7 @@ class JudgeReward(RewardSource):
             send none.
         max_new_tokens: tokens of the judge's answer at most (greedy).
         max_length: an in-process judge's prompt is cut from the left to this many tokens; None = the judge
-            model's positions less ``max_new_tokens``.
+            model's positions less ``max_new_tokens`` (all of them for ``logprob``).
         batch_size: judge prompts per forward pass, or per ``/completions`` request.
         timeout: seconds an endpoint request may take, per try.
         retries: tries after the first on a connection error, timeout, HTTP 408/429/5xx.
@@ -166,7 +166,8 @@ class JudgeReward(RewardSource):
                                  "give each judge its own name")
             base.load_adapter(self.adapter, role, trainable=False)
         positions = getattr(base.hf_model.config, "max_position_embeddings", None) or 4096
-        max_length = self.max_length or positions - self.max_new_tokens
+        # logprob reads the next token's distribution and generates nothing: the prompt may fill every position
+        max_length = self.max_length or positions - (0 if self.parser == "logprob" else self.max_new_tokens)
         self.judge = LocalJudge(base, role, tokenizer, self.max_new_tokens, max_length, self.batch_size,
                                 f"JudgeReward {self.describe}")
         if self.parser == "logprob":
