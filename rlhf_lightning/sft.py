@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import get_args
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,9 @@ class SFT(StageModule):
         lr_schedule: decay after warm-up: ``constant``, ``linear`` or ``cosine`` (to 0 at the last step).
         export_dir: folder for the final model and tokenizer, under the run folder (``trainer.default_root_dir``)
             unless absolute; null = do not export.
+        export_format: ``merged``: a plain transformers model with the LoRA adapter merged in; ``adapter``: the LoRA
+            adapter alone, in peft format, in ``<export_dir>/sft`` (needs ``lora``), to be loaded onto this same
+            base, e.g. as a judge (``JudgeReward`` ``adapter``).
         nonfinite: what a NaN or infinite loss or gradient does: ``raise`` stops the run naming the step and the
             loss term or parameters; ``skip`` skips that optimizer step and counts it in ``sft/skipped_steps``.
     """
@@ -53,8 +56,12 @@ class SFT(StageModule):
         lr_schedule: Schedule = "constant",
         export_dir: str | None = None,
         nonfinite: NonFinite = "raise",
+        export_format: Literal["merged", "adapter"] = "merged",
     ) -> None:
         checks.check_optimizer("lr", lr, weight_decay, warmup_steps, lr_schedule)
+        checks.one_of("export_format", export_format, ("merged", "adapter"))
+        if export_format == "adapter" and lora is None:
+            raise ValueError("export_format: adapter exports the LoRA adapter; set lora (or export_format: merged)")
         checks.one_of("nonfinite", nonfinite, get_args(NonFinite))
         export_dir = checks.optional_str(export_dir)
         super().__init__(base)
@@ -116,7 +123,10 @@ class SFT(StageModule):
             self.export(self.export_folder)
 
     def export(self, directory: str | Path) -> Path:
-        """Write the fine-tuned model (adapter merged) and tokenizer as a transformers folder. In a distributed
-        fit every rank takes part (a sharded model is gathered) and rank 0 writes."""
+        """Write the fine-tuned model (adapter merged) and tokenizer as a transformers folder, or with
+        ``export_format: adapter`` the adapter alone (returns its folder). In a distributed fit every rank takes
+        part (a sharded model is gathered) and rank 0 writes."""
         with torch.no_grad():
+            if self.hparams.get("export_format", "merged") == "adapter":
+                return self.model.save_adapter(SFT_ADAPTER, directory, write=self.is_writer)
             return self.model.save_merged(self.adapter, directory, self.tokenizer, write=self.is_writer)

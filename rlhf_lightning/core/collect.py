@@ -231,6 +231,8 @@ class ExperienceCollector(PolicyModule):
         }
         if len(self.rewards.sources) > 1:
             stats.update({f"objective/{name}": value for name, value in self.rewards.statistics(source_scores).items()})
+        for source in self.rewards.sources:  # what a source counted while scoring (a judge's parse failures)
+            stats.update({f"objective/{key}": value for key, value in source.batch_metrics().items()})
         if kl is not None:
             stats["objective/kl"] = kl.mean()
         if entropy is not None:

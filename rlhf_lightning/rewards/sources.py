@@ -59,6 +59,11 @@ class RewardSource:
         """Scores ``[B]`` (float); NaN marks a response the source does not apply to."""
         raise NotImplementedError
 
+    def batch_metrics(self) -> dict[str, Tensor]:
+        """What the source counted in its latest :meth:`score` call (e.g. a judge's parse failures), logged by
+        each training iteration as ``objective/<key>``; nothing by default."""
+        return {}
+
 
 def _read_statistics(directory: Path) -> tuple[float, float] | None:
     path = directory / REWARD_STATS

@@ -1,5 +1,6 @@
 """The embedded tasks, built from a seed with no download: ``synthetic`` (a small language with a hidden gold
-reward), ``arithmetic`` (additions with a checkable answer) and ``calculator`` (large additions with a tool). ``dataset: <name>`` in a data module generates
+reward), ``arithmetic`` (additions with a checkable answer), ``calculator`` (large additions with a tool) and
+``arithmetic_judge`` (verdicts on arithmetic answers, to train a judge). ``dataset: <name>`` in a data module generates
 the task's rows and ``tokenizer: <name>`` in a base model builds its tokenizer."""
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from typing import Any
 # name -> (module, task class); each module also defines `build_tokenizer()`.
 _TASKS = {"synthetic": ("rlhf_lightning.tasks.synthetic", "SyntheticTask"),
           "arithmetic": ("rlhf_lightning.tasks.arithmetic", "ArithmeticTask"),
-          "calculator": ("rlhf_lightning.tasks.calculator", "CalculatorTask")}
+          "calculator": ("rlhf_lightning.tasks.calculator", "CalculatorTask"),
+          "arithmetic_judge": ("rlhf_lightning.tasks.arithmetic_judge", "ArithmeticJudgeTask")}
 TASKS = tuple(_TASKS)
 
 
