@@ -1,9 +1,10 @@
-"""Rewards: the sources that score responses (an adapter on the shared base, a separate model, Python functions),
-what they read, and how their scores combine."""
+"""Rewards: the sources that score responses (an adapter on the shared base, a separate model, Python functions, a
+reward server), what they read, and how their scores combine."""
 
 from rlhf_lightning.rewards.combine import RewardSet
 from rlhf_lightning.rewards.inputs import RewardInputs, reward_inputs
+from rlhf_lightning.rewards.remote import RemoteReward
 from rlhf_lightning.rewards.sources import AdapterReward, FunctionReward, ModelReward, RewardSource
 
-__all__ = ["AdapterReward", "FunctionReward", "ModelReward", "RewardInputs", "RewardSet", "RewardSource",
-           "reward_inputs"]
+__all__ = ["AdapterReward", "FunctionReward", "ModelReward", "RemoteReward", "RewardInputs", "RewardSet",
+           "RewardSource", "reward_inputs"]
