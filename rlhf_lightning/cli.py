@@ -257,7 +257,7 @@ def main(args: Sequence[str] | None = None) -> None:
         if argv[:1] == ["serve-reward"]:
             from rlhf_lightning.serving.command import main as serve_main
 
-            serve_main(argv[1:])
+            serve_main(argv[1:], OneLineArgumentParser)
             return
         RLHFCLI(args=None if args is None else argv)
     except SIGTERMException:

@@ -28,7 +28,7 @@ from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.rewards.inputs import RewardInputs, reward_inputs
 from rlhf_lightning.serving.command import require_serving
-from rlhf_lightning.serving.protocol import tokenizer_identity
+from rlhf_lightning.rewards.remote_protocol import tokenizer_identity
 from tests.served_sources import NAN_MARKER
 
 REPO = Path(__file__).resolve().parents[1]

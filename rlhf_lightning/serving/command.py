@@ -10,7 +10,7 @@ from types import FrameType
 from typing import Any
 
 import torch
-from jsonargparse import ActionConfigFile
+from jsonargparse import ActionConfigFile, ArgumentParser
 
 from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer, position_limit
 from rlhf_lightning.models.shared_base import SharedBase
@@ -101,11 +101,10 @@ def run_server(service: RewardService, host: str, port: int, max_batch_size: int
           f"{served['requests']} requests in {served['batches']} batches)", flush=True)
 
 
-def main(args: Sequence[str]) -> None:
-    """``serve-reward [--config FILE] --base ... --reward ...``: parsed like the rest of the command line."""
-    from rlhf_lightning.cli import OneLineArgumentParser
-
-    parser = OneLineArgumentParser(prog="python -m rlhf_lightning serve-reward",
+def main(args: Sequence[str], parser_class: type[ArgumentParser] = ArgumentParser) -> None:
+    """``serve-reward [--config FILE] --base ... --reward ...``, parsed by ``parser_class`` (the command line's
+    one-line-error parser, which it passes: importing it here would make the two modules import each other)."""
+    parser = parser_class(prog="python -m rlhf_lightning serve-reward",
                                    description=serve_reward.__doc__.split("\n\n")[0])
     parser.add_argument("--config", action=ActionConfigFile, help="a YAML file of these arguments")
     parser.add_function_arguments(serve_reward, as_group=False)

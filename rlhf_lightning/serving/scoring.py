@@ -14,7 +14,7 @@ from rlhf_lightning.data.tokenize import encode_completion, encode_prompt
 from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.rewards.inputs import RewardInputs
 from rlhf_lightning.rewards.sources import RewardSource
-from rlhf_lightning.serving.protocol import SCHEMA_VERSION, tokenizer_identity
+from rlhf_lightning.rewards.remote_protocol import SCHEMA_VERSION, tokenizer_identity
 
 
 class RequestError(ValueError):
@@ -70,7 +70,7 @@ class RewardService:
         return f"{self.source.name} ({type(self.source).__module__}.{type(self.source).__name__})"
 
     def info(self, max_batch_size: int) -> dict[str, Any]:
-        """``GET /info``: what a client checks at setup (see :mod:`rlhf_lightning.serving.protocol`)."""
+        """``GET /info``: what a client checks at setup (see :mod:`rlhf_lightning.rewards.remote_protocol`)."""
         stats = self.source.statistics
         return {
             "schema": SCHEMA_VERSION,
