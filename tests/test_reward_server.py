@@ -8,6 +8,7 @@ import csv
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -27,8 +28,8 @@ from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer
 from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.rewards.inputs import RewardInputs, reward_inputs
-from rlhf_lightning.serving.command import require_serving
 from rlhf_lightning.rewards.remote_protocol import tokenizer_identity
+from rlhf_lightning.serving.command import require_serving
 from tests.served_sources import NAN_MARKER
 
 REPO = Path(__file__).resolve().parents[1]
@@ -308,3 +309,28 @@ def test_a_ppo_fit_through_the_server_logs_the_in_process_scores(server, tiny_mo
         remote, local = float(row["ppo/objective/score/remote"]), float(row["ppo/objective/score/reward_model"])
         assert abs(remote - local) <= TOLERANCE
         assert float(row["ppo/objective/score"]) == pytest.approx(remote, abs=1e-6)  # trained on the server's
+
+
+def test_serve_reward_refusals_are_one_line(tiny_model_dir, reward_dir, tmp_path, capsys):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    adapter = f"{{class_path: rlhf_lightning.AdapterReward, init_args: {{path: {reward_dir}}}}}"
+    missing = f"{{class_path: rlhf_lightning.AdapterReward, init_args: {{path: {tmp_path}}}}}"
+    cases = [
+        (["--reward", adapter, "--port", str(port)], 1,
+         f"error: serve-reward cannot listen on 127.0.0.1:{port} (Address already in use): choose another --port "
+         "(0 = a free one) or --host"),
+        (["--reward", missing, "--port", "0"], 1,
+         f"error: reward adapter: {tmp_path}/adapter_config.json not found; run the reward stage first (python -m "
+         "rlhf_lightning fit --config configs/reward.yaml) or set reward.init_args.path"),
+        (["--reward", adapter, "--max_batch_size", "0"], 1, "error: max_batch_size must be an integer >= 1, got 0"),
+        (["--reward", adapter, "--port", "http"], 2, "error: port: Expected a <class 'int'>. Got value: http"),
+    ]
+    with taken:
+        for arguments, code, expected in cases:
+            with pytest.raises(SystemExit) as exit_info:
+                main(["serve-reward", f"--base.name_or_path={tiny_model_dir}", *arguments])
+            assert exit_info.value.code == code
+            assert [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")] == [expected]

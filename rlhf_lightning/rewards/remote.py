@@ -14,8 +14,8 @@ from transformers import PreTrainedTokenizerBase
 from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.rewards.http import EndpointError, get_json, post_json
 from rlhf_lightning.rewards.inputs import RewardInputs
-from rlhf_lightning.rewards.sources import RewardSource
 from rlhf_lightning.rewards.remote_protocol import INFO_KEYS, SCHEMA_VERSION, decode_score, tokenizer_identity
+from rlhf_lightning.rewards.sources import RewardSource
 from rlhf_lightning.utils import checks
 
 

@@ -4,6 +4,7 @@ and ``reward:`` arguments name them, and serve them over HTTP until Ctrl-C or SI
 from __future__ import annotations
 
 import signal
+import socket
 import sys
 from collections.abc import Sequence
 from types import FrameType
@@ -52,9 +53,25 @@ def serve_reward(base: BaseModelSpec, reward: RewardSource, host: str = "127.0.0
     checks.non_negative("max_wait_ms", max_wait_ms)
     checks.in_range("port", port, 0, 65535)
     require_serving()
-    service = load_service(base, reward, torch.device("cuda" if device == "auto" and torch.cuda.is_available()
-                                                      else "cpu" if device == "auto" else device))
-    run_server(service, host, port, max_batch_size, max_wait_ms / 1000)
+    listening = listen(host, port)  # before minutes of loading: a port in use fails now
+    with listening:
+        service = load_service(base, reward, torch.device("cuda" if device == "auto" and torch.cuda.is_available()
+                                                          else "cpu" if device == "auto" else device))
+        run_server(service, listening, max_batch_size, max_wait_ms / 1000)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (uvicorn listens on it); one line when it cannot be."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restarted server takes its port back at once
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        raise OSError(f"serve-reward cannot listen on {host}:{port} ({error.strerror or error}): choose another "
+                      "--port (0 = a free one) or --host") from None
+    return sock
 
 
 def load_service(spec: BaseModelSpec, source: RewardSource, device: torch.device) -> RewardService:
@@ -69,8 +86,9 @@ def load_service(spec: BaseModelSpec, source: RewardSource, device: torch.device
                          limit if learned else None)
 
 
-def run_server(service: RewardService, host: str, port: int, max_batch_size: int, max_wait: float) -> None:
-    """uvicorn serving ``service`` until a signal; one line when ready (the address), one when stopped."""
+def run_server(service: RewardService, listening: socket.socket, max_batch_size: int, max_wait: float) -> None:
+    """uvicorn serving ``service`` on the bound socket ``listening`` until a signal; one line when ready (the
+    address), one when stopped."""
     import uvicorn
 
     from rlhf_lightning.serving.app import make_app
@@ -92,9 +110,9 @@ def run_server(service: RewardService, host: str, port: int, max_batch_size: int
             getattr(self, "_captured_signals", []).clear()
 
     app = make_app(service, max_batch_size, max_wait)
-    server = Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
-    server.run()
-    if not server.started:  # uvicorn logged why (e.g. the port is taken)
+    server = Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    server.run(sockets=[listening])
+    if not server.started:  # uvicorn logged why
         sys.exit(1)
     served = service.served
     print(f"stopped serving {service.label} ({server.stopped_by}; served {served['rows']} rows of "

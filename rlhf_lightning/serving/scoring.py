@@ -13,8 +13,8 @@ from rlhf_lightning.data.collate import pad
 from rlhf_lightning.data.tokenize import encode_completion, encode_prompt
 from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.rewards.inputs import RewardInputs
-from rlhf_lightning.rewards.sources import RewardSource
 from rlhf_lightning.rewards.remote_protocol import SCHEMA_VERSION, tokenizer_identity
+from rlhf_lightning.rewards.sources import RewardSource
 
 
 class RequestError(ValueError):
@@ -66,15 +66,19 @@ class RewardService:
         self.served = {"requests": 0, "rows": 0, "batches": 0}
 
     @property
+    def source_class(self) -> str:
+        return f"{type(self.source).__module__}.{type(self.source).__name__}"
+
+    @property
     def label(self) -> str:
-        return f"{self.source.name} ({type(self.source).__module__}.{type(self.source).__name__})"
+        return f"{self.source.name} ({self.source_class})"
 
     def info(self, max_batch_size: int) -> dict[str, Any]:
         """``GET /info``: what a client checks at setup (see :mod:`rlhf_lightning.rewards.remote_protocol`)."""
         stats = self.source.statistics
         return {
             "schema": SCHEMA_VERSION,
-            "source": {"name": self.source.name, "class": f"{type(self.source).__module__}.{type(self.source).__name__}",
+            "source": {"name": self.source.name, "class": self.source_class,
                        "may_abstain": bool(getattr(self.source, "may_abstain", True))},
             "statistics": None if stats is None else {"mean": stats[0], "std": stats[1]},
             "tokenizer": tokenizer_identity(self.tokenizer),
