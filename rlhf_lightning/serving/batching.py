@@ -43,7 +43,7 @@ class Batcher:
             while sum(len(job.rows) for job in jobs) < self.max_batch_size and loop.time() < deadline:
                 try:
                     jobs.append(await asyncio.wait_for(self.queue.get(), deadline - loop.time()))
-                except TimeoutError:
+                except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11 on
                     break
             groups: dict[tuple[str, ...], list[Job]] = {}
             for job in jobs:
