@@ -41,7 +41,6 @@ LABEL = f"reward_model ({SERVED_CLASS})"
 @dataclass
 class Server:
     url: str
-    process: subprocess.Popen
 
     def served(self) -> dict[str, int]:
         return httpx.get(f"{self.url}/info").json()["served"]
@@ -63,7 +62,7 @@ def server(tiny_model_dir, reward_dir, tmp_path_factory) -> Iterator[Server]:
     if not ready.startswith(f"serving {LABEL} at http://127.0.0.1:"):
         process.kill()
         pytest.fail(f"no ready line: {ready!r}\n{process.communicate()[1][-3000:]}")
-    yield Server(ready.rsplit(" at ", 1)[1].strip(), process)
+    yield Server(ready.rsplit(" at ", 1)[1].strip())
     process.send_signal(signal.SIGTERM)
     out, err = process.communicate(timeout=60)
     assert process.returncode == 0, err[-3000:]
@@ -132,10 +131,13 @@ def test_scores_through_the_server_equal_the_in_process_adapter(server, tiny_mod
     scores = remote.score(inputs)
     assert scores.shape == (7,) and expected.std() > 0.01  # distinct scores, so that a row mix-up shows
     torch.testing.assert_close(scores, expected, rtol=0, atol=TOLERANCE)
-    # Text alone: the server encodes the prompt and completion itself, as the reward stage does.
-    answer = httpx.post(f"{server.url}/score", json={"prompts": inputs.prompts[:2],
-                                                      "completions": inputs.completions[:2]}).json()
-    assert len(answer["scores"]) == 2 and all(isinstance(value, float) for value in answer["scores"])
+    # Text alone (a client outside this package): the server encodes it as the reward stage encodes a completion,
+    # the prompt's tokens, the completion's, EOS.
+    text = {"prompts": inputs.prompts[:1], "completions": inputs.completions[:1]}
+    encoded = (tokenizer(text["prompts"][0])["input_ids"]
+               + tokenizer(text["completions"][0], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
+    from_text = httpx.post(f"{server.url}/score", json=text).json()["scores"]
+    assert from_text == httpx.post(f"{server.url}/score", json={**text, "input_ids": [encoded]}).json()["scores"]
 
 
 def test_concurrent_requests_are_scored_in_shared_batches(server, tokenizer):
