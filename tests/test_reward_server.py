@@ -320,19 +320,20 @@ def test_serve_reward_refusals_are_one_line(tiny_model_dir, reward_dir, tmp_path
     port = taken.getsockname()[1]
     adapter = f"{{class_path: rlhf_lightning.AdapterReward, init_args: {{path: {reward_dir}}}}}"
     missing = f"{{class_path: rlhf_lightning.AdapterReward, init_args: {{path: {tmp_path}}}}}"
+    base = f"--base.name_or_path={tiny_model_dir}"
     cases = [
-        (["--reward", adapter, "--port", str(port)], 1,
+        ([base, "--reward", adapter, "--port", str(port)], 1,
          f"error: serve-reward cannot listen on 127.0.0.1:{port} (Address already in use): choose another --port "
          "(0 = a free one) or --host"),
-        (["--reward", missing, "--port", "0"], 1,
+        (["--base", str(tiny_model_dir), "--reward", missing, "--port", "0"], 1,  # --base PATH: the model folder
          f"error: reward adapter: {tmp_path}/adapter_config.json not found; run the reward stage first (python -m "
          "rlhf_lightning fit --config configs/reward.yaml) or set reward.init_args.path"),
-        (["--reward", adapter, "--max_batch_size", "0"], 1, "error: max_batch_size must be an integer >= 1, got 0"),
-        (["--reward", adapter, "--port", "http"], 2, "error: port: Expected a <class 'int'>. Got value: http"),
+        ([base, "--reward", adapter, "--max_batch_size", "0"], 1, "error: max_batch_size must be an integer >= 1, got 0"),
+        ([base, "--reward", adapter, "--port", "http"], 2, "error: port: Expected a <class 'int'>. Got value: http"),
     ]
     with taken:
         for arguments, code, expected in cases:
             with pytest.raises(SystemExit) as exit_info:
-                main(["serve-reward", f"--base.name_or_path={tiny_model_dir}", *arguments])
+                main(["serve-reward", *arguments])
             assert exit_info.value.code == code
             assert [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")] == [expected]

@@ -7,6 +7,7 @@ import signal
 import socket
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -119,6 +120,19 @@ def run_server(service: RewardService, listening: socket.socket, max_batch_size:
           f"{served['requests']} requests in {served['batches']} batches)", flush=True)
 
 
+def base_shorthand(args: list[str]) -> list[str]:
+    """``--base PATH`` (a model folder or hub id) as ``--base.name_or_path PATH``; ``--base`` given a YAML file or
+    a mapping (``{name_or_path: ..., dtype: bfloat16}``) stays what jsonargparse reads it as."""
+    for index, argument in enumerate(args):
+        name, equals, value = argument.partition("=")
+        if name != "--base":
+            continue
+        value = value if equals else (args[index + 1] if index + 1 < len(args) else "")
+        if value and not value.lstrip().startswith("{") and not Path(value).is_file():
+            return [*args[:index], f"--base.name_or_path={value}", *args[index + (1 if equals else 2):]]
+    return args
+
+
 def main(args: Sequence[str], parser_class: type[ArgumentParser] = ArgumentParser) -> None:
     """``serve-reward [--config FILE] --base ... --reward ...``, parsed by ``parser_class`` (the command line's
     one-line-error parser, which it passes: importing it here would make the two modules import each other)."""
@@ -126,7 +140,7 @@ def main(args: Sequence[str], parser_class: type[ArgumentParser] = ArgumentParse
                                    description=serve_reward.__doc__.split("\n\n")[0])
     parser.add_argument("--config", action=ActionConfigFile, help="a YAML file of these arguments")
     parser.add_function_arguments(serve_reward, as_group=False)
-    config = parser.parse_args(list(args))
+    config = parser.parse_args(base_shorthand(list(args)))
     init: dict[str, Any] = parser.instantiate_classes(config)
     init.pop("config", None)
     serve_reward(**init)
