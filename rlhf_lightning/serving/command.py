@@ -101,6 +101,7 @@ def run_server(service: RewardService, listening: socket.socket, max_batch_size:
             await super().startup(sockets)
             if self.started:
                 bound_host, bound_port = self.servers[0].sockets[0].getsockname()[:2]
+                bound_host = f"[{bound_host}]" if ":" in bound_host else bound_host  # an IPv6 address in a URL
                 print(f"serving {service.label} at http://{bound_host}:{bound_port}", flush=True)
 
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -137,7 +138,7 @@ def main(args: Sequence[str], parser_class: type[ArgumentParser] = ArgumentParse
     """``serve-reward [--config FILE] --base ... --reward ...``, parsed by ``parser_class`` (the command line's
     one-line-error parser, which it passes: importing it here would make the two modules import each other)."""
     parser = parser_class(prog="python -m rlhf_lightning serve-reward",
-                                   description=serve_reward.__doc__.split("\n\n")[0])
+                          description=serve_reward.__doc__.split("\n\n")[0])
     parser.add_argument("--config", action=ActionConfigFile, help="a YAML file of these arguments")
     parser.add_function_arguments(serve_reward, as_group=False)
     config = parser.parse_args(base_shorthand(list(args)))
