@@ -33,7 +33,7 @@ from rlhf_lightning.serving.command import require_serving
 from tests.served_sources import NAN_MARKER
 
 REPO = Path(__file__).resolve().parents[1]
-TOLERANCE = 1e-5  # scores through the server vs in this process: float rounding of another padding
+TOLERANCE = 1e-5  # scores through the server vs in this process, in batches of other rows: float rounding
 SERVED_CLASS = "tests.served_sources.NaNOnMarker"
 LABEL = f"reward_model ({SERVED_CLASS})"
 
@@ -54,7 +54,7 @@ def server(tiny_model_dir, reward_dir, tmp_path_factory) -> Iterator[Server]:
     config.write_text(yaml.safe_dump({
         "base": {"name_or_path": str(tiny_model_dir)},
         "reward": {"class_path": SERVED_CLASS, "init_args": {"path": str(reward_dir)}},
-        "port": 0, "max_batch_size": 4, "max_wait_ms": 50}))
+        "port": 0, "max_batch_size": 8, "max_wait_ms": 50}))
     process = subprocess.Popen([sys.executable, "-m", "rlhf_lightning", "serve-reward", "--config", str(config)],
                                cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
@@ -113,7 +113,7 @@ def test_info_names_the_source_its_statistics_and_tokenizer(server, tokenizer):
     assert info["source"] == {"name": "reward_model", "class": SERVED_CLASS, "may_abstain": False}
     assert info["statistics"] == {"mean": 0.5, "std": 2.0}  # the adapter's reward_stats.json
     assert info["tokenizer"] == tokenizer_identity(tokenizer)
-    assert info["max_batch_size"] == 4
+    assert info["max_batch_size"] == 8
     remote = RemoteReward(server.url)
     remote.setup(None, tokenizer)
     assert (remote.name, remote.statistics, remote.may_abstain) == ("reward_model", (0.5, 2.0), False)
@@ -126,11 +126,19 @@ def test_scores_through_the_server_equal_the_in_process_adapter(server, tiny_mod
     local.setup(base, tokenizer)
     with torch.no_grad():
         expected = local.score(inputs)
-    remote = RemoteReward(server.url, batch_size=3)  # 7 rows: requests of 3, 3 and 1
+    remote = RemoteReward(server.url)
     remote.setup(None, tokenizer)
     scores = remote.score(inputs)
     assert scores.shape == (7,) and expected.std() > 0.01  # distinct scores, so that a row mix-up shows
-    torch.testing.assert_close(scores, expected, rtol=0, atol=TOLERANCE)
+    assert torch.equal(scores, expected), (scores - expected).abs().max()  # the batch's own layout: the same bits
+    chunked = RemoteReward(server.url, batch_size=3)  # requests of 3, 3 and 1 rows: other batches, other rounding
+    chunked.setup(None, tokenizer)
+    torch.testing.assert_close(chunked.score(inputs), expected, rtol=0, atol=TOLERANCE)
+    # Without a layout the server left-pads the sequences itself (the attended tokens of each row).
+    sequences = [row[mask.bool()].tolist() for row, mask in zip(inputs.input_ids, inputs.attention_mask, strict=True)]
+    repadded = httpx.post(f"{server.url}/score", json={"prompts": inputs.prompts, "completions": inputs.completions,
+                                                       "input_ids": sequences}).json()["scores"]
+    torch.testing.assert_close(torch.tensor(repadded), expected, rtol=0, atol=TOLERANCE)
     # Text alone (a client outside this package): the server encodes it as the reward stage encodes a completion,
     # the prompt's tokens, the completion's, EOS.
     text = {"prompts": inputs.prompts[:1], "completions": inputs.completions[:1]}
@@ -176,8 +184,13 @@ def test_concurrent_requests_are_scored_in_shared_batches(server, tokenizer):
     ({"prompts": ["a"], "completions": ["c"], "input_ids": [[5] * 65]},
      "input_ids row 0 has 65 tokens, beyond the 64 positions of the served model"),
     ({"prompts": ["a"], "completions": ["c"], "scores": [1]}, "scores: Extra inputs are not permitted; expected {"),
+    ({"prompts": ["a", "b"], "completions": ["c", "d"], "input_ids": [[0, 5], [6]], "attention_mask": [[0, 1], [1]]},
+     "input_ids/attention_mask row 1 has 1/1 entries, row 0 2: expected rows of one width (the padded batch)"),
+    ({"prompts": ["a"], "completions": ["c"], "input_ids": [[0, 5]], "attention_mask": [[0, 0]]},
+     "attention_mask row 0: expected 0 and 1, with a 1 on each attended token"),
     ("not json", "body: JSON decode error; expected {"),
-], ids=["missing", "lengths", "token-id", "empty", "too-long", "extra-key", "not-json"])
+], ids=["missing", "lengths", "token-id", "empty", "too-long", "extra-key", "layout-width", "layout-mask",
+        "not-json"])
 def test_a_bad_request_is_a_422_with_one_line(server, body, expected):
     if isinstance(body, str):
         response = httpx.post(f"{server.url}/score", content=body, headers={"content-type": "application/json"})
@@ -291,9 +304,9 @@ def test_the_server_without_fastapi_says_what_to_install(monkeypatch):
 
 def test_a_ppo_fit_through_the_server_logs_the_in_process_scores(server, tiny_model_dir, reward_dir, tmp_path):
     """PPO trains on the server's scores (weight 1) while the in-process adapter scores the same rollouts beside
-    it (weight 0): both are logged at every iteration and must agree."""
-    sources = (f"[{{class_path: rlhf_lightning.RemoteReward, init_args: {{url: {server.url}, name: remote, "
-               f"batch_size: 3}}}}, {{class_path: rlhf_lightning.AdapterReward, init_args: {{path: {reward_dir}}}}}]")
+    it (weight 0): both are logged at every iteration, the same to the last digit."""
+    sources = (f"[{{class_path: rlhf_lightning.RemoteReward, init_args: {{url: {server.url}, name: remote}}}}, "
+               f"{{class_path: rlhf_lightning.AdapterReward, init_args: {{path: {reward_dir}}}}}]")
     main([  # the command line in this process: a second interpreter would double the test's time
         "fit", "--config", str(REPO / "configs" / "ppo_remote.yaml"),
         f"--model.init_args.base.name_or_path={tiny_model_dir}", f"--model.init_args.reward={sources}",
@@ -307,10 +320,9 @@ def test_a_ppo_fit_through_the_server_logs_the_in_process_scores(server, tiny_mo
     with open(next(tmp_path.rglob("metrics.csv"))) as file:
         rows = [row for row in csv.DictReader(file) if row.get("ppo/objective/score/remote")]
     assert len(rows) == 2  # two iterations, each scored by both
-    for row in rows:
-        remote, local = float(row["ppo/objective/score/remote"]), float(row["ppo/objective/score/reward_model"])
-        assert abs(remote - local) <= TOLERANCE
-        assert float(row["ppo/objective/score"]) == pytest.approx(remote, abs=1e-6)  # trained on the server's
+    for row in rows:  # each rollout of 8 rows scored in one batch of the server, in the rollout's layout
+        assert row["ppo/objective/score/remote"] == row["ppo/objective/score/reward_model"]
+        assert row["ppo/objective/score"] == row["ppo/objective/score/remote"]  # trained on the server's
 
 
 def test_serve_reward_refusals_are_one_line(tiny_model_dir, reward_dir, tmp_path, capsys):

@@ -25,10 +25,10 @@ class RemoteReward(RewardSource):
 
     At setup it reads the server's ``/info``: a server that does not answer stops the run there, before any
     rollout; the server's tokenizer must be this run's (the same vocabulary and EOS id), since responses travel
-    as this run's token ids and are scored exactly as sampled; the source's statistics serve
-    ``reward_normalize``. Each batch is posted in chunks of ``batch_size`` rows (the server joins concurrent
-    requests into its own batches). Scores equal the served source's in this process, to float rounding of the
-    batch's padding (about 1e-6).
+    as this run's token ids, in this batch's layout (its padding), and are scored as sampled; the source's
+    statistics serve ``reward_normalize``. Each batch is posted in chunks of ``batch_size`` rows. Scores equal the
+    served source's in this process: bit for bit when the server scores the chunk alone on the same kind of device,
+    to float rounding (about 1e-6) when it joins it with another run's rows of the same width.
 
     Args:
         url: the server's address, e.g. ``http://127.0.0.1:8000``.
@@ -91,12 +91,12 @@ class RemoteReward(RewardSource):
         self.statistics = None if stats is None else (float(stats["mean"]), float(stats["std"]))
 
     def payload(self, inputs: RewardInputs, start: int, stop: int) -> dict[str, Any]:
-        """Rows ``start:stop`` as ``POST /score`` takes them: each sequence's tokens as scored in this process
-        (its attended tokens, ending with the one the score is read at)."""
-        keep = inputs.attention_mask[start:stop].bool()
-        sequences = [row[mask].tolist() for row, mask in zip(inputs.input_ids[start:stop], keep, strict=True)]
+        """Rows ``start:stop`` as ``POST /score`` takes them: the sequences in this batch's own layout (padding and
+        attention mask), which the server scores unchanged: the same numbers as in this process."""
         payload = {"prompts": inputs.prompts[start:stop], "completions": inputs.completions[start:stop],
-                   "completion_ids": inputs.completion_ids[start:stop], "input_ids": sequences,
+                   "completion_ids": inputs.completion_ids[start:stop],
+                   "input_ids": inputs.input_ids[start:stop].tolist(),
+                   "attention_mask": inputs.attention_mask[start:stop].tolist(),
                    "columns": {name: values[start:stop] for name, values in inputs.columns.items()}}
         for name, values in payload["columns"].items():
             try:

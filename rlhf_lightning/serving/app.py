@@ -22,7 +22,8 @@ from rlhf_lightning.serving.scoring import RewardService
 
 log = logging.getLogger(__name__)
 SCORE_SCHEMA = ('{"prompts": [text or messages], "completions": [text], "completion_ids": [[int]] (optional), '
-                '"input_ids": [[int]] (optional), "columns": {name: [value]} (optional)}')
+                '"input_ids": [[int]] (optional), "attention_mask": [[0 or 1]] (optional), "columns": {name: [value]} '
+                '(optional)}')
 
 
 class ScoreRequest(BaseModel):
@@ -34,6 +35,7 @@ class ScoreRequest(BaseModel):
     completions: list[str]  # the responses as text
     completion_ids: list[list[int]] | None = None  # the response tokens; null: the completion's own tokens
     input_ids: list[list[int]] | None = None  # prompt + response + end token as scored; null: encoded here
+    attention_mask: list[list[int]] | None = None  # with input_ids as padded rows of one width: the client's layout
     columns: dict[str, list[Any]] = {}  # the dataset's other columns (for reward functions)
 
 
@@ -78,7 +80,7 @@ def make_app(service: RewardService, max_batch_size: int, max_wait: float) -> Fa
     async def score(request: ScoreRequest) -> dict[str, Any] | JSONResponse:
         try:
             rows = service.rows(request.prompts, request.completions, request.completion_ids, request.input_ids,
-                                request.columns)
+                                request.columns, request.attention_mask)
             scores = await batcher.score(rows) if len(rows) else []
         except Exception as error:
             ours = user_error(error)  # a bad row, or a source's refusal (FunctionReward naming a NaN's row)

@@ -19,7 +19,8 @@ class Job:
 class Batcher:
     """Batches of up to ``max_batch_size`` rows from the requests waiting, scored by ``service``.
 
-    A request larger than a batch is scored in several; requests with different data columns are never joined.
+    A request larger than a batch is scored in several; requests with different data columns, or laid out by
+    their clients in other widths, are never joined.
     When a joined batch fails, each of its requests is scored alone, so that an error names rows of the request
     that caused it and the others get their scores.
     """
@@ -45,9 +46,9 @@ class Batcher:
                     jobs.append(await asyncio.wait_for(self.queue.get(), deadline - loop.time()))
                 except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11 on
                     break
-            groups: dict[tuple[str, ...], list[Job]] = {}
+            groups: dict[tuple, list[Job]] = {}
             for job in jobs:
-                groups.setdefault(tuple(sorted(job.rows.columns)), []).append(job)
+                groups.setdefault(job.rows.shape, []).append(job)
             for group in groups.values():
                 await self.score_group(group)
 

@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerBase
 from rlhf_lightning.data.collate import pad
 from rlhf_lightning.data.tokenize import encode_completion, encode_prompt
 from rlhf_lightning.models.shared_base import SharedBase
-from rlhf_lightning.rewards.inputs import RewardInputs
+from rlhf_lightning.rewards.inputs import RewardInputs, last_token_index
 from rlhf_lightning.rewards.remote_protocol import SCHEMA_VERSION, tokenizer_identity
 from rlhf_lightning.rewards.sources import RewardSource
 
@@ -23,28 +23,38 @@ class RequestError(ValueError):
 
 @dataclass
 class Rows:
-    """The rows of one request (or of several, joined), each sequence ending with the token the score is read at."""
+    """The rows of one request (or of several, joined), each sequence ending with the token the score is read at;
+    with ``masks``, the sequences as the client laid them out (padding included, one width), scored in that layout."""
 
     prompts: list[Any]
     completions: list[str]
     completion_ids: list[list[int]]
     sequences: list[list[int]]
     columns: dict[str, list[Any]] = field(default_factory=dict)
+    masks: list[list[int]] | None = None
 
     def __len__(self) -> int:
         return len(self.completions)
 
+    @property
+    def shape(self) -> tuple[Any, ...]:
+        """What rows must share to be joined into one batch: the data's columns, and a client's layout width."""
+        return (*sorted(self.columns), None if self.masks is None else len(self.sequences[0]))
+
     @staticmethod
     def join(parts: list[Rows]) -> Rows:
-        """One batch of every part's rows, in order (the parts have the same columns)."""
+        """One batch of every part's rows, in order (the parts have the same :attr:`shape`)."""
+        def joined(name: str) -> list[Any]:
+            return [value for part in parts for value in getattr(part, name)]
+
         columns = {name: [value for part in parts for value in part.columns[name]] for name in parts[0].columns}
-        return Rows([p for part in parts for p in part.prompts], [c for part in parts for c in part.completions],
-                    [i for part in parts for i in part.completion_ids], [s for part in parts for s in part.sequences],
-                    columns)
+        return Rows(joined("prompts"), joined("completions"), joined("completion_ids"), joined("sequences"), columns,
+                    None if parts[0].masks is None else joined("masks"))
 
     def slice(self, start: int, stop: int) -> Rows:
         return Rows(self.prompts[start:stop], self.completions[start:stop], self.completion_ids[start:stop],
-                    self.sequences[start:stop], {name: values[start:stop] for name, values in self.columns.items()})
+                    self.sequences[start:stop], {name: values[start:stop] for name, values in self.columns.items()},
+                    None if self.masks is None else self.masks[start:stop])
 
 
 class RewardService:
@@ -87,17 +97,21 @@ class RewardService:
         }
 
     def rows(self, prompts: list[Any], completions: list[str], completion_ids: list[list[int]] | None,
-             input_ids: list[list[int]] | None, columns: dict[str, list[Any]]) -> Rows:
+             input_ids: list[list[int]] | None, columns: dict[str, list[Any]],
+             attention_mask: list[list[int]] | None = None) -> Rows:
         """One request's rows, checked: every list one entry per completion, token ids within the vocabulary and
         the base's positions. Without ``input_ids`` each row is encoded here, as the reward stage encodes a
-        completion; without ``completion_ids``, the completion's own tokens."""
+        completion; without ``completion_ids``, the completion's own tokens. With ``attention_mask``, ``input_ids``
+        are the client's padded rows (:meth:`check_layout`)."""
         count = len(completions)
         lists = {"prompts": prompts, "completion_ids": completion_ids, "input_ids": input_ids,
-                 **{f"columns.{name}": values for name, values in columns.items()}}
+                 "attention_mask": attention_mask, **{f"columns.{name}": values for name, values in columns.items()}}
         for key, values in lists.items():
             if values is not None and len(values) != count:
                 raise RequestError(f"{key} has {len(values)} entries for {count} completions: expected one per "
                                    "completion")
+        if attention_mask is not None:
+            self.check_layout(input_ids, attention_mask)
         if input_ids is None:
             input_ids = [self.encode(prompt, completion, row)
                          for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True))]
@@ -106,7 +120,21 @@ class RewardService:
         for key, sequences in (("input_ids", input_ids), ("completion_ids", completion_ids)):
             for row, sequence in enumerate(sequences):
                 self.check_ids(key, row, sequence)
-        return Rows(list(prompts), list(completions), completion_ids, input_ids, dict(columns))
+        return Rows(list(prompts), list(completions), completion_ids, input_ids, dict(columns), attention_mask)
+
+    def check_layout(self, input_ids: list[list[int]] | None, attention_mask: list[list[int]]) -> None:
+        """A client's layout: ``input_ids`` rows of one width with their padding, ``attention_mask`` 1 on the
+        attended tokens of each (at least one); the score is read at each row's last attended token."""
+        if input_ids is None:
+            raise RequestError("attention_mask without input_ids: expected both (the padded rows and their mask), or "
+                               "neither")
+        width = len(input_ids[0]) if input_ids else 0
+        for row, (sequence, mask) in enumerate(zip(input_ids, attention_mask, strict=True)):
+            if len(sequence) != width or len(mask) != width:
+                raise RequestError(f"input_ids/attention_mask row {row} has {len(sequence)}/{len(mask)} entries, "
+                                   f"row 0 {width}: expected rows of one width (the padded batch)")
+            if not set(mask) <= {0, 1} or 1 not in mask:
+                raise RequestError(f"attention_mask row {row}: expected 0 and 1, with a 1 on each attended token")
 
     def encode(self, prompt: Any, completion: str, row: int) -> list[int]:
         """A text row's token ids, as the reward stage encodes a completion (closed with its end token)."""
@@ -133,11 +161,15 @@ class RewardService:
 
     @torch.no_grad()
     def score(self, rows: Rows) -> list[float]:
-        """The source's scores of ``rows`` (NaN where it does not apply), as the training loop computes them:
-        sequences left-padded, each read at its last token."""
-        input_ids, attention_mask = (t.to(self.device) for t in pad(rows.sequences, self.tokenizer.pad_token_id,
-                                                                     side="left"))
-        last_index = torch.full((len(rows),), input_ids.shape[1] - 1, device=self.device)
+        """The source's scores of ``rows`` (NaN where it does not apply), as the training loop computes them: in the
+        client's layout when it sent one (the same padding: the same numbers), else left-padded, each row read at
+        its last attended token."""
+        if rows.masks is None:
+            input_ids, attention_mask = pad(rows.sequences, self.tokenizer.pad_token_id, side="left")
+        else:
+            input_ids, attention_mask = torch.tensor(rows.sequences), torch.tensor(rows.masks)
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+        last_index = last_token_index(attention_mask)
         inputs = RewardInputs(input_ids, attention_mask, last_index, rows.prompts, rows.completions,
                               rows.completion_ids, rows.columns)
         scores = self.source.score(inputs).float().cpu()
