@@ -1,7 +1,7 @@
 """What the reward server and its client agree on: the tokenizer's identity, and how scores travel in JSON.
 
 ``POST /score`` takes ``{"prompts": [...], "completions": [...], "completion_ids": [[...]]?, "input_ids": [[...]]?,
-"columns": {name: [...]}?}`` and answers ``{"scores": [...]}``, one per completion. JSON has no NaN or infinity,
+"attention_mask": [[...]]?, "columns": {name: [...]}?}`` and answers ``{"scores": [...]}``, one per completion. JSON has no NaN or infinity,
 so a score is a number, ``null`` for NaN (the source's "not applicable", or a reward model's failure), or the
 string ``"inf"``/``"-inf"``. ``GET /info`` answers :data:`INFO_KEYS`. See docs/reward-server.md.
 """
