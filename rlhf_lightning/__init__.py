@@ -15,6 +15,7 @@ from rlhf_lightning.ppo import PPO
 from rlhf_lightning.reinforce_pp import REINFORCEPlusPlus
 from rlhf_lightning.reward_model import RewardModel
 from rlhf_lightning.rewards.judge import JudgeReward
+from rlhf_lightning.rewards.remote import RemoteReward
 from rlhf_lightning.rewards.sources import AdapterReward, FunctionReward, ModelReward, RewardSource
 from rlhf_lightning.rloo import RLOO
 from rlhf_lightning.sft import SFT
@@ -35,6 +36,7 @@ __all__ = [
     "PreferenceDataModule",
     "PromptDataModule",
     "REINFORCEPlusPlus",
+    "RemoteReward",
     "RewardModel",
     "RewardSource",
     "SFTDataModule",

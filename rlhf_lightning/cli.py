@@ -233,7 +233,7 @@ def main(args: Sequence[str] | None = None) -> None:
     """Entry point of ``python -m rlhf_lightning`` and the ``rlhf-lightning`` script.
 
     ``fit``, ``validate``, ``test`` and ``predict`` go to LightningCLI; ``merge`` folds an adapter into its base;
-    ``plot RUN_FOLDER`` draws a run folder's curves.
+    ``plot RUN_FOLDER`` draws a run folder's curves; ``serve-reward`` serves a reward source over HTTP.
     An error of ours (a bad argument, file or checkpoint) is printed as one line ``error: ...`` and exits with
     status 1 (2 for an unreadable config file); ``RLHF_LIGHTNING_TRACEBACK=1`` shows the full traceback instead.
     """
@@ -253,6 +253,11 @@ def main(args: Sequence[str] | None = None) -> None:
             return
         if argv[:1] == ["plot"]:
             plot_main(argv[1:])
+            return
+        if argv[:1] == ["serve-reward"]:
+            from rlhf_lightning.serving.command import main as serve_main
+
+            serve_main(argv[1:], OneLineArgumentParser)
             return
         RLHFCLI(args=None if args is None else argv)
     except SIGTERMException:

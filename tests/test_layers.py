@@ -18,8 +18,8 @@ LAYERS = [
     ("rollout", "rewards"),  # drawing tokens (sampler, engines, the turn loop); reward sources and how they combine
     ("core",),  # the LightningModules every stage shares
     ("ppo", "grpo", "rloo", "reinforce_pp", "distill", "online_dpo", "dpo", "kto", "sft", "reward_model"),  # one per stage
-    ("callbacks", "loggers", "errors", "rank_failures", "model_card", "quiet", "merge", "cli", "study", "__init__",
-     "__main__"),  # around the modules
+    ("callbacks", "loggers", "errors", "rank_failures", "model_card", "quiet", "merge", "cli", "study", "serving",
+     "__init__", "__main__"),  # around the modules
 ]
 
 

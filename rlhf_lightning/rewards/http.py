@@ -1,6 +1,6 @@
-"""One JSON POST to a reward endpoint (a reward server, an OpenAI-compatible judge): a timeout per try, retries with
-exponential back-off on what may pass (no connection, a timeout, HTTP 429 and 5xx), and one line naming the endpoint
-when it does not.
+"""One JSON request to a reward endpoint (a reward server, an OpenAI-compatible judge): a timeout per try, retries
+with exponential back-off on what may pass (no connection, a timeout, HTTP 429 and 5xx), and one line naming the
+endpoint when it does not.
 """
 
 from __future__ import annotations
@@ -25,6 +25,17 @@ def _reason(error: httpx.HTTPError) -> str:
     return f"{type(error).__name__}: {error}"
 
 
+def _refusal(response: httpx.Response) -> str:
+    """What a refusing endpoint said: the ``error`` (or ``detail``) line of a JSON body, else the body's start."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and isinstance(body.get("error", body.get("detail")), str):
+        return body.get("error", body.get("detail"))
+    return response.text[:300].strip()
+
+
 def post_json(url: str, payload: dict[str, Any], *, timeout: float = 60.0, retries: int = 3, backoff: float = 1.0,
               headers: dict[str, str] | None = None, what: str = "endpoint",
               client: httpx.Client | None = None) -> Any:
@@ -34,6 +45,20 @@ def post_json(url: str, payload: dict[str, Any], *, timeout: float = 60.0, retri
     only what may pass is retried (no connection, a timeout, HTTP 408/429/5xx). Anything else (another 4xx, an
     answer that is not JSON) fails at once. ``what`` names the endpoint's role in the error, e.g. ``"RemoteReward"``.
     """
+    return request_json("POST", url, payload, timeout=timeout, retries=retries, backoff=backoff, headers=headers,
+                        what=what, client=client)
+
+
+def get_json(url: str, *, timeout: float = 60.0, retries: int = 3, backoff: float = 1.0,
+             headers: dict[str, str] | None = None, what: str = "endpoint", client: httpx.Client | None = None) -> Any:
+    """GET ``url`` and return the decoded JSON answer, tried and refused as :func:`post_json` does."""
+    return request_json("GET", url, None, timeout=timeout, retries=retries, backoff=backoff, headers=headers,
+                        what=what, client=client)
+
+
+def request_json(method: str, url: str, payload: dict[str, Any] | None, *, timeout: float, retries: int,
+                 backoff: float, headers: dict[str, str] | None, what: str, client: httpx.Client | None) -> Any:
+    """One ``method`` request with ``payload`` as its JSON body (None: no body), with :func:`post_json`'s tries."""
     owned = client is None
     client = client or httpx.Client()
     last = ""
@@ -42,15 +67,15 @@ def post_json(url: str, payload: dict[str, Any], *, timeout: float = 60.0, retri
             if attempt:
                 time.sleep(backoff * 2 ** (attempt - 1))
             try:
-                response = client.post(url, json=payload, headers=headers, timeout=timeout)
+                response = client.request(method, url, json=payload, headers=headers, timeout=timeout)
             except httpx.HTTPError as error:
                 last = _reason(error)
                 continue
             if response.status_code in RETRY_STATUS:
-                last = f"HTTP {response.status_code}: {response.text[:200].strip()}"
+                last = f"HTTP {response.status_code}: {_refusal(response)[:200]}"
                 continue
             if response.status_code >= 400:
-                raise EndpointError(f"{what} {url}: HTTP {response.status_code}: {response.text[:300].strip()}")
+                raise EndpointError(f"{what} {url}: HTTP {response.status_code}: {_refusal(response)}")
             try:
                 return response.json()
             except ValueError:

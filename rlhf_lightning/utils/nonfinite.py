@@ -55,7 +55,7 @@ def check_finite_weights(state: Mapping[str, Tensor], what: str) -> None:
 
 def source_label(source: Any) -> str:
     """A reward source as a user configured it: ``'reward_model' (AdapterReward outputs/reward/adapters/reward)``."""
-    where = getattr(source, "path", None) or getattr(source, "name_or_path", None)
+    where = getattr(source, "path", None) or getattr(source, "name_or_path", None) or getattr(source, "url", None)
     kind = type(source).__name__
     return f"{source.name!r} ({kind}{f' {where}' if where else ''})"
 

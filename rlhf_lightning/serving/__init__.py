@@ -1,0 +1,3 @@
+"""``python -m rlhf_lightning serve-reward``: a reward source served over HTTP (FastAPI + uvicorn). Its client is
+:class:`~rlhf_lightning.rewards.remote.RemoteReward`; what both agree on is
+:mod:`rlhf_lightning.rewards.remote_protocol`."""
