@@ -314,7 +314,7 @@ def test_endpoint_failures_are_one_line_naming_the_endpoint(server, policy_base,
     expected = {
         "down": f"judge tiny at {base_url}/completions: connection refused or host unreachable (is the server "
                 "running?) (3 tries, timeout 5s each)",
-        "http-500": f'judge tiny at {base_url}/completions: HTTP 500: {{"error":"out of memory"}} (3 tries, timeout '
+        "http-500": f'judge tiny at {base_url}/completions: HTTP 500: out of memory (3 tries, timeout '
                     "5s each)",
         "wrong-schema": f"judge tiny at {base_url}/completions: the answer does not follow the OpenAI schema "
                         "{choices: [{index, text, logprobs: {top_logprobs: [{token: logprob}]}}]}: got "
