@@ -3,7 +3,8 @@ what they read, and how their scores combine."""
 
 from rlhf_lightning.rewards.combine import RewardSet
 from rlhf_lightning.rewards.inputs import RewardInputs, reward_inputs
+from rlhf_lightning.rewards.process import ProcessReward
 from rlhf_lightning.rewards.sources import AdapterReward, FunctionReward, ModelReward, RewardSource
 
-__all__ = ["AdapterReward", "FunctionReward", "ModelReward", "RewardInputs", "RewardSet", "RewardSource",
+__all__ = ["AdapterReward", "FunctionReward", "ModelReward", "ProcessReward", "RewardInputs", "RewardSet", "RewardSource",
            "reward_inputs"]
