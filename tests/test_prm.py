@@ -17,7 +17,13 @@ from rlhf_lightning.data.modules import StepwiseDataModule
 from rlhf_lightning.models.shared_base import adapter_of
 from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.prm import ProcessRewardModel
-from rlhf_lightning.tasks.arithmetic import ArithmeticTask, final_answer, parse_prompt, step_labels, worked_answer
+from rlhf_lightning.tasks.arithmetic import (
+    ArithmeticTask,
+    final_answer,
+    parse_prompt,
+    step_labels,
+    worked_answer,
+)
 from tests.conftest import LORA, built
 from tests.test_one_line_errors import one_line
 

@@ -30,7 +30,13 @@ from rlhf_lightning.data.collate import (
     collate_steps,
     collate_unpaired,
 )
-from rlhf_lightning.data.formats import parse_preference, parse_prompt, parse_sft, parse_stepwise, parse_unpaired
+from rlhf_lightning.data.formats import (
+    parse_preference,
+    parse_prompt,
+    parse_sft,
+    parse_stepwise,
+    parse_unpaired,
+)
 from rlhf_lightning.data.loader import ResumableLoader
 from rlhf_lightning.data.sources import DataFormatError, Record, read_records
 from rlhf_lightning.data.tokenize import encode_completion, encode_prompt, encode_steps, separator_token_id
