@@ -374,6 +374,7 @@ class StepwiseDataModule(StageDataModule):
         self.train_on_last_step_only = train_on_last_step_only
         self.separator: str | None = None  # the model's (ProcessRewardModel.separator), read in setup
         self._last_step_only = False
+        self._separator_id: int | None = None
 
     def synthetic(self, n: int, task: str = SYNTHETIC) -> list[dict]:
         made = make_task(task, self.seed)
@@ -387,6 +388,13 @@ class StepwiseDataModule(StageDataModule):
             self.separator = self.trainer.lightning_module.separator
         super().setup(stage)
 
+    @property
+    def separator_id(self) -> int:
+        """The separator's one token id (checked once: the tokenizer does not change)."""
+        if self._separator_id is None:
+            self._separator_id = separator_token_id(self.tokenizer, self.separator, "separator")
+        return self._separator_id
+
     def _encode_all(self, records: list[Record], source: str) -> list[Any]:
         # The training set first (see StageDataModule.setup): only it may keep its last labels only.
         self._last_step_only = self.train_on_last_step_only and self.train_set is None
@@ -394,10 +402,9 @@ class StepwiseDataModule(StageDataModule):
 
     def encode(self, record: Record) -> EncodedSteps:
         example = parse_stepwise(record, self.separator)
-        separator_id = separator_token_id(self.tokenizer, self.separator, "separator")
         prompt_ids = encode_prompt(self.tokenizer, example.prompt, record.where)
-        return encode_steps(self.tokenizer, prompt_ids, example.steps, example.labels, separator_id, record.where,
-                            self._last_step_only)
+        return encode_steps(self.tokenizer, prompt_ids, example.steps, example.labels, self.separator_id,
+                            record.where, self._last_step_only)
 
     def length(self, example: EncodedSteps) -> int:
         return len(example.input_ids)
