@@ -135,6 +135,7 @@ def prm_cli(tiny_arithmetic_dir, *extra: str) -> list[str]:
             "--trainer.enable_model_summary=false", "--trainer.log_every_n_steps=1", *extra]
 
 
+@pytest.mark.slow
 def test_the_prm_stage_fits_from_the_cli_logs_its_metrics_and_exports(tiny_arithmetic_dir, tmp_path):
     main(prm_cli(tiny_arithmetic_dir, "--data.init_args.val_fraction=0.25",
                  "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.init_args.save_dir={tmp_path}"))

@@ -163,10 +163,11 @@ def rl_cli(config: str, tiny_arithmetic_dir, prm_dir, *extra: str) -> list[str]:
             f"--model.init_args.reward.init_args.path={prm_dir}", "--model.init_args.max_new_tokens=8",
             "--model.init_args.samples_per_prompt=2", "--data.init_args.synthetic_rows=20",
             "--data.init_args.batch_size=4", "--data.init_args.val_batch_size=8", "--trainer.max_epochs=1",
-            "--trainer.limit_train_batches=2", "--trainer.val_check_interval=2", "--trainer.callbacks=[]",
+            "--trainer.limit_train_batches=1", "--trainer.val_check_interval=1", "--trainer.callbacks=[]",
             "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", *extra]
 
 
+@pytest.mark.slow
 def test_ppo_on_the_prm_runs_from_the_cli_and_logs_the_reduced_score(tiny_arithmetic_dir, prm_dir, tmp_path):
     """(GRPO's config is the same with another algorithm: its path is the API tests' above, and every config is
     parsed by tests/test_cli.py.)"""
