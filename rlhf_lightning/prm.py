@@ -135,9 +135,8 @@ class ProcessRewardModel(StageModule):
         metrics = {"prm/val/loss": self.val_loss.compute()[0],
                    "prm/val/step_accuracy": self.val_step_accuracy.compute()[0],
                    "prm/val/solution_accuracy": self.val_solution_accuracy.compute()[0],
-                   "prm/val/wrong_step_f1": self.val_wrong_f1.compute()}
-        if self.val_wrong_auroc.update_count:
-            metrics["prm/val/wrong_step_auroc"] = self.val_wrong_auroc.compute()
+                   "prm/val/wrong_step_f1": self.val_wrong_f1.compute(),
+                   "prm/val/wrong_step_auroc": self.val_wrong_auroc.compute()}
         self.log_dict(metrics, prog_bar=True, sync_dist=True)
         reset_metrics(self.val_loss, self.val_step_accuracy, self.val_solution_accuracy, self.val_wrong_auroc,
                       self.val_wrong_f1)
