@@ -70,6 +70,7 @@ class PPO(PolicyGradient):
     """
 
     metric_prefix = "ppo"
+    dense_step_rewards = True  # a process reward model's step scores at their steps' last tokens, credited by GAE
     measure_kl = True  # ppo/objective/kl at every kl_coef, 0 included (the over-optimisation study's β = 0 runs)
     exported_roles = (POLICY, CRITIC)
 

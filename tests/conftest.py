@@ -78,3 +78,16 @@ def reward_dir(tiny_model_dir, tmp_path_factory) -> Path:
 def _isolated_cwd(tmp_path, monkeypatch):
     """Run every test in its own folder so run artefacts (outputs/, wandb/) never land in the repo."""
     monkeypatch.chdir(tmp_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_arithmetic_dir(tmp_path_factory) -> Path:
+    """A tiny randomly initialised GPT-2 with the arithmetic task's tokenizer (digits, ``+ = , answer``), saved
+    like :func:`tiny_model_dir`: the base of the process-reward tests, whose steps end at ``,``."""
+    directory = tmp_path_factory.mktemp("tiny-arithmetic")
+    torch.manual_seed(0)
+    spec = BaseModelSpec(architecture=dict(TINY_ARCHITECTURE), tokenizer="arithmetic")
+    tokenizer = load_tokenizer(spec)
+    load_causal_lm(spec, tokenizer).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory

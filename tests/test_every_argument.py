@@ -20,10 +20,12 @@ from rlhf_lightning import (
     SFT,
     OnlineDPO,
     PreferenceDataModule,
+    ProcessRewardModel,
     PromptDataModule,
     REINFORCEPlusPlus,
     RewardModel,
     SFTDataModule,
+    StepwiseDataModule,
     UnpairedPreferenceDataModule,
 )
 from rlhf_lightning.cli import RLHFCLI
@@ -33,9 +35,10 @@ from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = {SFT: "sft.yaml", RewardModel: "reward.yaml", PPO: "ppo.yaml", GRPO: "grpo.yaml", RLOO: "rloo.yaml",
-           REINFORCEPlusPlus: "reinforce_pp.yaml", DPO: "dpo.yaml", KTO: "kto.yaml", OnlineDPO: "online_dpo.yaml"}
+           REINFORCEPlusPlus: "reinforce_pp.yaml", DPO: "dpo.yaml", KTO: "kto.yaml", OnlineDPO: "online_dpo.yaml",
+           ProcessRewardModel: "arithmetic_prm.yaml"}
 DATA = {SFTDataModule: "sft.yaml", PreferenceDataModule: "reward.yaml", PromptDataModule: "grpo.yaml",
-        UnpairedPreferenceDataModule: "kto.yaml"}
+        UnpairedPreferenceDataModule: "kto.yaml", StepwiseDataModule: "arithmetic_prm.yaml"}
 # (argument, value) pairs that are valid although they look odd, and why.
 VALID = {
     ("seed", "-1"): "any integer seeds the sampler",

@@ -21,7 +21,7 @@ from rlhf_lightning.core.policy import POLICY, PolicyModule
 from rlhf_lightning.environments.environment import Environment
 from rlhf_lightning.models.shared_base import REFERENCE, SharedBase
 from rlhf_lightning.rewards.combine import RewardSet
-from rlhf_lightning.rewards.inputs import reward_inputs
+from rlhf_lightning.rewards.inputs import RewardInputs, reward_inputs
 from rlhf_lightning.rewards.sources import RewardSource
 from rlhf_lightning.rollout.episodes import episode_statistics, transcript_text
 from rlhf_lightning.rollout.rollouts import Rollout, Rollouts
@@ -61,6 +61,10 @@ class ExperienceCollector(PolicyModule):
             - 1`` of them, so the longest opening plus both must fit the model's positions (checked at setup).
     """
 
+    # Whether a reward source that scores steps (ProcessReward) gives each step's score at its step's last token
+    # (``Experience.step_rewards``; PPO, whose critic can credit tokens) or the reduction of its steps' scores as
+    # the response's score (the critic-free algorithms, as the PRM papers do).
+    dense_step_rewards = False
     # per-sample validation values; the episode ones are logged only by runs with an environment
     validation_metrics = ("score", "kl", "length", "eos_frac", "gold", "turns", "tool_calls", "tool_errors",
                           "invalid_tool_calls")
@@ -87,6 +91,11 @@ class ExperienceCollector(PolicyModule):
         checks.positive("max_episode_tokens", max_episode_tokens, optional=True)
         for index, weight in enumerate(reward_weights or []):
             checks.finite(f"reward_weights[{index}]", weight)
+        step_sources = [type(source).__name__ for source in (reward if isinstance(reward, list | tuple) else [reward])
+                        if source.scores_steps]
+        if environment is not None and step_sources:
+            raise ValueError(f"reward: {step_sources[0]} scores the steps of single-turn responses, and environment "
+                             "is set (episodes); drop one of them")
         if environment is None and (max_turns != 4 or max_episode_tokens is not None):
             raise ValueError(f"max_turns={max_turns}, max_episode_tokens={max_episode_tokens}: they bound episodes, "
                              "and there is no environment; set environment, or leave them at 4 and null")
@@ -167,21 +176,23 @@ class ExperienceCollector(PolicyModule):
         completions = self.decode(rollout.responses, rollout.read_mask)
         try:
             with phase("rollout/reward"):
-                source_scores = self.score_responses(
+                source_scores, step_rewards = self.rewards.score_steps(self.reward_inputs(
                     ids, attention, rollout.read_mask, completions,
                     prompts=[p for p in prompts.get("raw_prompt", prompts["prompt"]) for _ in range(group)],
                     columns={name: [v for v in column for _ in range(group)]
-                             for name, column in prompts.get("columns", {}).items()})
+                             for name, column in prompts.get("columns", {}).items()}))
         except ValueError as error:  # e.g. FunctionReward's refusal of a NaN, which names the row: add the iteration
             raise ValueError(f"iteration {self.iteration + 1}: {error}") from error
         self.guard_scores(score_problems(source_scores, self.rewards.sources)[0])
         raw_scores = self.rewards.combine(source_scores)
-        scores = self.rewards.response_scores(source_scores, rollout.is_stopped)
+        if not self.dense_step_rewards:
+            step_rewards = None  # the step-scoring sources' reductions are in the scores instead
+        scores = self.rewards.response_scores(source_scores, rollout.is_stopped, without_steps=step_rewards is not None)
         bad = ~torch.isfinite(scores)
         self.guard_scores([f"the combined reward is non-finite for rows {listing(bad.nonzero().flatten().tolist())} "
                            f"of {bad.shape[0]} (reward_normalize statistics or reward_weights?)"] if bad.any() else [])
         experience = Experience(ids, attention, mask, scores, rollout.is_stopped, rollout.sampler_logprobs, logprobs,
-                                ref_logprobs, rollout.turn_rewards, group_size=group)
+                                ref_logprobs, rollout.turn_rewards, group_size=group, step_rewards=step_rewards)
         kl = None if logprobs is None or ref_logprobs is None else sequence_kl(logprobs, ref_logprobs, mask)
         stats = self.sample_statistics(rollout, source_scores, raw_scores, entropy, kl)
         gold = None
@@ -198,12 +209,20 @@ class ExperienceCollector(PolicyModule):
     def score_responses(self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor,
                         completions: list[str], prompts: Sequence[Any],
                         columns: dict[str, list] | None = None) -> Tensor:
-        """Scores ``[B, S]`` of sampled responses by every reward source (NaN where a source does not apply).
+        """Scores ``[B, S]`` of sampled responses by every reward source (NaN where a source does not apply; a
+        source that scores steps gives their reduction).
 
         ``prompts`` are the prompts as the dataset holds them (text or messages), ``columns`` its other columns.
         """
-        return self.rewards.score(reward_inputs(input_ids, attention_mask, response_mask, completions, prompts,
-                                                columns, self.tokenizer, self.sampler.settings.stop_token_ids))
+        return self.rewards.score(self.reward_inputs(input_ids, attention_mask, response_mask, completions, prompts,
+                                                     columns))
+
+    def reward_inputs(self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor,
+                      completions: list[str], prompts: Sequence[Any], columns: dict[str, list] | None = None
+                      ) -> RewardInputs:
+        """What the reward sources read of sampled responses (see :meth:`score_responses`)."""
+        return reward_inputs(input_ids, attention_mask, response_mask, completions, prompts, columns,
+                             self.tokenizer, self.sampler.settings.stop_token_ids)
 
     def guard_scores(self, problems: list[str]) -> None:
         """Stop on non-finite scores (``problems``, one line each, possibly from another rank): raise

@@ -43,6 +43,9 @@ class Experience:
     turn_rewards: Tensor | None = None
     advantages: Tensor | None = None  # [B, R], set by the algorithm
     group_size: int = 1  # responses per prompt
+    # [B, R] step rewards of a process reward model, each at its step's last token (PPO, ``dense_step_rewards``);
+    # None when the steps' scores are reduced into ``scores`` or no source scores steps
+    step_rewards: Tensor | None = None
 
     @property
     def prompt_length(self) -> int:

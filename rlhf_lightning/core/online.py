@@ -192,9 +192,11 @@ class OnlineRL(ExperienceCollector):
         return experience
 
     def shape_rewards(self, experience: Experience) -> tuple[ShapedRewards, Stats]:
-        """Step 2: the rollout's rewards (the sources' scores, an episode's turn rewards at their tokens), and
-        statistics. :class:`~rlhf_lightning.core.policy_gradient.PolicyGradient` adds the KL penalty."""
-        return ShapedRewards(experience.scores, experience.response_mask, dense=experience.turn_rewards), {}
+        """Step 2: the rollout's rewards (the sources' scores; an episode's turn rewards and a process reward model's
+        step rewards at their tokens), and statistics. :class:`~rlhf_lightning.core.policy_gradient.PolicyGradient`
+        adds the KL penalty."""
+        dense = [rewards for rewards in (experience.turn_rewards, experience.step_rewards) if rewards is not None]
+        return ShapedRewards(experience.scores, experience.response_mask, dense=sum(dense) if dense else None), {}
 
     def prepare_update(self, experience: Experience, rewards: ShapedRewards) -> tuple[Experience, Stats]:
         """Step 3, the algorithm: the experience as the update trains on it (with advantages, or ordered pairs),

@@ -59,6 +59,15 @@ class EncodedPrompt:
     where: str = ""  # the row's file and line (or source and row), for errors about its columns
 
 
+@dataclass(frozen=True)
+class EncodedSteps:
+    """A prompt and its steps, each followed by the separator token, as one sequence; ``labels`` holds each
+    step's label (1 right, 0 wrong) at its separator and ``IGNORE_INDEX`` everywhere else."""
+
+    input_ids: list[int]
+    labels: list[int]
+
+
 def pad(sequences: list[list[int]], pad_id: int, side: Literal["left", "right"]) -> tuple[Tensor, Tensor]:
     """Pad to the longest sequence: ``(ids [B, T], attention_mask [B, T])``."""
     length = max(len(sequence) for sequence in sequences)
@@ -157,3 +166,10 @@ def collate_prompts(examples: list[EncodedPrompt], pad_id: int) -> dict[str, Ten
             "index": torch.tensor([example.index for example in examples], dtype=torch.long),
             "raw_prompt": [example.text if example.raw is None else example.raw for example in examples],
             "columns": {name: [example.columns.get(name) for example in examples] for name in names}}
+
+
+def collate_steps(examples: list[EncodedSteps], pad_id: int) -> dict[str, Tensor]:
+    """Right-padded ``input_ids``, ``attention_mask`` and ``labels`` ``[N, T]`` (``IGNORE_INDEX`` on padding)."""
+    input_ids, attention_mask = pad([example.input_ids for example in examples], pad_id, side="right")
+    labels, _ = pad([example.labels for example in examples], IGNORE_INDEX, side="right")
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}

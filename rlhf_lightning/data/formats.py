@@ -27,6 +27,7 @@ _PREFERENCE_FORMS = (
 )
 _SFT_FORMS = "prompt+completion, messages, or text"
 _PROMPT_FORMS = "prompt"
+_STEPWISE_FORMS = "prompt+completions+labels (TRL's stepwise form: a list of step strings and one bool per step)"
 _UNPAIRED_FORMS = f"prompt+completion+label (TRL's unpaired form), or a preference pair ({_PREFERENCE_FORMS})"
 
 
@@ -70,6 +71,16 @@ class PromptExample:
     """A prompt for the policy to answer (PPO rollouts, evaluation)."""
 
     prompt: Text
+
+
+@dataclass(frozen=True)
+class StepwiseExample:
+    """A prompt and a worked response as its steps, each labelled right (True) or wrong (a process reward model's
+    data, TRL's stepwise form)."""
+
+    prompt: Text
+    steps: list[str]
+    labels: list[bool]
 
 
 def is_conversational(text: Text) -> bool:
@@ -180,6 +191,32 @@ def parse_prompt(record: Record) -> PromptExample:
             f"found a message from the assistant: {_preview(prompt[-1]['content'])}",
         )
     return PromptExample(prompt=prompt)
+
+
+def parse_stepwise(record: Record, separator: str) -> StepwiseExample:
+    """Parse TRL's stepwise form: ``prompt`` (text or messages), ``completions`` (a list of non-empty step strings,
+    none holding ``separator``, which the encoding puts after each step) and ``labels`` (one bool per step)."""
+    fields = _present(record)
+    if not {"prompt", "completions", "labels"} <= fields.keys():
+        raise _missing_columns(record, _STEPWISE_FORMS)
+    prompt = _text(record, "prompt", fields["prompt"])
+    steps, labels = fields["completions"], fields["labels"]
+    for column, value in (("completions", steps), ("labels", labels)):
+        if not isinstance(value, list) or not value:
+            raise _error(record, f"column {column!r}: expected a non-empty list, found {_found(value)}")
+    if len(labels) != len(steps):
+        raise _error(record, f"{len(labels)} labels for {len(steps)} steps: expected one label per step "
+                             "(column 'labels' against column 'completions')")
+    for index, (step, label) in enumerate(zip(steps, labels, strict=True), start=1):
+        if not isinstance(step, str) or not step.strip():
+            raise _error(record, f"column 'completions' step {index}: expected a non-empty string, found {_found(step)}")
+        if separator in step:
+            raise _error(record, f"column 'completions' step {index}: holds the step separator {separator!r}, which "
+                                 f"marks where a step ends: {_preview(step)}")
+        if not isinstance(label, bool):
+            raise _error(record, f"column 'labels' label {index}: expected true (a right step) or false, "
+                                 f"found {_found(label)}")
+    return StepwiseExample(prompt=prompt, steps=list(steps), labels=list(labels))
 
 
 def _error(record: Record, problem: str) -> DataFormatError:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
 
+from rlhf_lightning.data.collate import IGNORE_INDEX, EncodedSteps
 from rlhf_lightning.data.formats import Text, is_conversational
 from rlhf_lightning.data.sources import DataFormatError
 
@@ -108,3 +109,32 @@ def _apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
         )
     )
+
+
+def separator_token_id(tokenizer: PreTrainedTokenizerBase, separator: str, what: str) -> int:
+    """The one token id of a process reward model's step ``separator`` (``what`` names the setting in the
+    message): a step's end must be one token, to be found in sampled responses and read there."""
+    ids = tokenizer(separator, add_special_tokens=False)["input_ids"]
+    if len(ids) != 1 or ids[0] == tokenizer.unk_token_id:
+        spelled = "the unknown token" if ids and ids[0] == tokenizer.unk_token_id else f"{len(ids)} tokens {ids}"
+        raise ValueError(f"{what}={separator!r} is {spelled} under tokenizer "
+                         f"{getattr(tokenizer, 'name_or_path', '?')!r}: a step's end must be one token of its "
+                         "vocabulary (e.g. '\\n' for most tokenizers, ',' for the arithmetic task)")
+    return ids[0]
+
+
+def encode_steps(tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int], steps: list[str], labels: list[bool],
+                 separator_id: int, where: str, last_step_only: bool = False) -> EncodedSteps:
+    """A prompt's ids followed by each step's tokens and the separator token, the step's label (1/0) at its
+    separator and ``IGNORE_INDEX`` elsewhere, as TRL's PRMTrainer encoded them; ``last_step_only`` keeps the last
+    step's label only. A step holding the separator token is an error naming ``where``."""
+    input_ids, targets = list(prompt_ids), [IGNORE_INDEX] * len(prompt_ids)
+    for index, (step, label) in enumerate(zip(steps, labels, strict=True), start=1):
+        step_ids = tokenizer(step, add_special_tokens=False)["input_ids"]
+        if separator_id in step_ids:
+            raise DataFormatError(f"{where}: column 'completions' step {index}: holds the separator token "
+                                  f"{tokenizer.convert_ids_to_tokens(separator_id)!r}, which marks where a step ends")
+        keep = not last_step_only or index == len(steps)
+        input_ids += [*step_ids, separator_id]
+        targets += [IGNORE_INDEX] * len(step_ids) + [int(label) if keep else IGNORE_INDEX]
+    return EncodedSteps(input_ids, targets)

@@ -54,10 +54,25 @@ class RewardSet:
                              f"{lacking} lack")
 
     def score(self, inputs: RewardInputs) -> Tensor:
-        """Scores ``[B, S]`` of every source (NaN where a source does not apply)."""
+        """Scores ``[B, S]`` of every source (NaN where a source does not apply); a source that scores steps gives
+        their reduction."""
+        return self.score_steps(inputs)[0]
+
+    def score_steps(self, inputs: RewardInputs) -> tuple[Tensor, Tensor | None]:
+        """``(scores [B, S], step rewards [B, R] or None)``: :meth:`score`'s, and the weighted sum of the step scores
+        of the sources that score steps (``scores_steps``), each at its step's last response token (None without
+        such a source). Each source runs once."""
         # A source of one's own may score on another device (a CPU verifier, an API): scores join the rollout's.
         device = inputs.input_ids.device
-        return torch.stack([source.score(inputs).float().to(device) for source in self.sources], -1)
+        columns, steps = [], None
+        for source, weight in zip(self.sources, self.weights, strict=True):
+            if source.scores_steps:
+                step_scores, ends = (t.to(device) for t in source.step_scores(inputs))
+                columns.append(source.reduce(step_scores, ends).float())
+                steps = weight * step_scores if steps is None else steps + weight * step_scores
+            else:
+                columns.append(source.score(inputs).float().to(device))
+        return torch.stack(columns, -1), steps
 
     def normalize(self, scores: Tensor) -> Tensor:
         """``[B, S]`` scores standardised with each source's validation mean and std."""
@@ -65,8 +80,9 @@ class RewardSet:
         std = scores.new_tensor([max(source.statistics[1], 1e-8) for source in self.sources])
         return (scores - mean) / std
 
-    def combine(self, scores: Tensor) -> Tensor:
-        """The weighted sum ``[B]`` of the sources' scores ``[B, S]``, NaN ("not applicable") counting as absent.
+    def combine(self, scores: Tensor, without_steps: bool = False) -> Tensor:
+        """The weighted sum ``[B]`` of the sources' scores ``[B, S]``, NaN ("not applicable") counting as absent;
+        ``without_steps`` leaves out the sources that score steps (their scores are trained on as step rewards).
 
         A row that no source applies to is an error naming the row: training on it would be training on nothing.
         """
@@ -75,14 +91,15 @@ class RewardSet:
         if none.any():
             raise ValueError(f"no reward source applies to rows {none.nonzero().flatten().tolist()} "
                              f"(every one of {self.names} returned None)")
-        weights = scores.new_tensor(self.weights)
+        weights = scores.new_tensor([0.0 if without_steps and source.scores_steps else weight
+                                     for source, weight in zip(self.sources, self.weights, strict=True)])
         return torch.where(applicable, scores * weights, 0.0).sum(-1)
 
-    def response_scores(self, scores: Tensor, is_stopped: Tensor) -> Tensor:
+    def response_scores(self, scores: Tensor, is_stopped: Tensor, without_steps: bool = False) -> Tensor:
         """The score ``[B]`` each response is trained on, from the sources' ``[B, S]``: normalised (``normalize``),
-        weighted and summed, less ``missing_eos_penalty`` where the response never stopped (``is_stopped`` ``[B]``),
-        clipped."""
-        combined = self.combine(self.normalize(scores) if self.normalize_scores else scores)
+        weighted and summed (without the step-scoring sources' with ``without_steps``), less
+        ``missing_eos_penalty`` where the response never stopped (``is_stopped`` ``[B]``), clipped."""
+        combined = self.combine(self.normalize(scores) if self.normalize_scores else scores, without_steps)
         if self.missing_eos_penalty is not None:
             combined = combined - self.missing_eos_penalty * (~is_stopped).float()
         if self.clip is not None:

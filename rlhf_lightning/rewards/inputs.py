@@ -27,6 +27,21 @@ class RewardInputs:
     completions: list[str]  # the responses as text (special tokens dropped)
     completion_ids: list[list[int]]  # the response tokens (stop token included)
     columns: dict[str, list[Any]] = field(default_factory=dict)  # the dataset's other columns
+    # [B, R] the tokens read after each opening, which are input_ids[:, -R - 1:-1] (closing adds a column); for
+    # sources that score a response token by token (ProcessReward). None when built by hand without it.
+    response_mask: Tensor | None = None
+    stop_token_ids: tuple[int, ...] = ()  # the tokens that end a response besides EOS
+
+    @property
+    def responses(self) -> Tensor:
+        """``[B, R]`` the response tokens (with ``response_mask``)."""
+        width = self.response_mask.shape[1]
+        return self.input_ids[:, self.input_ids.shape[1] - width - 1:-1]
+
+    @property
+    def prompt_length(self) -> int:
+        """``P``, the columns of the left-padded openings."""
+        return self.input_ids.shape[1] - self.response_mask.shape[1] - 1
 
 
 def last_token_index(attention_mask: Tensor) -> Tensor:
@@ -71,4 +86,4 @@ def reward_inputs(input_ids: Tensor, attention_mask: Tensor, response_mask: Tens
     return RewardInputs(
         *close_responses(input_ids, attention_mask, ends, stop_token_ids), prompts=prompts, completions=completions,
         completion_ids=[row[keep].tolist() for row, keep in zip(responses, response_mask, strict=True)],
-        columns=dict(columns or {}))
+        columns=dict(columns or {}), response_mask=response_mask, stop_token_ids=tuple(stop_token_ids))

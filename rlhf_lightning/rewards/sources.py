@@ -39,6 +39,9 @@ class RewardSource:
 
     statistics: tuple[float, float] | None = None
     may_abstain = True  # NaN means "not applicable to this response"; a reward model's NaN is a failure
+    # A source that scores each step of a response (ProcessReward) has ``step_scores(inputs) -> (scores [B, R],
+    # ends [B, R])`` and ``reduce(scores, ends) -> [B]``; PPO trains on the steps' scores at their last tokens.
+    scores_steps = False
 
     @property
     def name(self) -> str:

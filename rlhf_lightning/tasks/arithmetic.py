@@ -71,6 +71,28 @@ def worked_answer(a: int, b: int, slip: tuple[int, int] | None = None) -> tuple[
     return " , ".join(steps) + f" , answer {digits(answer)}", answer
 
 
+STEP_SEPARATOR = ","  # the worked responses' steps are joined by " , "
+
+
+def split_steps(response: str) -> list[str]:
+    """The steps of a worked response: its column sums and its ``answer``, split at the separator."""
+    return [step.strip() for step in response.split(STEP_SEPARATOR)]
+
+
+def step_labels(a: int, b: int, steps: Sequence[str]) -> list[bool]:
+    """Whether each step of a worked answer to ``a + b`` is right, by Math-Shepherd's rule (Wang et al. 2024): a
+    step is good when the right answer can still be reached from it. Every digit a step writes is a digit of the
+    answer, so one wrong step makes the answer wrong: a step is good when it and every step before it are the right
+    steps, and every step from the first slip on is bad (PRM800K, Lightman et al. 2023, labels no step after the
+    first bad one; the prefix rule gives those steps the label its rollouts would: bad)."""
+    right = split_steps(worked_answer(a, b)[0])
+    labels, good = [], True
+    for index, step in enumerate(steps):
+        good = good and index < len(right) and step.strip() == right[index]
+        labels.append(good)
+    return labels
+
+
 def final_answer(completion: str) -> int | None:
     """The number after the last ``answer`` of a completion, or None when there is none."""
     words = completion.split()
@@ -138,6 +160,19 @@ class ArithmeticTask:
         for _ in range(n):
             a, b = self._numbers(rng)
             rows.append({"prompt": prompt_text(a, b), "answer": a + b})
+        return rows
+
+    def stepwise_rows(self, n: int) -> list[dict]:
+        """``n`` worked answers in TRL's stepwise form for a process reward model: ``prompt``, ``completions`` (the
+        steps) and ``labels`` (each step checked, :func:`step_labels`); half of them with a slip, so that bad
+        steps are not rare."""
+        rng = self._rng("stepwise")
+        rows = []
+        for _ in range(n):
+            a, b = self._numbers(rng)
+            slip = self._slip(a, b, rng) if rng.random() < 0.5 else None
+            steps = split_steps(worked_answer(a, b, slip)[0])
+            rows.append({"prompt": prompt_text(a, b), "completions": steps, "labels": step_labels(a, b, steps)})
         return rows
 
     def preference_rows(self, n: int) -> list[dict]:
