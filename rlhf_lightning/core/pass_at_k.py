@@ -77,3 +77,7 @@ def pass_at_k_values(setting: PassAtK, gold: Sequence[float], completions: Seque
         per_prompt = [answers[start:start + n] for start in range(0, len(answers), n)]
         values.update({f"maj@{k}": maj_at_k(per_prompt, correct, k) for k in setting.ks if k > 1})
     return values
+
+
+# Saved in checkpoints with the module's hyper-parameters, which resume reads with torch.load(weights_only=True).
+torch.serialization.add_safe_globals([PassAtK])
