@@ -17,7 +17,7 @@ LAYERS = [
     ("models", "data", "environments"),  # the shared base and its roles; datasets and batches; tools, environments
     ("rollout", "rewards"),  # drawing tokens (sampler, engines, the turn loop); reward sources and how they combine
     ("core",),  # the LightningModules every stage shares
-    ("ppo", "grpo", "rloo", "reinforce_pp", "distill", "online_dpo", "dpo", "kto", "sft", "reward_model"),  # one per stage
+    ("ppo", "grpo", "rloo", "reinforce_pp", "distill", "online_dpo", "dpo", "kto", "sft", "reward_model", "prm"),  # one per stage
     ("callbacks", "loggers", "errors", "rank_failures", "model_card", "quiet", "merge", "cli", "study", "serving",
      "__init__", "__main__"),  # around the modules
 ]
