@@ -24,11 +24,9 @@ from rlhf_lightning.metrics import MeanStd, reset_metrics
 from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
 from rlhf_lightning.optim import Schedule
+from rlhf_lightning.rewards.process import PRM_CONFIG, PRM_ROLE
 from rlhf_lightning.utils import checks
 from rlhf_lightning.utils.nonfinite import NonFinite
-
-PRM_ROLE = "prm"
-PRM_CONFIG = "prm_config.json"  # the separator, beside the exported adapter
 
 
 class ProcessRewardModel(StageModule):

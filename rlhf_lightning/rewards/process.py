@@ -23,10 +23,12 @@ from transformers import PreTrainedTokenizerBase
 from rlhf_lightning.data.collate import pad
 from rlhf_lightning.data.tokenize import separator_token_id
 from rlhf_lightning.models.shared_base import SharedBase
-from rlhf_lightning.prm import PRM_CONFIG, PRM_ROLE
 from rlhf_lightning.rewards.inputs import RewardInputs
 from rlhf_lightning.rewards.sources import RewardSource
 from rlhf_lightning.utils import checks
+
+PRM_ROLE = "prm"
+PRM_CONFIG = "prm_config.json"  # the separator, beside the exported adapter
 
 Reduction = Literal["min", "last", "mean", "prod"]
 
