@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torchmetrics.classification import BinaryAUROC, BinaryF1Score
 
-from rlhf_lightning.core.stage import StageModule
+from rlhf_lightning.core.stage import SupervisedStage
 from rlhf_lightning.data.collate import IGNORE_INDEX
 from rlhf_lightning.data.tokenize import separator_token_id
 from rlhf_lightning.metrics import MeanStd, reset_metrics
@@ -29,7 +29,7 @@ from rlhf_lightning.utils import checks
 from rlhf_lightning.utils.nonfinite import NonFinite
 
 
-class ProcessRewardModel(StageModule):
+class ProcessRewardModel(SupervisedStage):
     """A process reward model trained on step-labelled responses: one logit per step, read at the separator token
     that ends it, with binary cross-entropy against the step's label (right = 1).
 
@@ -139,15 +139,6 @@ class ProcessRewardModel(StageModule):
         reset_metrics(self.val_loss, self.val_step_accuracy, self.val_solution_accuracy, self.val_wrong_auroc,
                       self.val_wrong_f1)
         super().on_validation_epoch_end()
-
-    def configure_optimizers(self):
-        hp = self.hparams
-        return self.configure_adamw([{"params": self.model, "lr": hp.lr}], hp.weight_decay, hp.warmup_steps,
-                                    hp.lr_schedule)
-
-    def on_fit_end(self) -> None:
-        if self.export_folder is not None:
-            self.export(self.export_folder)
 
     def export(self, directory: str | Path) -> Path:
         """Write the PRM to ``directory/prm``: the adapter (peft format), its head, the base's fingerprint and

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from rlhf_lightning.algorithms.preference import bradley_terry_loss
-from rlhf_lightning.core.stage import StageModule
+from rlhf_lightning.core.stage import SupervisedStage
 from rlhf_lightning.metrics import MeanStd, PairwiseAccuracy, reset_metrics
 from rlhf_lightning.models.heads import ScalarHead
 from rlhf_lightning.models.sharding import full_tensor
@@ -24,7 +24,7 @@ REWARD_ROLE = "reward"
 REWARD_STATS = "reward_stats.json"
 
 
-class RewardModel(StageModule):
+class RewardModel(SupervisedStage):
     """A reward model trained on preference pairs with the Bradley-Terry loss.
 
     The score of a sequence is the head's output at its last token (the EOS). Chosen and rejected sequences go
@@ -142,11 +142,6 @@ class RewardModel(StageModule):
         self.log_dict(metrics, prog_bar=True, sync_dist=True)  # every rank's values already: sync_dist keeps them
         reset_metrics(self.val_loss, self.val_accuracy, self.val_margin, self.val_rewards, self.val_gold_accuracy)
         super().on_validation_epoch_end()
-
-    def configure_optimizers(self):
-        hp = self.hparams
-        return self.configure_adamw([{"params": self.model, "lr": hp.lr}], hp.weight_decay, hp.warmup_steps,
-                                    hp.lr_schedule)
 
     def on_fit_end(self) -> None:
         if self.export_folder is not None:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torchmetrics import MeanMetric
 
-from rlhf_lightning.core.stage import StageModule
+from rlhf_lightning.core.stage import SupervisedStage
 from rlhf_lightning.data.collate import IGNORE_INDEX
 from rlhf_lightning.metrics import reset_metrics
 from rlhf_lightning.models.shared_base import SharedBase
@@ -22,7 +22,7 @@ from rlhf_lightning.utils.nonfinite import NonFinite
 SFT_ADAPTER = "sft"
 
 
-class SFT(StageModule):
+class SFT(SupervisedStage):
     """Supervised fine-tuning of a causal LM on demonstrations; prompt tokens carry no loss.
 
     At the end of ``fit`` the model is written to ``export_dir`` as a plain transformers model (a LoRA adapter
@@ -112,15 +112,6 @@ class SFT(StageModule):
         self.log("sft/val/loss", loss, sync_dist=True)
         self.log("sft/val/perplexity", torch.exp(loss.clamp(max=50.0)), sync_dist=True)
         super().on_validation_epoch_end()
-
-    def configure_optimizers(self):
-        hp = self.hparams
-        return self.configure_adamw([{"params": self.model, "lr": hp.lr}], hp.weight_decay, hp.warmup_steps,
-                                    hp.lr_schedule)
-
-    def on_fit_end(self) -> None:
-        if self.export_folder is not None:
-            self.export(self.export_folder)
 
     def export(self, directory: str | Path) -> Path:
         """Write the fine-tuned model (adapter merged) and tokenizer as a transformers folder, or with

@@ -334,3 +334,22 @@ class StageModule(L.LightningModule):
                 f"the checkpoint lacks {len(missing)} trained weights of this model (e.g. {sorted(missing)[0]}); "
                 "was it written by a run with another adapter or head configuration?"
             )
+
+
+class SupervisedStage(StageModule):
+    """A stage trained by automatic optimization on a fixed dataset (SFT, the reward model, the PRM): one AdamW
+    over the model's trainable weights from the hyper-parameters ``lr``, ``weight_decay``, ``warmup_steps`` and
+    ``lr_schedule``, and :meth:`export` to ``export_folder`` when the fit ends."""
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        return self.configure_adamw([{"params": self.model, "lr": hp.lr}], hp.weight_decay, hp.warmup_steps,
+                                    hp.lr_schedule)
+
+    def on_fit_end(self) -> None:
+        if self.export_folder is not None:
+            self.export(self.export_folder)
+
+    def export(self, directory: str | Path) -> Path:
+        """Write the trained model to ``directory``; returns the folder written."""
+        raise NotImplementedError
