@@ -95,7 +95,9 @@ def prefill_seconds(base: SharedBase, ids: torch.Tensor, mask: torch.Tensor, arg
     return time.perf_counter() - started
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (``--dry-run``: the tiny preset, short prompts, one repeat); unknown ``--sides`` are an
+    error here, before any model is built."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="gpt2")
     parser.add_argument("--device", default="cpu")
@@ -112,9 +114,14 @@ def main(argv: list[str] | None = None) -> dict:
     if args.dry_run:
         args.shape, args.prompts, args.group, args.prompt_length, args.response_length, args.repeats = (
             "tiny", 2, 2, 8, 4, 1)
-    sides = args.sides.split(",")
-    if unknown := set(sides) - set(SIDES):
+    if unknown := set(args.sides.split(",")) - set(SIDES):
         parser.error(f"--sides: unknown {sorted(unknown)}; choose from {', '.join(SIDES)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    sides = args.sides.split(",")
     dtype = getattr(torch, args.dtype)
     base = build(args.shape, dtype, args.device)
     vocab = base.hf_model.config.vocab_size

@@ -33,7 +33,7 @@ class Probe(L.Callback):
     """Records, on rank 0, what the equivalence tests compare: the training metrics of every batch (already
     averaged over ranks), the gradients of every trainable parameter before every optimizer step and the trained
     weights at the end, both whole (gathered from the shards under FSDP2), the validation metrics, and each
-    rank's share of the base's parameters.
+    rank's share of the base's parameters, and the process group's backend (gloo, nccl; None in one process).
 
     Args:
         out: the file to write (``torch.save``).
@@ -83,6 +83,7 @@ class Probe(L.Callback):
                         "validation": validation, "base_shares": shares,
                         "base_numel": sum(parameter.numel() for parameter in base),
                         "sharded": pl_module.model.is_sharded,
+                        "backend": dist.get_backend() if dist.is_available() and dist.is_initialized() else None,
                         "checkpoint_io": type(trainer.strategy.checkpoint_io).__name__}, self.out)
 
 

@@ -163,3 +163,40 @@ def test_decoding_runs_every_side_and_they_draw_the_same_tokens(outputs):
     assert set(sides) == {"generate", "eager", "compiled"}
     assert all(side["same_tokens"] == 1.0 and finite_positive(side["seconds"]) for side in sides.values())
     assert sides["generate"]["ratio"] == 1.0 and sides["compiled"]["compile_seconds"] > 0
+
+
+GPU_STEPS = ["cuda-tests", "decoding-gpt2", "decoding-qwen2-0.5b", "grpo-gpt2", "ppo-gpt2"]
+
+
+def gpu_checks(*arguments: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_checks.py"), *arguments], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_gpu_checks_dry_run_parses_every_command_of_its_plan():
+    """What CI can check of the lent GPU's one command: every step's command parses (the CUDA tests collected,
+    each benchmark's arguments through its own parser), listed in priority order."""
+    result = gpu_checks("--dry-run")
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = [line for line in result.stdout.splitlines() if line[:1].isdigit()]
+    assert [line.split(" ")[1] for line in steps] == GPU_STEPS
+    assert all(line.endswith(": parses") for line in steps), steps
+    assert "python -m pytest -m cuda tests/test_cuda.py" in steps[0]
+    assert "benchmarks/decoding.py --device cuda --dtype bfloat16" in steps[2] and "--shape qwen2-0.5b" in steps[2]
+    assert "--precision bf16-mixed --preset gpt2" in steps[4] and "--sides ours," in steps[4]
+
+
+def test_gpu_checks_starts_no_step_its_budget_cannot_hold_and_writes_the_results_file(tmp_path):
+    result = gpu_checks("--steps", "decoding-gpt2,grpo-gpt2", "--budget", "1", "--out", str(tmp_path / "gpu.md"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = (tmp_path / "gpu.md").read_text()
+    assert "- GPU: none (torch sees no CUDA device)\n" in text and "- torch: " in text and "- commit: " in text
+    assert "| decoding-gpt2 | not started: 1 s of the budget left, it needs about 50 s |  |  | 50 | `python " in text
+    assert "| grpo-gpt2 | not started: " in text and "## decoding-gpt2" not in text  # nothing ran: no output
+
+
+def test_gpu_checks_refuses_an_unknown_step_in_one_line():
+    result = gpu_checks("--steps", "cuda-tests,benchmarks")
+    assert result.returncode == 2
+    assert result.stderr.splitlines()[-1] == (f"gpu_checks.py: error: --steps: unknown ['benchmarks']; choose from "
+                                              f"{','.join(GPU_STEPS)}")

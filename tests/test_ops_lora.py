@@ -40,7 +40,7 @@ def with_adapters(base: SharedBase) -> SharedBase:
 
 def forward_backward(base: SharedBase, role: str | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     torch.manual_seed(2)
-    ids = torch.randint(3, 60, (3, 9))
+    ids = torch.randint(3, 60, (3, 9)).to(base.hf_model.device)
     mask = torch.ones_like(ids)
     mask[0, :4] = 0  # a left-padded row
     with base.role(role):
