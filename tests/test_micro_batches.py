@@ -25,6 +25,7 @@ from rlhf_lightning.core.online import OnlineRL
 from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.tasks.synthetic import gold_rewards
 from tests.conftest import LORA, built
+from tests.test_episodes import calculator_batch, calculator_model_dir, episodic  # noqa: F401 (a fixture)
 from tests.test_online import prompt_batch
 from tests.test_ppo import Recorder, _perturb, prompts
 
@@ -115,6 +116,26 @@ def test_a_micro_batch_cut_to_its_rows_gives_the_same_losses_and_gradients(cls, 
     cut_gradients = torch.autograd.grad(narrow["loss/total"], parameters)
     assert any(bool(g.abs().sum() > 0) for g in gradients)
     for expected, actual in zip(gradients, cut_gradients, strict=True):
+        torch.testing.assert_close(actual, expected, **TOLERANCE)
+
+
+def test_a_cut_episode_micro_batch_gives_the_same_losses_and_gradients(calculator_model_dir):  # noqa: F811
+    """Episodes: the environment's tokens between the policy's turns are context (real tokens, no loss) and stay;
+    only the padding after each micro-batch's longest episode goes."""
+    module = episodic(GRPO, calculator_model_dir, kl_coef=0.1, samples_per_prompt=4)
+    _perturb(module, "policy")
+    experience, _ = module.rollout(calculator_batch(module))
+    openings, responses = experience.row_extents()
+    context = experience.attention_mask[:, experience.prompt_length:].bool() & ~experience.response_mask
+    assert context.any()  # the environment answered some turns
+    micro = experience.select(torch.argsort(responses)[:4])  # the shortest episodes
+    cut = micro.trimmed()
+    assert cut.response_mask.shape[1] < micro.response_mask.shape[1]
+    whole, narrow = module.losses(micro), module.losses(cut)
+    for name, value in whole.items():
+        torch.testing.assert_close(narrow[name], value, **TOLERANCE, msg=name)
+    gradients = torch.autograd.grad(whole["loss/total"], trainable(module))
+    for expected, actual in zip(gradients, torch.autograd.grad(narrow["loss/total"], trainable(module)), strict=True):
         torch.testing.assert_close(actual, expected, **TOLERANCE)
 
 
