@@ -57,6 +57,30 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return directory
 
 
+def make_likely(model, token_id: int, scale: float, vocab: int, columns: int) -> None:
+    """Point the (tied) embedding of ``token_id`` along the average final hidden state of ``model`` (a GPT-2) on
+    random ``[8, columns]`` ids below ``vocab``, times ``scale``: a random tiny model, which would emit it once in ~60
+    tokens, then emits it after a few (the bigger ``scale``, the sooner)."""
+    with torch.no_grad():
+        hidden = model.transformer(torch.randint(0, vocab, (8, columns))).last_hidden_state.mean((0, 1))
+        model.transformer.wte.weight[token_id] = scale * hidden / hidden.square().sum()
+
+
+@pytest.fixture(scope="session")
+def stopping_model_dir(tmp_path_factory) -> Path:
+    """The tiny GPT-2 of :func:`tiny_model_dir` with its EOS made likely: responses stop at lengths from 1 to beyond
+    ``max_new_tokens``."""
+    directory = tmp_path_factory.mktemp("stopping-gpt2")
+    torch.manual_seed(0)
+    spec = tiny_spec()
+    tokenizer = load_tokenizer(spec)
+    model = load_causal_lm(spec, tokenizer)
+    make_likely(model, tokenizer.eos_token_id, 4.0, len(tokenizer), 12)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
 @pytest.fixture(scope="session")
 def reward_dir(tiny_model_dir, tmp_path_factory) -> Path:
     """A reward adapter with a random (non-zero) update and head on the tiny base, as the reward stage saves."""

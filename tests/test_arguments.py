@@ -38,6 +38,10 @@ BAD_MODULE_ARGUMENTS = [
     (PPO, dict(epochs=0), "epochs must be an integer >= 1, got 0"),
     (PPO, dict(num_minibatches=0), "num_minibatches must be an integer >= 1, got 0"),
     (PPO, dict(gradient_accumulation=0), "gradient_accumulation must be an integer >= 1, got 0"),
+    (PPO, dict(micro_batch_tokens=0), "micro_batch_tokens must be an integer >= 1 or null, got 0"),
+    (PPO, dict(micro_batch_tokens=512, gradient_accumulation=2), "micro_batch_tokens=512 and gradient_accumulation=2 "
+     "both split each minibatch into micro-batches: by tokens, or into equal parts; set gradient_accumulation: 1 or "
+     "micro_batch_tokens: null"),
     (PPO, dict(samples_per_prompt=0), "samples_per_prompt must be an integer >= 1, got 0"),
     (PPO, dict(clip_range_value=-0.2), "clip_range_value must be >= 0 or null, got -0.2"),
     (PPO, dict(gamma=1.5), r"gamma must lie in [0.0, 1.0], got 1.5"),

@@ -72,7 +72,9 @@ def stages(model_dir: Path, reward_dir: Path) -> dict[str, tuple[str, list[str],
                              "--model.init_args.gradient_accumulation=2", "--model.init_args.logprob_chunk=2"], 8, 8),
         "grpo": ("grpo.yaml", [base, reward, *ONLINE, "--model.init_args.sharded_rollout=per_layer"], 4, 8),
         "rloo": ("rloo.yaml", [base, reward, *ONLINE, "--model.init_args.base.gradient_checkpointing=true"], 4, 8),
-        "reinforce_pp": ("reinforce_pp.yaml", [base, reward, *ONLINE], 4, 8),
+        # micro-batches packed by tokens: rows of 8 to 10 tokens pack three or two to a micro-batch, so the ranks
+        # pack different counts, and the rank with fewer splits its largest until both run as many backward passes
+        "reinforce_pp": ("reinforce_pp.yaml", [base, reward, *ONLINE, "--model.init_args.micro_batch_tokens=27"], 4, 8),
         "online_dpo": ("online_dpo.yaml", [base, reward, *ONLINE], 4, 8),  # a prompt's pair stays on one rank
     }
 

@@ -19,7 +19,7 @@ from rlhf_lightning.environments import Environment, Step
 from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.rollout.episodes import opening_ids
 from rlhf_lightning.tasks.calculator import build_tokenizer, correct_answer
-from tests.conftest import LORA, built
+from tests.conftest import LORA, built, make_likely
 from tests.test_cli_errors import REPO, cli_subprocess
 from tests.test_ppo import _fit, prompts
 
@@ -41,10 +41,7 @@ def calculator_model_dir(tmp_path_factory):
                                        pad_token_id=tokenizer.pad_token_id))
     # Random weights would end a turn once in ~60 tokens: point the turn-end token's (tied) embedding along the
     # average final hidden state, so that turns end after a few tokens and episodes take several turns.
-    with torch.no_grad():
-        hidden = model.transformer(torch.randint(0, len(tokenizer), (8, 24))).last_hidden_state.mean((0, 1))
-        turn_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-        model.transformer.wte.weight[turn_end] = 4.0 * hidden / hidden.square().sum()
+    make_likely(model, tokenizer.convert_tokens_to_ids("<|im_end|>"), 4.0, len(tokenizer), 24)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory

@@ -34,7 +34,7 @@ from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
 from rlhf_lightning.tasks.calculator import correct_answer
 from rlhf_lightning.tasks.synthetic import gold_rewards
 from rlhf_lightning.timing import record_phases
-from tests.conftest import LORA, built
+from tests.conftest import LORA, built, make_likely
 from tests.test_episodes import calculator_model_dir  # noqa: F401 (a fixture)
 
 ONLINE = [rl.GRPO, rl.RLOO, rl.REINFORCEPlusPlus, rl.PPO, rl.OnPolicyDistillation, rl.OnlineDPO]
@@ -105,6 +105,7 @@ CASES: dict[str, Case] = {
     "epochs": case(2, "fit"),
     "num_minibatches": case(2, "fit"),
     "gradient_accumulation": case(2, "micro_batches"),
+    "micro_batch_tokens": case(8, "micro_batches"),  # every row (or pair) is longer: a micro-batch each
     "target_kl": case(1e-9, "fit", epochs=2),
     "max_grad_norm": case(1e-4, "fit"),
     "policy_lr": case(1e-2, "fit"),
@@ -212,9 +213,7 @@ def models(tiny_model_dir, reward_dir, calculator_model_dir, tmp_path_factory) -
                 torch.manual_seed(seed)
                 for parameter in model.parameters():
                     parameter.add_(0.05 * torch.randn_like(parameter))
-            # the (tied) EOS embedding along the mean final hidden state: about half the responses stop in 6 tokens
-            hidden = model.transformer(torch.randint(0, len(tokenizer), (8, 12))).last_hidden_state.mean((0, 1))
-            model.transformer.wte.weight[tokenizer.eos_token_id] = 2.0 * hidden / hidden.square().sum()
+            make_likely(model, tokenizer.eos_token_id, 2.0, len(tokenizer), 12)  # about half stop in 6 tokens
         folders[name] = tmp_path_factory.mktemp(name.replace(" ", "-"))
         model.save_pretrained(folders[name])
         tokenizer.save_pretrained(folders[name])

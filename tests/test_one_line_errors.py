@@ -81,6 +81,17 @@ def test_a_misspelled_key_or_class_names_the_closest_valid_ones(capsys, argument
     assert one_line(capsys, "fit", "--config", str(REPO / "configs" / "grpo.yaml"), argument, code=2) == expected
 
 
+@pytest.mark.parametrize("overrides, expected", [
+    (["--model.init_args.micro_batch_tokens=0"], "error: micro_batch_tokens must be an integer >= 1 or null, got 0"),
+    (["--model.init_args.micro_batch_tokens=512", "--model.init_args.gradient_accumulation=2"],
+     "error: micro_batch_tokens=512 and gradient_accumulation=2 both split each minibatch into micro-batches: by "
+     "tokens, or into equal parts; set gradient_accumulation: 1 or micro_batch_tokens: null"),
+])
+def test_a_token_budget_of_zero_or_beside_gradient_accumulation_is_refused(capsys, tiny_model_dir, reward_dir,
+                                                                           overrides, expected):
+    assert one_line(capsys, *grpo(tiny_model_dir, reward_dir, *overrides)) == expected
+
+
 def test_a_misspelled_key_in_a_config_file_is_named_too(capsys, tmp_path):
     config = tmp_path / "my.yaml"
     config.write_text("model:\n  class_path: rlhf_lightning.DPO\n  init_args:\n    base: {name_or_path: m}\n"

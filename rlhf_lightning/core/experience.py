@@ -72,6 +72,49 @@ class Experience:
                    if isinstance(getattr(self, f.name), Tensor)}
         return dataclasses.replace(self, **changes)
 
+    def row_extents(self) -> tuple[Tensor, Tensor]:
+        """``([B] opening columns, [B] response columns)`` each row needs: from its first real token to the end of
+        the (left-padded) prompt columns, and from the start of the response columns to its last real token (an
+        episode's environment tokens included)."""
+        prompt = self.attention_mask[:, : self.prompt_length].bool()
+        after = self.attention_mask[:, self.prompt_length :].bool()
+        # the first real column of each opening (argmax finds the first True); a row without one needs none
+        openings = torch.where(prompt.any(1), self.prompt_length - prompt.int().argmax(1), 0)
+        columns = torch.arange(1, after.shape[1] + 1, device=after.device)
+        return openings, (after * columns).amax(1)
+
+    def cut(self, opening: int, response: int) -> Experience:
+        """This experience on fewer columns: the last ``opening`` prompt columns and the first ``response`` response
+        columns (at least 1), e.g. those its own rows need (:meth:`row_extents`).
+
+        Only padding may be cut: prompts are left-padded and positions count real tokens only, so every real token
+        keeps its position and its context, and every pass gives the same numbers on fewer columns. Every tensor
+        with a second dimension but ``input_ids`` and ``attention_mask`` must be per-token, ``[B, R, ...]``.
+        """
+        width, start = self.response_mask.shape[1], self.prompt_length - opening
+        keep = max(response, 1)
+        if start == 0 and keep == width:
+            return self
+        changes = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, Tensor) or value.dim() < 2:
+                continue
+            if field.name in ("input_ids", "attention_mask"):
+                changes[field.name] = value[:, start : self.prompt_length + keep]
+            elif value.shape[1] == width:
+                changes[field.name] = value[:, :keep]
+            else:
+                raise ValueError(f"{type(self).__name__}.{field.name} is {list(value.shape)}: a tensor with a second "
+                                 f"dimension must be per-token, [B, R={width}, ...], for the columns to be cut")
+        return dataclasses.replace(self, **changes)
+
+    def trimmed(self) -> Experience:
+        """This experience cut to the columns its rows need (:meth:`cut`); itself when it has no padding to cut."""
+        openings, responses = self.row_extents()
+        opening, response = torch.stack([openings.max(), responses.max()]).tolist()
+        return self.cut(opening, response)
+
 
 @dataclass(frozen=True)
 class ShapedRewards:

@@ -9,7 +9,8 @@ One ``training_step`` is one iteration on a batch of prompts, five steps read to
    per-token KL computed once;
 3. **the algorithm** (:meth:`prepare_update`): advantages (and returns), or online DPO's ordered pairs;
 4. **update** (:meth:`update`): ``epochs`` passes over shuffled minibatches of micro-batches of the algorithm's
-   :meth:`loss`; gradient clipping, optimizer step, optional target-KL stop;
+   :meth:`loss` (:meth:`micro_batches`: equal ones, or packed by ``micro_batch_tokens``, each cut to the columns its
+   own rows need); gradient clipping, optimizer step, optional target-KL stop;
 5. **log** every statistic (:meth:`end_iteration`).
 
 The loop knows no algorithm: :class:`~rlhf_lightning.core.policy_gradient.PolicyGradient` adds the registered
@@ -39,6 +40,7 @@ from torch import Tensor
 
 from rlhf_lightning.core.collect import ExperienceCollector, SkipIteration, Stats
 from rlhf_lightning.core.experience import Experience, ShapedRewards
+from rlhf_lightning.core.micro_batches import Extent, pack_by_tokens, split_to_count
 from rlhf_lightning.core.policy import POLICY
 from rlhf_lightning.models.sharding import full_tensor
 from rlhf_lightning.optim import Schedule
@@ -60,6 +62,9 @@ class OnlineRL(ExperienceCollector):
         epochs: passes over each rollout batch.
         num_minibatches: minibatches, hence optimizer steps, per pass.
         gradient_accumulation: micro-batches per minibatch (less memory; same result).
+        micro_batch_tokens: instead of ``gradient_accumulation`` equal micro-batches, pack each minibatch's rows,
+            longest first, into micro-batches of at most this many tokens, padding included (a longer row alone);
+            same result; null = off.
         target_kl: stop an iteration's epochs once a minibatch's approximate KL to the sampling policy exceeds
             this; null = never.
         max_grad_norm: clip the gradient norm to this; null = off.
@@ -89,6 +94,7 @@ class OnlineRL(ExperienceCollector):
         epochs: int = 1,
         num_minibatches: int = 1,
         gradient_accumulation: int = 1,
+        micro_batch_tokens: int | None = None,
         target_kl: float | None = None,
         max_grad_norm: float | None = 1.0,
         policy_lr: float = 1e-4,
@@ -109,6 +115,11 @@ class OnlineRL(ExperienceCollector):
         for name, value in {"epochs": epochs, "num_minibatches": num_minibatches,
                             "gradient_accumulation": gradient_accumulation}.items():
             checks.at_least(name, value)
+        checks.at_least("micro_batch_tokens", micro_batch_tokens, optional=True)
+        if micro_batch_tokens is not None and gradient_accumulation != 1:
+            raise ValueError(f"micro_batch_tokens={micro_batch_tokens} and gradient_accumulation="
+                             f"{gradient_accumulation} both split each minibatch into micro-batches: by tokens, or "
+                             "into equal parts; set gradient_accumulation: 1 or micro_batch_tokens: null")
         checks.at_least("warmup_iterations", warmup_iterations, minimum=0)
         checks.non_negative("weight_decay", weight_decay)
         for name, value in {"target_kl": target_kl, "max_grad_norm": max_grad_norm}.items():
@@ -219,12 +230,14 @@ class OnlineRL(ExperienceCollector):
 
     def update(self, experience: Experience, ptx: dict[str, Tensor] | None) -> Stats:
         """``epochs`` passes of minibatch updates. Returns each loss (``STEP_LOSSES``) as the mean over optimizer
-        steps of what the step backpropagated, every other term as its mean over the micro-batches."""
+        steps of what the step backpropagated, every other term as its mean over the micro-batches, each weighted
+        by its share of its minibatch's rows (equal micro-batches weigh alike)."""
         hp = self.hparams
         optimizer = self.optimizers()
-        minibatch_size, micro_size = self.minibatch_sizes(experience.response_mask.shape[0])
+        minibatch_size, _ = self.minibatch_sizes(experience.response_mask.shape[0])
+        extents = list(zip(*(columns.tolist() for columns in experience.row_extents()), strict=True))
         sums: Stats = defaultdict(lambda: torch.zeros((), device=self.device))
-        counts: dict[str, int] = defaultdict(int)
+        counts: dict[str, float] = defaultdict(float)
         attempted, steps, epochs_run, early_stopped = 0, 0, 0, False
         while epochs_run < hp.epochs and not early_stopped:
             epochs_run += 1
@@ -234,7 +247,8 @@ class OnlineRL(ExperienceCollector):
             for minibatch in order.split(minibatch_size):
                 attempted += 1
                 where = f"iteration {self.iteration + 1}, optimizer step {attempted} of {self.steps_per_rollout}"
-                micros = [experience.select(rows) for rows in minibatch.split(micro_size)]
+                micros = self.micro_batches(experience, minibatch.tolist(), extents)
+                shares = [micro.response_mask.shape[0] / minibatch.shape[0] for micro in micros]
                 normalisers = self.step_normalisers(micros)
                 minibatch_kl = torch.zeros((), device=self.device)
                 step_terms: list[Stats] = []
@@ -243,13 +257,16 @@ class OnlineRL(ExperienceCollector):
                     self.guard_losses({name: value for name, value in terms.items() if name.startswith("loss/")},
                                       f"{where}, micro-batch {index + 1} of {len(micros)}")
                     step_terms.append({name: value.detach() for name, value in terms.items()})
-                    minibatch_kl += terms["policy/approx_kl"].detach() / len(micros)
+                    minibatch_kl += terms["policy/approx_kl"].detach() * shares[index]
                 if not self.guard_step(where):
                     continue  # nothing of a skipped step enters the statistics
-                for terms in step_terms:
+                for terms, share in zip(step_terms, shares, strict=True):
                     for name, value in terms.items():
-                        sums[name] += value
-                        counts[name] += name not in self.STEP_LOSSES
+                        if name in self.STEP_LOSSES:  # parts of the step's loss: their sum is the step's
+                            sums[name] += value
+                        else:  # each micro-batch's term weighs as its share of the minibatch's rows
+                            sums[name] += value * share
+                            counts[name] += share
                 steps += 1
                 sums["grad_norm"] += self._gradient_norm()
                 if hp.max_grad_norm is not None:
@@ -267,6 +284,30 @@ class OnlineRL(ExperienceCollector):
         stats["policy/epochs"] = torch.tensor(float(epochs_run))
         stats["policy/early_stopped"] = torch.tensor(float(early_stopped))
         return stats
+
+    def micro_batches(self, experience: Experience, rows: list[int], extents: list[Extent]) -> list[Experience]:
+        """A minibatch's micro-batches (its ``rows`` of ``experience``, whose rows need the columns ``extents``), each
+        cut to the columns its own rows need: ``gradient_accumulation`` equal parts, or packed by
+        ``micro_batch_tokens``, as many on every rank (each backward pass is a collective under DDP and FSDP2)."""
+        hp, unit = self.hparams, self.rows_kept_together
+        needed = [extents[row] for row in rows]
+        if hp.micro_batch_tokens is None:
+            size = len(rows) // hp.gradient_accumulation
+            parts = [list(range(start, start + size)) for start in range(0, len(rows), size)]
+        else:
+            parts = pack_by_tokens(needed, hp.micro_batch_tokens, unit)
+            parts = split_to_count(parts, needed, self.most_over_ranks(len(parts)), unit)
+        micros = []
+        for part in parts:
+            micro = experience.select(torch.tensor([rows[p] for p in part], device=self.device))
+            micros.append(micro.cut(max(needed[p][0] for p in part), max(needed[p][1] for p in part)))
+        return micros
+
+    def most_over_ranks(self, count: int) -> int:
+        """The largest ``count`` of any rank of a distributed fit (``count`` outside one)."""
+        if self._trainer is None or self.trainer.world_size == 1:
+            return count
+        return int(self.trainer.strategy.reduce(torch.tensor(count, device=self.device), reduce_op="max"))
 
     def step_normalisers(self, micros: Sequence[Experience]) -> dict[str, Tensor]:
         """Denominators of the optimizer step's losses, summed over its micro-batches and averaged over ranks
