@@ -205,6 +205,31 @@ def test_the_arithmetic_judge_config_reads_the_judge_rows_template():
     assert row == {"prompt": "add 6 7 + 6 6 5", "answer": 732, "reference": "7 3 2"}
 
 
+def test_the_arithmetic_judge_rows_carry_the_checkers_verdict_and_easy_negatives():
+    from rlhf_lightning.tasks.arithmetic import final_answer, prompt_text
+    from rlhf_lightning.tasks.arithmetic_judge import EASY_NEGATIVES, ArithmeticJudgeTask
+
+    rows = ArithmeticJudgeTask(seed=3).sft_rows(4000)
+    assert rows == ArithmeticJudgeTask(seed=3).sft_rows(4000) and rows != ArithmeticJudgeTask(seed=4).sft_rows(4000)
+    far = 0
+    for row in rows:
+        # "add A + B <response> , answer <reference> =": B is the reference's sum less A.
+        head, reference = row["prompt"].removesuffix(" =").rsplit(" , answer ", 1)
+        total = int(reference.replace(" ", ""))
+        a = int(head.removeprefix("add ").split(" + ", 1)[0].replace(" ", ""))
+        problem = prompt_text(a, total - a)
+        assert head.startswith(problem + " "), row
+        response = head.removeprefix(problem + " ")
+        answer = final_answer(response)
+        assert row["completion"] == (" 1" if answer == total else " 0"), row
+        # A slip moves one digit of the sum by at most 2; a random answer of the sum's length is mostly further.
+        far += answer is not None and abs(answer - total) > 2 * 10 ** (len(str(total)) - 1)
+    assert 0.5 * EASY_NEGATIVES < far / len(rows) < EASY_NEGATIVES
+    # Half the policy-like responses are right and a tenth are cut short; the easy negatives take their share.
+    right = sum(row["completion"] == " 1" for row in rows) / len(rows)
+    assert abs(right - 0.5 * 0.9 * (1 - EASY_NEGATIVES)) < 0.03
+
+
 # ---- an OpenAI-compatible endpoint on the loopback address ---------------------------------------------------
 
 

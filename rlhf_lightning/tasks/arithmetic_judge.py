@@ -10,7 +10,10 @@ the digit tokens ``1`` and ``0``::
     completion: 1
 
 The responses are those a fine-tuned policy writes: half correct, half with a slip (the wrong answers the checker
-refuses), and some cut short before their answer (refused too), as a response that runs out of tokens is.
+refuses), and some cut short before their answer (refused too), as a response that runs out of tokens is. In
+:data:`EASY_NEGATIVES` of the rows the final answer is then replaced by a random number of the sum's length (an
+"easy negative": usually far from the sum): with the policy's near-miss slips alone, a judge this small learned
+nothing in 1000 steps; with them, it learns to compare the answer with the reference (docs/judges.md).
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ from rlhf_lightning.tasks.arithmetic import (
 JUDGE_TEMPLATE = "{prompt} {response} , answer {reference} ="
 VERDICTS = {"1": 1.0, "0": 0.0}
 CUT_SHORT = 0.1  # share of responses cut before their answer
+EASY_NEGATIVES = 0.4  # share of rows whose final answer is replaced by a random number of the sum's length
 
-__all__ = ["JUDGE_TEMPLATE", "VERDICTS", "ArithmeticJudgeTask", "build_tokenizer"]
+__all__ = ["EASY_NEGATIVES", "JUDGE_TEMPLATE", "VERDICTS", "ArithmeticJudgeTask", "build_tokenizer"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,10 @@ class ArithmeticJudgeTask(ArithmeticTask):
             if rng.random() < CUT_SHORT:
                 words = response.split()
                 response = " ".join(words[:rng.randrange(1, len(words) - 1)])
+            if rng.random() < EASY_NEGATIVES and "answer" in response:
+                width = len(str(a + b))
+                guess = rng.randrange(10 ** (width - 1) if width > 1 else 0, 10 ** width)
+                response = response.rsplit("answer", 1)[0] + "answer " + digits(guess)
             verdict = "1" if final_answer(response) == a + b else "0"
             prompt = JUDGE_TEMPLATE.format(prompt=prompt_text(a, b), response=response, reference=digits(a + b))
             rows.append({"prompt": prompt, "completion": " " + verdict})
