@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from harness.fixtures import even_token_reward, lora_spec, model_dir, preference_path, prompt_ids, reward_dir
+from harness.lengths import StopPlan
 from harness.measure import Stopwatch
 from harness.processes import report
 from harness.profiler import IterationProfiler
@@ -64,6 +65,46 @@ def prompt_loader(settings: Settings, tokenizer):
     return torch.utils.data.DataLoader(list(range(len(ids))), batch_size=settings.prompts, collate_fn=collate)
 
 
+def force_planned_stops(settings: Settings) -> StopPlan | None:
+    """Under ``--lengths`` other than ``equal``: our eager decoder (the engine ``decoding: auto`` picks on CPU)
+    replaced, in this process only, by one that appends the plan's :class:`~harness.lengths.ForcedStops` to its
+    warpers and records the lengths each rollout drew. The sampler builds its engine from ``ENGINES``, the
+    registry an engine joins. Returns the plan (None under ``equal``)."""
+    if settings.lengths == "equal":
+        return None
+    from transformers import LogitsProcessorList
+
+    from rlhf_lightning.rollout import engines
+    from rlhf_lightning.rollout.decode import Decoder
+
+    plan = StopPlan(settings)
+
+    class StoppingDecoder(Decoder):
+        def __call__(self, input_ids, attention_mask, warpers, *args, **kwargs):
+            tokens, logprobs = super().__call__(input_ids, attention_mask,
+                                                LogitsProcessorList([*warpers, plan.next_processor()]), *args, **kwargs)
+            plan.record(tokens)
+            return tokens, logprobs
+
+    class StoppingEagerDecoder(engines.EagerDecoder):
+        def __init__(self, model) -> None:
+            super().__init__(model)
+            self.decoder = StoppingDecoder(model.hf_model, compiled=False)
+
+    engines.ENGINES["eager"] = StoppingEagerDecoder
+    return plan
+
+
+def stop_token(settings: Settings) -> str | None:
+    """Our ``stop_token``: off under ``--lengths equal`` (every response the full length), else EOS."""
+    return None if settings.lengths == "equal" else "eos"
+
+
+def lengths_of(plan: StopPlan | None) -> dict[str, Any]:
+    """The result's ``lengths`` entry: each rollout's responses' lengths, where stops were planned."""
+    return {} if plan is None else {"lengths": plan.realised}
+
+
 def run(settings: Settings, profile: bool = False) -> None:
     """``rlhf_lightning.PPO``, its four roles on one base, with the settings TRL's ``PPOTrainer`` is given on the
     other side (see ``ppo_vs_trl.py``); reports its measured iterations."""
@@ -71,17 +112,18 @@ def run(settings: Settings, profile: bool = False) -> None:
 
     configure_threads(settings)
     torch.manual_seed(settings.seed)
+    plan = force_planned_stops(settings)
     module = PPO(
         base=base_spec(settings),
         reward=AdapterReward(str(reward_dir(settings))),
         policy_lora=lora_spec(settings), critic_lora=lora_spec(settings),
-        max_new_tokens=settings.response_length, temperature=1.0, stop_token=None,
+        max_new_tokens=settings.response_length, temperature=1.0, stop_token=stop_token(settings),
         epochs=settings.ppo_epochs, num_minibatches=settings.num_minibatches,
         policy_lr=settings.lr, critic_lr=settings.lr,
         **settings.ppo_options,
     )
     rows = fit(module, settings, profile, "ppo")
-    report({"side": "ours", "iterations": rows})
+    report({"side": "ours", "iterations": rows, **lengths_of(plan)})
 
 
 def base_spec(settings: Settings):
@@ -125,11 +167,13 @@ def run_grpo(settings: GRPOSettings, beta: float, profile: bool = False) -> None
 
     configure_threads(settings)
     torch.manual_seed(settings.seed)
+    plan = force_planned_stops(settings)
     module = GRPO(
         base=base_spec(settings),
         reward=FunctionReward(even_token_reward),
         policy_lora=lora_spec(settings),
-        max_new_tokens=settings.response_length, temperature=1.0, top_k=0, top_p=1.0, stop_token=None,
+        max_new_tokens=settings.response_length, temperature=1.0, top_k=0, top_p=1.0,
+        stop_token=stop_token(settings),
         samples_per_prompt=settings.group_size, scale_rewards="group", std_eps=1e-4,
         kl_coef=beta, kl_estimator="k3", kl_in="loss", kl_ratio_weighting=True, loss_aggregation="token_mean",
         epochs=settings.ppo_epochs, num_minibatches=settings.num_minibatches, policy_loss=Clip(clip_range=0.2),
@@ -138,7 +182,7 @@ def run_grpo(settings: GRPOSettings, beta: float, profile: bool = False) -> None
         **settings.ppo_options,
     )
     rows = fit(module, settings, profile, "grpo")
-    report({"side": "ours" if beta else "ours_beta0", "iterations": rows})
+    report({"side": "ours" if beta else "ours_beta0", "iterations": rows, **lengths_of(plan)})
 
 
 def run_dpo(settings: DPOSettings, profile: bool = False) -> None:

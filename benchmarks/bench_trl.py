@@ -3,6 +3,8 @@
 Four separate models: the policy (a causal LM), the reference (a second copy; with ``peft_config`` none, the
 policy's adapters are disabled instead), the value and the reward models (``AutoModelForSequenceClassification``
 with one label, built from the same weights). With ``lora`` only the policy becomes a LoRA adapter, as in TRL.
+Under ``--lengths task`` or ``long-tail`` its ``stop_token`` is ``eos`` and the policy's ``generate`` forces the
+planned EOS of each row (``harness.lengths.force_stops_in_generate``), as on every side.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import tempfile
 from typing import Any
 
 from harness.fixtures import model_dir, peft_config, prompt_ids
+from harness.lengths import StopPlan, force_stops_in_generate
 from harness.measure import Stopwatch
 from harness.processes import report
 from harness.settings import Settings
@@ -26,6 +29,9 @@ def run(settings: Settings, lora: bool) -> None:
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, TrainerCallback
 
     tokenizer, policy = load_trl_side(settings, TRL_VERSION, "ppo_vs_trl.py")  # before TRL 1.12's own imports
+    plan = StopPlan(settings)
+    if settings.lengths != "equal":
+        force_stops_in_generate(policy, plan)  # before peft wraps it: its generate reaches this one
     from trl.experimental.ppo import PPOConfig, PPOTrainer
     path = model_dir(settings)
     ref_policy = None if lora else AutoModelForCausalLM.from_pretrained(path)
@@ -40,7 +46,8 @@ def run(settings: Settings, lora: bool) -> None:
         per_device_train_batch_size=settings.prompts // settings.num_minibatches,
         gradient_accumulation_steps=settings.num_minibatches, num_mini_batches=settings.num_minibatches,
         local_rollout_forward_batch_size=settings.prompts, num_ppo_epochs=settings.ppo_epochs,
-        total_episodes=settings.total_prompts, response_length=settings.response_length, stop_token=None,
+        total_episodes=settings.total_prompts, response_length=settings.response_length,
+        stop_token=None if settings.lengths == "equal" else "eos",
         temperature=1.0, learning_rate=settings.lr, num_sample_generations=0, seed=settings.seed,
         bf16=settings.precision == "bf16-mixed", use_cpu=settings.device == "cpu", logging_steps=1,
     )
@@ -62,8 +69,9 @@ def run(settings: Settings, lora: bool) -> None:
 
         def on_step_end(self, args, state, control, **kwargs):
             now = watch.now()
+            tokens = sum(plan.realised[-1]) if plan.realised else settings.prompts * settings.response_length
             rows.append({"seconds": now - marks["last"], "rollout": marks.pop("rollout_end") - marks["last"],
-                         "tokens": float(settings.prompts * settings.response_length)})
+                         "tokens": float(tokens)})
             marks["last"] = now
 
     def first_update_forward(module, args, kwargs):
@@ -72,4 +80,5 @@ def run(settings: Settings, lora: bool) -> None:
     trainer.model.register_forward_pre_hook(first_update_forward, with_kwargs=True)
     trainer.add_callback(IterationTimer())
     trainer.train()
-    report({"side": "trl_lora" if lora else "trl", "iterations": rows[settings.warmup:]})
+    lengths = {"lengths": plan.realised} if plan.realised else {}
+    report({"side": "trl_lora" if lora else "trl", "iterations": rows[settings.warmup:], **lengths})

@@ -9,6 +9,9 @@ trained and TRL loads a second copy as the reference at beta > 0.
 An iteration is one generation batch (``prompts x group_size`` completions) and the ``ppo_epochs x num_minibatches``
 optimizer steps TRL makes on it (``num_iterations x steps_per_generation``); its rollout is TRL's
 ``_generate_and_score_completions`` (generation, old and reference log-probs, rewards, advantages).
+
+Under ``--lengths task`` or ``long-tail`` TRL stops at EOS (its own behaviour) and the policy's ``generate`` forces
+the planned EOS of each row with the processor every side uses (``harness.lengths.force_stops_in_generate``).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import tempfile
 from typing import Any
 
 from harness.fixtures import even_token_reward, peft_config, prompt_ids
+from harness.lengths import StopPlan, force_stops_in_generate
 from harness.measure import Stopwatch
 from harness.processes import report
 from harness.profiler import IterationProfiler
@@ -42,9 +46,10 @@ def grpo_config(settings: GRPOSettings, beta: float):
         num_generations=settings.group_size, per_device_train_batch_size=rows // settings.num_minibatches,
         gradient_accumulation_steps=1, steps_per_generation=settings.num_minibatches,
         num_iterations=settings.ppo_epochs, max_steps=(settings.warmup + settings.iterations) * settings.optimizer_steps,
-        # sampling: full distribution, always the full length (EOS suppressed until max_completion_length)
+        # sampling: full distribution; under --lengths equal always the full length (EOS suppressed until
+        # max_completion_length), else TRL's own stop at EOS, where the plan forces it (harness.lengths)
         max_completion_length=settings.response_length, temperature=1.0, top_p=1.0, top_k=0,
-        generation_kwargs={"min_new_tokens": settings.response_length},
+        generation_kwargs={"min_new_tokens": settings.response_length} if settings.lengths == "equal" else None,
         # the objective
         beta=beta, loss_type="dapo", scale_rewards="group", epsilon=0.2, epsilon_high=None,
         importance_sampling_level="token", use_bias_correction_kl=True, mask_truncated_completions=False,
@@ -64,6 +69,9 @@ def run(settings: GRPOSettings, beta: float, lora: bool = True, profile: bool = 
     from trl import GRPOTrainer
 
     tokenizer, policy = load_trl_side(settings, TRL_VERSION, "grpo_vs_trl.py")
+    plan = StopPlan(settings)
+    if settings.lengths != "equal":
+        force_stops_in_generate(policy, plan)  # before peft wraps it: its generate reaches this one
     ids = prompt_ids(settings, settings.total_prompts)
     # Text prompts, as TRL takes them; the word-level tokenizer maps them back to exactly these ids.
     texts = tokenizer.batch_decode(ids)
@@ -102,8 +110,8 @@ def run(settings: GRPOSettings, beta: float, lora: bool = True, profile: bool = 
             if state.global_step % settings.optimizer_steps:
                 return
             now = watch.now()
-            rows.append({"seconds": now - marks["last"], "rollout": marks.pop("rollout"),
-                         "tokens": float(settings.rollout_rows * settings.response_length)})
+            tokens = sum(plan.realised[-1]) if plan.realised else settings.rollout_rows * settings.response_length
+            rows.append({"seconds": now - marks["last"], "rollout": marks.pop("rollout"), "tokens": float(tokens)})
             profiler.stop()
             profiler.begin(len(rows))
             marks["last"] = watch.now()
@@ -112,10 +120,14 @@ def run(settings: GRPOSettings, beta: float, lora: bool = True, profile: bool = 
     trainer.train()
     lengths = [entry["completions/mean_length"] for entry in trainer.state.log_history
                if "completions/mean_length" in entry]
-    if any(length != settings.response_length for length in lengths):
+    if settings.lengths == "equal" and any(length != settings.response_length for length in lengths):
         raise RuntimeError(f"TRL's completions were not all {settings.response_length} tokens long: mean lengths "
                            f"{lengths}")
+    if settings.lengths != "equal" and len(plan.realised) != settings.warmup + settings.iterations:
+        raise RuntimeError(f"TRL's generate forced the planned stops in {len(plan.realised)} rollouts, expected "
+                           f"{settings.warmup + settings.iterations}")
     if len(rows) != settings.warmup + settings.iterations:
         raise RuntimeError(f"TRL ran {len(rows)} iterations, expected {settings.warmup + settings.iterations}")
     side = ("trl_lora" if lora else "trl") + ("" if beta else "_beta0")
-    report({"side": side, "iterations": rows[settings.warmup:]})
+    lengths = {"lengths": plan.realised} if plan.realised else {}
+    report({"side": side, "iterations": rows[settings.warmup:], **lengths})

@@ -52,6 +52,12 @@ What both sides are set to compute alike (ours: ``rlhf_lightning.GRPO`` argument
 | precision | Lightning's ``32`` / ``bf16-mixed`` | ``bf16`` False / True (GRPOConfig's default is True) |
 | prompts | the same ids | the same ids, as text that the word-level tokenizer maps back to them |
 
+``--lengths task`` or ``long-tail`` (``harness/lengths.py``) replaces the response-length row: the stop token on
+(ours ``stop_token: eos``; TRL its own stop at EOS, no ``min_new_tokens``) and each row's EOS forced where a seeded
+plan puts it, by the same logits processor on every side, so every side samples the same lengths row by row; the
+realised mean and max per side are printed and in the JSON (``response_lengths``, ``same_lengths``).
+``--workload chat256``/``chat512``: prompt 256/512, response 128, group 8.
+
 Not aligned (each side as it is built): TRL computes the entropy in every loss forward and logs per-step metrics;
 TRL shuffles the generation batch once and reuses its minibatches over ``num_iterations``, ours reshuffles every
 epoch; the sampled tokens differ (different random streams; TRL's EOS suppression), not their number; our
@@ -68,12 +74,14 @@ from harness.arguments import DRY_RUN as COMMON_DRY_RUN
 from harness.arguments import (
     add_common_arguments,
     add_dry_run_argument,
+    add_workload_arguments,
     common_settings,
     parse_with_dry_run,
     side_order,
 )
 from harness.fixtures import prepare_workdir
 from harness.flops import grpo_iteration_flops, matmul_flops_per_second
+from harness.lengths import lengths_summary, print_flops_caveat, print_lengths, same_lengths
 from harness.measure import GIB, peak_memory_key, weights_bytes
 from harness.processes import run_rounds
 from harness.settings import GRPOSettings
@@ -106,6 +114,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="leave TRL's default gradient checkpointing on (ours has none)")
     parser.add_argument("--grpo-options", default="{}",
                         help="JSON of extra rlhf_lightning.GRPO arguments for our side, e.g. '{\"logprob_chunk\": 16}'")
+    add_workload_arguments(parser)
     add_dry_run_argument(parser, DRY_RUN)
     return parse_with_dry_run(parser, argv, DRY_RUN)
 
@@ -198,6 +207,8 @@ def main(argv: list[str] | None = None) -> None:
     configure_threads(settings)  # the children's thread count, so the matmul peak is theirs
     matmul = matmul_flops_per_second(args.device, quick=args.dry_run)
     summary = summarise(run_rounds(__file__, order, settings, args.profile))
+    print_lengths(summary, settings)
+    lengths = {"response_lengths": lengths_summary(summary), "same_lengths": same_lengths(summary, settings)}
     memory_key = peak_memory_key(args.device)
     summary, floors = bench_floor.split(summary, {
         "floor": bench_floor.GRPO_PIECES,
@@ -209,7 +220,8 @@ def main(argv: list[str] | None = None) -> None:
             print_phases(f"where our iteration goes ({side}, median seconds per piece)", summary[side],
                          "other (rewards, advantages, losses, loop)")
             print_flops(summary[side], flops[side], matmul)
-    print(json.dumps(final_json(summary, floors, settings, weights, flops, matmul, memory_key)))
+            print_flops_caveat(settings)
+    print(json.dumps(final_json(summary, floors, settings, weights, flops, matmul, memory_key) | lengths))
 
 
 if __name__ == "__main__":

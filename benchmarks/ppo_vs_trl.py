@@ -10,6 +10,10 @@ Every side runs in its own fresh process, alternating (ours, TRL, TRL+LoRA, floo
 after ``--warmup`` iterations. Reported per side: median seconds per PPO iteration (rollout + update), its split,
 generated tokens per second, peak resident memory (and the size of one copy of the weights beside it). The last
 line printed is one JSON object with the ratios (ours / theirs, ours / floor) and the settings.
+
+``--lengths equal`` (the default) disables the stop token on every side so all responses are ``--response-length``
+long; ``task`` and ``long-tail`` turn it on and force each row's EOS where a seeded plan puts it, the same on every
+side (``harness/lengths.py``); ``--workload chat256``/``chat512`` sets chat-like prompt and response lengths.
 """
 
 from __future__ import annotations
@@ -22,12 +26,14 @@ from harness.arguments import DRY_RUN as COMMON_DRY_RUN
 from harness.arguments import (
     add_common_arguments,
     add_dry_run_argument,
+    add_workload_arguments,
     common_settings,
     parse_with_dry_run,
     side_order,
 )
 from harness.fixtures import prepare_workdir
 from harness.flops import iteration_flops, matmul_flops_per_second
+from harness.lengths import lengths_summary, print_flops_caveat, print_lengths, same_lengths
 from harness.measure import GIB, peak_memory_key, weights_bytes
 from harness.processes import run_rounds
 from harness.settings import Settings
@@ -52,6 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ppo-options", default="{}",
                         help="JSON of extra rlhf_lightning.PPO arguments for our side, e.g. "
                              "'{\"logprob_chunk\": 16}'")
+    add_workload_arguments(parser)
     add_dry_run_argument(parser, DRY_RUN)
     return parse_with_dry_run(parser, argv, DRY_RUN)
 
@@ -102,6 +109,8 @@ def main(argv: list[str] | None = None) -> None:
     configure_threads(settings)  # the children's thread count, so the matmul peak is theirs
     matmul = matmul_flops_per_second(args.device, quick=args.dry_run)
     summary = summarise(run_rounds(__file__, order, settings, args.profile))
+    print_lengths(summary, settings)
+    lengths = {"response_lengths": lengths_summary(summary), "same_lengths": same_lengths(summary, settings)}
     memory_key = peak_memory_key(args.device)
     summary, floors = bench_floor.split(summary, {"floor": bench_floor.PIECES}, memory_key)
     flops = iteration_flops(settings)
@@ -110,7 +119,8 @@ def main(argv: list[str] | None = None) -> None:
         print_phases("where our iteration goes (median seconds per piece)", summary["ours"],
                      "other (GAE, losses, clipping, loop)")
         print_flops(summary["ours"], flops, matmul)
-    print(json.dumps(final_json(summary, floors["floor"], settings, weights, flops, matmul, args.device)))
+        print_flops_caveat(settings)
+    print(json.dumps(final_json(summary, floors["floor"], settings, weights, flops, matmul, args.device) | lengths))
 
 
 def final_json(summary, floor, settings: Settings, weights: int, flops, matmul: float, device: str) -> dict:

@@ -25,6 +25,10 @@ TRL = importlib.metadata.version("trl") if importlib.util.find_spec("trl") else 
 RUNS = {
     "ppo_vs_trl": ["--dry-run", "--sides", "ours,floor"],
     "grpo_vs_trl": ["--dry-run", "--sides", "ours,ours_beta0,floor"],
+    # responses that stop: the same planned lengths on every side (a chat-like shape, a long tail of lengths) ...
+    "grpo_vs_trl long-tail": ["--dry-run", "--sides", "ours,floor", "--lengths", "long-tail", "--workload", "chat256"],
+    # ... and the arithmetic task's lengths, scaled to 16 tokens (the dry run's 4 would leave them 1 to 3)
+    "ppo_vs_trl task": ["--dry-run", "--sides", "ours,floor", "--lengths", "task", "--response-length", "16"],
     "dpo_vs_trl": ["--dry-run", "--sides", "ours,ours_precomputed,floor"],
     "scale": ["--dry-run", "--shape", "2x64", "--vocab", "256", "--fit-layers", "1,2", "--sides", "ours_ppo",
               "--no-target"],
@@ -37,6 +41,10 @@ TRL_RUNS = {
     "ppo_vs_trl trl": ("1.12.", ["--dry-run", "--sides", "ours,trl,trl_lora"]),
     "grpo_vs_trl trl": ("1.16.", ["--dry-run", "--sides", "ours,trl_lora,trl"]),
     "dpo_vs_trl trl": ("1.16.", ["--dry-run", "--sides", "ours,trl_lora,trl_lora_precomputed"]),
+    "ppo_vs_trl trl task": ("1.12.", ["--dry-run", "--sides", "ours,trl_lora", "--lengths", "task",
+                                      "--response-length", "16"]),
+    "grpo_vs_trl trl task": ("1.16.", ["--dry-run", "--sides", "ours,trl_lora", "--lengths", "task",
+                                       "--response-length", "16"]),
 }
 PPO_PHASES = ("rollout/generate", "rollout/logprobs (policy, reference)", "rollout/values (critic)",
               "rollout/reward", "update/policy forward", "update/critic forward", "update/backward",
@@ -150,10 +158,46 @@ def test_sharding_runs_one_rank(outputs):
     assert run["records"][0]["base_bytes"] == 4 * result["parameters"]  # one rank holds the whole fp32 base
 
 
+@pytest.mark.parametrize("run, response", [("grpo_vs_trl long-tail", 128), ("ppo_vs_trl task", 16)])
+def test_responses_stop_at_the_same_planned_lengths_on_ours_and_the_floor(outputs, run, response):
+    stdout, result = output_of(outputs, run)
+    ours = result["response_lengths"]["ours"]
+    assert result["response_lengths"] == {"ours": ours, "floor/generate": ours}
+    assert 1 <= ours["mean"] < ours["max"] <= response  # responses that stop, at lengths that differ
+    assert result["same_lengths"] is True  # each side's rows, one by one, are the ones the seeded plan drew
+    assert f"  ours                   mean {ours['mean']:>7.2f} max {ours['max']:>4}\n" in stdout
+    assert "  the same planned lengths on every side, row by row: True\n" in stdout
+    assert finite_positive(result["floor_time_ratio"])
+
+
+def test_the_chat_workload_sets_its_shape_under_the_dry_run(outputs):
+    _, result = output_of(outputs, "grpo_vs_trl long-tail")
+    settings = result["settings"]
+    assert (settings["prompt_length"], settings["response_length"], settings["group_size"]) == (256, 128, 8)
+    assert (settings["preset"], settings["prompts"], settings["lengths"]) == ("tiny", 2, "long-tail")
+
+
+def test_equal_lengths_report_no_lengths(outputs):
+    _, result = output_of(outputs, "grpo_vs_trl")  # the published tables' mode: the stop token off
+    assert result["settings"]["lengths"] == "equal"
+    assert result["response_lengths"] == {} and result["same_lengths"] is None
+
+
+def test_realistic_lengths_on_cuda_are_refused_in_one_line():
+    result = subprocess.run([sys.executable, "benchmarks/grpo_vs_trl.py", "--lengths", "task", "--device", "cuda"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.splitlines()[-1] == (
+        "grpo_vs_trl.py: error: --lengths task: our side forces the planned stops in its eager decoder, and on CUDA "
+        "it decodes with the compiled one; measure realistic lengths on CPU for now")
+
+
 @pytest.mark.parametrize("run", [pytest.param(name, marks=needs_trl(name)) for name in TRL_RUNS])
 def test_trl_sides_run(outputs, run):
     _, result = output_of(outputs, run)
     assert finite_positive(result["time_ratio_lora"]) and finite_positive(result["memory_ratio_lora"])
+    if run.endswith(" task"):  # TRL's generate stopped each response where ours did
+        assert set(result["response_lengths"]) == {"ours", "trl_lora"} and result["same_lengths"] is True
 
 
 def test_decoding_runs_every_side_and_they_draw_the_same_tokens(outputs):

@@ -7,7 +7,8 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-from .settings import PRESETS
+from .lengths import LENGTHS
+from .settings import PRESETS, WORKLOADS
 
 # What --dry-run sets in every script (beside each script's own sizes): the tiny preset, one process per side,
 # one measured iteration and no warm-up.
@@ -41,6 +42,20 @@ def add_common_arguments(parser: argparse.ArgumentParser, iterations: int, unit:
     parser.add_argument("--settings", default=None, help=argparse.SUPPRESS)
 
 
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--lengths`` (how long the responses are, the same on every side) and ``--workload`` (a chat-like shape)."""
+    parser.add_argument("--lengths", choices=LENGTHS, default="equal",
+                        help="responses' lengths, the same row by row on every side: equal = stop token off, all "
+                             "--response-length tokens (the published tables); task = the arithmetic task's "
+                             "lengths scaled to --response-length; long-tail = lognormal, median --response-length/4, "
+                             "the longest cut at --response-length (stop token on; see harness/lengths.py)")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default=None,
+                        help="a chat-like shape: " + "; ".join(
+                            f"{name} = " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in values.items())
+                            for name, values in WORKLOADS.items()) + " (GRPO's group size only; an option given on "
+                        "the command line wins, also under --dry-run)")
+
+
 def add_dry_run_argument(parser: argparse.ArgumentParser, values: dict[str, Any]) -> None:
     """``--dry-run``: every side asked for runs for real, at the tiny shape ``values`` (option name: value), to
     check that the script works, not to measure it; see :func:`parse_with_dry_run`."""
@@ -52,13 +67,22 @@ def add_dry_run_argument(parser: argparse.ArgumentParser, values: dict[str, Any]
 
 def parse_with_dry_run(parser: argparse.ArgumentParser, argv: list[str] | None,
                        values: dict[str, Any]) -> argparse.Namespace:
-    """``parser.parse_args(argv)``; under ``--dry-run``, each option of ``values`` still at its default (not given
-    on the command line) takes the dry run's value."""
+    """``parser.parse_args(argv)``; each option of the ``--workload`` (where the parser has one) still at its default
+    (not given on the command line) takes the workload's value; then, under ``--dry-run``, each option of
+    ``values`` still at its default takes the dry run's value."""
     args = parser.parse_args(argv)
+    defaults = {action.dest: action.default for action in parser._actions}
+    chosen = set()  # options given on the command line or by the workload: the dry run leaves them
+    for name, value in WORKLOADS.get(getattr(args, "workload", None) or "", {}).items():
+        if name in defaults and getattr(args, name) == defaults[name]:
+            setattr(args, name, value)
+            chosen.add(name)
+    if getattr(args, "lengths", "equal") != "equal" and args.device.startswith("cuda"):
+        parser.error(f"--lengths {args.lengths}: our side forces the planned stops in its eager decoder, and on CUDA "
+                     "it decodes with the compiled one; measure realistic lengths on CPU for now")
     if args.dry_run:
-        defaults = {action.dest: action.default for action in parser._actions}
         for name, value in values.items():
-            if getattr(args, name) == defaults[name]:
+            if name not in chosen and getattr(args, name) == defaults[name]:
                 setattr(args, name, value)
     return args
 
@@ -69,6 +93,7 @@ def common_settings(args: argparse.Namespace, prefix: str) -> dict[str, Any]:
     return {"preset": args.preset, "precision": args.precision, "iterations": args.iterations,
             "warmup": args.warmup, "repeats": args.repeats, "lora_r": args.lora_r, "lora_alpha": 2.0 * args.lora_r,
             "device": args.device, "threads": args.threads, "mmap_threshold": args.mmap_threshold,
+            "lengths": getattr(args, "lengths", "equal"),
             "workdir": args.workdir or tempfile.mkdtemp(prefix=f"{prefix}-bench-")}
 
 

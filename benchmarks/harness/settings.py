@@ -18,6 +18,12 @@ PRESETS: dict[str, dict[str, int]] = {
     "small": {"n_layer": 6, "n_embd": 384, "n_head": 6},
     "gpt2": {"n_layer": 12, "n_embd": 768, "n_head": 12},
 }
+# Chat-like workloads (``--workload``): the prompt and response lengths, and GRPO's group size, of chat-style RL
+# (a system prompt and a question, a short answer, 8 samples per prompt); options given on the command line win.
+WORKLOADS: dict[str, dict[str, int]] = {
+    "chat256": {"prompt_length": 256, "response_length": 128, "group_size": 8},
+    "chat512": {"prompt_length": 512, "response_length": 128, "group_size": 8},
+}
 GPT2_VOCAB = 50_257  # GPT-2's vocabulary, its last id being <|endoftext|>; a pad token is added on top
 # The dry runs' vocabulary: a 50,257-word tokenizer costs seconds to build and load in every process, and the dry
 # runs check that the code runs, not how fast.
@@ -53,6 +59,9 @@ class Settings:
     ppo_options: dict[str, Any] = dataclasses.field(default_factory=dict)  # extra PPO init args (ours only)
     # A Llama shape (LlamaConfig fields, see llama_shape) instead of the GPT-2 preset; empty: the preset.
     llama: dict[str, int] = dataclasses.field(default_factory=dict)
+    # The responses' lengths (harness.lengths.LENGTHS): "equal" = stop token off, every response response_length
+    # tokens; "task", "long-tail" = stop token on, each row's EOS forced where the seeded plan puts it, every side alike.
+    lengths: str = "equal"
 
     @property
     def architecture(self) -> dict[str, int]:

@@ -23,8 +23,9 @@ def median(values: list[float]) -> float:
 
 def summarise(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     """Per side: median iteration seconds, rollout/update split, tokens/s, peak memory over all processes, the
-    median ``precompute`` seconds where the processes report one (DPO's reference pass before training) and the
-    median seconds of each phase where they report phases (ours)."""
+    median ``precompute`` seconds where the processes report one (DPO's reference pass before training), the
+    median seconds of each phase where they report phases (ours) and the lengths of the responses of each rollout
+    where they report them (the same in every process)."""
     summary = {}
     for side, runs in results.items():
         rows = [row for run in runs for row in run["iterations"]]
@@ -36,6 +37,10 @@ def summarise(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, A
             entry["rollout"] = median([row["rollout"] for row in rows])
             entry["update"] = median([row["seconds"] - row["rollout"] for row in rows])
             entry["tokens_per_second"] = median([row["tokens"] for row in rows]) / seconds
+        if "lengths" in runs[0]:  # the responses' lengths of every rollout (--lengths other than equal)
+            if any(run["lengths"] != runs[0]["lengths"] for run in runs):
+                raise RuntimeError(f"{side}'s processes realised different response lengths")
+            entry["lengths"] = runs[0]["lengths"]
         if "precompute" in runs[0]:  # seconds of a pass made once per process, before the measured iterations
             entry["precompute"] = median([run["precompute"] for run in runs])
         if "phases" in rows[0]:
