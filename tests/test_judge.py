@@ -381,3 +381,27 @@ def test_parse_failures_are_counted_logged_and_warned_once_in_a_fit(tiny_model_d
     assert [float(row["grpo/objective/judge/parse_failures"]) for row in rows] == [8.0, 8.0]
     assert [float(row["grpo/objective/judge/parse_failure_rate"]) for row in rows] == [1.0, 1.0]
     assert [float(row["grpo/objective/score"]) for row in rows] == [-1.0, -1.0]
+
+
+def test_the_judge_agreement_script_scores_the_policys_own_responses(tiny_arithmetic_dir, tmp_path):
+    import importlib.util
+    import re
+
+    spec = importlib.util.spec_from_file_location("judge_agreement", REPO / "benchmarks/judge_agreement.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    torch.manual_seed(0)
+    sft = built(SFT(base=BaseModelSpec(name_or_path=str(tiny_arithmetic_dir)), lora=LORA, export_format="adapter"))
+    with torch.no_grad():
+        for name, parameter in sft.model.model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.3)  # a judge that is not the base
+    adapter = sft.export(tmp_path / "adapters")
+    argv = [str(tiny_arithmetic_dir), str(adapter), "--responses", "24", "--max-new-tokens", "6"]
+    line = script.main(argv)
+    assert line == script.main(argv)  # seeded: the same responses and verdicts
+    numbers = dict(re.findall(r"(responses|SFT policy|checker|says correct) ([0-9.]+)", line))
+    accuracy, agreement, says = (float(numbers[key]) for key in ("SFT policy", "checker", "says correct"))
+    assert numbers["responses"] == "24" and 0 <= min(accuracy, agreement, says) and max(accuracy, agreement, says) <= 1
+    # P(verdict = gold) is bounded by the two marginals: |P(v=1) - P(g=1)| <= P(v != g) <= min(1, P(v=1) + P(g=1))
+    assert abs(says - accuracy) - 1e-4 <= 1 - agreement <= min(1.0, says + accuracy) + 1e-4
