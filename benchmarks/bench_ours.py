@@ -162,13 +162,19 @@ def run_grpo(settings: GRPOSettings, beta: float, profile: bool = False) -> None
     """``rlhf_lightning.GRPO`` at KL coefficient ``beta`` with the settings TRL's ``GRPOTrainer`` is given on the
     other side (see ``grpo_vs_trl.py``): k3 KL in the loss weighted by the ratio, token-mean loss over each
     optimizer step, group-std scaling with eps 1e-4, clip 0.2, gradient norm clipped to 1, constant learning rate."""
-    from rlhf_lightning import GRPO, FunctionReward
-    from rlhf_lightning.algorithms.policy_losses import Clip
-
     configure_threads(settings)
     torch.manual_seed(settings.seed)
     plan = force_planned_stops(settings)
-    module = GRPO(
+    rows = fit(grpo_module(settings, beta), settings, profile, "grpo")
+    report({"side": "ours" if beta else "ours_beta0", "iterations": rows, **lengths_of(plan)})
+
+
+def grpo_module(settings: GRPOSettings, beta: float):
+    """The ``rlhf_lightning.GRPO`` of :func:`run_grpo`, not yet fitted."""
+    from rlhf_lightning import GRPO, FunctionReward
+    from rlhf_lightning.algorithms.policy_losses import Clip
+
+    return GRPO(
         base=base_spec(settings),
         reward=FunctionReward(even_token_reward),
         policy_lora=lora_spec(settings),
@@ -181,8 +187,6 @@ def run_grpo(settings: GRPOSettings, beta: float, profile: bool = False) -> None
         lr_schedule="constant", seed=settings.seed,
         **settings.ppo_options,
     )
-    rows = fit(module, settings, profile, "grpo")
-    report({"side": "ours" if beta else "ours_beta0", "iterations": rows, **lengths_of(plan)})
 
 
 def run_dpo(settings: DPOSettings, profile: bool = False) -> None:

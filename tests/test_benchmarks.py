@@ -33,6 +33,7 @@ RUNS = {
     "scale": ["--dry-run", "--shape", "2x64", "--vocab", "256", "--fit-layers", "1,2", "--sides", "ours_ppo",
               "--no-target"],
     "decoding": ["--dry-run"],
+    "shared_prompt": ["--dry-run"],
     "sharding": ["--ranks", "1", "--algorithms", "grpo", "--layers", "1", "--width", "64", "--prompts", "4",
                  "--group-size", "2", "--response-length", "4", "--iterations", "1", "--threads", "1"],
 }
@@ -244,3 +245,11 @@ def test_gpu_checks_refuses_an_unknown_step_in_one_line():
     assert result.returncode == 2
     assert result.stderr.splitlines()[-1] == (f"gpu_checks.py: error: --steps: unknown ['benchmarks']; choose from "
                                               f"{','.join(GPU_STEPS)}")
+
+
+def test_shared_prompt_alternates_sharing_in_one_fit_and_prints_the_ratio(outputs):
+    stdout, result = output_of(outputs, "shared_prompt")
+    assert "median seconds              shared   per row   on/off" in stdout
+    assert result["iterations_each"] == 1 and finite_positive(result["ratio"])
+    assert finite_positive(result["ratio_after_sampling"])
+    assert {"rollout/generate", "rollout/logprobs", "update/policy forward"} <= result["shared"].keys()

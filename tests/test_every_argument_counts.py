@@ -52,7 +52,8 @@ ELSEWHERE = {
 @dataclasses.dataclass(frozen=True)
 class Case:
     """An argument's non-default ``value``, the ``setting`` (other arguments, and flags: ``perturb`` the adapters
-    before the rollout, ``moved``: after it, ``stale`` sampler log-probs, a ``ptx`` batch, ``calculator`` prompts)
+    before the rollout, ``moved``: after it, ``stale`` sampler log-probs, a ``ptx`` batch, ``calculator`` prompts,
+    ``groups`` of 2 responses per prompt)
     it needs, and what shows its effect."""
 
     value: Any
@@ -101,6 +102,7 @@ CASES: dict[str, Case] = {
     "environment": case(lambda: ToolEnvironment(["rlhf_lightning.tasks.calculator.add"]), calculator=True),
     "max_turns": case(2, **EPISODES),
     "max_episode_tokens": case(12, **EPISODES),
+    "share_prompt": case(False, "decoded_tokens", groups=True),  # the same numbers, each prompt read twice
     # the loop's update
     "epochs": case(2, "fit"),
     "num_minibatches": case(2, "fit"),
@@ -250,14 +252,14 @@ def arguments(cls: type, models: dict[str, Path], setting: dict[str, Any]) -> di
     else:
         kwargs |= {"reward": rl.FunctionReward(correct_answer) if calculator else rl.AdapterReward(str(models["reward"])),
                    "policy_lora": LORA, "max_new_tokens": 6, "policy_lr": 1e-3}
-    if cls in (rl.GRPO, rl.RLOO):
+    if cls in (rl.GRPO, rl.RLOO) or (setting.get("groups") and cls is not rl.OnlineDPO):  # online DPO: pairs anyway
         kwargs["samples_per_prompt"] = 2
     if cls is rl.PPO:
         kwargs |= {"critic_lora": LORA, "epochs": 1}
     if cls is rl.OnPolicyDistillation:
         kwargs["teacher"] = str(models["teacher"])
     for name, value in setting.items():
-        if name in ("perturb", "moved", "stale", "ptx", "calculator"):
+        if name in ("perturb", "moved", "stale", "ptx", "calculator", "groups"):
             continue
         if name == "teacher" and value == "model":
             value = str(models["base"])
@@ -363,6 +365,19 @@ def saved_for_backward(module, setting: dict[str, Any]) -> int:
     return sum(saved)
 
 
+def decoded_tokens(module, setting: dict[str, Any]) -> int:
+    """Token positions the base's decoder reads in one rollout and its loss (``share_prompt`` reads a group's prompt
+    once)."""
+    calls = []
+    embedding = module.model.hf_model.get_input_embeddings()
+    handle = embedding.register_forward_hook(lambda _module, args, _output: calls.append(args[0].numel()))
+    try:
+        rollout_values(module, setting)
+    finally:
+        handle.remove()
+    return sum(calls)
+
+
 def nonfinite(module, setting: dict[str, Any]) -> str:
     """What a non-finite gradient does before an optimizer step: the run stops, or the step is skipped."""
     for parameter in module.parameters():
@@ -387,7 +402,7 @@ def validation(module, setting: dict[str, Any], directory: Path) -> dict[str, fl
 
 
 OBSERVATIONS: dict[str, Callable[..., Any]] = {
-    "engine": engine, "saved_for_backward": saved_for_backward, "nonfinite": nonfinite,
+    "engine": engine, "saved_for_backward": saved_for_backward, "nonfinite": nonfinite, "decoded_tokens": decoded_tokens,
     "micro_batches": lambda module, setting, directory: fit_values(module, setting, directory)["phases"],
     "backward_passes": lambda module, setting, directory: fit_values(module, setting, directory)["phases"],
     "validation": validation,

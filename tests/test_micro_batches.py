@@ -22,6 +22,7 @@ import torch
 from rlhf_lightning import GRPO, PPO, FunctionReward, OnlineDPO
 from rlhf_lightning.core.micro_batches import pack_by_tokens, padded_size, split_to_count
 from rlhf_lightning.core.online import OnlineRL
+from rlhf_lightning.models.shared_prompt import cache_keyword
 from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.tasks.synthetic import gold_rewards
 from tests.conftest import LORA, built
@@ -159,9 +160,16 @@ def fit(cls, model_dir, tmp_path, **options) -> dict:
     module = make(cls, model_dir, epochs=2, num_minibatches=1, **options)
     _perturb(module, "policy", "critic")
     widths: list[int] = []
-    module.model.hf_model.get_decoder().register_forward_pre_hook(
-        lambda layer, args, kwargs: widths.append(kwargs["input_ids"].shape[1]) if torch.is_grad_enabled() else None,
-        with_kwargs=True)
+    decoder = module.model.hf_model.get_decoder()
+    cache = cache_keyword(decoder)
+
+    def record_width(layer, args, kwargs) -> None:
+        # the rows' columns: a whole-row pass's mask, or that of the responses' pass after their shared prompt (its
+        # mask covers the prompt too); the shared prompt's own pass (a cache made, none given) is not a width
+        if torch.is_grad_enabled() and not (kwargs.get("use_cache") and kwargs.get(cache) is None):
+            widths.append(kwargs["attention_mask"].shape[1])
+
+    decoder.register_forward_pre_hook(record_width, with_kwargs=True)
     recorder, gradients = Recorder(f"{module.metric_prefix}/"), Gradients()
     trainer = L.Trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=0, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,

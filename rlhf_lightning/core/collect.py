@@ -59,6 +59,9 @@ class ExperienceCollector(PolicyModule):
         max_episode_tokens: tokens per episode after its opening (the policy's and the environment's) at most;
             null = ``max_turns`` x ``max_new_tokens``. A turn can decode ``max_new_tokens`` after ``max_episode_tokens
             - 1`` of them, so the longest opening plus both must fit the model's positions (checked at setup).
+        share_prompt: encode a group's prompt once in every pass after sampling (log-probs, reference, values,
+            reward adapter, the update's forward) and reuse its keys/values for its responses: the same numbers up to
+            rounding; rows with equal prompt tokens are found in each batch, so nothing changes where none share.
     """
 
     # Whether a reward source that scores steps (ProcessReward) gives each step's score at its step's last token
@@ -81,6 +84,7 @@ class ExperienceCollector(PolicyModule):
         environment: Callable[[], Environment] | None = None,
         max_turns: int = 4,
         max_episode_tokens: int | None = None,
+        share_prompt: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -102,10 +106,12 @@ class ExperienceCollector(PolicyModule):
         self.rewards = RewardSet(reward if isinstance(reward, list | tuple) else [reward], reward_weights,
                                  reward_normalize, missing_eos_penalty, reward_clip)
         self.environment = environment
+        self.share_prompt = share_prompt
         self.last_samples: Samples | None = None  # the latest rollout as text (see callbacks.CompletionsTable)
 
     def build_model(self, empty: bool) -> SharedBase:
         model = super().build_model(empty)
+        model.share_prompt = self.share_prompt
         self.rewards.setup(model, self.tokenizer)
         return model
 

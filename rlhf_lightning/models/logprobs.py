@@ -26,10 +26,11 @@ def first_marked(response_mask: Tensor) -> int:
 def predicting_hidden_states(model: SharedBase, role: str | None, input_ids: Tensor, attention_mask: Tensor,
                              response_mask: Tensor) -> tuple[Tensor, int]:
     """``(hidden states [B, T - start, H], start)`` of ``role`` at the positions that predict tokens
-    ``start .. T-1``, where ``start`` is the first column ``response_mask`` marks in any row."""
+    ``start .. T-1``, where ``start`` is the first column ``response_mask`` marks in any row; rows whose columns
+    before ``start`` are equal (a group's prompt) share their computation when the model's ``share_prompt`` is on."""
     start = first_marked(response_mask)
     with model.role(role):
-        hidden = model.hidden_states(input_ids, attention_mask)
+        hidden = model.hidden_states(input_ids, attention_mask, shared_until=start)
     return hidden[:, start - 1 : -1], start
 
 

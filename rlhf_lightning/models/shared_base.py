@@ -29,6 +29,7 @@ from rlhf_lightning.models.fingerprint import weights_fingerprint, write_base_re
 from rlhf_lightning.models.heads import ScalarHead
 from rlhf_lightning.models.logits import LogitTransform, find_logit_transform
 from rlhf_lightning.models.merging import adapter_of, merged_state_dict
+from rlhf_lightning.models.shared_prompt import prefix_groups, prefix_shared_hidden_states
 from rlhf_lightning.models.sharding import decoder_layers, full_tensor, is_sharded
 from rlhf_lightning.models.spec import LoraSpec
 from rlhf_lightning.ops.lora import fuse_lora_layers
@@ -53,6 +54,9 @@ class SharedBase(nn.Module):
         train_base: fine-tune the base weights too (full fine-tuning instead of adapters).
         fused_lora: run LoRA layers through :mod:`rlhf_lightning.ops.lora` (the same numbers, fewer
             passes over activations); off = peft's own forward.
+
+    ``share_prompt`` (off here; the online modules set it): :meth:`hidden_states` given ``shared_until`` encodes
+    rows' equal prefixes once (:mod:`rlhf_lightning.models.shared_prompt`).
     """
 
     def __init__(self, model: PreTrainedModel, train_base: bool = False, fused_lora: bool = True) -> None:
@@ -61,6 +65,7 @@ class SharedBase(nn.Module):
         self.heads = nn.ModuleDict()
         self.train_base = train_base
         self.fused_lora = fused_lora
+        self.share_prompt = False
         self.trainable_adapters: set[str] = set()
         # Of the weight files as they were when loaded: recorded beside the exported adapters, compared with the
         # record beside a trained adapter loaded onto this base.
@@ -284,19 +289,31 @@ class SharedBase(nn.Module):
 
     # ---- forward passes ---------------------------------------------------------------------------------
 
-    def hidden_states(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    def hidden_states(self, input_ids: Tensor, attention_mask: Tensor, shared_until: int | None = None) -> Tensor:
         """Last hidden states ``[B, T, H]`` of the active role, through the decoder only (no LM head).
 
         Skipping the LM head lets callers apply it to the positions they need, which for a large vocabulary is
-        most of the memory of a forward pass.
+        most of the memory of a forward pass. ``shared_until``: with :attr:`share_prompt`, rows whose first
+        ``shared_until`` columns are equal (a group's prompt) encode them once, the same numbers up to rounding
+        (:mod:`rlhf_lightning.models.shared_prompt`).
         """
-        output = self.hf_model.get_decoder()(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids_from_mask(attention_mask),
-            use_cache=False,
-        )
+        position_ids = position_ids_from_mask(attention_mask)
+        decoder = self.hf_model.get_decoder()
+        if (self.share_prompt and shared_until is not None and 0 < shared_until < input_ids.shape[1]
+                and not self._checkpointing(decoder)):
+            groups = prefix_groups(input_ids, attention_mask, shared_until)
+            # Sharded, every rank makes the same two calls (each layer's all-gather is a collective), shared or not.
+            if groups is not None or self.is_sharded:
+                return prefix_shared_hidden_states(decoder, input_ids, attention_mask, position_ids, shared_until,
+                                                   groups)
+        output = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=False)
         return output.last_hidden_state
+
+    def _checkpointing(self, decoder: nn.Module) -> bool:
+        """Whether ``decoder`` recomputes its layers in the backward pass now: transformers then drops the cache
+        (and a recomputed layer would write it twice), so rows keep one whole pass each."""
+        return decoder.training and any(getattr(module, "gradient_checkpointing", False) for module in decoder.modules())
 
     @property
     def lm_head(self) -> nn.Module:
@@ -327,9 +344,11 @@ class SharedBase(nn.Module):
                              position_ids=position_ids_from_mask(attention_mask), use_cache=False,
                              logits_to_keep=logits_to_keep).logits
 
-    def score(self, role: str, input_ids: Tensor, attention_mask: Tensor, last_index: Tensor) -> Tensor:
-        """The scalar head of ``role`` applied at token ``last_index[b]`` of each row: ``[B]``."""
+    def score(self, role: str, input_ids: Tensor, attention_mask: Tensor, last_index: Tensor,
+              shared_until: int | None = None) -> Tensor:
+        """The scalar head of ``role`` applied at token ``last_index[b]`` of each row: ``[B]`` (``shared_until``: see
+        :meth:`hidden_states`)."""
         with self.role(role):
-            hidden = self.hidden_states(input_ids, attention_mask)
+            hidden = self.hidden_states(input_ids, attention_mask, shared_until)
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         return self.heads[role](hidden[rows, last_index])

@@ -109,7 +109,9 @@ class AdapterReward(RewardSource):
         return "reward_model"
 
     def score(self, inputs: RewardInputs) -> Tensor:
-        return self.base.score(REWARD_ROLE, inputs.input_ids, inputs.attention_mask, inputs.last_index)
+        # a group's prompt is encoded once when the base shares prompts (the online modules' share_prompt)
+        return self.base.score(REWARD_ROLE, inputs.input_ids, inputs.attention_mask, inputs.last_index,
+                               shared_until=inputs.prompt_length)
 
 
 class ModelReward(RewardSource):
