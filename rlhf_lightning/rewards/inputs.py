@@ -40,7 +40,9 @@ class RewardInputs:
 
     @property
     def prompt_length(self) -> int:
-        """``P``, the columns of the left-padded openings."""
+        """``P``, the columns of the left-padded openings (needs ``response_mask``)."""
+        if self.response_mask is None:
+            raise ValueError("RewardInputs.prompt_length needs response_mask, which these inputs were built without")
         return self.input_ids.shape[1] - self.response_mask.shape[1] - 1
 
 

@@ -109,9 +109,11 @@ class AdapterReward(RewardSource):
         return "reward_model"
 
     def score(self, inputs: RewardInputs) -> Tensor:
-        # a group's prompt is encoded once when the base shares prompts (the online modules' share_prompt)
+        # a group's prompt is encoded once when the base shares prompts (the online modules' share_prompt); inputs
+        # built without a response mask (the reward server's) do not say where the prompts end
+        shared_until = None if inputs.response_mask is None else inputs.prompt_length
         return self.base.score(REWARD_ROLE, inputs.input_ids, inputs.attention_mask, inputs.last_index,
-                               shared_until=inputs.prompt_length)
+                               shared_until=shared_until)
 
 
 class ModelReward(RewardSource):
