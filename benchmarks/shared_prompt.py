@@ -24,8 +24,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_ours  # noqa: E402
-from harness.arguments import (DRY_RUN, add_common_arguments, add_dry_run_argument,  # noqa: E402
-                               add_workload_arguments, common_settings, parse_with_dry_run)
+from harness.arguments import (  # noqa: E402
+    DRY_RUN,
+    add_common_arguments,
+    add_dry_run_argument,
+    add_workload_arguments,
+    common_settings,
+    parse_with_dry_run,
+)
 from harness.fixtures import prepare_workdir  # noqa: E402
 from harness.settings import GRPOSettings  # noqa: E402
 from harness.sides import configure_threads  # noqa: E402

@@ -402,6 +402,6 @@ def test_the_judge_agreement_script_scores_the_policys_own_responses(tiny_arithm
     assert line == script.main(argv)  # seeded: the same responses and verdicts
     numbers = dict(re.findall(r"(responses|SFT policy|checker|says correct) ([0-9.]+)", line))
     accuracy, agreement, says = (float(numbers[key]) for key in ("SFT policy", "checker", "says correct"))
-    assert numbers["responses"] == "24" and 0 <= min(accuracy, agreement, says) and max(accuracy, agreement, says) <= 1
+    assert numbers["responses"] == "24" and min(accuracy, agreement, says) >= 0 and max(accuracy, agreement, says) <= 1
     # P(verdict = gold) is bounded by the two marginals: |P(v=1) - P(g=1)| <= P(v != g) <= min(1, P(v=1) + P(g=1))
     assert abs(says - accuracy) - 1e-4 <= 1 - agreement <= min(1.0, says + accuracy) + 1e-4

@@ -21,7 +21,7 @@ from rlhf_lightning.models.logprobs import token_logprobs
 from rlhf_lightning.models.shared_base import REFERENCE
 from rlhf_lightning.models.shared_prompt import prefix_groups
 from tests.test_decode import ARCHITECTURES, policy_base, prompts, sample
-from tests.test_distributed import REPO, COMMON, ONLINE, PER_RANK, STRATEGIES, close, run_all
+from tests.test_distributed import COMMON, ONLINE, PER_RANK, REPO, STRATEGIES, close, run_all
 
 GROUP = 4
 

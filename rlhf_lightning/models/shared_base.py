@@ -29,8 +29,8 @@ from rlhf_lightning.models.fingerprint import weights_fingerprint, write_base_re
 from rlhf_lightning.models.heads import ScalarHead
 from rlhf_lightning.models.logits import LogitTransform, find_logit_transform
 from rlhf_lightning.models.merging import adapter_of, merged_state_dict
-from rlhf_lightning.models.shared_prompt import prefix_groups, prefix_shared_hidden_states
 from rlhf_lightning.models.sharding import decoder_layers, full_tensor, is_sharded
+from rlhf_lightning.models.shared_prompt import prefix_groups, prefix_shared_hidden_states
 from rlhf_lightning.models.spec import LoraSpec
 from rlhf_lightning.ops.lora import fuse_lora_layers
 from rlhf_lightning.utils.nonfinite import check_finite_weights
