@@ -35,6 +35,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def agreement_line(p_right: torch.Tensor, gold: torch.Tensor) -> str:
+    """The printed line: the judge's P("1") per response against the checker's 0/1 verdicts ``gold``."""
+    verdict = (p_right > 0.5).float()
+
+    def mean_where(keep: torch.Tensor) -> str:
+        return f"{p_right[keep].mean():.4f}" if keep.any() else "n/a"
+
+    return (f"responses {len(gold)} · checker accuracy of the SFT policy {gold.float().mean():.4f} · judge agreement "
+            f"with the checker {(verdict == gold).float().mean():.4f} · judge says correct {verdict.mean():.4f} · "
+            f"P(1) on right {mean_where(gold == 1)} · on wrong {mean_where(gold == 0)}")
+
+
 def main(argv: list[str] | None = None) -> str:
     args = parse_args(argv)
     spec = BaseModelSpec(name_or_path=args.sft_model)
@@ -58,16 +70,8 @@ def main(argv: list[str] | None = None) -> str:
     columns = {"reference": [row["reference"] for row in rows], "answer": [row["answer"] for row in rows]}
     inputs = RewardInputs(torch.zeros(n, 1, dtype=torch.long), torch.ones(n, 1), torch.zeros(n, dtype=torch.long),
                           prompts, completions, [[0]] * n, columns)
-    p_right = judge.score(inputs)
     gold = torch.tensor(exact_match(prompts, completions, answer=columns["answer"]))
-    verdict = (p_right > 0.5).float()
-
-    def mean_where(keep: torch.Tensor) -> str:
-        return f"{p_right[keep].mean():.4f}" if keep.any() else "n/a"
-
-    line = (f"responses {n} · checker accuracy of the SFT policy {gold.mean():.4f} · judge agreement with the "
-            f"checker {(verdict == gold).float().mean():.4f} · judge says correct {verdict.mean():.4f} · P(1) on "
-            f"right {mean_where(gold == 1)} · on wrong {mean_where(gold == 0)}")
+    line = agreement_line(judge.score(inputs), gold)
     print(line)
     return line
 

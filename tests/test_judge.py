@@ -405,3 +405,8 @@ def test_the_judge_agreement_script_scores_the_policys_own_responses(tiny_arithm
     assert numbers["responses"] == "24" and min(accuracy, agreement, says) >= 0 and max(accuracy, agreement, says) <= 1
     # P(verdict = gold) is bounded by the two marginals: |P(v=1) - P(g=1)| <= P(v != g) <= min(1, P(v=1) + P(g=1))
     assert abs(says - accuracy) - 1e-4 <= 1 - agreement <= min(1.0, says + accuracy) + 1e-4
+    # the figures by hand: verdicts 1, 0, 1, 0 (P > 0.5) against gold 1, 1, 0, 0
+    assert script.agreement_line(torch.tensor([0.9, 0.2, 0.6, 0.1]), torch.tensor([1.0, 1.0, 0.0, 0.0])) == (
+        "responses 4 · checker accuracy of the SFT policy 0.5000 · judge agreement with the checker 0.5000 · judge "
+        "says correct 0.5000 · P(1) on right 0.5500 · on wrong 0.3500")
+    assert script.agreement_line(torch.tensor([0.7]), torch.tensor([1.0])).endswith("on right 0.7000 · on wrong n/a")
