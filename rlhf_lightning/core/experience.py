@@ -35,8 +35,9 @@ class Experience:
     # [B, R] log-probs the sampler gave the response tokens (its own distribution, kept to measure and correct a
     # mismatch with the trainer's pass)
     sampler_logprobs: Tensor
-    # [B, R] log-probs under the policy at sampling time; None when the update makes a single optimizer step, whose
-    # own pass (detached) gives them: the policy has not changed before it.
+    # [B, R] log-probs under the policy at sampling time: a pass of the rollout's, or the update's first one when
+    # that is the whole rollout (PolicyGradient.reuses_first_pass); None when the update makes a single optimizer
+    # step and nothing reads them before it: its own pass (detached) gives them, the policy has not changed before.
     logprobs: Tensor | None = None
     ref_logprobs: Tensor | None = None  # [B, R] under the reference; None when nothing needs them
     # [B, R] an episode's environment rewards, each at the last policy token of its turn; None for single-turn
@@ -46,6 +47,9 @@ class Experience:
     # [B, R] step rewards of a process reward model, each at its step's last token (PPO, ``dense_step_rewards``);
     # None when the steps' scores are reduced into ``scores`` or no source scores steps
     step_rewards: Tensor | None = None
+    # ([B, R] log-probs, [B, R] entropies) of the policy with their graph: the first optimizer step's forward pass,
+    # made before the rewards (PolicyGradient.first_update_pass); on that step's micro-batch only
+    first_pass: tuple[Tensor, Tensor] | None = None
 
     @property
     def prompt_length(self) -> int:

@@ -185,16 +185,23 @@ class OnlineRL(ExperienceCollector):
         # agreement with <prefix>/iteration, which counts it done (Lightning's logging step would count iterations).
         self.log("trainer/global_step", float(self.global_step))
 
-    @torch.no_grad()
     def rollout(self, prompts: dict[str, Any]) -> tuple[Experience, Stats]:
         """Steps 1 to 3 on a batch of prompts: the experience ready for the update, and its statistics."""
         self.check_built()
-        with self.sampler.gathered(self.model):  # a sharded base gathered once for every pass of the rollout
+        # a sharded base gathered once for every pass of the rollout
+        with torch.no_grad(), self.sampler.gathered(self.model):
             experience, stats = self.collect(prompts)  # 1. experience, every pass made once
             experience = self.extend_experience(experience)  # and the algorithm's own passes
-        rewards, reward_stats = self.shape_rewards(experience)  # 2. rewards, the per-token KL computed once
-        experience, update_stats = self.prepare_update(experience, rewards)  # 3. the algorithm
-        return experience, {**stats, **reward_stats, **update_stats}
+        experience, pass_stats = self.first_update_pass(experience)  # with gradients, for the first step
+        with torch.no_grad():
+            rewards, reward_stats = self.shape_rewards(experience)  # 2. rewards, the per-token KL computed once
+            experience, update_stats = self.prepare_update(experience, rewards)  # 3. the algorithm
+        return experience, {**stats, **pass_stats, **reward_stats, **update_stats}
+
+    def first_update_pass(self, experience: Experience) -> tuple[Experience, Stats]:
+        """The update's first forward pass made before the rewards, where it also gives what they read (see
+        :meth:`~rlhf_lightning.core.policy_gradient.PolicyGradient.first_update_pass`); none here."""
+        return experience, {}
 
     def extend_experience(self, experience: Experience) -> Experience:
         """The algorithm's own passes over the rollout (PPO's values, a teacher's log-probs), in the rollout's

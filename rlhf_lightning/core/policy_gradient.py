@@ -40,6 +40,7 @@ from rlhf_lightning.algorithms.surrogate import (
 )
 from rlhf_lightning.core.collect import Stats
 from rlhf_lightning.core.experience import Experience, ShapedRewards, sequence_kl
+from rlhf_lightning.core.micro_batches import Extent
 from rlhf_lightning.core.online import OnlineRL
 from rlhf_lightning.core.policy import POLICY
 from rlhf_lightning.data.collate import IGNORE_INDEX
@@ -135,6 +136,7 @@ class PolicyGradient(OnlineRL):
         self.policy_loss = policy_loss
         self.kl_controller = (FixedKLController(kl_coef) if kl_target is None
                               else AdaptiveKLController(kl_coef, kl_target, kl_horizon))
+        self._first_pass: tuple[Tensor, Tensor] | None = None  # see first_update_pass
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
@@ -155,13 +157,64 @@ class PolicyGradient(OnlineRL):
 
     @property
     def needs_logprobs(self) -> bool:
-        """The rollout's log-probs: for an update of more than one optimizer step, or for a KL penalty in the
-        rewards (with a single step and the KL in the loss, the step's own pass measures the KL)."""
+        """The rollout's log-probs, from a pass of their own: for an update of more than one optimizer step, or for
+        a KL penalty in the rewards (with a single step and the KL in the loss, the step's own pass measures the
+        KL), unless the update's first pass gives them (:attr:`reuses_first_pass`)."""
+        return self.logprobs_before_update and not self.reuses_first_pass
+
+    @property
+    def logprobs_before_update(self) -> bool:
+        """Whether the rollout's log-probs are needed before the update's first step has made its own pass: for
+        an update of more than one optimizer step, or for a KL penalty in the rewards."""
         return self.steps_per_rollout > 1 or (self.needs_reference and self.hparams.kl_in == "reward")
+
+    @property
+    def reuses_first_pass(self) -> bool:
+        """Whether the update's first forward pass gives the rollout's log-probs: when they are needed before the
+        update and its first optimizer step is one micro-batch of the whole rollout (``num_minibatches`` 1,
+        ``gradient_accumulation`` 1, no ``micro_batch_tokens``). The policy has not moved before that step, so its
+        pass, made before the rewards and kept with its graph for the step's backward, is the old-log-prob pass:
+        one policy forward pass per iteration fewer, the same numbers."""
+        hp = self.hparams
+        return (self.logprobs_before_update and hp.num_minibatches == 1 and hp.gradient_accumulation == 1
+                and hp.micro_batch_tokens is None)
 
     def kl_coef_in(self, place: Literal["reward", "loss"]) -> float:
         """The current KL coefficient if the KL penalty goes into ``place`` (``kl_in``), else 0."""
         return self.kl_controller.value if self.hparams.kl_in == place else 0.0
+
+    def first_update_pass(self, experience: Experience) -> tuple[Experience, Stats]:
+        """With :attr:`reuses_first_pass`: the policy's forward pass of the first optimizer step, on the whole
+        rollout, made now with gradients (kept for :meth:`micro_batches` to hand to that step); its log-probs,
+        detached, are the rollout's, and give what the rollout pass would have logged (``policy/entropy``,
+        ``objective/kl``)."""
+        self._first_pass = None
+        if not self.reuses_first_pass:
+            return experience, {}
+        mask = experience.response_mask
+        with phase("update/policy forward"):
+            logprobs, entropy = self.response_logprobs(POLICY, experience.input_ids, experience.attention_mask, mask,
+                                                       with_entropy=True, entropy_grad=bool(self.hparams.ent_coef))
+        self._first_pass = (logprobs, entropy)
+        stats = {"policy/entropy": masked_mean(entropy.detach(), mask)}
+        if experience.ref_logprobs is not None:
+            kl = sequence_kl(logprobs.detach(), experience.ref_logprobs, mask)
+            stats["objective/kl"] = kl.mean()
+            if self.last_samples is not None:
+                self.last_samples.kl = kl.tolist()
+        return dataclasses.replace(experience, logprobs=logprobs.detach()), stats
+
+    def micro_batches(self, experience: Experience, rows: list[int], extents: list[Extent]) -> list[Experience]:
+        """The loop's micro-batches; the first optimizer step's (one micro-batch of every row, see
+        :meth:`first_update_pass`) carries the pass made before the rewards, in its rows' order."""
+        micros = super().micro_batches(experience, rows, extents)
+        if self._first_pass is None:
+            return micros
+        (micro,) = micros
+        logprobs, entropy = self._first_pass
+        self._first_pass = None  # its graph serves one backward
+        index, width = torch.tensor(rows, device=logprobs.device), micro.response_mask.shape[1]
+        return [dataclasses.replace(micro, first_pass=(logprobs[index, :width], entropy[index, :width]))]
 
     # ---- 2. rewards, 3. advantages -------------------------------------------------------------------------
 
@@ -213,10 +266,13 @@ class PolicyGradient(OnlineRL):
         (``normaliser``); + PPO-ptx."""
         hp = self.hparams
         mask, loss_mask = micro.response_mask, self.loss_mask(micro)
-        with phase("update/policy forward"):
-            logprobs, entropy = self.response_logprobs(
-                POLICY, micro.input_ids, micro.attention_mask, mask,
-                with_entropy=bool(hp.ent_coef) or micro.logprobs is None, entropy_grad=bool(hp.ent_coef))
+        if micro.first_pass is not None:
+            logprobs, entropy = micro.first_pass
+        else:
+            with phase("update/policy forward"):
+                logprobs, entropy = self.response_logprobs(
+                    POLICY, micro.input_ids, micro.attention_mask, mask,
+                    with_entropy=bool(hp.ent_coef) or micro.logprobs is None, entropy_grad=bool(hp.ent_coef))
         # One optimizer step per rollout: the policy has not moved since sampling, so its own pass, detached,
         # gives the old log-probs (ratio 1 in value, the policy gradient in gradient).
         old_logprobs = logprobs.detach() if micro.logprobs is None else micro.logprobs
