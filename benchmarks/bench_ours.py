@@ -108,22 +108,26 @@ def lengths_of(plan: StopPlan | None) -> dict[str, Any]:
 def run(settings: Settings, profile: bool = False) -> None:
     """``rlhf_lightning.PPO``, its four roles on one base, with the settings TRL's ``PPOTrainer`` is given on the
     other side (see ``ppo_vs_trl.py``); reports its measured iterations."""
-    from rlhf_lightning import PPO, AdapterReward
-
     configure_threads(settings)
     torch.manual_seed(settings.seed)
     plan = force_planned_stops(settings)
-    module = PPO(
+    rows = fit(ppo_module(settings), settings, profile, "ppo")
+    report({"side": "ours", "iterations": rows, **lengths_of(plan)})
+
+
+def ppo_module(settings: Settings, samples_per_prompt: int = 1):
+    """The ``rlhf_lightning.PPO`` of :func:`run`, not yet fitted (``samples_per_prompt`` responses per prompt)."""
+    from rlhf_lightning import PPO, AdapterReward
+
+    return PPO(
         base=base_spec(settings),
         reward=AdapterReward(str(reward_dir(settings))),
         policy_lora=lora_spec(settings), critic_lora=lora_spec(settings),
         max_new_tokens=settings.response_length, temperature=1.0, stop_token=stop_token(settings),
-        epochs=settings.ppo_epochs, num_minibatches=settings.num_minibatches,
+        samples_per_prompt=samples_per_prompt, epochs=settings.ppo_epochs, num_minibatches=settings.num_minibatches,
         policy_lr=settings.lr, critic_lr=settings.lr,
         **settings.ppo_options,
     )
-    rows = fit(module, settings, profile, "ppo")
-    report({"side": "ours", "iterations": rows, **lengths_of(plan)})
 
 
 def base_spec(settings: Settings):

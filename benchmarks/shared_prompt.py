@@ -4,12 +4,18 @@ differ), so both see the same machine load. From the repository::
 
     python benchmarks/shared_prompt.py                       # small preset, prompt 256, k 8, response 32
     python benchmarks/shared_prompt.py --preset gpt2 --lengths long-tail
+    python benchmarks/shared_prompt.py --algorithm ppo       # PPO: k responses per prompt, the critic's passes too
     python benchmarks/shared_prompt.py --dry-run             # does it run?
 
 Prints the median seconds per iteration and per phase (sampling, reference pass, update) with sharing on and off,
 then one JSON line with ``ratio`` = on / off of the whole iteration and ``ratio_after_sampling`` = on / off of the
 iteration less its sampling (what sharing can change). The GRPO settings are ``grpo_vs_trl.py``'s (``bench_ours.
-grpo_module``, KL coefficient ``--beta``, so the reference pass runs).
+grpo_module``, KL coefficient ``--beta``, so the reference pass runs); PPO's are ``ppo_vs_trl.py``'s
+(``bench_ours.ppo_module``: a reward adapter, the critic, ``--group-size`` responses per prompt).
+
+Sharing off is the path of every pass before ``share_prompt`` existed, so ``ratio`` is the iteration against that
+path. Both halves keep what else the update does today (micro-batches cut to their rows; with one micro-batch per
+step, none here, the cut changes nothing; PPO's old log-probs from its first update pass where it makes one).
 """
 
 from __future__ import annotations
@@ -50,7 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--response-length", type=int, default=32)
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--minibatches", type=int, default=1)
-    parser.add_argument("--beta", type=float, default=0.04, help="KL coefficient (> 0: a reference pass)")
+    parser.add_argument("--beta", type=float, default=0.04, help="GRPO's KL coefficient (> 0: a reference pass)")
+    parser.add_argument("--algorithm", choices=("grpo", "ppo"), default="grpo")
     add_workload_arguments(parser)
     add_dry_run_argument(parser, DRY)
     return parse_with_dry_run(parser, argv, DRY)
@@ -85,18 +92,20 @@ def main(argv: list[str] | None = None) -> None:
     settings.iterations += settings.iterations % 2  # as many on as off
     settings.warmup += settings.warmup % 2  # the first measured iteration shares
     print(f"workdir {settings.workdir}; settings {settings.to_json()}", flush=True)
-    prepare_workdir(settings, reward_adapter=False)
+    ppo = args.algorithm == "ppo"
+    prepare_workdir(settings, reward_adapter=ppo)
     configure_threads(settings)
     bench_ours.force_planned_stops(settings)
-    module = bench_ours.grpo_module(settings, settings.beta)
+    module = (bench_ours.ppo_module(settings, settings.group_size) if ppo
+              else bench_ours.grpo_module(settings, settings.beta))
     alternating(module)
-    rows = bench_ours.fit(module, settings, False, "grpo")
+    rows = bench_ours.fit(module, settings, False, module.metric_prefix)
     on, off = medians(rows[0::2]), medians(rows[1::2])
     print(f"{'median seconds':<24}{'shared':>10}{'per row':>10}{'on/off':>9}")
     for name in on:
         ratio = on[name] / off[name] if off[name] else float("nan")
         print(f"{name:<24}{on[name]:>10.3f}{off[name]:>10.3f}{ratio:>9.2f}")
-    print(json.dumps({"ratio": on["iteration"] / off["iteration"],
+    print(json.dumps({"algorithm": args.algorithm, "ratio": on["iteration"] / off["iteration"],
                       "ratio_after_sampling": on["after_sampling"] / off["after_sampling"],
                       "shared": on, "per_row": off, "iterations_each": len(rows) // 2,
                       "settings": json.loads(settings.to_json())}))

@@ -34,6 +34,7 @@ RUNS = {
               "--no-target"],
     "decoding": ["--dry-run"],
     "shared_prompt": ["--dry-run"],
+    "shared_prompt ppo": ["--dry-run", "--algorithm", "ppo"],
     "sharding": ["--ranks", "1", "--algorithms", "grpo", "--layers", "1", "--width", "64", "--prompts", "4",
                  "--group-size", "2", "--response-length", "4", "--iterations", "1", "--threads", "1"],
 }
@@ -47,7 +48,7 @@ TRL_RUNS = {
     "grpo_vs_trl trl task": ("1.16.", ["--dry-run", "--sides", "ours,trl_lora", "--lengths", "task",
                                        "--response-length", "16"]),
 }
-PPO_PHASES = ("rollout/generate", "rollout/logprobs (policy, reference)", "rollout/values (critic)",
+PPO_PHASES = ("rollout/generate", "rollout/logprobs (reference; old unless reused)", "rollout/values (critic)",
               "rollout/reward", "update/policy forward", "update/critic forward", "update/backward",
               "update/optimizer step")
 
@@ -253,3 +254,13 @@ def test_shared_prompt_alternates_sharing_in_one_fit_and_prints_the_ratio(output
     assert result["iterations_each"] == 1 and finite_positive(result["ratio"])
     assert finite_positive(result["ratio_after_sampling"])
     assert {"rollout/generate", "rollout/logprobs", "update/policy forward"} <= result["shared"].keys()
+    assert result["algorithm"] == "grpo"
+
+
+def test_shared_prompt_times_ppo_with_its_critic_and_reward_adapter(outputs):
+    _, result = output_of(outputs, "shared_prompt ppo")
+    assert result["algorithm"] == "ppo" and finite_positive(result["ratio"])
+    # the critic's and the reward adapter's passes are timed in both halves
+    for half in ("shared", "per_row"):
+        assert {"rollout/values", "rollout/reward", "update/critic forward"} <= result[half].keys()
+        assert result[half]["rollout/values"] > 0

@@ -11,7 +11,8 @@ from .measure import GIB
 # The printed names of the library's phase markers (rlhf_lightning.timing.PHASES), where a marker's own name
 # does not say which models the phase runs; the one place a printed phase name is chosen.
 PHASE_LABELS = {
-    "rollout/logprobs": "rollout/logprobs (policy, reference)",
+    # the old log-probs are made here unless the update's first pass gives them (PolicyGradient.reuses_first_pass)
+    "rollout/logprobs": "rollout/logprobs (reference; old unless reused)",
     "rollout/values": "rollout/values (critic)",
 }
 
