@@ -63,15 +63,15 @@ def test_the_first_update_pass_gives_the_old_logprobs_with_one_policy_pass_fewer
         torch.testing.assert_close(one["weights"][parameter], weight, **WEIGHT_TOLERANCE)
 
 
-@pytest.mark.parametrize("options, reuses", [
-    ({"epochs": 2}, True),
-    ({"epochs": 2, "gradient_accumulation": 2}, False),  # the first step is two micro-batches
-    ({"epochs": 2, "micro_batch_tokens": 1000}, False),
-    ({"epochs": 2, "num_minibatches": 2}, False),
-    ({"epochs": 1, "kl_in": "loss"}, False),  # one step, nothing read before it: its own pass gives them
-    ({"epochs": 1}, True),  # one step, but the KL penalty in the rewards reads them first
+@pytest.mark.parametrize("options, reuses, rollout_pass", [
+    ({"epochs": 2}, True, False),
+    ({"epochs": 2, "gradient_accumulation": 2}, False, True),  # the first step is two micro-batches
+    ({"epochs": 2, "micro_batch_tokens": 1000}, False, True),
+    ({"epochs": 2, "num_minibatches": 2}, False, True),
+    ({"epochs": 1, "kl_in": "loss"}, False, False),  # one step, nothing read before it: its own pass gives them
+    ({"epochs": 1}, True, False),  # one step, but the KL penalty in the rewards reads them first
 ])
-def test_which_updates_reuse_their_first_pass(options, reuses, stopping_model_dir):
+def test_which_updates_reuse_their_first_pass(options, reuses, rollout_pass, stopping_model_dir):
     module = make(PPO, stopping_model_dir, **options)
     assert module.reuses_first_pass is reuses
-    assert module.needs_logprobs is (module.logprobs_before_update and not reuses)
+    assert module.needs_logprobs is rollout_pass  # the rollout's own policy pass
