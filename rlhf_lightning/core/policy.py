@@ -30,7 +30,8 @@ from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
 from rlhf_lightning.rollout.rollouts import Rollout, Rollouts
 from rlhf_lightning.rollout.sampler import Sampler
 from rlhf_lightning.rollout.seeds import Seeds
-from rlhf_lightning.rollout.settings import SamplingSettings, stop_token_ids
+from rlhf_lightning.rollout.settings import SamplingSettings, VLLMSettings, stop_token_ids
+from rlhf_lightning.rollout.vllm_engine import vllm_refusal
 from rlhf_lightning.utils import checks
 from rlhf_lightning.utils.checks import check_sampling
 
@@ -75,7 +76,10 @@ class PolicyModule(StageModule):
             ``torch.compile``-d (CUDA graphs on a GPU: about one launch per token; compiled once per batch size
             and 64-token prompt bucket); ``generate`` = transformers' ``generate`` (every row encodes its prompt);
             ``auto`` = ``compiled`` on CUDA, ``eager`` elsewhere and under FSDP2, ``generate`` with a dynamic
-            cache. All draw the same tokens (compiled: up to kernel rounding).
+            cache. All draw the same tokens (compiled: up to kernel rounding). ``vllm`` = vLLM in this process
+            (one rank; Llama-, Qwen2-shaped models...), with its own copy of the base and the sampled adapter
+            pushed after every update: other tokens than ours, its log-probs logged against the trainer's.
+        vllm: the vLLM engine's memory and modes (``decoding: vllm`` only).
         stop_token: what ends a response: ``auto`` = EOS and the token the chat template ends an assistant turn
             with (ChatML's ``<|im_end|>``, Gemma's ``<end_of_turn>``), ``eos`` = the tokenizer's EOS alone,
             another single token, or null (never stop).
@@ -114,7 +118,8 @@ class PolicyModule(StageModule):
         top_k: int = 0,
         top_p: float = 1.0,
         kv_cache: Literal["static", "dynamic"] = "static",
-        decoding: Literal["auto", "compiled", "eager", "generate"] = "auto",
+        decoding: Literal["auto", "compiled", "eager", "generate", "vllm"] = "auto",
+        vllm: VLLMSettings = VLLMSettings(),  # noqa: B008 (frozen; the CLI shows it as the default)
         stop_token: str | None = "auto",
         logprob_chunk: int | None = None,
         seed: int = 0,
@@ -136,6 +141,7 @@ class PolicyModule(StageModule):
                                  if name not in self.hparams and name not in ("reward", "gold_reward", "environment")})
         self.policy_lora = without_dropout(policy_lora.check("policy_lora"), POLICY)
         self.gold_reward = gold_reward
+        self.vllm_settings = vllm
         self.pass_at_k = pass_at_k.check()
         if pass_at_k.enabled and gold_reward is None:
             raise ValueError(f"pass_at_k.samples={pass_at_k.samples} needs gold_reward: pass@k and maj@k count the "
@@ -159,7 +165,8 @@ class PolicyModule(StageModule):
         if self._sampler is None:
             hp = self.hparams
             settings = SamplingSettings(hp.max_new_tokens, hp.temperature, hp.top_k, hp.top_p, hp.kv_cache,
-                                        stop_token_ids(self.tokenizer, hp.stop_token), hp.get("decoding", "auto"))
+                                        stop_token_ids(self.tokenizer, hp.stop_token), hp.get("decoding", "auto"),
+                                        self.vllm_settings)
             self._sampler = Sampler(settings, Seeds(hp.seed, hp.seed_scope), self.tokenizer.pad_token_id,
                                     hp.sharded_rollout)
         return self._sampler
@@ -178,7 +185,22 @@ class PolicyModule(StageModule):
 
     def setup(self, stage: str) -> None:
         self.sampler  # noqa: B018 (a stop_token the tokenizer lacks fails here, before the model is built)
+        if self.hparams.get("decoding") == "vllm" and self.samples:
+            self.refuse_vllm()
         super().setup(stage)
+
+    def refuse_vllm(self) -> None:
+        """Before the model is built: what ``decoding: vllm`` cannot serve, in one line."""
+        trainer = self.trainer if self._trainer is not None else None
+        device = trainer.strategy.root_device.type if trainer is not None else "cpu"
+        refusal = vllm_refusal(self.base_spec.name_or_path, device, trainer.world_size if trainer else 1,
+                               self.sampled_adapters())
+        if refusal is not None:
+            raise ValueError(refusal)
+
+    def sampled_adapters(self) -> dict[str, LoraSpec]:
+        """The adapters rollouts sample from (vLLM serves them): the policy's."""
+        return {POLICY: self.policy_lora}
 
     def check_lengths(self, datamodule: Any) -> None:
         """Prompts and the responses sampled after them must fit the model's positions (pairs too, for DPO)."""
@@ -346,6 +368,11 @@ class PolicyModule(StageModule):
     def on_fit_end(self) -> None:
         if self.export_folder is not None:
             self.export(self.export_folder)
+
+    def teardown(self, stage: str) -> None:
+        if self._sampler is not None:
+            self._sampler.close()  # vLLM's engine: its memory, and the process group it started
+        super().teardown(stage)
 
     def export(self, directory: str | Path) -> dict[str, Path]:
         """Write the trained adapters (and their heads) in peft format under ``directory``. In a distributed fit

@@ -3,12 +3,13 @@
 An engine takes left-padded prompts, the number of responses per prompt, the sampling settings and one seed per
 response (or none: the global random stream) and returns the sampled tokens and the log-probs the sampler gave
 them; :class:`~rlhf_lightning.rollout.sampler.Sampler` picks the engine, keeps it between rollouts and cuts the
-responses at their stop tokens. Our engines run on the shared base itself (no second copy of the weights) and draw
+responses at their stop tokens. Our own engines run on the shared base itself (no second copy of the weights) and draw
 the same tokens from the same seeds:
 
 - ``eager`` and ``compiled``: our decoding loop (:mod:`rlhf_lightning.rollout.decode`): each prompt encoded once
   for its group, a static KV cache, the decode step optionally ``torch.compile``-d;
-- ``generate``: transformers' ``generate`` with our sampler as the last logits processor.
+- ``generate``: transformers' ``generate`` with our sampler as the last logits processor;
+- ``vllm``: vLLM in this process, with its own copy of the weights (:mod:`rlhf_lightning.rollout.vllm_engine`).
 
 A new engine subclasses :class:`Engine` and registers itself in :data:`ENGINES` under the ``decoding`` name that
 selects it.
@@ -53,6 +54,12 @@ class Engine:
         stream. ``synced``: keep decoding until every rank has finished (a base sharded layer by layer gathers
         its layers in every forward pass, a collective)."""
         raise NotImplementedError
+
+    def rest(self) -> None:
+        """After a rollout, before the update: free what the engine need not hold meanwhile (nothing here)."""
+
+    def close(self) -> None:
+        """At the end of a fit: release what the engine holds beyond the model (nothing here)."""
 
 
 @contextmanager

@@ -9,8 +9,8 @@ scoring pass run inside it) and call :meth:`Sampler.draw` for each turn.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
@@ -22,6 +22,7 @@ from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.rollout.engines import ENGINES, Engine
 from rlhf_lightning.rollout.seeds import Seeds
 from rlhf_lightning.rollout.settings import SamplingSettings, truncate_after_stop
+from rlhf_lightning.rollout.vllm_engine import VLLMEngine  # noqa: F401 (registers decoding: vllm)
 
 ShardedRollout = Literal["gathered", "per_layer"]
 
@@ -74,11 +75,23 @@ class Sampler:
             engine = self._engines[name] = ENGINES[name](model)
         return engine
 
-    def gathered(self, model: SharedBase) -> AbstractContextManager[None]:
+    @contextmanager
+    def gathered(self, model: SharedBase) -> Iterator[None]:
         """A rollout's block of no-grad passes over ``model`` (sampling and scoring): a sharded base gathered as
         ``sharded_rollout`` says (every layer for the whole block, or each layer per forward pass); nothing
-        without sharding. Entered once per rollout."""
-        return gathered(model, whole=self.sharded_rollout == "gathered")
+        without sharding. Entered once per rollout; at its end the engines rest (vLLM's sleep on a GPU)."""
+        try:
+            with gathered(model, whole=self.sharded_rollout == "gathered"):
+                yield
+        finally:
+            for engine in self._engines.values():
+                engine.rest()
+
+    def close(self) -> None:
+        """Release the engines (vLLM's copy of the weights and its KV cache); the next draw makes them anew."""
+        for engine in self._engines.values():
+            engine.close()
+        self._engines.clear()
 
     @torch.no_grad()
     def draw(self, model: SharedBase, role: str | None, input_ids: Tensor, attention_mask: Tensor, group: int = 1,

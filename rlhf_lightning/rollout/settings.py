@@ -11,7 +11,34 @@ from transformers import PreTrainedTokenizerBase
 
 from rlhf_lightning.algorithms.masked import last_marked_index
 from rlhf_lightning.data.tokenize import completion_end_id
-from rlhf_lightning.utils.checks import check_sampling
+from rlhf_lightning.utils.checks import check_sampling, check_vllm
+
+
+@dataclass(frozen=True)
+class VLLMSettings:
+    """The vLLM engine's own settings (``decoding: vllm``; ignored by the other engines).
+
+    Args:
+        kv_cache_gib: memory of vLLM's KV cache, in GiB; null = ``gpu_memory_utilization`` decides on a GPU, and
+            1 GiB on a CPU (vLLM's own CPU default takes several GiB: 12.2 on a 24 GiB machine).
+        gpu_memory_utilization: the share of the GPU's memory vLLM may take for its weights and KV cache (the
+            KV cache's size when ``kv_cache_gib`` is null). Low by default: training shares the GPU.
+        enforce_eager: run vLLM's model without CUDA graphs or ``torch.compile``; null = on a CPU (its compile
+            mode was 4.6 x slower there at 124M parameters), off on a GPU.
+        sleep: on a GPU, put vLLM to sleep after each rollout (its weights copied to CPU memory, its KV cache
+            freed) and wake it before the next, so the update has the memory; vLLM's sleep mode does nothing on a
+            CPU, where this is ignored.
+        max_model_len: longest prompt + response vLLM plans its cache for; null = the model's own limit.
+    """
+
+    kv_cache_gib: float | None = None
+    gpu_memory_utilization: float = 0.3
+    enforce_eager: bool | None = None
+    sleep: bool = True
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        check_vllm(self.kv_cache_gib, self.gpu_memory_utilization, self.max_model_len)
 
 
 @dataclass(frozen=True)
@@ -24,7 +51,8 @@ class SamplingSettings:
     top_p: float = 1.0
     kv_cache: Literal["static", "dynamic"] = "static"
     stop_token_ids: tuple[int, ...] = ()  # any of them ends a response; empty = never stop
-    decoding: Literal["auto", "compiled", "eager", "generate"] = "auto"
+    decoding: Literal["auto", "compiled", "eager", "generate", "vllm"] = "auto"
+    vllm: VLLMSettings = VLLMSettings()
 
     def __post_init__(self) -> None:
         check_sampling(self.max_new_tokens, self.temperature, self.top_k, self.top_p, self.kv_cache, None,
@@ -35,8 +63,8 @@ class SamplingSettings:
         ``auto`` ``compiled`` on CUDA (CUDA graphs), ``eager`` elsewhere and on an FSDP2-sharded base (whose
         per-layer hooks are not compiled), ``generate`` with a dynamic cache."""
         if self.decoding != "auto":
-            if self.decoding == "compiled" and sharded:
-                raise ValueError("decoding: compiled cannot run on an FSDP2-sharded base (its layers gather "
+            if self.decoding in ("compiled", "vllm") and sharded:
+                raise ValueError(f"decoding: {self.decoding} cannot run on an FSDP2-sharded base (its layers gather "
                                  "themselves in hooks that are not compiled); use decoding: eager or auto")
             return self.decoding
         if self.kv_cache == "dynamic":
@@ -86,3 +114,6 @@ def stopped(responses: Tensor, response_mask: Tensor, stop_token_ids: int | tupl
     last = last_marked_index(response_mask)
     ended = is_stop(responses[torch.arange(responses.shape[0], device=responses.device), last], stop_token_ids)
     return ended & response_mask.any(-1)
+
+
+torch.serialization.add_safe_globals([VLLMSettings])  # saved with the modules' hyper-parameters
