@@ -51,20 +51,20 @@ def test_what_vllm_cannot_serve_is_refused_in_one_line(tiny_model_dir, tiny_llam
     small_heads = tmp_path / "small-heads"
     AutoConfig.for_model(**{**TINY_LLAMA, "hidden_size": 32}).save_pretrained(small_heads)  # heads of 16
     refusals = {
-        "gpt2": run_refusal(str(tiny_model_dir), "cpu", 1, {POLICY: LORA}),
-        "ranks": run_refusal(str(tiny_llama_dir), "cpu", 2, {POLICY: LORA}),
-        "no folder": run_refusal(None, "cpu", 1, {POLICY: LORA}),
-        "heads": run_refusal(str(small_heads), "cpu", 1, {POLICY: LORA}),
-        "bias": run_refusal(str(tiny_llama_dir), "cpu", 1, {POLICY: LoraSpec(r=4, bias="all")}),
+        "gpt2": run_refusal(str(tiny_model_dir), "cpu", False, {POLICY: LORA}),
+        "fsdp2": run_refusal(str(tiny_llama_dir), "cpu", True, {POLICY: LORA}),
+        "no folder": run_refusal(None, "cpu", False, {POLICY: LORA}),
+        "heads": run_refusal(str(small_heads), "cpu", False, {POLICY: LORA}),
+        "bias": run_refusal(str(tiny_llama_dir), "cpu", False, {POLICY: LoraSpec(r=4, bias="all")}),
     }
     assert "no LoRA for that family" in refusals["gpt2"] and str(tiny_model_dir) in refusals["gpt2"]
-    assert "(2 ranks here, DDP or FSDP2)" in refusals["ranks"]
+    assert "under FSDP2 (ModelParallelStrategy) is not supported" in refusals["fsdp2"]
     assert "base.name_or_path" in refusals["no folder"]
     assert "has 16: use decoding: eager" in refusals["heads"]
     assert "policy's lora has bias: all" in refusals["bias"]
     assert all("\n" not in refusal for refusal in refusals.values())
-    assert run_refusal(str(tiny_llama_dir), "cpu", 1, {POLICY: LORA}) is None
-    assert run_refusal(str(small_heads), "cuda", 1, {POLICY: LORA}) is None  # the CPU kernels' limit only
+    assert run_refusal(str(tiny_llama_dir), "cpu", False, {POLICY: LORA}) is None
+    assert run_refusal(str(small_heads), "cuda", False, {POLICY: LORA}) is None  # the CPU kernels' limit only
 
 
 def test_a_fit_is_refused_at_setup_before_the_model_is_built(tiny_model_dir):
@@ -368,3 +368,26 @@ def test_the_decoding_benchmark_times_vllm_beside_our_engines():
     assert sides["vllm"]["seconds"] > 0 and figures["startup_seconds"] > 0 and figures["push_seconds"] > 0
     assert figures["logprob_diff_max"] < 1e-4 and 0 <= figures["kl_sample_train"] < 1e-8
     assert "vllm: start-up " in done.stdout and " · adapter push " in done.stdout
+
+
+@with_vllm
+@pytest.mark.slow
+def test_ddp_ranks_each_run_their_own_vllm_and_train_as_one_process_does(tiny_llama_dir, llama_adapters, tmp_path):
+    """Two CPU ranks, each with its own vLLM on its half of the prompts, seeded per prompt: the same responses,
+    losses, gradients and weights as one process on the whole batch."""
+    from tests.test_cli_errors import REPO
+    from tests.test_distributed import STRATEGIES, largest_differences
+
+    reward, _ = llama_adapters
+    arguments = vllm_fit("grpo", tiny_llama_dir, reward, "--trainer.limit_train_batches=2",
+                         "--trainer.limit_val_batches=0", "--model.init_args.seed_scope=prompt")
+    arguments[1] = str(REPO / arguments[1])
+    single = drive(tmp_path, "single", [run(tmp_path, "single", [*arguments, "--data.init_args.batch_size=4"])])
+    assert single.returncode == 0, single.stderr[-4000:]
+    ranks = drive(tmp_path, "ddp", [run(tmp_path, "ddp", [*arguments, "--data.init_args.batch_size=2",
+                                                           *STRATEGIES["ddp"]])])
+    assert ranks.returncode == 0, ranks.stderr[-4000:]
+    full, ddp = torch.load(tmp_path / "single.pt"), torch.load(tmp_path / "ddp.pt")
+    assert ddp["backend"] == "gloo" and len(ddp["metrics"]) == 2
+    largest = largest_differences(full, ddp)
+    print(f"\nvLLM on two DDP ranks against one process: largest differences {largest}")

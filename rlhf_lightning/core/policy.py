@@ -77,8 +77,8 @@ class PolicyModule(StageModule):
             and 64-token prompt bucket); ``generate`` = transformers' ``generate`` (every row encodes its prompt);
             ``auto`` = ``compiled`` on CUDA, ``eager`` elsewhere and under FSDP2, ``generate`` with a dynamic
             cache. All draw the same tokens (compiled: up to kernel rounding). ``vllm`` = vLLM in this process
-            (one rank; Llama-, Qwen2-shaped models...), with its own copy of the base and the sampled adapter
-            pushed after every update: other tokens than ours, its log-probs logged against the trainer's.
+            (one per DDP rank; Llama-, Qwen2-shaped models...), with its own copy of the base and the sampled
+            adapter pushed after every update: other tokens than ours, its log-probs logged against the trainer's.
         vllm: the vLLM engine's memory and modes (``decoding: vllm`` only).
         stop_token: what ends a response: ``auto`` = EOS and the token the chat template ends an assistant turn
             with (ChatML's ``<|im_end|>``, Gemma's ``<end_of_turn>``), ``eos`` = the tokenizer's EOS alone,
@@ -193,8 +193,8 @@ class PolicyModule(StageModule):
         """Before the model is built: what ``decoding: vllm`` cannot serve, in one line."""
         trainer = self.trainer if self._trainer is not None else None
         device = trainer.strategy.root_device.type if trainer is not None else "cpu"
-        refusal = vllm_refusal(self.base_spec.name_or_path, device, trainer.world_size if trainer else 1,
-                               self.sampled_adapters())
+        sharded = trainer is not None and type(trainer.strategy).__name__ == "ModelParallelStrategy"
+        refusal = vllm_refusal(self.base_spec.name_or_path, device, sharded, self.sampled_adapters())
         if refusal is not None:
             raise ValueError(refusal)
 

@@ -14,8 +14,10 @@ base from its folder and each adapter the rollouts sample from, pushed as tensor
 - **Seeded per request**: one seed per prompt, from the run's random stream (or the per-response seeds of
   ``seed_scope: prompt``), and vLLM's ``n`` draws the group (its response ``i`` seeded ``seed + i``): a resumed
   run redraws what the uninterrupted one drew.
-- **The process is left as it was**: building ``LLM`` initialises ``torch.distributed`` (gloo, one rank: vLLM keeps
-  using it), replaces ``torch.set_num_threads`` with a no-op on CPU and reseeds the random generators; the last
+- **One engine per DDP rank**, each on its rank's prompts, on the process group Lightning started (vLLM's
+  ``external_launcher``); FSDP2 is refused.
+- **The process is left as it was**: building ``LLM`` in one process initialises ``torch.distributed`` (gloo, one
+  rank: vLLM keeps using it until it is closed), replaces ``torch.set_num_threads`` with a no-op on CPU and reseeds the random generators; the last
   two are restored.
 
 What it cannot serve is refused in one line when the fit is set up (:func:`vllm_refusal`).
@@ -67,11 +69,11 @@ def _release(version: str) -> tuple[int, int]:
     return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
 
 
-def vllm_refusal(name_or_path: str | None, device_type: str, world_size: int,
+def vllm_refusal(name_or_path: str | None, device_type: str, sharded: bool,
                  adapters: dict[str, LoraSpec]) -> str | None:
     """Why ``decoding: vllm`` cannot serve this run, in one line (None when it can): the installed vLLM
     (:func:`version_refusal`), then the run (:func:`run_refusal`). Reads the model's config only."""
-    return version_refusal(installed_version()) or run_refusal(name_or_path, device_type, world_size, adapters)
+    return version_refusal(installed_version()) or run_refusal(name_or_path, device_type, sharded, adapters)
 
 
 def version_refusal(version: str | None) -> str | None:
@@ -85,13 +87,14 @@ def version_refusal(version: str | None) -> str | None:
     return None
 
 
-def run_refusal(name_or_path: str | None, device_type: str, world_size: int,
+def run_refusal(name_or_path: str | None, device_type: str, sharded: bool,
                 adapters: dict[str, LoraSpec]) -> str | None:
-    """Several ranks, a base with no folder, a model family vLLM serves no LoRA on, attention heads vLLM's CPU
-    kernels do not take, adapters with biases."""
-    if world_size > 1:
-        return (f"decoding: vllm runs one engine in a single training process, not one per rank ({world_size} "
-                "ranks here, DDP or FSDP2): use decoding: eager (or auto)")
+    """FSDP2, a base with no folder, a model family vLLM serves no LoRA on, attention heads vLLM's CPU kernels do not
+    take, adapters with biases."""
+    if sharded:
+        return ("decoding: vllm under FSDP2 (ModelParallelStrategy) is not supported: each rank's vLLM would load "
+                "the whole base beside its shard; use decoding: eager (or auto), or DDP, where each rank runs its "
+                "own vLLM")
     if name_or_path is None:
         return ("decoding: vllm loads the base from its folder (base.name_or_path); a base built from "
                 "base.architecture has none: fit configs/*sft*.yaml first and point base.name_or_path at its model")
@@ -244,6 +247,12 @@ class VLLMEngine(Engine):
             kv_cache_memory_bytes=None if kv_cache_gib is None else int(kv_cache_gib * 2**30),
             enable_sleep_mode=device.type == "cuda" and settings.sleep,
         )
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            # DDP: an engine per rank on that rank's prompts, on the process group Lightning started (vLLM's
+            # launcher for engines inside torchrun-style jobs; it reads the rank from the environment).
+            os.environ.setdefault("RANK", str(torch.distributed.get_rank()))
+            os.environ.setdefault("LOCAL_RANK", "0")
+            arguments.update(distributed_executor_backend="external_launcher", tensor_parallel_size=1)
         start = time.perf_counter()
         self.owns_process_group = not torch.distributed.is_initialized()
         # Without a tokenizer (we hand vLLM token ids) its chat-template warm-up fails and logs a traceback as a
@@ -269,8 +278,8 @@ class VLLMEngine(Engine):
         self.llm = None
         self.served.clear()
         gc.collect()
+        destroy_model_parallel()  # vLLM's own groups (on every rank at once: the fit ends on every rank)
         if self.owns_process_group:
-            destroy_model_parallel()
             destroy_distributed_environment()
 
     # ---- adapters ------------------------------------------------------------------------------------------
