@@ -108,7 +108,7 @@ def test_the_loop_names_the_rows_whose_scores_are_not_finite():
 def test_a_dynamic_cache_needs_generate_and_unknown_decodings_are_refused():
     with pytest.raises(ValueError, match="kv_cache: dynamic needs decoding: generate"):
         SamplingSettings(kv_cache="dynamic", decoding="compiled")
-    with pytest.raises(ValueError, match="decoding must be one of auto, compiled, eager, generate"):
+    with pytest.raises(ValueError, match="decoding must be one of auto, compiled, eager, generate, vllm"):
         SamplingSettings(decoding="graphs")
     assert SamplingSettings(kv_cache="dynamic").engine_name(torch.device("cpu"), sharded=False) == "generate"
     assert SamplingSettings().engine_name(torch.device("cpu"), sharded=False) == "eager"
@@ -116,6 +116,9 @@ def test_a_dynamic_cache_needs_generate_and_unknown_decodings_are_refused():
     assert SamplingSettings().engine_name(torch.device("cuda"), sharded=True) == "eager"
     with pytest.raises(ValueError, match="decoding: compiled cannot run on an FSDP2-sharded base"):
         SamplingSettings(decoding="compiled").engine_name(torch.device("cuda"), sharded=True)
+    with pytest.raises(ValueError, match="decoding: vllm cannot run on an FSDP2-sharded base .* or DDP"):
+        SamplingSettings(decoding="vllm").engine_name(torch.device("cuda"), sharded=True)
+    assert SamplingSettings(decoding="vllm").engine_name(torch.device("cpu"), sharded=False) == "vllm"
 
 
 # ---- the compiled step (torch.compile's inductor on CPU: the same graphs a GPU captures, without CUDA graphs) ----

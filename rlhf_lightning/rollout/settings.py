@@ -63,9 +63,12 @@ class SamplingSettings:
         ``auto`` ``compiled`` on CUDA (CUDA graphs), ``eager`` elsewhere and on an FSDP2-sharded base (whose
         per-layer hooks are not compiled), ``generate`` with a dynamic cache."""
         if self.decoding != "auto":
-            if self.decoding in ("compiled", "vllm") and sharded:
-                raise ValueError(f"decoding: {self.decoding} cannot run on an FSDP2-sharded base (its layers gather "
+            if self.decoding == "compiled" and sharded:
+                raise ValueError("decoding: compiled cannot run on an FSDP2-sharded base (its layers gather "
                                  "themselves in hooks that are not compiled); use decoding: eager or auto")
+            if self.decoding == "vllm" and sharded:
+                raise ValueError("decoding: vllm cannot run on an FSDP2-sharded base (each rank's vLLM would load the "
+                                 "whole base beside its shard); use decoding: eager or auto, or DDP")
             return self.decoding
         if self.kv_cache == "dynamic":
             return "generate"
