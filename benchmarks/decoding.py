@@ -119,7 +119,9 @@ def memory_now(device: str) -> float:
 
 def vllm_side(base: SharedBase, sampler: Sampler, ids: torch.Tensor, mask: torch.Tensor, args: argparse.Namespace,
               memory_before: float) -> dict:
-    """The vLLM engine's own figures after its rollouts: start-up, an adapter push, memory, log-prob mismatch."""
+    """The vLLM engine's own figures after its rollouts: start-up, an adapter push, memory, and the log-prob
+    mismatch with the trainer's pass (``mismatch_statistics``, as the fits log it)."""
+    from rlhf_lightning.algorithms.rollout_correction import mismatch_statistics
     from rlhf_lightning.core.policy import pad_to_sequence
     from rlhf_lightning.models.logprobs import token_logprobs
 
@@ -127,28 +129,23 @@ def vllm_side(base: SharedBase, sampler: Sampler, ids: torch.Tensor, mask: torch
     memory = memory_now(args.device) - memory_before
     lora_b = next(p for name, p in base.model.named_parameters() if "lora_B" in name)
     with torch.no_grad():
-        lora_b.mul_(1.0)  # an in-place write, as an optimizer step's: the next sync pushes the adapter
-    engine.sync("policy")
+        lora_b.mul_(1.0)  # an in-place write, as an optimizer step's: the next draw pushes the adapter
     drawn = sampler.draw(base, "policy", ids, mask, args.group, list(range(ids.shape[0] * args.group)))
     sequence_mask = pad_to_sequence(drawn.mask, drawn.sequences.shape[1])
     with torch.no_grad():
         trainer, _ = token_logprobs(base, "policy", drawn.sequences, drawn.attention_mask, sequence_mask)
-    trainer = trainer[:, -drawn.mask.shape[1]:][drawn.mask].double()
-    sampled = drawn.logprobs[drawn.mask].double()
-    difference = (trainer - sampled).abs()
-    log_ratio = trainer - sampled
-    return {"startup_seconds": engine.startup_seconds, "push_seconds": engine.push_seconds,
-            "memory_gib": memory, "logprob_diff_mean": float(difference.mean()),
-            "logprob_diff_max": float(difference.max()),
-            "kl_sample_train": float((log_ratio.exp() - 1 - log_ratio).mean())}
+    mismatch = mismatch_statistics(trainer[:, -drawn.mask.shape[1]:], drawn.logprobs, drawn.mask)
+    return {"startup_seconds": engine.startup_seconds, "push_seconds": engine.push_seconds, "memory_gib": memory,
+            "logprob_diff_mean": float(mismatch["logprob_diff_mean"]),
+            "logprob_diff_max": float(mismatch["logprob_diff_max"]), "kl_sample_train": float(mismatch["kl"])}
 
 
-def vllm_refused(base: SharedBase, args: argparse.Namespace) -> str | None:
+def vllm_refused(base: SharedBase) -> str | None:
     """Why the vLLM side cannot run here (vLLM absent or untested, a shape it serves no LoRA on), or None."""
     from rlhf_lightning.rollout.vllm_engine import installed_version, version_refusal
 
-    if version_refusal(installed_version()):
-        return version_refusal(installed_version())
+    if refusal := version_refusal(installed_version()):
+        return refusal
     if base.hf_model.config.model_type == "gpt2":
         return "vLLM has no LoRA for gpt2: use --shape llama-124m, qwen2-0.5b or llama-1b"
     return None
@@ -196,7 +193,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"({torch.get_num_threads()} threads); {args.prompts} prompts x {args.group} samples, prompt "
           f"{args.prompt_length}, response {args.response_length} tokens")
     results, reference_tokens, vllm = {}, None, {}
-    if "vllm" in sides and (refusal := vllm_refused(base, args)):
+    if "vllm" in sides and (refusal := vllm_refused(base)):
         print(f"vllm: skipped ({refusal})")
         sides.remove("vllm")
     folder = tempfile.TemporaryDirectory(prefix="decoding-vllm-")

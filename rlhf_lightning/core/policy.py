@@ -20,6 +20,7 @@ from lightning.pytorch.utilities.parsing import collect_init_args
 from torch import Tensor
 from torchmetrics import MeanMetric
 
+from rlhf_lightning.core.distributed import sharding_mesh
 from rlhf_lightning.core.experience import sequence_kl
 from rlhf_lightning.core.pass_at_k import PassAtK, answer_reader, pass_at_k_values
 from rlhf_lightning.core.stage import StageModule
@@ -191,16 +192,12 @@ class PolicyModule(StageModule):
 
     def refuse_vllm(self) -> None:
         """Before the model is built: what ``decoding: vllm`` cannot serve, in one line."""
-        trainer = self.trainer if self._trainer is not None else None
+        trainer = self._trainer
         device = trainer.strategy.root_device.type if trainer is not None else "cpu"
-        sharded = trainer is not None and type(trainer.strategy).__name__ == "ModelParallelStrategy"
-        refusal = vllm_refusal(self.base_spec.name_or_path, device, sharded, self.sampled_adapters())
+        refusal = vllm_refusal(self.base_spec.name_or_path, device, sharding_mesh(trainer) is not None,
+                               {POLICY: self.policy_lora})
         if refusal is not None:
             raise ValueError(refusal)
-
-    def sampled_adapters(self) -> dict[str, LoraSpec]:
-        """The adapters rollouts sample from (vLLM serves them): the policy's."""
-        return {POLICY: self.policy_lora}
 
     def check_lengths(self, datamodule: Any) -> None:
         """Prompts and the responses sampled after them must fit the model's positions (pairs too, for DPO)."""

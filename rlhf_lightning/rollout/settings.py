@@ -20,11 +20,11 @@ class VLLMSettings:
 
     Args:
         kv_cache_gib: memory of vLLM's KV cache, in GiB; null = ``gpu_memory_utilization`` decides on a GPU, and
-            1 GiB on a CPU (vLLM's own CPU default takes several GiB: 12.2 on a 24 GiB machine).
+            1 GiB on a CPU (vLLM's own CPU default took 12.2 GiB on a 24 GiB machine when issue 32 was filed).
         gpu_memory_utilization: the share of the GPU's memory vLLM may take for its weights and KV cache (the
             KV cache's size when ``kv_cache_gib`` is null). Low by default: training shares the GPU.
         enforce_eager: run vLLM's model without CUDA graphs or ``torch.compile``; null = on a CPU (its compile
-            mode was 4.6 x slower there at 124M parameters), off on a GPU.
+            mode was 4.6 x slower there at 124M parameters, as issue 32 measured), off on a GPU.
         sleep: on a GPU, put vLLM to sleep after each rollout (its weights copied to CPU memory, its KV cache
             freed) and wake it before the next, so the update has the memory; vLLM's sleep mode does nothing on a
             CPU, where this is ignored.

