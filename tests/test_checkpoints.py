@@ -117,8 +117,8 @@ def test_a_checkpoint_of_another_module_class_is_refused(uninterrupted, tmp_path
     trainer = L.Trainer(max_steps=1, logger=False, enable_progress_bar=False, enable_checkpointing=False)
     with pytest.raises(CheckpointError) as error:
         trainer.fit(SFT(base=tiny_spec()), train_dataloaders=[{}], ckpt_path=str(checkpoint))
-    assert str(error.value).startswith(f"checkpoint {checkpoint} was written by rlhf_lightning.ppo.PPO, but this "
-                                       "run's model is rlhf_lightning.sft.SFT")
+    assert str(error.value).startswith(f"checkpoint {checkpoint} was written by rlhf_lightning.stages.ppo.PPO, but this "
+                                       "run's model is rlhf_lightning.stages.sft.SFT")
 
 
 def test_a_failed_write_leaves_the_old_file_and_no_temp_file(tmp_path):

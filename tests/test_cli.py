@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rlhf_lightning.cli import RLHFCLI, main
-from rlhf_lightning.wandb_offline import find_run_file, read_config, read_history
+from rlhf_lightning.runs.wandb_offline import find_run_file, read_config, read_history
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))

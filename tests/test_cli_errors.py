@@ -15,7 +15,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from rlhf_lightning.callbacks.progress import StepRichProgressBar, StepTQDMProgressBar
 from rlhf_lightning.callbacks.progress_lines import ProgressLines
 from rlhf_lightning.cli import RLHFCLI, main
-from rlhf_lightning.errors import TRACEBACK_ENV
+from rlhf_lightning.cli.errors import TRACEBACK_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 BAD_YAML = "model:\n  class_path: rlhf_lightning.SFT\n   init_args: {lr: 1}\n"
@@ -85,8 +85,8 @@ def test_a_checkpoint_must_match_the_config_class_and_its_differences_are_listed
         main(["fit", "--config", str(REPO / "configs" / "reward.yaml"), "--ckpt_path", checkpoint])
     assert exit_info.value.code == 1
     assert error_lines(capsys.readouterr().err) == [
-        f"error: checkpoint {checkpoint} was written by rlhf_lightning.sft.SFT, but this run's model is "
-        "rlhf_lightning.reward_model.RewardModel; give a checkpoint of a RewardModel run, or the config of the run "
+        f"error: checkpoint {checkpoint} was written by rlhf_lightning.stages.sft.SFT, but this run's model is "
+        "rlhf_lightning.stages.reward_model.RewardModel; give a checkpoint of a RewardModel run, or the config of the run "
         "that wrote it"]
 
     with pytest.warns(UserWarning) as warnings:

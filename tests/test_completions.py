@@ -13,8 +13,8 @@ import pytest
 from lightning.pytorch.loggers import CSVLogger
 
 from rlhf_lightning.callbacks import CompletionsTable
-from rlhf_lightning.loggers import WandbLogger
-from rlhf_lightning.wandb_offline import find_run_file, read_history
+from rlhf_lightning.cli.loggers import WandbLogger
+from rlhf_lightning.runs.wandb_offline import find_run_file, read_history
 from tests.test_ppo import make_ppo, prompts
 
 ITERATIONS = 3

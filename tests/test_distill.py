@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlhf_lightning import AdapterReward, FunctionReward, OnPolicyDistillation
-from rlhf_lightning.merge import merge_adapter
+from rlhf_lightning.cli.merge_command import merge_adapter
 from rlhf_lightning.models.fingerprint import BASE_RECORD, weights_fingerprint
 from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.tasks.synthetic import gold_rewards

@@ -190,7 +190,7 @@ def test_adapters_exported_under_fsdp2_load_in_peft_and_merge(results, tiny_mode
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from rlhf_lightning.merge import merge_adapter
+    from rlhf_lightning.cli.merge_command import merge_adapter
 
     policy = results["ppo"]["fsdp2"]["export"] / "policy"
     ids = torch.arange(5, 15)[None]

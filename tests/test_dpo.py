@@ -15,10 +15,10 @@ from transformers import AutoModelForCausalLM
 
 from rlhf_lightning import DPO, PreferenceDataModule
 from rlhf_lightning.cli import main
-from rlhf_lightning.dpo import PAIR_METRICS
-from rlhf_lightning.merge import merge_adapter
+from rlhf_lightning.cli.merge_command import merge_adapter
 from rlhf_lightning.models.shared_base import adapter_of, position_ids_from_mask
 from rlhf_lightning.models.spec import BaseModelSpec
+from rlhf_lightning.stages.dpo import PAIR_METRICS
 from rlhf_lightning.tasks.synthetic import gold_rewards
 from tests.conftest import LORA, built
 from tests.test_cli import logged_keys

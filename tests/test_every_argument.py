@@ -29,8 +29,8 @@ from rlhf_lightning import (
     UnpairedPreferenceDataModule,
 )
 from rlhf_lightning.cli import RLHFCLI
-from rlhf_lightning.core.pass_at_k import PassAtK
-from rlhf_lightning.errors import accepted_arguments, user_error
+from rlhf_lightning.cli.errors import accepted_arguments, user_error
+from rlhf_lightning.core.held_out_pass_at_k import PassAtK
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
 
 REPO = Path(__file__).resolve().parents[1]

@@ -26,14 +26,14 @@ import torch
 
 import rlhf_lightning as rl
 from rlhf_lightning.algorithms.policy_losses import CISPO, Clip
-from rlhf_lightning.core.pass_at_k import PassAtK
+from rlhf_lightning.cli.errors import accepted_arguments
+from rlhf_lightning.core.held_out_pass_at_k import PassAtK
 from rlhf_lightning.environments import Environment, Step, ToolEnvironment
-from rlhf_lightning.errors import accepted_arguments
 from rlhf_lightning.models.fingerprint import BASE_RECORD
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
 from rlhf_lightning.tasks.calculator import correct_answer
 from rlhf_lightning.tasks.synthetic import gold_rewards
-from rlhf_lightning.timing import record_phases
+from rlhf_lightning.utils.timing import record_phases
 from tests.conftest import LORA, built, make_likely
 from tests.test_episodes import calculator_model_dir  # noqa: F401 (a fixture)
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from rlhf_lightning.runs.wandb_offline import read_history
 from rlhf_lightning.study.best_of_n import BestOfNPoint
 from rlhf_lightning.study.evaluation import EvalPoint, MethodRun
 from rlhf_lightning.study.family import main as family_main
@@ -28,7 +29,6 @@ from rlhf_lightning.study.frontier import (
 from rlhf_lightning.study.gao import gao_curve
 from rlhf_lightning.study.methods import METHODS, run_arguments
 from rlhf_lightning.study.runs import build_cli
-from rlhf_lightning.wandb_offline import read_history
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -236,8 +236,8 @@ def test_every_row_carries_the_iteration_and_the_optimizer_steps(tiny_model_dir,
     optimizer steps taken by then, in agreement on every row, from the starting policy's validation
     (ValidateAtStart) on."""
     from rlhf_lightning.callbacks import ValidateAtStart
-    from rlhf_lightning.loggers import WandbLogger
-    from rlhf_lightning.wandb_offline import read_history
+    from rlhf_lightning.cli.loggers import WandbLogger
+    from rlhf_lightning.runs.wandb_offline import read_history
 
     module = make(GRPO, tiny_model_dir, reward_dir, epochs=2, num_minibatches=1)  # 2 optimizer steps per iteration
     logger = WandbLogger(save_dir=str(tmp_path), offline=True)

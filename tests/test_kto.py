@@ -17,9 +17,9 @@ from rlhf_lightning import KTO, UnpairedPreferenceDataModule
 from rlhf_lightning.algorithms.kto import kto_loss, kto_reference_point, one_label_only, recommended_weights
 from rlhf_lightning.cli import main
 from rlhf_lightning.data.sources import DataFormatError, Record
-from rlhf_lightning.kto import EXAMPLE_METRICS
 from rlhf_lightning.models.shared_base import REFERENCE, adapter_of
 from rlhf_lightning.models.spec import BaseModelSpec
+from rlhf_lightning.stages.kto import EXAMPLE_METRICS
 from rlhf_lightning.tasks import make_task
 from rlhf_lightning.tasks.synthetic import gold_rewards
 from tests.conftest import LORA, built
@@ -236,7 +236,7 @@ def test_mistakes_are_one_line(tiny_model_dir, capsys, caplog):
     rows = [{"prompt": p["prompt"], "completion": p["chosen"], "label": True} for p in pairs[:30]]
     rows += [{"prompt": p["prompt"], "completion": p["rejected"], "label": False} for p in pairs[30:]]
     Path("kto.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    with caplog.at_level(logging.WARNING, logger="rlhf_lightning.kto"):
+    with caplog.at_level(logging.WARNING, logger="rlhf_lightning.stages.kto"):
         run_cli(tiny_model_dir, "--data.init_args.dataset=kto.jsonl", "--trainer.max_steps=1",
                 "--trainer.val_check_interval=1", "--trainer.logger=false")
     advice = [r.getMessage() for r in caplog.records if "outside the KTO paper" in r.getMessage()]
@@ -250,10 +250,10 @@ def test_data_whose_labels_are_all_desirable_trains_with_a_warning_naming_the_fi
     pairs = make_task("synthetic", 0).preference_rows(40)
     rows = [{"prompt": p["prompt"], "completion": p["chosen"], "label": True} for p in pairs]
     Path("desirable.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    with caplog.at_level(logging.WARNING, logger="rlhf_lightning.kto"):
+    with caplog.at_level(logging.WARNING, logger="rlhf_lightning.stages.kto"):
         run_cli(tiny_model_dir, "--data.init_args.dataset=desirable.jsonl", "--trainer.max_steps=1",
                 "--trainer.limit_val_batches=0", "--trainer.logger=false")
-    warnings = [r.getMessage() for r in caplog.records if r.name == "rlhf_lightning.kto"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "rlhf_lightning.stages.kto"]
     assert warnings == [  # 4 of the 40 rows held out for validation; no weight advice beside it
         "KTO: all 36 training examples of desirable.jsonl are desirable (0 undesirable): the loss can only raise "
         "their likelihood against the reference point, and nothing shows the policy what to avoid; "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlhf_lightning.loggers import WandbLogger, wandb_api_key_configured, wandb_host
+from rlhf_lightning.cli.loggers import WandbLogger, wandb_api_key_configured, wandb_host
 
 
 @pytest.fixture

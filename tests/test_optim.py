@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
 
-from rlhf_lightning.optim import lr_lambda
+from rlhf_lightning.utils.optim import lr_lambda
 
 
 def transformers_multipliers(factory, warmup: int, total: int) -> list[float]:

@@ -11,7 +11,7 @@ import torch
 
 from rlhf_lightning.algorithms.pass_at_k import maj_at_k, majority_correct, pass_at_k
 from rlhf_lightning.cli import main
-from rlhf_lightning.core.pass_at_k import PassAtK, answer_reader, pass_at_k_values
+from rlhf_lightning.core.held_out_pass_at_k import PassAtK, answer_reader, pass_at_k_values
 from rlhf_lightning.tasks.arithmetic import exact_match, final_answer
 
 REPO = Path(__file__).resolve().parents[1]

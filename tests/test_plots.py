@@ -9,8 +9,8 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from matplotlib.image import imread
 
 from rlhf_lightning.cli import main
-from rlhf_lightning.loggers import WandbLogger
-from rlhf_lightning.plots import panels, series, x_axis
+from rlhf_lightning.cli.loggers import WandbLogger
+from rlhf_lightning.runs.plots import panels, series, x_axis
 
 PPO_KEYS = {"ppo/iteration", "ppo/objective/score", "ppo/objective/gold", "ppo/objective/kl", "ppo/loss/total",
             "ppo/grad_norm", "ppo/response/length", "ppo/response/eos_frac", "ppo/val/gold", "ppo/val/kl",
@@ -88,7 +88,7 @@ def toy_run(folder, ckpt_path=None, seed=0) -> None:
 
 
 def test_a_folder_shared_by_fresh_runs_plots_the_latest_and_what_it_resumed(tmp_path):
-    from rlhf_lightning.plots import run_files
+    from rlhf_lightning.runs.plots import run_files
 
     folder = tmp_path / "sweep"
     toy_run(folder)  # a first trial

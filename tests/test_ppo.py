@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from rlhf_lightning import PPO, AdapterReward, FunctionReward, PromptDataModule
 from rlhf_lightning.callbacks import IterationCheckpoint
-from rlhf_lightning.merge import merge_adapter
+from rlhf_lightning.cli.merge_command import merge_adapter
 from rlhf_lightning.models.shared_base import adapter_of, position_ids_from_mask
 from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.tasks.synthetic import gold_rewards

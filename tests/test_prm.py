@@ -16,7 +16,7 @@ from rlhf_lightning.data.collate import IGNORE_INDEX
 from rlhf_lightning.data.modules import StepwiseDataModule
 from rlhf_lightning.models.shared_base import adapter_of
 from rlhf_lightning.models.spec import BaseModelSpec
-from rlhf_lightning.prm import ProcessRewardModel
+from rlhf_lightning.stages.process_reward_model import ProcessRewardModel
 from rlhf_lightning.tasks.arithmetic import (
     ArithmeticTask,
     final_answer,

@@ -17,9 +17,9 @@ from rlhf_lightning.cli import main
 from rlhf_lightning.data.modules import PromptDataModule
 from rlhf_lightning.data.tokenize import encode_steps
 from rlhf_lightning.models.spec import BaseModelSpec
-from rlhf_lightning.prm import ProcessRewardModel
 from rlhf_lightning.rewards.inputs import reward_inputs
-from rlhf_lightning.rewards.process import PRM_ROLE, reduce_steps, step_ends
+from rlhf_lightning.rewards.process_reward import PRM_ROLE, reduce_steps, step_ends
+from rlhf_lightning.stages.process_reward_model import ProcessRewardModel
 from rlhf_lightning.tasks.arithmetic import exact_match
 from tests.conftest import LORA, built
 from tests.test_one_line_errors import one_line

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import time
 
-from rlhf_lightning.rank_failures import collective_text, peer_failure_line, read_reports, write_report
+from rlhf_lightning.cli.rank_failures import collective_text, peer_failure_line, read_reports, write_report
 
 GLOO = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
         "[10.0.0.7]:41237. This is typically caused by a remote worker crashing. Check the logs of the remote worker")

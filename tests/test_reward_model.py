@@ -12,11 +12,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from rlhf_lightning.algorithms import bradley_terry_loss
 from rlhf_lightning.data.modules import PreferenceDataModule
-from rlhf_lightning.metrics import MeanStd, PairwiseAccuracy
 from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer
 from rlhf_lightning.models.shared_base import SharedBase, adapter_of
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
-from rlhf_lightning.reward_model import REWARD_STATS, RewardModel
+from rlhf_lightning.stages.reward_model import REWARD_STATS, RewardModel
+from rlhf_lightning.utils.metrics import MeanStd, PairwiseAccuracy
 from tests.conftest import built
 
 

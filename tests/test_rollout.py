@@ -9,9 +9,9 @@ import torch
 
 from rlhf_lightning.algorithms import token_rewards
 from rlhf_lightning.core.experience import Experience, ShapedRewards, sequence_kl
-from rlhf_lightning.ppo import CriticExperience
 from rlhf_lightning.rewards.inputs import close_responses, last_token_index
 from rlhf_lightning.rollout.settings import stopped, truncate_after_stop
+from rlhf_lightning.stages.ppo import CriticExperience
 
 STOP, PAD = 1, 0
 

@@ -15,7 +15,7 @@ import lightning as L
 import pytest
 
 from rlhf_lightning import SFT, SFTDataModule
-from rlhf_lightning.errors import TRACEBACK_ENV
+from rlhf_lightning.cli.errors import TRACEBACK_ENV
 from rlhf_lightning.models.spec import BaseModelSpec
 from tests.test_cli_errors import error_lines
 from tests.test_one_line_errors import one_line

@@ -11,7 +11,7 @@ from rlhf_lightning.data.collate import EncodedSFT, collate_sft
 from rlhf_lightning.data.modules import SFTDataModule
 from rlhf_lightning.models.shared_base import adapter_of, position_ids_from_mask
 from rlhf_lightning.models.spec import LoraSpec
-from rlhf_lightning.sft import SFT
+from rlhf_lightning.stages.sft import SFT
 from tests.conftest import built, tiny_spec
 
 

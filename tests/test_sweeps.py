@@ -28,7 +28,7 @@ from lightning.pytorch.callbacks import Checkpoint
 
 from rlhf_lightning.cli import RLHFCLI, main
 from rlhf_lightning.core.online import OnlineRL
-from rlhf_lightning.wandb_offline import read_config, read_history
+from rlhf_lightning.runs.wandb_offline import read_config, read_history
 
 REPO = Path(__file__).resolve().parents[1]
 SWEEP_FILES = sorted((REPO / "sweeps").glob("*.yaml"))

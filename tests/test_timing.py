@@ -7,7 +7,7 @@ from collections import Counter
 
 import lightning as L
 
-from rlhf_lightning.timing import PHASES, phase, record_phases
+from rlhf_lightning.utils.timing import PHASES, phase, record_phases
 from tests.test_dpo import make_dpo, pairs
 from tests.test_ppo import make_ppo, prompts
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from rlhf_lightning.loggers import WandbLogger
-from rlhf_lightning.wandb_offline import (
+from rlhf_lightning.cli.loggers import WandbLogger
+from rlhf_lightning.runs.wandb_offline import (
     BLOCK,
     _records,
     find_run_file,

@@ -5,7 +5,7 @@
 - ``fixtures``: what every side is given alike (the model folder, prompts, DPO's pairs, GRPO's reward);
 - ``sides``: what a side does first in its process (threads, seed, loading its models);
 - ``processes``: each side in a fresh process, alternating rounds, the result line;
-- ``measure``: memory, clocks and the phases our library marks (``rlhf_lightning.timing``);
+- ``measure``: memory, clocks and the phases our library marks (``rlhf_lightning.utils.timing``);
 - ``flops``: analytic FLOPs and this machine's matmul throughput;
 - ``tables``: the summaries and tables the scripts print;
 - ``profiler``: torch.profiler over one iteration.

@@ -1,6 +1,6 @@
 """Measuring a side: its memory (peak resident set, CUDA's allocator peak), wall clocks and our phases.
 
-Our side's iteration is split into the phases the library marks itself (``rlhf_lightning.timing``): a
+Our side's iteration is split into the phases the library marks itself (``rlhf_lightning.utils.timing``): a
 :class:`Stopwatch` collects them with :meth:`Stopwatch.recording_phases`, so no method is wrapped or named here.
 """
 
@@ -44,9 +44,9 @@ class Stopwatch:
 
     @contextlib.contextmanager
     def recording_phases(self) -> Iterator[None]:
-        """Inside the block, every phase the library marks (``rlhf_lightning.timing.PHASES``) adds its seconds to
+        """Inside the block, every phase the library marks (``rlhf_lightning.utils.timing.PHASES``) adds its seconds to
         the piece of its name, read with this watch's clock."""
-        from rlhf_lightning.timing import record_phases
+        from rlhf_lightning.utils.timing import record_phases
 
         with record_phases(self.add, clock=self.now):
             yield

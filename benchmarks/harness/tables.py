@@ -8,7 +8,7 @@ from typing import Any
 
 from .measure import GIB
 
-# The printed names of the library's phase markers (rlhf_lightning.timing.PHASES), where a marker's own name
+# The printed names of the library's phase markers (rlhf_lightning.utils.timing.PHASES), where a marker's own name
 # does not say which models the phase runs; the one place a printed phase name is chosen.
 PHASE_LABELS = {
     # the old log-probs are made here unless the update's first pass gives them (PolicyGradient.reuses_first_pass)
@@ -72,7 +72,7 @@ def print_iteration_table(summary: dict[str, dict[str, Any]], sides: Sequence[st
 
 def print_phases(heading: str, entry: dict[str, Any], other: str, digits: int = 2) -> None:
     """Where one of our iterations goes: ``heading``, then the median seconds of each phase the library marked
-    (``rlhf_lightning.timing.PHASES``, by name), then the rest of the iteration's seconds as ``other``."""
+    (``rlhf_lightning.utils.timing.PHASES``, by name), then the rest of the iteration's seconds as ``other``."""
     phases = entry.get("phases", {})
     print(f"\n{heading}:")
     for name in sorted(phases):

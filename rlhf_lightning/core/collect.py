@@ -25,9 +25,9 @@ from rlhf_lightning.rewards.inputs import RewardInputs, reward_inputs
 from rlhf_lightning.rewards.sources import RewardSource
 from rlhf_lightning.rollout.episodes import episode_statistics, transcript_text
 from rlhf_lightning.rollout.rollouts import Rollout, Rollouts
-from rlhf_lightning.timing import phase
 from rlhf_lightning.utils import checks
 from rlhf_lightning.utils.nonfinite import SKIP_HINT, NonFiniteError, listing, score_problems
+from rlhf_lightning.utils.timing import phase
 
 Stats = dict[str, Tensor]
 log = logging.getLogger(__name__)

@@ -14,10 +14,10 @@ from torch import Tensor
 
 from rlhf_lightning.core.policy import POLICY, PolicyModule
 from rlhf_lightning.models.shared_base import REFERENCE
-from rlhf_lightning.optim import Schedule
-from rlhf_lightning.timing import phase
 from rlhf_lightning.utils import checks
 from rlhf_lightning.utils.nonfinite import NonFinite
+from rlhf_lightning.utils.optim import Schedule
+from rlhf_lightning.utils.timing import phase
 
 
 class OfflinePreference(PolicyModule):

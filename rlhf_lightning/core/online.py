@@ -43,10 +43,10 @@ from rlhf_lightning.core.experience import Experience, ShapedRewards
 from rlhf_lightning.core.micro_batches import Extent, pack_by_tokens, split_to_count
 from rlhf_lightning.core.policy import POLICY
 from rlhf_lightning.models.sharding import full_tensor
-from rlhf_lightning.optim import Schedule
-from rlhf_lightning.timing import phase
 from rlhf_lightning.utils import checks
 from rlhf_lightning.utils.nonfinite import NonFinite
+from rlhf_lightning.utils.optim import Schedule
+from rlhf_lightning.utils.timing import phase
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class OnlineRL(ExperienceCollector):
     """The on-policy loop: collect, shape the rewards, the algorithm's hook, update, log.
 
     A new algorithm on it defines :meth:`prepare_update` and :meth:`loss` (see
-    :class:`~rlhf_lightning.online_dpo.OnlineDPO`); one with a policy-gradient loss subclasses
+    :class:`~rlhf_lightning.stages.online_dpo.OnlineDPO`); one with a policy-gradient loss subclasses
     :class:`~rlhf_lightning.core.policy_gradient.PolicyGradient` instead and defines its advantages.
 
     Args:

@@ -22,9 +22,8 @@ from torchmetrics import MeanMetric
 
 from rlhf_lightning.core.distributed import sharding_mesh
 from rlhf_lightning.core.experience import sequence_kl
-from rlhf_lightning.core.pass_at_k import PassAtK, answer_reader, pass_at_k_values
+from rlhf_lightning.core.held_out_pass_at_k import PassAtK, answer_reader, pass_at_k_values
 from rlhf_lightning.core.stage import StageModule
-from rlhf_lightning.metrics import reset_metrics
 from rlhf_lightning.models.logprobs import predicting_hidden_states, token_logprobs
 from rlhf_lightning.models.shared_base import REFERENCE, SharedBase, adapter_of
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
@@ -35,6 +34,7 @@ from rlhf_lightning.rollout.settings import SamplingSettings, VLLMSettings, stop
 from rlhf_lightning.rollout.vllm_engine import vllm_refusal
 from rlhf_lightning.utils import checks
 from rlhf_lightning.utils.checks import check_sampling
+from rlhf_lightning.utils.metrics import reset_metrics
 
 log = logging.getLogger(__name__)
 

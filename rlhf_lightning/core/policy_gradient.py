@@ -44,8 +44,8 @@ from rlhf_lightning.core.micro_batches import Extent
 from rlhf_lightning.core.online import OnlineRL
 from rlhf_lightning.core.policy import POLICY
 from rlhf_lightning.data.collate import IGNORE_INDEX
-from rlhf_lightning.timing import phase
 from rlhf_lightning.utils import checks
+from rlhf_lightning.utils.timing import phase
 
 
 class PolicyGradient(OnlineRL):

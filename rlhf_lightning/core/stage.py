@@ -19,10 +19,8 @@ from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer, positi
 from rlhf_lightning.models.sharding import build_sharded, local_tensor
 from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.models.spec import BaseModelSpec
-from rlhf_lightning.optim import Schedule, adamw, lr_lambda
-from rlhf_lightning.resume import CLASS_KEY, class_mismatch, class_path, saved_state_keys
-from rlhf_lightning.run_folder import export_path, refuse_overwrite, refuse_unwritable
-from rlhf_lightning.timing import phase
+from rlhf_lightning.runs.resume import CLASS_KEY, class_mismatch, class_path, saved_state_keys
+from rlhf_lightning.runs.run_folder import export_path, refuse_overwrite, refuse_unwritable
 from rlhf_lightning.utils.atomic_io import CheckpointError
 from rlhf_lightning.utils.nonfinite import (
     SKIP_HINT,
@@ -32,6 +30,8 @@ from rlhf_lightning.utils.nonfinite import (
     listing,
     nonfinite_names,
 )
+from rlhf_lightning.utils.optim import Schedule, adamw, lr_lambda
+from rlhf_lightning.utils.timing import phase
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ class StageModule(L.LightningModule):
         """Log where in the fit this validation is (subclasses log their metrics, then call this): the row's
         ``trainer/global_step`` is the optimizer steps so far (Lightning's logging step would be the count before the
         last step for a validation inside the epoch, and the iterations for the on-policy loop;
-        :class:`~rlhf_lightning.loggers.WandbLogger` writes this value instead), and the on-policy loop's rows get
+        :class:`~rlhf_lightning.cli.loggers.WandbLogger` writes this value instead), and the on-policy loop's rows get
         their x-axis ``<prefix>/iteration``, the iterations done."""
         if self._trainer is None or self.trainer.state.fn != "fit":
             return

@@ -4,7 +4,7 @@ judges, a process reward model, a reward server), what they read, and how their 
 from rlhf_lightning.rewards.combine import RewardSet
 from rlhf_lightning.rewards.inputs import RewardInputs, reward_inputs
 from rlhf_lightning.rewards.judge import JudgeReward
-from rlhf_lightning.rewards.process import ProcessReward
+from rlhf_lightning.rewards.process_reward import ProcessReward
 from rlhf_lightning.rewards.remote import RemoteReward
 from rlhf_lightning.rewards.sources import AdapterReward, FunctionReward, ModelReward, RewardSource
 

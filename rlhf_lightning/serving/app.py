@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from rlhf_lightning.errors import error_message, user_error
+from rlhf_lightning.cli.errors import error_message, user_error
 from rlhf_lightning.rewards.remote_protocol import encode_score
 from rlhf_lightning.serving.batching import Batcher
 from rlhf_lightning.serving.scoring import RewardService

@@ -369,7 +369,7 @@ def log_summary(args: argparse.Namespace, kl_png: Path, compute_png: Path, rows:
     """A ``summary`` run in the study's W&B group: both figures as images and both tables."""
     import wandb
 
-    from rlhf_lightning.loggers import WandbLogger
+    from rlhf_lightning.cli.loggers import WandbLogger
 
     logger = WandbLogger(save_dir=args.out, group=args.group, name="summary", tags=["family"])
     columns = ["method", *[f"gold gain at KL {kl:g}" for kl in args.kls], "peak gain", "peak KL"]

@@ -114,7 +114,7 @@ def log_summary_to_wandb(args: argparse.Namespace, group: str, png: Path, summar
     """A ``summary`` run in the study's W&B group: the figure, the points as tables, the fitted numbers."""
     import wandb
 
-    from rlhf_lightning.loggers import WandbLogger
+    from rlhf_lightning.cli.loggers import WandbLogger
 
     logger = WandbLogger(save_dir=args.out, group=group, name="summary", tags=["overoptimisation"])
     rows = [[run.kl_coef, kind, p.iteration, p.kl, p.d, p.gold, p.proxy]

@@ -23,8 +23,8 @@ from rlhf_lightning.algorithms.kto import (
 )
 from rlhf_lightning.core.offline import OfflinePreference
 from rlhf_lightning.core.policy import POLICY, PolicyModule
-from rlhf_lightning.timing import phase
 from rlhf_lightning.utils import checks
+from rlhf_lightning.utils.timing import phase
 
 log = logging.getLogger(__name__)
 

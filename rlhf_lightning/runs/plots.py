@@ -14,7 +14,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
-from rlhf_lightning.wandb_offline import has_history, read_config, read_history
+from rlhf_lightning.runs.wandb_offline import has_history, read_config, read_history
 
 # What a panel shows first, by metric name after ``<prefix>/`` (``val/<name>`` beside its training counterpart).
 PREFERRED = ("gold", "score", "kl", "loss", "accuracy", "gold_accuracy", "perplexity", "length", "eos_frac",

@@ -15,7 +15,7 @@ import sys
 import warnings
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent
+PACKAGE = Path(__file__).resolve().parents[1]
 LIBRARIES = r"(transformers|lightning|lightning_fabric|pytorch_lightning|torch|torchmetrics|jsonargparse|wandb|peft|" \
             r"datasets|huggingface_hub|tokenizers)(\.|$)"
 TIP = "💡 Tip:"

@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from rlhf_lightning.errors import error_message, user_error, want_traceback
+from rlhf_lightning.cli.errors import error_message, user_error, want_traceback
 
 WAIT_SECONDS = 2.0  # for the other ranks' files: a shared file system may show them late
 POLL_SECONDS = 0.1

@@ -24,8 +24,8 @@ from rlhf_lightning.core.offline import OfflinePreference
 from rlhf_lightning.core.policy import POLICY, PolicyModule
 from rlhf_lightning.data.collate import EncodedPair
 from rlhf_lightning.models.shared_base import REFERENCE
-from rlhf_lightning.timing import phase
 from rlhf_lightning.utils import checks
+from rlhf_lightning.utils.timing import phase
 
 log = logging.getLogger(__name__)
 

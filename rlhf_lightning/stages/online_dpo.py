@@ -24,8 +24,8 @@ from rlhf_lightning.core.collect import Stats
 from rlhf_lightning.core.experience import Experience, ShapedRewards
 from rlhf_lightning.core.online import OnlineRL
 from rlhf_lightning.core.policy import POLICY
-from rlhf_lightning.timing import phase
 from rlhf_lightning.utils import checks
+from rlhf_lightning.utils.timing import phase
 
 
 @dataclass(frozen=True)

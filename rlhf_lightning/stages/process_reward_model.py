@@ -20,13 +20,13 @@ from torchmetrics.classification import BinaryAUROC, BinaryF1Score
 from rlhf_lightning.core.stage import SupervisedStage
 from rlhf_lightning.data.collate import IGNORE_INDEX
 from rlhf_lightning.data.tokenize import separator_token_id
-from rlhf_lightning.metrics import MeanStd, reset_metrics
 from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
-from rlhf_lightning.optim import Schedule
-from rlhf_lightning.rewards.process import PRM_CONFIG, PRM_ROLE
+from rlhf_lightning.rewards.process_reward import PRM_CONFIG, PRM_ROLE
 from rlhf_lightning.utils import checks
+from rlhf_lightning.utils.metrics import MeanStd, reset_metrics
 from rlhf_lightning.utils.nonfinite import NonFinite
+from rlhf_lightning.utils.optim import Schedule
 
 
 class ProcessRewardModel(SupervisedStage):
@@ -35,7 +35,7 @@ class ProcessRewardModel(SupervisedStage):
 
     At the end of ``fit`` the adapter is written to ``export_dir/prm`` in peft format with ``head.safetensors``,
     the base's fingerprint and ``prm_config.json`` (the separator), which
-    :class:`~rlhf_lightning.rewards.process.ProcessReward` loads onto the policy's base.
+    :class:`~rlhf_lightning.rewards.process_reward.ProcessReward` loads onto the policy's base.
 
     Args:
         base: the frozen base, normally the SFT model whose responses the PRM will score.

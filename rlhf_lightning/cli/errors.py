@@ -21,11 +21,13 @@ from types import TracebackType
 
 import yaml
 
+from rlhf_lightning.utils.moved_modules import moved_module
+
 TRACEBACK_ENV = "RLHF_LIGHTNING_TRACEBACK"
 # What a `raise` of ours throws for the user (NonFiniteError is a FloatingPointError; a module used before its model
 # is built raises RuntimeError); an AssertionError or a library's error keeps its traceback.
 USER_ERRORS = (ValueError, TypeError, OSError, KeyError, FloatingPointError, RuntimeError)
-PACKAGE = Path(__file__).resolve().parent
+PACKAGE = Path(__file__).resolve().parents[1]
 RAISE = re.compile(r"\braise\b")
 
 
@@ -141,8 +143,6 @@ MOVED = {
     "cispo_max_weight": ("policy_loss", "policy_loss: CISPO with policy_loss.max_weight"),
     "cispo_min_weight": ("policy_loss", "policy_loss: CISPO with policy_loss.min_weight"),
 }
-# Modules that moved: an old class_path's module -> its new one.
-MOVED_MODULES = {"rlhf_lightning.episodes": "rlhf_lightning.environments"}
 
 
 UNRECOGNIZED = re.compile(r"^unrecognized arguments: (\S+)")
@@ -214,11 +214,6 @@ def callable_class_problem(key: str, given: str, problem: str) -> str:
     return f"{key}.class_path {given}: {problem}"
 
 
-def moved_module(module: str) -> str | None:
-    """The module that ``module`` (or the package it is in) moved to, or None."""
-    return next((new for old, new in MOVED_MODULES.items() if module == old or module.startswith(old + ".")), None)
-
-
 def unknown_class(key: str, given: str) -> str:
     """The one line for ``key`` given ``given``, a name that imports no class: a module that moved, a policy loss
     by an old name, or where classes of one's own must be."""
@@ -277,7 +272,7 @@ def accepted_arguments(class_path: str) -> list[str]:
     it passes ``**kwargs`` up, less those it fixes itself in that call (online DPO's ``samples_per_prompt``)."""
     from jsonargparse import ArgumentParser
 
-    from rlhf_lightning.resume import import_class
+    from rlhf_lightning.runs.resume import import_class
 
     cls = import_class(class_path)
     if cls is None:

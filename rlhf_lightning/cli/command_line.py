@@ -23,8 +23,7 @@ from rlhf_lightning.callbacks.progress import default_progress_bar
 from rlhf_lightning.callbacks.progress_lines import ProgressLines
 from rlhf_lightning.callbacks.run_report import RunReport, shown_path
 from rlhf_lightning.callbacks.validate_at_start import ValidateAtStart
-from rlhf_lightning.core.distributed import check_parallel_sizes
-from rlhf_lightning.errors import (
+from rlhf_lightning.cli.errors import (
     condense_parser_error,
     config_file_problem,
     config_files,
@@ -33,13 +32,14 @@ from rlhf_lightning.errors import (
     user_error,
     want_traceback,
 )
-from rlhf_lightning.loggers import WandbLogger
-from rlhf_lightning.model_card import write_model_card
-from rlhf_lightning.plots import main as plot_main
-from rlhf_lightning.plots import plot_run
-from rlhf_lightning.quiet import quiet_libraries
-from rlhf_lightning.rank_failures import rank_failures_reported
-from rlhf_lightning.resume import (
+from rlhf_lightning.cli.loggers import WandbLogger
+from rlhf_lightning.cli.model_card import write_model_card
+from rlhf_lightning.cli.quiet import quiet_libraries
+from rlhf_lightning.cli.rank_failures import rank_failures_reported
+from rlhf_lightning.core.distributed import check_parallel_sizes
+from rlhf_lightning.runs.plots import main as plot_main
+from rlhf_lightning.runs.plots import plot_run
+from rlhf_lightning.runs.resume import (
     class_mismatch,
     differences_warning,
     hparam_differences,
@@ -47,7 +47,7 @@ from rlhf_lightning.resume import (
     load_for_comparison,
     saved_class_of,
 )
-from rlhf_lightning.run_folder import export_path, refuse_overwrite, refuse_unwritable
+from rlhf_lightning.runs.run_folder import export_path, refuse_overwrite, refuse_unwritable
 from rlhf_lightning.utils.atomic_io import CheckpointError
 
 # `ckpt_path` values that Lightning resolves itself rather than naming a file.
@@ -101,7 +101,7 @@ class RLHFCLI(LightningCLI):
     """LightningCLI for every stage: ``model`` and ``data`` are chosen by ``class_path`` in the config.
 
     Unlike LightningCLI, ``--ckpt_path`` never replaces the config's model arguments with the checkpoint's
-    (see :mod:`rlhf_lightning.resume`): a checkpoint of another module class is refused, and differences are
+    (see :mod:`rlhf_lightning.runs.resume`): a checkpoint of another module class is refused, and differences are
     listed in a warning. ``--ckpt_path last`` resolves to a complete checkpoint (see
     :class:`rlhf_lightning.callbacks.Checkpoint`) before anything is compared or loaded.
     """
@@ -115,7 +115,7 @@ class RLHFCLI(LightningCLI):
             subclass_mode_data=True,
             save_config_callback=LogConfigCallback,
             save_config_kwargs={"overwrite": True},
-            trainer_defaults={"logger": {"class_path": "rlhf_lightning.loggers.WandbLogger"}},
+            trainer_defaults={"logger": {"class_path": "rlhf_lightning.cli.loggers.WandbLogger"}},
             parser_class=OneLineArgumentParser,
             args=args,
             run=run,
@@ -247,7 +247,7 @@ def main(args: Sequence[str] | None = None) -> None:
             sys.exit(2)
     try:
         if argv[:1] == ["merge"]:
-            from rlhf_lightning.merge import main as merge_main
+            from rlhf_lightning.cli.merge_command import main as merge_main
 
             merge_main(argv[1:])
             return

@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 from lightning.pytorch.loggers import WandbLogger as LightningWandbLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
-from rlhf_lightning.wandb_offline import has_history, wait_until_finished
+from rlhf_lightning.runs.wandb_offline import has_history, wait_until_finished
 
 DEFAULT_HOST = "api.wandb.ai"
 GLOBAL_STEP = "trainer/global_step"  # the x-axis of every row, as Lightning's W&B logger names it

@@ -25,7 +25,7 @@ from rlhf_lightning.core.collect import Stats
 from rlhf_lightning.core.experience import Experience, ShapedRewards
 from rlhf_lightning.core.policy_gradient import PolicyGradient
 from rlhf_lightning.models.shared_base import SharedBase, position_ids_from_mask
-from rlhf_lightning.timing import phase
+from rlhf_lightning.utils.timing import phase
 
 TEACHER = "teacher"  # the teacher's role on the shared base, when it is an adapter
 

@@ -11,14 +11,14 @@ from torch import Tensor
 
 from rlhf_lightning.algorithms.preference import bradley_terry_loss
 from rlhf_lightning.core.stage import SupervisedStage
-from rlhf_lightning.metrics import MeanStd, PairwiseAccuracy, reset_metrics
 from rlhf_lightning.models.heads import ScalarHead
 from rlhf_lightning.models.sharding import full_tensor
 from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
-from rlhf_lightning.optim import Schedule
 from rlhf_lightning.utils import checks
+from rlhf_lightning.utils.metrics import MeanStd, PairwiseAccuracy, reset_metrics
 from rlhf_lightning.utils.nonfinite import NonFinite, check_finite_weights
+from rlhf_lightning.utils.optim import Schedule
 
 REWARD_ROLE = "reward"
 REWARD_STATS = "reward_stats.json"

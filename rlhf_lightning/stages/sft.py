@@ -12,12 +12,12 @@ from torchmetrics import MeanMetric
 
 from rlhf_lightning.core.stage import SupervisedStage
 from rlhf_lightning.data.collate import IGNORE_INDEX
-from rlhf_lightning.metrics import reset_metrics
 from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
-from rlhf_lightning.optim import Schedule
 from rlhf_lightning.utils import checks
+from rlhf_lightning.utils.metrics import reset_metrics
 from rlhf_lightning.utils.nonfinite import NonFinite
+from rlhf_lightning.utils.optim import Schedule
 
 SFT_ADAPTER = "sft"
 

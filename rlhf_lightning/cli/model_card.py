@@ -16,7 +16,7 @@ import lightning as L
 
 from rlhf_lightning.callbacks.progress_lines import held_out, metric_text
 from rlhf_lightning.callbacks.run_shape import batches_done
-from rlhf_lightning.resume import class_path
+from rlhf_lightning.runs.resume import class_path
 
 CARD = "README.md"
 

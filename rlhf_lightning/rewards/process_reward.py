@@ -1,6 +1,6 @@
 """A process reward model as a reward source: one score per step of each sampled response.
 
-The PRM stage's adapter (:class:`~rlhf_lightning.prm.ProcessRewardModel`) is loaded onto the policy's own base, as
+The PRM stage's adapter (:class:`~rlhf_lightning.stages.process_reward_model.ProcessRewardModel`) is loaded onto the policy's own base, as
 :class:`~rlhf_lightning.rewards.sources.AdapterReward` is. A response's steps end at its separator tokens, and its
 last step at its last token; each step's score is the PRM's probability that the step is right, read at the
 separator after it, exactly as the PRM was trained (the last step is read at a separator put after it, in place of

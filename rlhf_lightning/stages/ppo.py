@@ -31,8 +31,8 @@ from rlhf_lightning.core.policy_gradient import PolicyGradient
 from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.models.spec import LoraSpec
 from rlhf_lightning.rewards.sources import REWARD_ROLE, AdapterReward
-from rlhf_lightning.timing import phase
 from rlhf_lightning.utils import checks
+from rlhf_lightning.utils.timing import phase
 
 CRITIC = "critic"
 
