@@ -5,7 +5,7 @@
 
 The steps, in this order (``--steps`` picks some, e.g. the ones a first call had no time left for):
 
-1. ``cuda-tests``: ``pytest -m cuda tests/test_cuda.py``: one iteration of every algorithm in ``bf16-mixed`` and
+1. ``cuda-tests``: ``pytest -m cuda tests/contracts/test_cuda.py``: one iteration of every algorithm in ``bf16-mixed`` and
    ``bf16-true``, the compiled decode step against eager, FSDP2 with NCCL on one GPU, the fused ops against their
    plain twins;
 2. ``decoding-gpt2``, ``decoding-qwen2-0.5b``: ``benchmarks/decoding.py`` in bf16 on CUDA (``generate``, our eager
@@ -22,7 +22,7 @@ when a step failed, else 0.
 
 ``--dry-run`` needs no GPU and runs nothing: the CUDA tests are collected (``pytest --collect-only``; without CUDA
 their module is one skip), each benchmark's command line goes through that script's own parser (and its side
-names through its list of sides), and the plan is printed. ``tests/test_benchmarks.py`` runs it, so no command
+names through its list of sides), and the plan is printed. ``tests/contracts/test_benchmarks.py`` runs it, so no command
 here can rot.
 """
 
@@ -83,7 +83,7 @@ def plan(trl: str | None) -> list[Step]:
     grpo_sides = "ours,trl_lora,floor" if (trl or "").startswith("1.16.") else "ours,floor"
     ppo_sides = "ours,trl,trl_lora,floor" if (trl or "").startswith("1.12.") else "ours,floor"
     return [
-        Step("cuda-tests", ["-m", "pytest", "-m", "cuda", "tests/test_cuda.py", "-q", "-p", "no:cacheprovider"], 200),
+        Step("cuda-tests", ["-m", "pytest", "-m", "cuda", "tests/contracts/test_cuda.py", "-q", "-p", "no:cacheprovider"], 200),
         Step("decoding-gpt2", [*decoding, "--shape", "gpt2"], 50),
         Step("decoding-qwen2-0.5b", [*decoding, "--shape", "qwen2-0.5b"], 90),
         Step("grpo-gpt2", ["benchmarks/grpo_vs_trl.py", *online, "--prompts", "16", "--group-size", "8",

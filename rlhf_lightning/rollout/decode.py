@@ -9,7 +9,7 @@ prompt, each prompt is encoded once and its KV cache copied to its k rows instea
 
 The tokens are those ``generate`` draws with :func:`~rlhf_lightning.ops.sampling.sampling_processors` from the same
 uniform numbers (the same forward passes, warpers and draw), up to the rounding of kernels that differ with the
-batch or cache shape; ``tests/test_decode.py`` checks tokens and log-probs against ``generate``.
+batch or cache shape; ``tests/rollout/test_decode.py`` checks tokens and log-probs against ``generate``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,120 @@
+"""Policy losses are a registry of pure functions with typed argument groups: the shipped ones (Clip, CISPO) are the
+surrogate functions number for number, and a loss defined outside the package (SAPO, from its paper) is registered
+by defining it and trains a step when a config names it."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlhf_lightning.algorithms.policy_losses import CISPO, Clip, PolicyLoss
+from rlhf_lightning.algorithms.surrogate import cispo_surrogate, clipped_surrogate
+from rlhf_lightning.cli import main
+from tests.helpers.cli import logged_keys
+
+REPO = Path(__file__).resolve().parents[2]
+
+# SAPO (Gao et al. 2025, "Soft Adaptive Policy Optimization", Qwen): a soft gate f(r) = sigmoid(tau (r - 1)) * 4 / tau in
+# place of the clip, tau_pos for positive advantages and tau_neg (larger: faster decay) for the others; TRL 1.16's
+# loss_type="sapo" with its defaults 1.0 and 1.05.
+SAPO_MODULE = '''
+import torch
+
+from rlhf_lightning.algorithms.masked import masked_mean
+from rlhf_lightning.algorithms.policy_losses import LossOutput, PolicyLoss
+
+
+class SAPO(PolicyLoss):
+    """Soft Adaptive Policy Optimization: -sigmoid(tau (r - 1)) * 4 / tau * A.
+
+    Args:
+        temperature_positive: tau for tokens with a positive advantage.
+        temperature_negative: tau for the others.
+    """
+
+    def __init__(self, temperature_positive: float = 1.0, temperature_negative: float = 1.05) -> None:
+        self.temperature_positive = temperature_positive
+        self.temperature_negative = temperature_negative
+
+    def __call__(self, logprobs, old_logprobs, advantages, mask):
+        ratio = torch.exp(torch.where(mask, logprobs - old_logprobs, 0.0))
+        tau = torch.where(advantages > 0, self.temperature_positive, self.temperature_negative)
+        gate = torch.sigmoid(tau * (ratio - 1)) * 4 / tau
+        return LossOutput(-torch.where(mask, gate * advantages, 0.0), {"gate": masked_mean(gate.detach(), mask)})
+'''
+
+
+@pytest.fixture
+def sapo(tmp_path, monkeypatch):
+    (tmp_path / "my_losses.py").write_text(SAPO_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("my_losses", None)
+    import my_losses
+
+    yield my_losses.SAPO
+    sys.modules.pop("my_losses", None)
+    PolicyLoss.registry.pop("SAPO", None)
+
+
+def tokens(seed: int = 0) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(seed)
+    logprobs = -torch.rand(3, 5, generator=generator) * 2
+    old = logprobs + 0.3 * torch.randn(3, 5, generator=generator)
+    advantages = torch.randn(3, 1, generator=generator).expand(3, 5)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0]]).bool()
+    return logprobs.requires_grad_(), old, advantages, mask
+
+
+def test_clip_and_cispo_are_the_surrogate_functions_with_their_statistics():
+    logprobs, old, advantages, mask = tokens()
+    clip = Clip(clip_range=0.1, clip_range_high=0.3, ratio_level="sequence")
+    out = clip(logprobs, old, advantages, mask)
+    expected = clipped_surrogate(logprobs, old, advantages, mask, 0.1, 0.3, "sequence")
+    torch.testing.assert_close(out.per_token, expected.loss)
+    clipped = expected.clipped_low | expected.clipped_high
+    assert float(out.statistics["clipfrac"]) == pytest.approx(float(clipped[mask].float().mean()))
+    cispo = CISPO(max_weight=1.1, min_weight=0.9)
+    torch.testing.assert_close(cispo(logprobs, old, advantages, mask).per_token,
+                               cispo_surrogate(logprobs, old, advantages, mask, 1.1, 0.9).loss)
+    assert clip.ratio_level == "sequence" and CISPO().ratio_level == "token"
+    assert {"Clip", "CISPO"} <= set(PolicyLoss.registry) and PolicyLoss.registry["CISPO"] is CISPO
+    assert Clip(0.2) == Clip(0.2) != Clip(0.3) and repr(Clip(0.2)).startswith("Clip(clip_range=0.2")
+
+
+def test_a_loss_from_outside_the_package_is_registered_and_is_the_papers_formula(sapo):
+    assert PolicyLoss.registry["SAPO"] is sapo  # defining the class registered it
+    logprobs, old, advantages, mask = tokens(1)
+    out = sapo()(logprobs, old, advantages, mask)
+    ratio = torch.exp(logprobs.detach() - old)
+    for row in range(3):  # the paper's gate, written out token by token
+        for t in range(5):
+            if not mask[row, t]:
+                assert out.per_token[row, t] == 0
+                continue
+            tau = 1.0 if advantages[row, t] > 0 else 1.05
+            gate = 4 / tau / (1 + torch.exp(-tau * (ratio[row, t] - 1)))
+            torch.testing.assert_close(out.per_token[row, t].detach(), -gate * advantages[row, t])
+    # On-policy (ratio 1) its gradient is the policy gradient's, -A grad log pi: sigmoid'(0) * 4 = 1.
+    on_policy = sapo()(logprobs, logprobs.detach(), advantages, mask).per_token.sum()
+    (gradient,) = torch.autograd.grad(on_policy, logprobs)
+    torch.testing.assert_close(gradient, torch.where(mask, -advantages, 0.0))
+
+
+def test_a_config_names_the_loss_and_a_step_trains_with_it(sapo, tiny_model_dir, reward_dir, tmp_path):
+    config = tmp_path / "sapo.yaml"
+    config.write_text("model:\n  init_args:\n    policy_loss:\n      class_path: my_losses.SAPO\n"
+                      "      init_args: {temperature_negative: 2.0}\n")
+    main(["fit", "--config", str(REPO / "configs" / "grpo.yaml"), "--config", str(config),
+          f"--model.init_args.base.name_or_path={tiny_model_dir}",
+          f"--model.init_args.reward.init_args.path={reward_dir}", "--model.init_args.policy_lora={r: 4, alpha: 8}",
+          "--model.init_args.max_new_tokens=4", "--data.init_args.synthetic_rows=24", "--data.init_args.batch_size=2",
+          "--trainer.limit_train_batches=1", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
+          "--trainer.default_root_dir=sapo"])
+    expected = {"grpo/policy/gate", "grpo/loss/policy", "grpo/grad_norm"}
+    keys = logged_keys(tmp_path / "sapo", expected)
+    assert expected <= keys and "grpo/policy/clipfrac" not in keys
+    saved = (tmp_path / "sapo" / "config.yaml").read_text()
+    assert "my_losses.SAPO" in saved and "temperature_negative: 2.0" in saved  # the run's config records it

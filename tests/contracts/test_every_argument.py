@@ -1,0 +1,110 @@
+"""Every argument of every module and data module, given a bad value the way a user types it on the command line,
+stops with one line naming it, or is a value the argument does take (the list below says why). Constructing a
+module reads no weights, so this runs the real command line's parsing and construction for each case in well
+under a second."""
+
+from __future__ import annotations
+
+import inspect
+import typing
+from pathlib import Path
+
+import pytest
+
+from rlhf_lightning import (
+    DPO,
+    GRPO,
+    KTO,
+    PPO,
+    RLOO,
+    SFT,
+    OnlineDPO,
+    PreferenceDataModule,
+    ProcessRewardModel,
+    PromptDataModule,
+    REINFORCEPlusPlus,
+    RewardModel,
+    SFTDataModule,
+    StepwiseDataModule,
+    UnpairedPreferenceDataModule,
+)
+from rlhf_lightning.cli import RLHFCLI
+from rlhf_lightning.cli.errors import accepted_arguments, user_error
+from rlhf_lightning.core.held_out_pass_at_k import PassAtK
+from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = {SFT: "sft.yaml", RewardModel: "reward.yaml", PPO: "ppo.yaml", GRPO: "grpo.yaml", RLOO: "rloo.yaml",
+           REINFORCEPlusPlus: "reinforce_pp.yaml", DPO: "dpo.yaml", KTO: "kto.yaml", OnlineDPO: "online_dpo.yaml",
+           ProcessRewardModel: "arithmetic_prm.yaml"}
+DATA = {SFTDataModule: "sft.yaml", PreferenceDataModule: "reward.yaml", PromptDataModule: "grpo.yaml",
+        UnpairedPreferenceDataModule: "kto.yaml", StepwiseDataModule: "arithmetic_prm.yaml"}
+# (argument, value) pairs that are valid although they look odd, and why.
+VALID = {
+    ("seed", "-1"): "any integer seeds the sampler",
+}
+
+
+def bad_values(annotation) -> list[str]:
+    """What a user mistypes for an argument of this type."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation in (int, float) or (origin in (typing.Union, type(int | None)) and {int, float} & set(args)):
+        return ["-1", "nan", "abc"]
+    if origin is typing.Literal:
+        return ["bogus"]
+    if annotation is bool:
+        return ["maybe"]
+    if annotation is LoraSpec or LoraSpec in args:
+        return ["{r: 0}", "{alpha: -2}", "{bias: some}"]
+    if annotation is BaseModelSpec:
+        return ["{dtype: float8}"]
+    if annotation is PassAtK:
+        return ["{samples: 0}", "{samples: 4, k: [8]}", "{correct_at: nan}"]
+    return []
+
+
+def cases() -> list[tuple[type, str, str, str]]:
+    found = []
+    for cls, config in [*CONFIGS.items(), *DATA.items()]:
+        hints = {}
+        for klass in reversed(cls.__mro__):
+            init = klass.__dict__.get("__init__")
+            if init is not None:
+                hints.update(typing.get_type_hints(init))
+        for name in accepted_arguments(f"{cls.__module__}.{cls.__qualname__}"):
+            for value in bad_values(hints.get(name, inspect.Parameter.empty)):
+                found.append((cls, config, name, value))
+    return found
+
+
+def outcome(cls: type, config: str, name: str, value: str) -> tuple[str, str]:
+    """``("parse", line)``: the parser refused it; ``("constructor", line)``: our check; ``("accepted", "")``."""
+    group = "data" if cls in DATA else "model"
+    arguments = ["--config", str(REPO / "configs" / config), f"--{group}.class_path={cls.__module__}.{cls.__qualname__}",
+                 f"--{group}.init_args.{name}={value}", "--trainer.logger=false"]
+    try:
+        RLHFCLI(args=arguments, run=False)
+    except SystemExit as exit_info:
+        return "parse", str(exit_info.code)
+    except Exception as error:  # noqa: BLE001 - what the command line's handler would make of it
+        ours = user_error(error)
+        if ours is None:
+            raise
+        return "constructor", str(ours)
+    return "accepted", ""
+
+
+@pytest.mark.parametrize("cls, config, name, value", cases(),
+                         ids=lambda item: item.__name__ if isinstance(item, type) else str(item))
+def test_a_bad_value_of_every_argument_is_refused_in_one_line(capsys, cls, config, name, value):
+    kind, message = outcome(cls, config, name, value)
+    if kind == "accepted":
+        assert VALID.get((name, value)), f"{cls.__name__}.{name}={value} was accepted silently"
+        return
+    if kind == "parse":
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.startswith("error:")]
+        assert message == "2" and len(lines) == 1 and "Traceback" not in err, err[-2000:]
+        assert name in lines[0] or "init_args" in lines[0], lines[0]
+    else:
+        assert "\n" not in message and (name in message or name.replace("_", " ") in message), message

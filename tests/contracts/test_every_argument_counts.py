@@ -1,0 +1,482 @@
+"""No argument is silently ignored: every argument of every module (the on-policy family, DPO, KTO, SFT, the reward
+model), set to a value other than its default, changes what the module does, or is refused in one line.
+
+Each argument has a row in :data:`CASES`: the value, the setting it needs to matter in (a KL coefficient for the KL
+estimator, a rollout correction for its bounds, a moved policy for the clip ranges, an environment for the episode
+bounds) and what shows the change: the rollout and its loss terms (``rollout``), one iteration or step of training
+and, for the offline stages, one validation batch with its samples (``fit``: the trained weights, the logged
+metrics, the KL coefficient, the files written, the phases run), or a named observation for
+the settings that by design change no number (which engine samples, how many micro-batches, how many backward
+passes). A module argument without a row fails the test: a new argument must say how it takes effect.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import shutil
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+
+import rlhf_lightning as rl
+from rlhf_lightning.algorithms.policy_losses import CISPO, Clip
+from rlhf_lightning.cli.errors import accepted_arguments
+from rlhf_lightning.core.held_out_pass_at_k import PassAtK
+from rlhf_lightning.environments import Environment, Step, ToolEnvironment
+from rlhf_lightning.models.fingerprint import BASE_RECORD
+from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
+from rlhf_lightning.tasks.calculator import correct_answer
+from rlhf_lightning.tasks.synthetic import gold_rewards
+from rlhf_lightning.utils.timing import record_phases
+from tests.helpers.models import LORA, built, make_likely
+
+ONLINE = [rl.GRPO, rl.RLOO, rl.REINFORCEPlusPlus, rl.PPO, rl.OnPolicyDistillation, rl.OnlineDPO]
+OFFLINE = [rl.DPO, rl.KTO, rl.SFT, rl.RewardModel]
+MODULES = ONLINE + OFFLINE
+# Documented as taking effect only where a single process cannot show it; the named test shows it there.
+ELSEWHERE = {
+    "sharded_rollout": "only under FSDP2 (ignored without sharding, as documented): tests/contracts/test_distributed_equivalence.py runs "
+                       "GRPO with per_layer and checks it equals one process",
+    "vllm": "only with decoding: vllm (ignored by the other engines, as documented), which needs vLLM: "
+            "tests/rollout/test_vllm_engine.py trains every online algorithm on it with vllm.kv_cache_gib set",
+    "export_format": "only in the files of the export: tests/rewards/test_judge.py::"
+                     "test_the_sft_stage_exports_a_judge_adapter_for_the_same_base reads the adapter it writes",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """An argument's non-default ``value``, the ``setting`` (other arguments, and flags: ``perturb`` the adapters
+    before the rollout, ``moved``: after it, ``stale`` sampler log-probs, a ``ptx`` batch, ``calculator`` prompts,
+    ``groups`` of 2 responses per prompt)
+    it needs, and what shows its effect."""
+
+    value: Any
+    setting: tuple[tuple[str, Any], ...] = ()
+    shows: str = "rollout"  # rollout | fit | refused | the name of an OBSERVATIONS entry
+
+
+def case(value: Any, shows: str = "rollout", **setting: Any) -> Case:
+    return Case(value, tuple(setting.items()), shows)
+
+
+class Feedback(Environment):
+    """Answers every turn and never ends an episode: only ``max_turns`` and ``max_episode_tokens`` do."""
+
+    def step(self, messages):
+        return Step([{"role": "user", "content": "try again"}], reward=0.25)
+
+
+KL = {"kl_coef": 0.5, "perturb": True}
+MOVED = {"moved": True, "perturb": True, "epochs": 2}  # the update's policy is not the sampler's: ratios away from 1
+EPISODES = {"calculator": True, "environment": Feedback}
+CASES: dict[str, Case] = {
+    # the policy, its sampling and its base
+    "base": case("other base"),
+    "policy_lora": case(LoraSpec(r=2, alpha=8), "fit"),
+    "max_new_tokens": case(3),
+    "temperature": case(0.7),
+    "top_k": case(5, "refused"),
+    "top_p": case(0.9, "refused"),
+    "kv_cache": case("dynamic", "engine"),
+    "decoding": case("generate", "engine"),
+    "stop_token": case(None),
+    "logprob_chunk": case(2, "saved_for_backward"),
+    "seed": case(1, "fit"),
+    "seed_scope": case("prompt"),
+    "gold_reward": case(gold_rewards),
+    "export_dir": case("adapters", "fit"),
+    "pass_at_k": case(PassAtK(samples=2), "validation", gold_reward=gold_rewards),
+    # collection
+    "reward": case(rl.FunctionReward(gold_rewards)),
+    "reward_weights": case([2.0]),
+    "samples_per_prompt": case(4),
+    "missing_eos_penalty": case(1.0),
+    "reward_normalize": case(True),
+    "reward_clip": case(0.01),
+    "environment": case(lambda: ToolEnvironment(["rlhf_lightning.tasks.calculator.add"]), calculator=True),
+    "max_turns": case(2, **EPISODES),
+    "max_episode_tokens": case(12, **EPISODES),
+    "share_prompt": case(False, "decoded_tokens", groups=True),  # the same numbers, each prompt read twice
+    # the loop's update
+    "epochs": case(2, "fit"),
+    "num_minibatches": case(2, "fit"),
+    "gradient_accumulation": case(2, "micro_batches"),
+    "micro_batch_tokens": case(8, "micro_batches"),  # every row (or pair) is longer: a micro-batch each
+    "target_kl": case(1e-9, "fit", epochs=2),
+    "max_grad_norm": case(1e-4, "fit"),
+    "policy_lr": case(1e-2, "fit"),
+    "adam_eps": case(0.1, "fit"),
+    "weight_decay": case(0.5, "fit"),
+    "warmup_iterations": case(1, "fit"),
+    "lr_schedule": case("linear", "fit"),
+    "nonfinite": case("skip", "nonfinite"),
+    # the policy-gradient loss, its KL penalty and corrections
+    "policy_loss": case(CISPO(max_weight=1.01), **MOVED),
+    "policy_loss.clip_range": case(Clip(clip_range=0.01), **MOVED),
+    "policy_loss.clip_range_high": case(Clip(clip_range_high=0.5), **MOVED),
+    "policy_loss.ratio_level": case(Clip(ratio_level="sequence"), **MOVED),
+    "policy_loss.max_weight": case(CISPO(max_weight=1.01), **MOVED, policy_loss=CISPO()),
+    "policy_loss.min_weight": case(CISPO(min_weight=0.99), **MOVED, policy_loss=CISPO()),
+    "loss_aggregation": case("sequence_mean"),
+    "mask_truncated_completions": case(True),
+    "kl_coef": case(0.5, perturb=True),
+    "kl_estimator": case("k2", **KL),
+    "kl_clamp": case(1e-3, **KL),
+    "kl_in": case("swap", **KL),
+    "kl_ratio_weighting": case(False, kl_in="loss", **{**KL, **MOVED}),
+    "kl_target": case(1.0, "fit", kl_coef=0.1, perturb=True),
+    "kl_horizon": case(100, "fit", kl_coef=0.1, kl_target=1.0, perturb=True),
+    "ent_coef": case(0.1),
+    "ptx_coef": case(0.5, ptx=True),
+    "rollout_correction": case("token_truncate", stale=True),
+    "rollout_correction_min": case(2.0, stale=True, rollout_correction="token_truncate"),
+    "rollout_correction_max": case(1.1, stale=True, rollout_correction="token_truncate"),
+    # the algorithms' own
+    "scale_rewards": case("none"),
+    "std_eps": case(0.5),
+    "whiten_advantages": case("swap"),
+    "baseline": case("group", samples_per_prompt=2),
+    "gamma": case(0.5),
+    "critic_lora": case(LoraSpec(r=2, alpha=8), "fit"),
+    "critic_from_reward": case(True),
+    "clip_range_value": case(0.01, **MOVED),
+    "vf_coef": case(0.5),
+    "whiten_rewards": case(True),
+    "lam": case(0.5),
+    "critic_lr": case(1e-2, "fit"),
+    "backward": case("joint", "backward_passes"),
+    "teacher": case("other teacher"),
+    "teacher_dtype": case("bfloat16", teacher="model"),
+    "reward_coef": case(0.5),
+    "beta": case(0.5, perturb=True),
+    "loss_type": case("ipo", perturb=True),
+    "label_smoothing": case(0.2, perturb=True),
+    "simpo_gamma": case(1.0, perturb=True, loss_type="simpo"),
+}
+
+
+# The offline stages sample only to evaluate: what their sampling arguments change shows in a validation batch, and
+# every other argument in a training step.
+OFFLINE_CASES: dict[str, Case] = {
+    **{name: dataclasses.replace(CASES[name], shows="fit") for name in (
+        "max_new_tokens", "temperature", "stop_token", "seed", "seed_scope", "gold_reward", "base", "policy_lora",
+        "export_dir", "nonfinite", "kv_cache", "decoding", "weight_decay", "adam_eps")},
+    "pass_at_k": dataclasses.replace(CASES["pass_at_k"], shows="fit"),
+    "nonfinite": CASES["nonfinite"], "kv_cache": CASES["kv_cache"], "decoding": CASES["decoding"],
+    "logprob_chunk": CASES["logprob_chunk"],
+    "top_k": case(5, "fit"),
+    "top_p": case(0.5, "fit"),
+    "lora": case("swap lora", "fit"),
+    "lr": case(1e-2, "fit"),
+    "warmup_steps": case(1, "fit"),
+    "lr_schedule": case("swap schedule", "fit"),
+    "beta": case(0.5, "fit"),
+    "loss_type": case("swap loss", "fit", perturb=True),  # KTO's losses part once its reference point is not 0
+    "label_smoothing": case(0.2, "fit"),
+    "simpo_gamma": case(1.0, "fit", loss_type="simpo"),
+    "rpo_alpha": case(0.5, "fit"),
+    "precompute_reference": case(True, "fit"),
+    "sample_eval_batches": case(0, "fit"),
+    "desirable_weight": case(2.0, "fit"),
+    "undesirable_weight": case(2.0, "fit"),
+    "center_coef": case(0.5, "fit"),
+}
+# the other choice than the module's default
+SWAPS: dict[str, Callable[[Any], Any]] = {
+    "swap": lambda default: {"reward": "loss", "loss": "reward", True: False, False: True}[default],
+    "swap lora": lambda default: LoraSpec(r=4, alpha=8) if default is None else LoraSpec(r=2, alpha=8),
+    "swap schedule": lambda default: "linear" if default == "constant" else "constant",
+    "swap loss": lambda default: {"sigmoid": "ipo", "kto": "apo_zero_unpaired"}[default],
+}
+
+
+# ---- running a module ---------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def models(tiny_model_dir, reward_dir, calculator_model_dir, tmp_path_factory) -> dict[str, Path]:  # noqa: F811
+    """The base (the tiny GPT-2 with its EOS made likely, so that responses stop at varied lengths), a second base, the
+    reward adapter, a second adapter (another teacher) and the calculator's model."""
+    from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer
+    from rlhf_lightning.models.shared_base import SharedBase
+
+    spec = BaseModelSpec(name_or_path=str(tiny_model_dir))
+    tokenizer = load_tokenizer(spec)
+    folders = {}
+    for name, seed in (("base", None), ("other base", 7)):
+        model = load_causal_lm(spec, tokenizer)
+        with torch.no_grad():
+            if seed is not None:
+                torch.manual_seed(seed)
+                for parameter in model.parameters():
+                    parameter.add_(0.05 * torch.randn_like(parameter))
+            make_likely(model, tokenizer.eos_token_id, 2.0, len(tokenizer), 12)  # about half stop in 6 tokens
+        folders[name] = tmp_path_factory.mktemp(name.replace(" ", "-"))
+        model.save_pretrained(folders[name])
+        tokenizer.save_pretrained(folders[name])
+    base = SharedBase(load_causal_lm(spec, tokenizer))
+    base.add_adapter("teacher", LORA)
+    torch.manual_seed(8)
+    with torch.no_grad():
+        for name, parameter in base.model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.5)
+    teacher = base.save_adapter("teacher", tmp_path_factory.mktemp("teacher"))
+
+    def unrecorded(adapter: Path) -> Path:
+        """A copy of ``adapter`` without the record of its base's weights: these adapters were trained on the tiny
+        base and serve the bases above on purpose (as an older export, they get the path check only)."""
+        copy = tmp_path_factory.mktemp(f"unrecorded-{adapter.name}") / adapter.name
+        shutil.copytree(adapter, copy)
+        (copy / BASE_RECORD).unlink(missing_ok=True)
+        return copy
+
+    reward = unrecorded(reward_dir)
+    return {**folders, "reward": reward, "teacher": reward, "other teacher": unrecorded(teacher),
+            "calculator": calculator_model_dir}
+
+
+def arguments(cls: type, models: dict[str, Path], setting: dict[str, Any]) -> dict[str, Any]:
+    """The module's constructor arguments: small defaults for a fast run, then the ``setting``'s."""
+    calculator = setting.get("calculator", False)
+    kwargs: dict[str, Any] = {"base": BaseModelSpec(name_or_path=str(models["calculator" if calculator else "base"]))}
+    if cls in (rl.DPO, rl.KTO):
+        kwargs |= {"policy_lora": LORA, "max_new_tokens": 6, "lr": 1e-3}
+    elif cls in (rl.SFT, rl.RewardModel):
+        kwargs |= {"lr": 1e-3} if cls is rl.SFT else {"lora": LORA, "lr": 1e-3}
+    else:
+        kwargs |= {"reward": rl.FunctionReward(correct_answer) if calculator else rl.AdapterReward(str(models["reward"])),
+                   "policy_lora": LORA, "max_new_tokens": 6, "policy_lr": 1e-3}
+    if cls in (rl.GRPO, rl.RLOO) or (setting.get("groups") and cls is not rl.OnlineDPO):  # online DPO: pairs anyway
+        kwargs["samples_per_prompt"] = 2
+    if cls is rl.PPO:
+        kwargs |= {"critic_lora": LORA, "epochs": 1}
+    if cls is rl.OnPolicyDistillation:
+        kwargs["teacher"] = str(models["teacher"])
+    for name, value in setting.items():
+        if name in ("perturb", "moved", "stale", "ptx", "calculator", "groups"):
+            continue
+        if name == "teacher" and value == "model":
+            value = str(models["base"])
+        kwargs[name] = value
+    return kwargs
+
+
+def prompt_data(module, calculator: bool) -> rl.PromptDataModule:
+    """The stage's data: 4 prompts for the on-policy family; 4 training and 4 held-out examples otherwise."""
+    offline = {rl.DPO: rl.PreferenceDataModule, rl.RewardModel: rl.PreferenceDataModule, rl.KTO: rl.UnpairedPreferenceDataModule,
+               rl.SFT: rl.SFTDataModule}.get(type(module))
+    if offline is not None:
+        data = offline(synthetic_rows=8, batch_size=4, val_fraction=0.5, max_length=64)
+        data.tokenizer = module.tokenizer
+        data.setup("fit")
+        return data
+    data = rl.PromptDataModule(dataset="calculator" if calculator else "synthetic", synthetic_rows=4, batch_size=4,
+                            val_fraction=0.0)
+    data.tokenizer = module.tokenizer
+    data.setup("fit")
+    return data
+
+
+def perturb(module, seed: int) -> None:
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in module.model.model.named_parameters():
+            if "lora_B" in name and (".policy." in name or ".critic." in name):
+                parameter.normal_(0, 0.3)
+
+
+def rollout_values(module, setting: dict[str, Any]) -> dict[str, float]:
+    """The statistics and loss terms of one rollout (every value a float); for an offline stage, the loss terms of
+    one training batch."""
+    if type(module) in OFFLINE:
+        loss, values = module.batch_losses(next(iter(prompt_data(module, False).train_dataloader())), "train")
+        return {"loss": float(loss), **{name: float(value.float().sum()) for name, value in values.items()}}
+    if setting.get("perturb"):
+        perturb(module, 1)
+    data = prompt_data(module, setting.get("calculator", False))
+    torch.manual_seed(0)
+    experience, stats = module.rollout(next(iter(data.train_dataloader()["prompts"])))
+    if setting.get("moved"):
+        perturb(module, 2)  # the policy moves after sampling: ratios away from 1
+    if setting.get("stale"):  # a sampler whose log-probs disagree with the trainer's
+        experience = dataclasses.replace(experience, sampler_logprobs=experience.sampler_logprobs - 0.5)
+    ptx = None
+    if setting.get("ptx"):
+        ptx_data = rl.PromptDataModule(synthetic_rows=4, batch_size=4, val_fraction=0.0, ptx_dataset="synthetic",
+                                    ptx_batch_size=2)
+        ptx_data.tokenizer = module.tokenizer
+        ptx_data.setup("fit")
+        ptx = next(iter(ptx_data.train_dataloader()["ptx"]))
+    values = {**stats, **module.losses(experience, ptx)}
+    if experience.advantages is not None:
+        values["advantages"] = experience.advantages.float().abs().sum()
+    values["sequences"] = experience.input_ids.float().sum()
+    values["scores"] = experience.scores.sum()
+    return {name: float(value) for name, value in values.items()}
+
+
+def fit_values(module, setting: dict[str, Any], directory: Path) -> dict[str, Any]:
+    """One iteration of training: the trained weights, the logged metrics, the KL coefficient, the files written,
+    and how many times each phase ran."""
+    if setting.get("perturb"):
+        perturb(module, 1)
+    phases: Counter = Counter()
+    offline = type(module) in OFFLINE  # with a validation batch: what the offline stages sample shows there
+    trainer = L.Trainer(max_epochs=1, limit_train_batches=1, limit_val_batches=int(offline), logger=False,
+                        num_sanity_val_steps=0,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        default_root_dir=directory)
+    torch.manual_seed(0)
+    with record_phases(lambda name, seconds: phases.update([name])):
+        trainer.fit(module, datamodule=prompt_data(module, setting.get("calculator", False)))
+    trained = {name: round(float(p.detach().double().abs().sum()), 12) for name, p in module.named_parameters()
+               if p.requires_grad}
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if not TIMING.search(k)}
+    return {"weights": trained, "metrics": metrics,
+            "kl_coef": getattr(getattr(module, "kl_controller", None), "value", None), "phases": dict(phases),
+            "learning_rates": [group["lr"] for optimizer in trainer.optimizers for group in optimizer.param_groups],
+            "files": sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())}
+
+
+TIMING = re.compile(r"/(time|throughput)/")  # seconds differ from run to run: never evidence of an argument
+
+
+def engine(module, setting: dict[str, Any]) -> str:
+    return module.sampler.engine(module.model).name
+
+
+def saved_for_backward(module, setting: dict[str, Any]) -> int:
+    """Elements the loss of one rollout keeps for its backward pass (``logprob_chunk`` recomputes each chunk's
+    logits in the backward instead of keeping them)."""
+    saved = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tensor.numel())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        rollout_values(module, setting)
+    return sum(saved)
+
+
+def decoded_tokens(module, setting: dict[str, Any]) -> int:
+    """Token positions the base's decoder reads in one rollout and its loss (``share_prompt`` reads a group's prompt
+    once)."""
+    calls = []
+    embedding = module.model.hf_model.get_input_embeddings()
+    handle = embedding.register_forward_hook(lambda _module, args, _output: calls.append(args[0].numel()))
+    try:
+        rollout_values(module, setting)
+    finally:
+        handle.remove()
+    return sum(calls)
+
+
+def nonfinite(module, setting: dict[str, Any]) -> str:
+    """What a non-finite gradient does before an optimizer step: the run stops, or the step is skipped."""
+    for parameter in module.parameters():
+        if parameter.requires_grad:
+            parameter.grad = torch.full_like(parameter, float("nan"))
+            break
+    try:
+        return f"step taken: {module.guard_step('test')}, skipped {module.skipped_steps}"
+    except FloatingPointError as error:
+        return f"stopped: {type(error).__name__}"
+
+
+def validation(module, setting: dict[str, Any], directory: Path) -> dict[str, float]:
+    """The metrics of one validation batch of 4 held-out prompts (the on-policy family's fits validate nothing)."""
+    data = rl.PromptDataModule(synthetic_rows=8, batch_size=4, val_fraction=0.5)
+    data.tokenizer = module.tokenizer
+    data.setup("fit")
+    trainer = L.Trainer(limit_val_batches=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=directory)
+    trainer.validate(module, datamodule=data)
+    return {name: float(value) for name, value in trainer.callback_metrics.items()}
+
+
+OBSERVATIONS: dict[str, Callable[..., Any]] = {
+    "engine": engine, "saved_for_backward": saved_for_backward, "nonfinite": nonfinite, "decoded_tokens": decoded_tokens,
+    "micro_batches": lambda module, setting, directory: fit_values(module, setting, directory)["phases"],
+    "backward_passes": lambda module, setting, directory: fit_values(module, setting, directory)["phases"],
+    "validation": validation,
+}
+
+
+BASELINES: dict[tuple, Any] = {}  # what a module shows in a setting, before the argument is set: computed once
+
+
+def observe(cls: type, shows: str, models: dict[str, Path], setting: dict[str, Any], directory: Path,
+            baseline: bool = False) -> Any:
+    key = (cls, shows, tuple(sorted((name, repr(value)) for name, value in setting.items())))
+    if baseline and key in BASELINES:
+        return BASELINES[key]
+    result = observe_once(cls, shows, models, setting, directory)
+    if baseline:
+        BASELINES[key] = result
+    return result
+
+
+def observe_once(cls: type, shows: str, models: dict[str, Path], setting: dict[str, Any], directory: Path) -> Any:
+    torch.manual_seed(0)  # the adapters' and heads' initial weights: the same in every observation
+    module = built(cls(**arguments(cls, models, setting)))
+    if shows == "rollout":
+        return rollout_values(module, setting)
+    if shows == "fit":
+        return fit_values(module, setting, directory)
+    observation = OBSERVATIONS[shows]
+    return observation(module, setting, directory) if shows in ("micro_batches", "backward_passes", "validation") \
+        else observation(module, setting)
+
+
+def cases() -> list[tuple[type, str]]:
+    found = []
+    for cls in MODULES:
+        for name in accepted_arguments(f"{cls.__module__}.{cls.__qualname__}"):
+            found.append((cls, name))
+            if name == "policy_loss":
+                found += [(cls, key) for key in CASES if key.startswith("policy_loss.")]
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cls, name", cases(), ids=lambda item: getattr(item, "__name__", item))
+def test_every_argument_changes_the_run_or_is_refused(cls, name, models, tmp_path):
+    if name in ELSEWHERE:
+        print(f"{cls.__name__}.{name}: {ELSEWHERE[name]}")
+        return
+    table = OFFLINE_CASES if cls in OFFLINE else CASES
+    assert name in table, f"{cls.__name__}.{name} has no row in its table: say how the argument takes effect"
+    row = table[name]
+    setting = dict(row.setting)
+    argument = name.split(".")[0]
+    value = row.value
+    if isinstance(value, str) and value.startswith("swap"):
+        value = SWAPS[value](cls(**arguments(cls, models, setting)).hparams.get(argument))
+    elif value in ("other base", "other teacher"):
+        value = BaseModelSpec(name_or_path=str(models[value])) if argument == "base" else str(models[value])
+    if row.shows == "refused":
+        with pytest.raises(ValueError) as refusal:
+            cls(**arguments(cls, models, {**setting, argument: value}))
+        assert "\n" not in str(refusal.value) and argument in str(refusal.value)
+        return
+    before = observe(cls, row.shows, models, setting, tmp_path / "before", baseline=True)
+    after = observe(cls, row.shows, models, {**setting, argument: value}, tmp_path / "after")
+    print(f"{cls.__name__}.{name}={value!r}: {row.shows} differs")
+    assert before != after, f"{cls.__name__}.{name}={value!r} changed nothing ({row.shows}: {before})"
+
+
+@pytest.mark.parametrize("cls, shows", [(rl.GRPO, "rollout"), (rl.PPO, "fit"), (rl.DPO, "fit")],
+                         ids=lambda item: getattr(item, "__name__", item))
+def test_what_is_observed_repeats_exactly_when_no_argument_changes(cls, shows, models, tmp_path):
+    """The premise of every case above: two runs with the same arguments show the same thing, so a difference is
+    the argument's."""
+    assert observe_once(cls, shows, models, {}, tmp_path / "first") == observe_once(cls, shows, models, {},
+                                                                                    tmp_path / "second")

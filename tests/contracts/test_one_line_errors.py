@@ -1,0 +1,198 @@
+"""Every mistake a user makes ends in one line that names what is wrong and what to do, never a traceback from
+inside torch or the parser's union report, and never silence: misspelled keys (with the closest names, and TRL's
+names mapped to ours), classes that do not import, abbreviated options, reward functions of another signature or
+needing a column the data lacks, an empty reward list, prompts and responses longer than the model's positions, a
+hub name that is not on disk, a merge whose recorded base is relative, a reward adapter whose base was retrained in
+place, a null prompt in preference data, a non-finite loss, and text the tokenizer cannot spell (a warning)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from rlhf_lightning.data.modules import PreferenceDataModule
+from rlhf_lightning.data.sources import DataFormatError
+from tests.helpers.cli import grpo, one_line
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def old_style_reward(prompts, responses):
+    """The pre-TRL signature."""
+    return [1.0 for _ in responses]
+
+
+def needs_answer(prompts, completions, completion_ids, answer, **columns):
+    """Needs a dataset column ``answer``."""
+    return [float(a == c) for a, c in zip(answer, completions, strict=True)]
+
+
+def constant_reward(prompts, completions, completion_ids, **columns):
+    """The same score for every response: a group's std is 0."""
+    return [1.0 for _ in completions]
+
+
+@pytest.mark.parametrize("argument, expected", [
+    ("--model.init_args.kl_coeff=0.1", "error: model.init_args.kl_coeff: rlhf_lightning.GRPO takes no argument "
+     "'kl_coeff' (did you mean kl_coef, ptx_coef or ent_coef?); --model.help rlhf_lightning.GRPO lists them all"),
+    ("--model.init_args.beta=0.04", "error: model.init_args.beta: rlhf_lightning.GRPO takes no argument 'beta' "
+     "(TRL's beta is kl_coef here); --model.help rlhf_lightning.GRPO lists them all"),
+    ("--model.init_args.num_generations=8", "error: model.init_args.num_generations: rlhf_lightning.GRPO takes no "
+     "argument 'num_generations' (TRL's num_generations is samples_per_prompt here); --model.help "
+     "rlhf_lightning.GRPO lists them all"),
+    ("--data.init_args.batchsize=4", "error: data.init_args.batchsize: rlhf_lightning.PromptDataModule takes no "
+     "argument 'batchsize' (did you mean batch_size, val_batch_size or ptx_batch_size?); --data.help "
+     "rlhf_lightning.PromptDataModule lists them all"),
+    ("--model.class_path=my_ppo.LengthPenalizedPPO", "error: model.class_path my_ppo.LengthPenalizedPPO: it cannot "
+     "be imported (No module named 'my_ppo'); a class of your own must be importable from where you run: my_ppo.py "
+     "in the current folder, or its folder on PYTHONPATH"),
+    ("--model.class_path=rlhf_lightning.GRPOO", "error: model.class_path rlhf_lightning.GRPOO: rlhf_lightning has "
+     "no 'GRPOO' (did you mean GRPO or RLOO?)"),
+    ("--trainer.max_step=5", "error: unrecognized arguments: --trainer.max_step=5 (did you mean "
+     "--trainer.max_steps, --trainer.max_time or --trainer.min_steps?)"),
+])
+def test_a_misspelled_key_or_class_names_the_closest_valid_ones(capsys, argument, expected):
+    assert one_line(capsys, "fit", "--config", str(REPO / "configs" / "grpo.yaml"), argument, code=2) == expected
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["--model.init_args.micro_batch_tokens=0"], "error: micro_batch_tokens must be an integer >= 1 or null, got 0"),
+    (["--model.init_args.micro_batch_tokens=512", "--model.init_args.gradient_accumulation=2"],
+     "error: micro_batch_tokens=512 and gradient_accumulation=2 both split each minibatch into micro-batches: by "
+     "tokens, or into equal parts; set gradient_accumulation: 1 or micro_batch_tokens: null"),
+])
+def test_a_token_budget_of_zero_or_beside_gradient_accumulation_is_refused(capsys, tiny_model_dir, reward_dir,
+                                                                           overrides, expected):
+    assert one_line(capsys, *grpo(tiny_model_dir, reward_dir, *overrides)) == expected
+
+
+def test_a_misspelled_key_in_a_config_file_is_named_too(capsys, tmp_path):
+    config = tmp_path / "my.yaml"
+    config.write_text("model:\n  class_path: rlhf_lightning.DPO\n  init_args:\n    base: {name_or_path: m}\n"
+                      "    betta: 0.2\n")
+    assert one_line(capsys, "fit", "--config", str(config), code=2) == (
+        "error: model.init_args.betta: rlhf_lightning.DPO takes no argument 'betta' (did you mean beta?); "
+        "--model.help rlhf_lightning.DPO lists them all")
+
+
+@pytest.mark.parametrize("reward, expected", [
+    ("tests.contracts.test_one_line_errors.old_style_reward", "error: reward function tests.contracts.test_one_line_errors."
+     "old_style_reward(prompts, responses) cannot take TRL's keywords: it is called as fn(prompts=..., "
+     "completions=..., completion_ids=..., **columns) and should accept **kwargs for the dataset's columns (missing "
+     "a required argument: 'responses')"),
+    ("tests.contracts.test_one_line_errors.needs_answer", "error: reward function tests.contracts.test_one_line_errors.needs_answer "
+     "needs column 'answer', which the prompt data lacks (its columns: only prompt)"),
+])
+def test_a_reward_function_that_cannot_be_called_is_refused_before_the_first_rollout(
+        capsys, tiny_model_dir, reward_dir, reward, expected):
+    source = json.dumps({"class_path": "rlhf_lightning.FunctionReward", "init_args": {"fn": reward}})
+    assert one_line(capsys, *grpo(tiny_model_dir, reward_dir, f"--model.init_args.reward={source}")) == expected
+
+
+def test_an_empty_reward_list_is_refused(capsys, tiny_model_dir, reward_dir):
+    assert one_line(capsys, *grpo(tiny_model_dir, reward_dir, "--model.init_args.reward=[]")) == (
+        "error: reward: no reward source given (an empty list); give at least one, e.g. {class_path: "
+        "rlhf_lightning.AdapterReward, init_args: {path: ...}}")
+
+
+def test_prompt_and_response_beyond_the_models_positions_are_refused_at_setup(capsys, tiny_model_dir, reward_dir):
+    assert one_line(capsys, *grpo(tiny_model_dir, reward_dir, "--model.init_args.max_new_tokens=70")) == (
+        f"error: the longest prompt (4 tokens) and max_new_tokens=70 reach 74 positions, beyond the 64 of model "
+        f"{tiny_model_dir} (n_positions), whose learned position embeddings stop there; lower max_new_tokens or "
+        "data.init_args.max_length (longer prompts are then skipped)")
+
+
+def test_a_non_finite_loss_at_the_first_step_is_one_line(capsys, tiny_model_dir, reward_dir):
+    source = json.dumps({"class_path": "rlhf_lightning.FunctionReward",
+                         "init_args": {"fn": "tests.contracts.test_one_line_errors.constant_reward"}})
+    line = one_line(capsys, *grpo(tiny_model_dir, reward_dir, f"--model.init_args.reward={source}",
+                                  "--model.init_args.std_eps=0", "--model.init_args.scale_rewards=group"))
+    assert line.startswith("error: iteration 1, optimizer step 1 of 4, micro-batch 1 of 1: non-finite loss "), line
+    assert line.endswith("; set nonfinite: skip to skip such optimizer steps instead")
+
+
+def test_a_reward_adapter_whose_base_was_retrained_in_place_is_one_line(capsys, tiny_model_dir, reward_dir, tmp_path):
+    from rlhf_lightning.models.fingerprint import BASE_RECORD, weights_fingerprint
+    from tests.helpers.models import retrain_in_place
+
+    base = tmp_path / "sft"  # where the reward adapter's base was, retrained since
+    shutil.copytree(tiny_model_dir, base)
+    retrain_in_place(base)
+    before, after = weights_fingerprint(str(tiny_model_dir)), weights_fingerprint(str(base))
+    assert one_line(capsys, *grpo(base, reward_dir)) == (
+        f"error: the reward adapter {reward_dir} was trained on other weights than base {base} holds now (its "
+        f"{BASE_RECORD} says {before[:12]}, the base's files give {after[:12]}): the base was retrained or replaced "
+        "since; train the reward adapter again on this base, or load the base it was trained on (if only the base's "
+        f"file format changed, delete {BASE_RECORD} there to compare paths only)")
+
+
+def test_a_hub_name_that_is_not_on_disk_is_one_line(capsys):
+    line = one_line(capsys, "fit", "--config", str(REPO / "configs" / "dpo.yaml"),
+                    "--model.init_args.base.name_or_path=no-such-org/no-such-model", "--trainer.logger=false")
+    assert line.startswith("error: model 'no-such-org/no-such-model' is not a local folder and could not be fetched "
+                           "from the Hugging Face hub (")
+    assert line.endswith("): check the name, or give the folder it is saved in")
+
+
+def test_merge_of_an_adapter_whose_recorded_base_is_relative_names_base(capsys, tmp_path, reward_dir):
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    config = json.loads((reward_dir / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": "outputs/sft/model"}))
+    assert one_line(capsys, "merge", "--adapter", str(adapter), "--out", str(tmp_path / "merged")) == (
+        f"error: the adapter {adapter} records its base as outputs/sft/model (relative to the folder it was trained "
+        "from, not a folder from here): give the base with --base PATH (the model the adapter was trained on, e.g. "
+        "the SFT stage's export)")
+
+
+def test_a_null_prompt_in_preference_data_names_the_row(tmp_path, tiny_model_dir):
+    pytest.importorskip("pyarrow")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"prompt": "the cat", "chosen": " sat", "rejected": " ran"} for _ in range(12)]
+    rows[10]["prompt"] = None
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "pairs.parquet")
+    from rlhf_lightning.models.loading import load_tokenizer
+    from rlhf_lightning.models.spec import BaseModelSpec
+
+    data = PreferenceDataModule(dataset=str(tmp_path / "pairs.parquet"), val_fraction=0.0, batch_size=2)
+    data.tokenizer = load_tokenizer(BaseModelSpec(name_or_path=str(tiny_model_dir)))
+    with pytest.raises(DataFormatError, match=r"pairs.parquet row 11: column 'prompt' is null; give the row "
+                                              r"a prompt \(text or messages\), or drop the column"):
+        data.setup("fit")
+
+
+def test_text_the_tokenizer_cannot_spell_is_warned_about(tmp_path, caplog):
+    from rlhf_lightning.models.loading import load_tokenizer
+    from rlhf_lightning.models.spec import BaseModelSpec
+
+    rows = [{"prompt": "Please summarise this quarterly earnings report for the board", "chosen": " Revenue grew.",
+             "rejected": " No."} for _ in range(8)]
+    (tmp_path / "english.jsonl").write_text("\n".join(json.dumps(row) for row in rows))
+    data = PreferenceDataModule(dataset=str(tmp_path / "english.jsonl"), val_fraction=0.0, batch_size=2)
+    data.tokenizer = load_tokenizer(BaseModelSpec(tokenizer="synthetic"))
+    with caplog.at_level(logging.WARNING):
+        data.setup("fit")
+    warnings = [r.getMessage() for r in caplog.records if "does not spell this text" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].startswith(f"{tmp_path / 'english.jsonl'}: ")
+    share = float(warnings[0].split(": ")[1].split("%")[0])
+    assert 50 < share <= 100 and not math.isnan(share)
+
+
+def test_no_warning_for_the_embedded_task(caplog):
+    from rlhf_lightning.models.loading import load_tokenizer
+    from rlhf_lightning.models.spec import BaseModelSpec
+
+    data = PreferenceDataModule(synthetic_rows=40, val_fraction=0.0, batch_size=2)
+    data.tokenizer = load_tokenizer(BaseModelSpec(tokenizer="synthetic"))
+    with caplog.at_level(logging.WARNING):
+        data.setup("fit")
+    assert not [r for r in caplog.records if "does not spell" in r.getMessage()]
+    assert os.environ.get("HF_HUB_OFFLINE") == "1"  # tests never reach the hub

@@ -1,0 +1,84 @@
+"""A fit whose files could not be written stops before anything is built or trained, with one line naming the
+folder and what is wrong: a read-only run folder (through the real command line, in a process of its own), an
+export folder that is a file (which would otherwise fail at the very end, the trained model lost), from the command
+line and from Python."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+
+from rlhf_lightning import SFT, SFTDataModule
+from rlhf_lightning.cli.errors import TRACEBACK_ENV
+from rlhf_lightning.models.spec import BaseModelSpec
+from tests.helpers.cli import error_lines, one_line
+from tests.helpers.preemption import COMMON, stage
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def permission_bits_bind() -> list[str]:
+    """A command prefix under which a folder's permission bits bind the process: none for a user; for root (whose
+    capabilities write anywhere) setpriv, dropping the capability that overrides them."""
+    if os.geteuid() != 0:
+        return []
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("running as root without setpriv: a read-only folder cannot bind this process")
+    return [setpriv, "--bounding-set=-dac_override,-dac_read_search"]
+
+
+def sft_arguments(tiny_model_dir: Path, *extra: str) -> list[str]:
+    return ["fit", *stage("sft", tiny_model_dir, tiny_model_dir)[0], *COMMON, "--trainer.max_steps=1",
+            "--trainer.limit_val_batches=0", *extra]
+
+
+def test_a_read_only_run_folder_is_one_line_before_anything_runs(tiny_model_dir, tmp_path):
+    run_folder = tmp_path / "read-only"
+    run_folder.mkdir()
+    run_folder.chmod(0o555)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop(TRACEBACK_ENV, None)
+    try:
+        result = subprocess.run(
+            [*permission_bits_bind(), sys.executable, "-m", "rlhf_lightning",
+             *sft_arguments(tiny_model_dir, f"--trainer.default_root_dir={run_folder}")],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    finally:
+        run_folder.chmod(0o755)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert error_lines(result.stderr) == [
+        f"error: run folder {run_folder} is not writable: the fit writes its config, checkpoints and logs there; "
+        "make it writable, or give another with --trainer.default_root_dir=DIR"]
+    assert "Traceback" not in result.stderr
+
+
+def test_an_export_folder_that_is_a_file_is_one_line_before_the_fit(tiny_model_dir, capsys):
+    run_folder = Path("outputs/sft")
+    run_folder.mkdir(parents=True)
+    (run_folder / "model").write_text("not a folder")  # the config's export_dir: model
+    assert one_line(capsys, *sft_arguments(tiny_model_dir)) == (
+        f"error: export folder {run_folder / 'model'} is a file, not a folder: the fit writes the trained model there "
+        "at its end; move that file away, or give another with --model.init_args.export_dir=DIR")
+    assert sorted(path.name for path in run_folder.iterdir()) == ["model"]  # no config, no checkpoint: nothing ran
+    # A run folder under a file cannot be made either.
+    assert one_line(capsys, *sft_arguments(tiny_model_dir, "--trainer.default_root_dir=outputs/sft/model/run")) == (
+        f"error: run folder {run_folder / 'model' / 'run'} cannot be made ({run_folder / 'model'} is a file): the fit "
+        "writes its config, checkpoints and logs there; move that file away, or give another with "
+        "--trainer.default_root_dir=DIR")
+
+
+def test_from_python_the_export_folder_is_checked_at_setup_before_the_model_is_built(tiny_model_dir, tmp_path):
+    (tmp_path / "export").write_text("not a folder")
+    module = SFT(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), export_dir=str(tmp_path / "export"))
+    trainer = L.Trainer(default_root_dir=tmp_path / "run", max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(NotADirectoryError, match=f"^export folder {tmp_path / 'export'} is a file, not a folder: "):
+        trainer.fit(module, datamodule=SFTDataModule(synthetic_rows=40, batch_size=4))
+    assert module.model is None  # refused before configure_model read a weight
