@@ -1,5 +1,9 @@
-"""RLHF math as pure tensor functions: masked statistics, KL penalties, GAE, group advantages, surrogate and value
-errors, DPO-family and Bradley-Terry losses. No model, no Lightning: each is checked number by number in tests."""
+"""RLHF math as pure tensor functions, no model and no Lightning, each checked number by number in tests:
+statistics over unpadded entries (``masked``), the KL penalty and its controllers (``kl``), GAE (``advantages``),
+the critic-free family's group advantages (``group``), per-token log-probs, entropies and the value error
+(``losses``), the clipped surrogate and loss aggregation (``surrogate``), the registry of policy losses
+(``policy_losses``), importance-sampling correction of another engine's log-probs (``rollout_correction``), the DPO
+family (``dpo``), KTO (``kto``), the Bradley-Terry loss (``preference``) and pass@k / maj@k (``pass_at_k``)."""
 
 from __future__ import annotations
 

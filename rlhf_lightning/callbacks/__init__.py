@@ -1,4 +1,7 @@
-"""Lightning callbacks of the framework."""
+"""Lightning callbacks of the framework: crash-safe checkpoints (``checkpoint``), the completions table
+(``completions``), the not-learning check (``learning_check``), a checkpoint on SIGTERM (``preemption``), progress bars
+(``progress``) and plain progress lines (``progress_lines``), the run's start and end report (``run_report``) with
+what bounds the fit (``run_shape``), and a validation before the first update (``validate_at_start``)."""
 
 from rlhf_lightning.callbacks.checkpoint import Checkpoint, IterationCheckpoint
 from rlhf_lightning.callbacks.completions import CompletionsTable

@@ -1,5 +1,5 @@
 """No argument is silently ignored: every argument of every module (the on-policy family, DPO, KTO, SFT, the reward
-model), set to a value other than its default, changes what the module does, or is refused in one line.
+model, the process reward model: every LightningModule the package exports), set to a value other than its default, changes what the module does, or is refused in one line.
 
 Each argument has a row in :data:`CASES`: the value, the setting it needs to matter in (a KL coefficient for the KL
 estimator, a rollout correction for its bounds, a moved policy for the clip ranges, an environment for the episode
@@ -37,7 +37,7 @@ from rlhf_lightning.utils.timing import record_phases
 from tests.helpers.models import LORA, built, make_likely
 
 ONLINE = [rl.GRPO, rl.RLOO, rl.REINFORCEPlusPlus, rl.PPO, rl.OnPolicyDistillation, rl.OnlineDPO]
-OFFLINE = [rl.DPO, rl.KTO, rl.SFT, rl.RewardModel]
+OFFLINE = [rl.DPO, rl.KTO, rl.SFT, rl.RewardModel, rl.ProcessRewardModel]
 MODULES = ONLINE + OFFLINE
 # Documented as taking effect only where a single process cannot show it; the named test shows it there.
 ELSEWHERE = {
@@ -187,6 +187,7 @@ OFFLINE_CASES: dict[str, Case] = {
     "desirable_weight": case(2.0, "fit"),
     "undesirable_weight": case(2.0, "fit"),
     "center_coef": case(0.5, "fit"),
+    "separator": case("add", "fit"),  # the PRM's steps end at another token: other labels, another loss
 }
 # the other choice than the module's default
 SWAPS: dict[str, Callable[[Any], Any]] = {
@@ -200,9 +201,10 @@ SWAPS: dict[str, Callable[[Any], Any]] = {
 # ---- running a module ---------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def models(tiny_model_dir, reward_dir, calculator_model_dir, tmp_path_factory) -> dict[str, Path]:  # noqa: F811
+def models(tiny_model_dir, reward_dir, calculator_model_dir, tiny_arithmetic_dir, tmp_path_factory) -> dict[str, Path]:
     """The base (the tiny GPT-2 with its EOS made likely, so that responses stop at varied lengths), a second base, the
-    reward adapter, a second adapter (another teacher) and the calculator's model."""
+    reward adapter, a second adapter (another teacher), the calculator's model and the arithmetic task's two bases
+    (the process reward model's: its steps end at a token of that tokenizer)."""
     from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer
     from rlhf_lightning.models.shared_base import SharedBase
 
@@ -237,16 +239,28 @@ def models(tiny_model_dir, reward_dir, calculator_model_dir, tmp_path_factory) -
         (copy / BASE_RECORD).unlink(missing_ok=True)
         return copy
 
+    arithmetic = load_causal_lm(BaseModelSpec(name_or_path=str(tiny_arithmetic_dir)),
+                                load_tokenizer(BaseModelSpec(name_or_path=str(tiny_arithmetic_dir))))
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for parameter in arithmetic.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    folders["other arithmetic"] = tmp_path_factory.mktemp("other-arithmetic")
+    arithmetic.save_pretrained(folders["other arithmetic"])
+    load_tokenizer(BaseModelSpec(name_or_path=str(tiny_arithmetic_dir))).save_pretrained(folders["other arithmetic"])
     reward = unrecorded(reward_dir)
     return {**folders, "reward": reward, "teacher": reward, "other teacher": unrecorded(teacher),
-            "calculator": calculator_model_dir}
+            "calculator": calculator_model_dir, "arithmetic": tiny_arithmetic_dir}
 
 
 def arguments(cls: type, models: dict[str, Path], setting: dict[str, Any]) -> dict[str, Any]:
     """The module's constructor arguments: small defaults for a fast run, then the ``setting``'s."""
     calculator = setting.get("calculator", False)
-    kwargs: dict[str, Any] = {"base": BaseModelSpec(name_or_path=str(models["calculator" if calculator else "base"]))}
-    if cls in (rl.DPO, rl.KTO):
+    base = "arithmetic" if cls is rl.ProcessRewardModel else "calculator" if calculator else "base"
+    kwargs: dict[str, Any] = {"base": BaseModelSpec(name_or_path=str(models[base]))}
+    if cls is rl.ProcessRewardModel:
+        kwargs |= {"lora": LORA, "lr": 1e-3, "separator": ","}
+    elif cls in (rl.DPO, rl.KTO):
         kwargs |= {"policy_lora": LORA, "max_new_tokens": 6, "lr": 1e-3}
     elif cls in (rl.SFT, rl.RewardModel):
         kwargs |= {"lr": 1e-3} if cls is rl.SFT else {"lora": LORA, "lr": 1e-3}
@@ -270,6 +284,11 @@ def arguments(cls: type, models: dict[str, Path], setting: dict[str, Any]) -> di
 
 def prompt_data(module, calculator: bool) -> rl.PromptDataModule:
     """The stage's data: 4 prompts for the on-policy family; 4 training and 4 held-out examples otherwise."""
+    if isinstance(module, rl.ProcessRewardModel):
+        data = rl.StepwiseDataModule(dataset="arithmetic", synthetic_rows=8, batch_size=4, val_fraction=0.5)
+        data.tokenizer, data.separator = module.tokenizer, module.separator
+        data.setup("fit")
+        return data
     offline = {rl.DPO: rl.PreferenceDataModule, rl.RewardModel: rl.PreferenceDataModule, rl.KTO: rl.UnpairedPreferenceDataModule,
                rl.SFT: rl.SFTDataModule}.get(type(module))
     if offline is not None:
@@ -461,6 +480,7 @@ def test_every_argument_changes_the_run_or_is_refused(cls, name, models, tmp_pat
     if isinstance(value, str) and value.startswith("swap"):
         value = SWAPS[value](cls(**arguments(cls, models, setting)).hparams.get(argument))
     elif value in ("other base", "other teacher"):
+        value = "other arithmetic" if cls is rl.ProcessRewardModel and value == "other base" else value
         value = BaseModelSpec(name_or_path=str(models[value])) if argument == "base" else str(models[value])
     if row.shows == "refused":
         with pytest.raises(ValueError) as refusal:
@@ -471,6 +491,11 @@ def test_every_argument_changes_the_run_or_is_refused(cls, name, models, tmp_pat
     after = observe(cls, row.shows, models, {**setting, argument: value}, tmp_path / "after")
     print(f"{cls.__name__}.{name}={value!r}: {row.shows} differs")
     assert before != after, f"{cls.__name__}.{name}={value!r} changed nothing ({row.shows}: {before})"
+
+
+def test_every_module_the_package_exports_is_in_the_table():
+    exported = {value for value in vars(rl).values() if isinstance(value, type) and issubclass(value, L.LightningModule)}
+    assert exported == set(MODULES), f"modules without rows: {exported - set(MODULES)}"
 
 
 @pytest.mark.parametrize("cls, shows", [(rl.GRPO, "rollout"), (rl.PPO, "fit"), (rl.DPO, "fit")],

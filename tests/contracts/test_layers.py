@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ast
 import functools
+import itertools
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "rlhf_lightning"
@@ -111,3 +113,50 @@ def test_the_layer_test_can_fail():
     """A back-arrow is found: models importing core would be reported."""
     assert layer("rlhf_lightning.core.policy") > layer("rlhf_lightning.models.shared_base")
     assert part("rlhf_lightning.models.spec") == "models" and layer("rlhf_lightning") == len(LAYERS) - 1
+
+
+# ---- the tree is the layer table ----------------------------------------------------------------------------------
+
+README = PACKAGE.parent / "README.md"
+ENTRY_FILES = ("__init__", "__main__")
+
+
+def layout_lines(readme: str) -> list[list[str]]:
+    """The README's Layout block, one list of names per layer line: the folders (``core``) and entry files
+    (``__init__``) that start each line under ``rlhf_lightning/``, up to its description; lines of description
+    alone (deeper indent) are skipped."""
+    block = readme.split("## Layout", 1)[1].split("```", 2)[1]
+    lines = []
+    for line in block.splitlines():
+        if line.startswith("  ") and not line.startswith("   "):
+            names = list(itertools.takewhile(lambda word: re.fullmatch(r"\w+/|__\w+__\.py", word), line.split()))
+            lines.append([name.rstrip("/").removesuffix(".py") for name in names])
+    return [names for names in lines if names]
+
+
+def test_the_package_root_holds_its_two_entry_files_and_one_folder_per_part_of_a_layer():
+    entries = {path.name.removesuffix(".py") for path in PACKAGE.iterdir() if path.name != "__pycache__"}
+    folders = {path.name for path in PACKAGE.iterdir() if path.is_dir() and path.name != "__pycache__"}
+    layered = {name for names in LAYERS for name in names}
+    assert entries == layered, f"in the package, not in LAYERS: {entries - layered}; in LAYERS only: {layered - entries}"
+    assert entries - folders == set(ENTRY_FILES), "the package root holds folders and its two entry files only"
+    assert all((PACKAGE / folder / "__init__.py").exists() for folder in folders)
+
+
+def test_the_readme_layout_lists_the_layers_bottom_up_one_line_each():
+    assert layout_lines(README.read_text()) == [list(names) for names in LAYERS]
+
+
+def test_the_layout_reader_sees_a_missing_folder():
+    readme = "## Layout\n\n```\nrlhf_lightning/\n  utils/ runs/    words core/ in a description\n" \
+             "                  more words\n  core/\nconfigs/  one YAML\n```\n"
+    assert layout_lines(readme) == [["utils", "runs"], ["core"]]
+
+
+def test_every_module_of_every_folder_is_named_in_its_folders_docstring():
+    unnamed = []
+    for init in sorted(PACKAGE.glob("*/__init__.py")):
+        docstring = ast.get_docstring(ast.parse(init.read_text())) or ""
+        unnamed += [f"{init.parent.name}/{module.name}" for module in sorted(init.parent.glob("*.py"))
+                    if module.stem != "__init__" and not re.search(rf"\b{module.stem}\b", docstring)]
+    assert not unnamed, f"modules their folder's __init__ docstring does not name: {unnamed}"
