@@ -58,8 +58,10 @@ class _OldName(importlib.abc.Loader):
         self.spec: importlib.machinery.ModuleSpec | None = None
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
-        warnings.warn(f"{spec.name} moved to {self.new}: import it from there (the old name goes in the next "
-                      "release)", FutureWarning, stacklevel=2)
+        # Attributed to this file, not to the importer: that is often a library (jsonargparse reading a config,
+        # torch.load), whose warnings the command line hides; this one is for the user.
+        warnings.warn_explicit(f"{spec.name} moved to {self.new}: import it from there (the old name goes in the "
+                               "next release)", FutureWarning, __file__, 0, module=__name__)
         module = importlib.import_module(self.new)
         self.spec = module.__spec__
         return module

@@ -13,6 +13,7 @@ import torch
 
 from rlhf_lightning import SFT
 from rlhf_lightning.callbacks import AtomicCheckpointIO, CheckpointError, IterationCheckpoint
+from rlhf_lightning.runs.resume import CLASS_KEY
 from rlhf_lightning.utils.atomic_io import atomic_write, checkpoint_problem, is_leftover
 from tests.helpers.models import tiny_spec
 from tests.helpers.online import Recorder, make_ppo, prompts
@@ -109,6 +110,20 @@ def test_an_explicit_broken_checkpoint_is_named_in_the_error(tiny_model_dir, rew
         fit_ppo(tiny_model_dir, reward_dir, tmp_path / "run", ckpt_path=str(broken))
     with pytest.raises(FileNotFoundError, match=rf"checkpoint {tmp_path / 'missing.ckpt'}: it does not exist"):
         fit_ppo(tiny_model_dir, reward_dir, tmp_path / "run", ckpt_path=str(tmp_path / "missing.ckpt"))
+
+
+def test_a_checkpoint_that_names_the_class_by_its_path_before_the_move_resumes_the_run(
+        tiny_model_dir, reward_dir, uninterrupted, tmp_path):
+    """A checkpoint of the last release records ``rlhf_lightning.ppo.PPO`` (the module before stages/): it still
+    resumes a PPO run, number for number."""
+    full_rows, full_dir = uninterrupted
+    checkpoint = torch.load(step_file(full_dir, 1), weights_only=False)
+    assert checkpoint[CLASS_KEY] == "rlhf_lightning.stages.ppo.PPO"
+    checkpoint[CLASS_KEY] = "rlhf_lightning.ppo.PPO"
+    torch.save(checkpoint, tmp_path / "old.ckpt")
+    with pytest.warns(FutureWarning, match="rlhf_lightning.ppo moved to rlhf_lightning.stages.ppo"):
+        resumed = fit_ppo(tiny_model_dir, reward_dir, tmp_path / "run", ckpt_path=str(tmp_path / "old.ckpt"))
+    assert resumed == full_rows[1:]
 
 
 def test_a_checkpoint_of_another_module_class_is_refused(uninterrupted, tmp_path):

@@ -18,7 +18,7 @@ from rlhf_lightning.callbacks import LearningCheck, NotLearningError, ProgressLi
 from rlhf_lightning.callbacks.progress_lines import duration, metric_text
 from rlhf_lightning.cli import RLHFCLI, main
 from tests.helpers.models import built
-from tests.helpers.online import Recorder, make, prompts
+from tests.helpers.online import Recorder, make_online, prompts
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = "{model_type: gpt2, n_layer: 1, n_embd: 16, n_head: 2, n_positions: 64}"
@@ -111,7 +111,7 @@ def test_the_validation_warning_knows_the_run_length(settings, warned, tmp_path)
 
 @pytest.mark.slow
 def test_an_online_fit_counts_iterations_and_reports_gold_and_kl(tiny_model_dir, reward_dir, tmp_path, capsys):
-    module = make(GRPO, tiny_model_dir, reward_dir, epochs=1, num_minibatches=1, kl_coef=0.05)
+    module = make_online(GRPO, tiny_model_dir, reward_dir, epochs=1, num_minibatches=1, kl_coef=0.05)
     recorder = Recorder("grpo/")
     data = prompts(module, n=24, batch_size=4, val_fraction=0.25)
     trainer = L.Trainer(max_epochs=2, limit_train_batches=3, limit_val_batches=1, val_check_interval=2,
@@ -189,7 +189,7 @@ def constant_reward(prompts, completions, **columns):
 
 def grpo_fit(tiny_model_dir, reward_dir, tmp_path, check, reward=None, **kwargs):
     """A 3-iteration GRPO fit of the tiny model with ``check``, progress lines and the summary."""
-    module = make(GRPO, tiny_model_dir, reward_dir, epochs=1, num_minibatches=1, **kwargs)
+    module = make_online(GRPO, tiny_model_dir, reward_dir, epochs=1, num_minibatches=1, **kwargs)
     if reward is not None:  # the same module scored by ``reward`` instead of the reward adapter
         module = built(GRPO(**{**module.hparams, "reward": reward}))
     trainer = L.Trainer(max_epochs=1, limit_train_batches=3, limit_val_batches=0, logger=False,
@@ -238,7 +238,7 @@ def test_every_row_carries_the_iteration_and_the_optimizer_steps(tiny_model_dir,
     from rlhf_lightning.cli.loggers import WandbLogger
     from rlhf_lightning.runs.wandb_offline import read_history
 
-    module = make(GRPO, tiny_model_dir, reward_dir, epochs=2, num_minibatches=1)  # 2 optimizer steps per iteration
+    module = make_online(GRPO, tiny_model_dir, reward_dir, epochs=2, num_minibatches=1)  # 2 optimizer steps per iteration
     logger = WandbLogger(save_dir=str(tmp_path), offline=True)
     trainer = L.Trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=1, val_check_interval=1,
                         check_val_every_n_epoch=None, logger=logger, log_every_n_steps=1, enable_progress_bar=False,

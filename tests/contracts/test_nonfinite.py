@@ -4,6 +4,7 @@ and exports refuse non-finite weights."""
 
 from __future__ import annotations
 
+import functools
 import math
 import shutil
 from pathlib import Path
@@ -16,10 +17,11 @@ from safetensors.torch import load_file, save_file
 from rlhf_lightning import GRPO, PPO, SFT, AdapterReward, FunctionReward, SFTDataModule
 from rlhf_lightning.callbacks import IterationCheckpoint
 from rlhf_lightning.models.shared_base import adapter_of
-from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
+from rlhf_lightning.models.spec import LoraSpec
 from rlhf_lightning.rewards import RewardInputs, RewardSource
 from rlhf_lightning.utils.nonfinite import NonFiniteError
-from tests.helpers.models import LORA, built, tiny_spec
+from tests.helpers.models import tiny_spec
+from tests.helpers.modules import make
 from tests.helpers.online import Recorder, prompts
 
 
@@ -41,14 +43,8 @@ class BrokenReward(RewardSource):
         return scores
 
 
-def make(cls, tiny_model_dir, reward, **kwargs):
-    torch.manual_seed(0)
-    defaults = dict(policy_lora=LORA, max_new_tokens=4, epochs=1, num_minibatches=2, policy_lr=1e-2)
-    if cls is PPO:
-        defaults["critic_lora"] = LORA
-    else:
-        defaults["samples_per_prompt"] = 2
-    return built(cls(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), reward=reward, **{**defaults, **kwargs}))
+# One epoch of two minibatches, 2 responses per prompt (PPO: one).
+make_small = functools.partial(make, defaults=dict(max_new_tokens=4, epochs=1, num_minibatches=2, samples_per_prompt=2))
 
 
 def fit(module, tmp_path: Path, iterations: int, prefix: str):
@@ -75,7 +71,7 @@ def assert_every_file_finite(folder: Path) -> int:
 
 @pytest.mark.parametrize("cls", [PPO, GRPO], ids=lambda cls: cls.__name__)
 def test_an_infinite_reward_stops_the_run_naming_the_source_rows_and_iteration(cls, tiny_model_dir, tmp_path):
-    module = make(cls, tiny_model_dir, BrokenReward(math.inf, [1, 3], {2}), export_dir=str(tmp_path / "export"))
+    module = make_small(cls, tiny_model_dir, BrokenReward(math.inf, [1, 3], {2}), export_dir=str(tmp_path / "export"))
     with pytest.raises(NonFiniteError, match=r"^iteration 2: reward source 'broken' \(BrokenReward\) returned inf "
                                              r"for rows \[1, 3\] of \d+; set nonfinite: skip"):
         fit(module, tmp_path, iterations=3, prefix=f"{module.metric_prefix}/")
@@ -91,7 +87,7 @@ def test_a_nan_from_a_reward_model_is_not_read_as_not_applicable(tiny_model_dir,
     head = load_file(broken / "head.safetensors")
     save_file({name: torch.full_like(value, math.nan) for name, value in head.items()}, broken / "head.safetensors")
     run = tmp_path / "run"
-    module = make(GRPO, tiny_model_dir, AdapterReward(str(broken)), export_dir=str(run / "export"))
+    module = make_small(GRPO, tiny_model_dir, AdapterReward(str(broken)), export_dir=str(run / "export"))
     with pytest.raises(NonFiniteError, match=rf"^iteration 1: reward source 'reward_model' \(AdapterReward "
                                              rf"{broken}\) returned nan for rows \[0, 1, 2, 3, \.\.\. \(8 in all\)\]"):
         fit(module, run, iterations=2, prefix="grpo/")
@@ -103,7 +99,7 @@ def nan_reward(prompts, completions, **kwargs):
 
 
 def test_a_reward_function_returning_nan_is_named_with_the_iteration(tiny_model_dir, tmp_path):
-    module = make(GRPO, tiny_model_dir, FunctionReward(nan_reward), export_dir=str(tmp_path / "export"))
+    module = make_small(GRPO, tiny_model_dir, FunctionReward(nan_reward), export_dir=str(tmp_path / "export"))
     with pytest.raises(ValueError, match=r"^iteration 1: reward function (tests\.)?test_nonfinite\.nan_reward returned "
                                          r"nan for row 1 \(completion .*\): expected a finite float, or None"):
         fit(module, tmp_path, iterations=1, prefix="grpo/")
@@ -111,7 +107,7 @@ def test_a_reward_function_returning_nan_is_named_with_the_iteration(tiny_model_
 
 
 def test_skip_skips_the_iteration_counts_its_steps_and_training_goes_on(tiny_model_dir, tmp_path):
-    module = make(GRPO, tiny_model_dir, BrokenReward(-math.inf, [0], {1}), nonfinite="skip",
+    module = make_small(GRPO, tiny_model_dir, BrokenReward(-math.inf, [0], {1}), nonfinite="skip",
                   export_dir=str(tmp_path / "export"))
     trainer, rows = fit(module, tmp_path, iterations=2, prefix="grpo/")
     assert trainer.global_step == 2  # iteration 2's two minibatches
@@ -127,7 +123,7 @@ def test_skip_skips_the_iteration_counts_its_steps_and_training_goes_on(tiny_mod
 
 def test_an_infinite_loss_term_is_named(tiny_model_dir, tmp_path):
     """A finite but huge score overflows PPO's value loss (returns squared): the error names that term."""
-    module = make(PPO, tiny_model_dir, BrokenReward(3e38, [0, 1, 2, 3], {1}), num_minibatches=1,
+    module = make_small(PPO, tiny_model_dir, BrokenReward(3e38, [0, 1, 2, 3], {1}), samples_per_prompt=1, num_minibatches=1,
                   whiten_advantages=False, clip_range_value=None)
     with pytest.raises(NonFiniteError, match=r"^iteration 1, optimizer step 1 of 1, micro-batch 1 of 1: "
                                              r"non-finite loss loss/policy=-inf, loss/value=inf, loss/total=nan"):
@@ -135,7 +131,7 @@ def test_an_infinite_loss_term_is_named(tiny_model_dir, tmp_path):
 
 
 def test_a_non_finite_gradient_is_named_and_skip_leaves_the_weights_untouched(tiny_model_dir):
-    module = make(GRPO, tiny_model_dir, BrokenReward(0.0, [], set()))
+    module = make_small(GRPO, tiny_model_dir, BrokenReward(0.0, [], set()))
     named = {name: p for name, p in module.named_parameters() if p.requires_grad}
     for parameter in named.values():
         parameter.grad = torch.zeros_like(parameter)
@@ -176,7 +172,7 @@ def test_sft_with_a_diverging_learning_rate(nonfinite, tmp_path):
 
 
 def test_checkpoints_and_exports_refuse_non_finite_weights(tiny_model_dir, tmp_path):
-    module = make(GRPO, tiny_model_dir, BrokenReward(0.0, [], set()))
+    module = make_small(GRPO, tiny_model_dir, BrokenReward(0.0, [], set()))
     name, parameter = next((n, p) for n, p in module.named_parameters() if adapter_of(n) == "policy")
     with torch.no_grad():
         parameter[0, 0] = math.inf

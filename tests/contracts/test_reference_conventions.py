@@ -14,7 +14,7 @@ from rlhf_lightning.algorithms.kl import kl_penalty
 from rlhf_lightning.algorithms.masked import masked_whiten
 from rlhf_lightning.algorithms.policy_losses import Clip
 from rlhf_lightning.algorithms.surrogate import aggregate_loss, clipped_surrogate, loss_normaliser
-from tests.helpers.online import make, perturb, prompt_batch
+from tests.helpers.online import make_online, perturb, prompt_batch
 
 
 def random_tokens(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -108,7 +108,7 @@ def test_rloo_with_trl_settings_computes_trl_loss_on_a_rollout(tiny_model_dir, r
     """The RLOO module with ``policy_loss.ratio_level: sequence_sum`` and ``loss_aggregation: sequence_mean``,
     off-policy (a policy moved since sampling): its loss is TRL's formula on the module's own log-probs and
     advantages."""
-    module = make(RLOO, tiny_model_dir, reward_dir, policy_loss=Clip(clip_range=0.2, ratio_level="sequence_sum"),
+    module = make_online(RLOO, tiny_model_dir, reward_dir, policy_loss=Clip(clip_range=0.2, ratio_level="sequence_sum"),
                   loss_aggregation="sequence_mean", kl_coef=0.0, epochs=2)
     experience, _ = module.rollout(prompt_batch(module))
     perturb(module, "policy")  # the update's policy is not the sampler's: ratios away from 1

@@ -15,7 +15,7 @@ import torch
 
 from rlhf_lightning import GRPO, PPO
 from rlhf_lightning.core.policy import POLICY
-from tests.helpers.micro_batches import FIT_TOLERANCE, TOLERANCE, WEIGHT_TOLERANCE, fit, make
+from tests.helpers.micro_batches import FIT_TOLERANCE, TOLERANCE, WEIGHT_TOLERANCE, fit, make_stopping
 
 
 def counting(cls: type, reuse: bool) -> type:
@@ -72,6 +72,6 @@ def test_the_first_update_pass_gives_the_old_logprobs_with_one_policy_pass_fewer
     ({"epochs": 1}, True, False),  # one step, but the KL penalty in the rewards reads them first
 ])
 def test_which_updates_reuse_their_first_pass(options, reuses, rollout_pass, stopping_model_dir):
-    module = make(PPO, stopping_model_dir, **options)
+    module = make_stopping(PPO, stopping_model_dir, **options)
     assert module.reuses_first_pass is reuses
     assert module.needs_logprobs is rollout_pass  # the rollout's own policy pass

@@ -21,7 +21,7 @@ import torch
 from rlhf_lightning import GRPO, PPO, OnlineDPO
 from rlhf_lightning.core.micro_batches import pack_by_tokens, padded_size, split_to_count
 from tests.helpers.episodes import calculator_batch, episodic
-from tests.helpers.micro_batches import FIT_TOLERANCE, TOLERANCE, WEIGHT_TOLERANCE, fit, make
+from tests.helpers.micro_batches import FIT_TOLERANCE, TOLERANCE, WEIGHT_TOLERANCE, fit, make_stopping
 from tests.helpers.online import perturb, prompt_batch
 
 # ---- packing, number by number -------------------------------------------------------------------------------
@@ -65,7 +65,7 @@ def trainable(module) -> list[torch.nn.Parameter]:
 def test_the_rollout_is_as_narrow_as_its_rows(stopping_model_dir):
     """The passes after sampling (log-probs, reference, reward, values) run on the rollout's own tensors: no column
     of them is padding in every row."""
-    module = make(PPO, stopping_model_dir)
+    module = make_stopping(PPO, stopping_model_dir)
     experience, _ = module.rollout(prompt_batch(module))
     openings, responses = experience.row_extents()
     assert experience.trimmed() is experience
@@ -79,7 +79,7 @@ def test_the_rollout_is_as_narrow_as_its_rows(stopping_model_dir):
     (PPO, {"ent_coef": 0.01}),
 ], ids=["token_mean", "sequence_mean", "constant", "PPO"])
 def test_a_micro_batch_cut_to_its_rows_gives_the_same_losses_and_gradients(cls, options, stopping_model_dir):
-    module = make(cls, stopping_model_dir, **options)
+    module = make_stopping(cls, stopping_model_dir, **options)
     perturb(module, "policy", "critic")
     experience, _ = module.rollout(prompt_batch(module, n=8))
     openings, responses = experience.row_extents()

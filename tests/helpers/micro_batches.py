@@ -5,12 +5,11 @@ from __future__ import annotations
 import lightning as L
 import torch
 
-from rlhf_lightning import PPO, FunctionReward, OnlineDPO
+from rlhf_lightning import FunctionReward
 from rlhf_lightning.core.online import OnlineRL
 from rlhf_lightning.models.shared_prompt import cache_keyword
-from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.tasks.synthetic import gold_rewards
-from tests.helpers.models import LORA, built
+from tests.helpers.modules import make
 from tests.helpers.online import Recorder, perturb, prompts
 
 TOLERANCE = dict(rtol=1e-6, atol=1e-6)  # one pass
@@ -22,14 +21,11 @@ FIT_TOLERANCE = dict(rtol=1e-4, atol=1e-5)  # losses and gradients of a fit afte
 WEIGHT_TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 
 
-def make(cls: type[OnlineRL], model_dir, **kwargs) -> OnlineRL:
+def make_stopping(cls: type[OnlineRL], model_dir, **arguments) -> OnlineRL:
     """``cls`` on the tiny base whose responses stop at varied lengths, scored by the synthetic task's gold reward
     (4 responses per prompt; online DPO's pair)."""
-    torch.manual_seed(0)
-    defaults = dict(policy_lora=LORA, max_new_tokens=12, policy_lr=1e-2, reward=FunctionReward(gold_rewards))
-    defaults |= {"critic_lora": LORA} if cls is PPO else {}
-    defaults |= {} if cls is OnlineDPO else {"samples_per_prompt": 4}
-    return built(cls(base=BaseModelSpec(name_or_path=str(model_dir)), **{**defaults, **kwargs}))
+    return make(cls, model_dir, FunctionReward(gold_rewards), dict(max_new_tokens=12, samples_per_prompt=4),
+                **arguments)
 
 
 class Gradients(L.Callback):

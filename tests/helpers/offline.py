@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import functools
 
 import torch
 
 from rlhf_lightning import DPO, PreferenceDataModule
 from rlhf_lightning.models.shared_base import adapter_of
-from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.tasks.synthetic import gold_rewards
-from tests.helpers.models import LORA, built
+from tests.helpers.modules import make
 
-
-def make_dpo(tiny_model_dir: Path, **kwargs) -> DPO:
-    torch.manual_seed(0)
-    defaults = dict(policy_lora=LORA, max_new_tokens=4, lr=1e-2, gold_reward=gold_rewards)
-    return built(DPO(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), **{**defaults, **kwargs}))
+make_dpo = functools.partial(make, DPO, defaults=dict(max_new_tokens=4, gold_reward=gold_rewards))
 
 
 def pairs(module: DPO, n: int = 16, batch_size: int = 8, val_fraction: float = 0.25) -> PreferenceDataModule:

@@ -2,25 +2,22 @@
 
 from __future__ import annotations
 
+import functools
+
 import lightning as L
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlhf_lightning import PPO, AdapterReward, PromptDataModule
+from rlhf_lightning import PPO, PromptDataModule
 from rlhf_lightning.callbacks import IterationCheckpoint
 from rlhf_lightning.core.online import OnlineRL
 from rlhf_lightning.models.shared_base import adapter_of
-from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.tasks.synthetic import gold_rewards
-from tests.helpers.models import LORA, built
+from tests.helpers.modules import make
 
-
-def make_ppo(tiny_model_dir, reward_dir, **kwargs) -> PPO:
-    torch.manual_seed(0)
-    defaults = dict(policy_lora=LORA, critic_lora=LORA, max_new_tokens=6, epochs=2, num_minibatches=2,
-                    policy_lr=1e-2, critic_lr=1e-2, gold_reward=gold_rewards)
-    return built(PPO(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), reward=AdapterReward(str(reward_dir)),
-                     **{**defaults, **kwargs}))
+# PPO of the stage tests: 6 new tokens, two epochs of two minibatches, the gold reward logged.
+PPO_SETTINGS = dict(max_new_tokens=6, epochs=2, num_minibatches=2, critic_lr=1e-2, gold_reward=gold_rewards)
+make_ppo = functools.partial(make, PPO, defaults=PPO_SETTINGS)
 
 
 def prompts(module: PPO, n: int = 8, **kwargs) -> PromptDataModule:
@@ -80,14 +77,9 @@ def fit_iterations(module, data, tmp_path, iterations, ckpt_path=None, prefix="p
     return trainer, recorder.rows
 
 
-def make(cls: type[OnlineRL], tiny_model_dir, reward_dir, **kwargs) -> OnlineRL:
-    torch.manual_seed(0)
-    defaults = dict(policy_lora=LORA, max_new_tokens=6, samples_per_prompt=4, epochs=2, num_minibatches=2,
-                    policy_lr=1e-2, gold_reward=gold_rewards)
-    if cls is PPO:
-        defaults = {**defaults, "critic_lora": LORA}
-    return built(cls(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), reward=AdapterReward(str(reward_dir)),
-                     **{**defaults, **kwargs}))
+# The on-policy family's tests: PPO's settings without its critic's rate, 4 responses per prompt.
+ONLINE_SETTINGS = dict(max_new_tokens=6, samples_per_prompt=4, epochs=2, num_minibatches=2, gold_reward=gold_rewards)
+make_online = functools.partial(make, defaults=ONLINE_SETTINGS)
 
 
 def prompt_batch(module: OnlineRL, n: int = 4) -> dict:

@@ -23,7 +23,7 @@ from tests.helpers.models import LORA, built
 from tests.helpers.online import (
     assert_one_copy_of_the_base,
     fit_iterations,
-    make,
+    make_online,
     perturb,
     prompt_batch,
     prompts,
@@ -35,7 +35,7 @@ CRITIC_FREE = [GRPO, RLOO, REINFORCEPlusPlus]
 
 @pytest.mark.parametrize("cls", CRITIC_FREE, ids=lambda cls: cls.__name__)
 def test_rollout_advantages_are_the_pure_functions_on_the_experience(cls, tiny_model_dir, reward_dir):
-    module = make(cls, tiny_model_dir, reward_dir, kl_coef=0.1, kl_in="reward")
+    module = make_online(cls, tiny_model_dir, reward_dir, kl_coef=0.1, kl_in="reward")
     perturb(module, "policy")  # a policy away from the reference, so the KL terms are not zero
     experience, stats = module.rollout(prompt_batch(module))
     assert experience.group_size == 4 and experience.response_mask.shape[0] == 16
@@ -61,7 +61,7 @@ def test_rollout_advantages_are_the_pure_functions_on_the_experience(cls, tiny_m
 
 
 def test_grpo_single_step_skips_the_old_logprob_pass_and_beta_zero_the_reference(tiny_model_dir, reward_dir):
-    module = make(GRPO, tiny_model_dir, reward_dir, epochs=1, num_minibatches=1, kl_coef=0.0)
+    module = make_online(GRPO, tiny_model_dir, reward_dir, epochs=1, num_minibatches=1, kl_coef=0.0)
     calls = []
     original = module.response_logprobs
     module.response_logprobs = lambda role, *a, **k: calls.append(role) or original(role, *a, **k)
@@ -71,13 +71,13 @@ def test_grpo_single_step_skips_the_old_logprob_pass_and_beta_zero_the_reference
     assert terms["policy/ratio"].item() == 1.0 and terms["policy/clipfrac"].item() == 0.0
     assert calls == ["policy"]
     # with beta > 0 the reference is scored in the rollout, the policy still only once
-    module = make(GRPO, tiny_model_dir, reward_dir, epochs=1, num_minibatches=1, kl_coef=0.1)
+    module = make_online(GRPO, tiny_model_dir, reward_dir, epochs=1, num_minibatches=1, kl_coef=0.1)
     experience, _ = module.rollout(prompt_batch(module))
     assert experience.logprobs is None and experience.ref_logprobs is not None
 
 
 def test_kl_in_the_loss_is_k3_times_the_ratio(tiny_model_dir, reward_dir):
-    module = make(GRPO, tiny_model_dir, reward_dir, kl_coef=0.5)
+    module = make_online(GRPO, tiny_model_dir, reward_dir, kl_coef=0.5)
     perturb(module, "policy")
     experience, _ = module.rollout(prompt_batch(module))
     with torch.no_grad():
@@ -98,7 +98,7 @@ def test_kl_in_the_loss_is_k3_times_the_ratio(tiny_model_dir, reward_dir):
 @pytest.mark.parametrize("cls", [*CRITIC_FREE, PPO], ids=lambda cls: cls.__name__)
 def test_gradients_reach_exactly_the_policy_adapter(cls, tiny_model_dir, reward_dir):
     kwargs = {} if cls is PPO else {"kl_coef": 0.1}
-    module = make(cls, tiny_model_dir, reward_dir, ent_coef=0.01, **kwargs)
+    module = make_online(cls, tiny_model_dir, reward_dir, ent_coef=0.01, **kwargs)
     perturb(module, "policy", "critic")
     experience, _ = module.rollout(prompt_batch(module))
     terms = module.losses(experience)
@@ -115,7 +115,7 @@ def test_gradients_reach_exactly_the_policy_adapter(cls, tiny_model_dir, reward_
 @pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean", "constant"])
 def test_the_step_loss_does_not_depend_on_the_micro_batch_split(aggregation, tiny_model_dir, reward_dir):
     """Two micro-batches of unequal token counts accumulate exactly the gradient of the whole batch."""
-    module = make(GRPO, tiny_model_dir, reward_dir, loss_aggregation=aggregation, kl_coef=0.1, epochs=1,
+    module = make_online(GRPO, tiny_model_dir, reward_dir, loss_aggregation=aggregation, kl_coef=0.1, epochs=1,
                   num_minibatches=1)
     perturb(module, "policy")
     experience, _ = module.rollout(prompt_batch(module))
@@ -130,7 +130,7 @@ def test_the_step_loss_does_not_depend_on_the_micro_batch_split(aggregation, tin
 
 
 def test_truncated_completions_carry_no_loss(tiny_model_dir, reward_dir):
-    module = make(GRPO, tiny_model_dir, reward_dir, mask_truncated_completions=True, max_new_tokens=3)
+    module = make_online(GRPO, tiny_model_dir, reward_dir, mask_truncated_completions=True, max_new_tokens=3)
     experience, stats = module.rollout(prompt_batch(module))
     loss_mask = module.loss_mask(experience)
     stopped_rows = loss_mask.any(-1)
@@ -143,21 +143,21 @@ def test_truncated_completions_carry_no_loss(tiny_model_dir, reward_dir):
     policy = [p for n, p in module.named_parameters() if adapter_of(n) == "policy"]
     assert all(g.abs().sum() == 0 for g in torch.autograd.grad(total, policy, allow_unused=False))
     with pytest.raises(ValueError, match="mask_truncated_completions needs a stop_token"):
-        make(GRPO, tiny_model_dir, reward_dir, mask_truncated_completions=True, stop_token=None)
+        make_online(GRPO, tiny_model_dir, reward_dir, mask_truncated_completions=True, stop_token=None)
 
 
 def test_lora_dropout_is_forced_to_zero_and_top_k_is_refused(tiny_model_dir, reward_dir):
-    module = make(GRPO, tiny_model_dir, reward_dir, policy_lora=LoraSpec(r=4, alpha=8, dropout=0.3))
+    module = make_online(GRPO, tiny_model_dir, reward_dir, policy_lora=LoraSpec(r=4, alpha=8, dropout=0.3))
     assert module.model.model.peft_config["policy"].lora_dropout == 0.0
     experience, _ = module.rollout(prompt_batch(module))  # old log-probs from the rollout (2 x 2 steps)
     terms = module.losses(experience)
     assert terms["policy/ratio"].item() == pytest.approx(1.0, abs=1e-6)  # no dropout noise between passes
     with pytest.raises(ValueError, match="top_k/top_p"):
-        make(GRPO, tiny_model_dir, reward_dir, top_k=5)
+        make_online(GRPO, tiny_model_dir, reward_dir, top_k=5)
     with pytest.raises(ValueError, match="samples_per_prompt >= 2"):
-        make(RLOO, tiny_model_dir, reward_dir, samples_per_prompt=1)
+        make_online(RLOO, tiny_model_dir, reward_dir, samples_per_prompt=1)
     with pytest.raises(ValueError, match="epochs must be an integer >= 1, got 0"):
-        make(GRPO, tiny_model_dir, reward_dir, epochs=0)
+        make_online(GRPO, tiny_model_dir, reward_dir, epochs=0)
 
 
 def length_bonus(prompts, completions, completion_ids, topic, **kwargs):
@@ -207,7 +207,7 @@ def test_a_bad_reward_function_is_named_with_its_row(returned, error, match):
 
 def test_grpo_fit_logs_its_terms_and_resumes_exactly(tiny_model_dir, reward_dir, tmp_path):
     kwargs = dict(kl_coef=0.05, policy_loss=Clip(clip_range_high=0.28), ent_coef=0.01)
-    module = make(GRPO, tiny_model_dir, reward_dir, **kwargs)
+    module = make_online(GRPO, tiny_model_dir, reward_dir, **kwargs)
     trainer, uninterrupted = fit_iterations(module, prompts(module, n=24, batch_size=4), tmp_path / "full", iterations=4,
                                   prefix="grpo/")
     expected = {"grpo/loss/policy", "grpo/loss/kl", "grpo/loss/entropy", "grpo/loss/total", "grpo/policy/approx_kl",
@@ -217,7 +217,7 @@ def test_grpo_fit_logs_its_terms_and_resumes_exactly(tiny_model_dir, reward_dir,
     assert expected <= set(uninterrupted[-1]), expected - set(uninterrupted[-1])
     assert trainer.global_step == 4 * 2 * 2
     checkpoint = tmp_path / "full" / "epoch=0-step=8.ckpt"  # after iteration 2 of 4
-    resumed_module = make(GRPO, tiny_model_dir, reward_dir, **kwargs)
+    resumed_module = make_online(GRPO, tiny_model_dir, reward_dir, **kwargs)
     _, resumed = fit_iterations(resumed_module, prompts(resumed_module, n=24, batch_size=4), tmp_path / "resumed",
                       iterations=4, ckpt_path=str(checkpoint), prefix="grpo/")
     assert resumed == uninterrupted[2:]
@@ -225,7 +225,7 @@ def test_grpo_fit_logs_its_terms_and_resumes_exactly(tiny_model_dir, reward_dir,
 
 @pytest.mark.parametrize("cls", [PPO, *CRITIC_FREE], ids=lambda cls: cls.__name__)
 def test_every_module_holds_one_copy_of_the_base(cls, tiny_model_dir, reward_dir):
-    assert_one_copy_of_the_base(make(cls, tiny_model_dir, reward_dir), tiny_model_dir)
+    assert_one_copy_of_the_base(make_online(cls, tiny_model_dir, reward_dir), tiny_model_dir)
 
 
 def test_the_cli_takes_a_list_of_weighted_reward_sources(tiny_model_dir, reward_dir, tmp_path):

@@ -4,6 +4,7 @@ the policy adapter, and the shipped config from the command line logging every m
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -18,12 +19,11 @@ from rlhf_lightning.algorithms.kto import kto_loss, kto_reference_point, one_lab
 from rlhf_lightning.cli import main
 from rlhf_lightning.data.sources import DataFormatError, Record
 from rlhf_lightning.models.shared_base import REFERENCE, adapter_of
-from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.stages.kto import EXAMPLE_METRICS
 from rlhf_lightning.tasks import make_task
 from rlhf_lightning.tasks.synthetic import gold_rewards
 from tests.helpers.cli import logged_keys, one_line
-from tests.helpers.models import LORA, built
+from tests.helpers.modules import make
 from tests.helpers.offline import perturb_policy
 
 REPO = Path(__file__).resolve().parents[2]
@@ -129,10 +129,7 @@ def move_policy(module: KTO, seed: int) -> None:
                 parameter.normal_(0, 0.5)
 
 
-def make_kto(tiny_model_dir: Path, **kwargs) -> KTO:
-    torch.manual_seed(0)
-    defaults = dict(policy_lora=LORA, max_new_tokens=4, lr=1e-2, gold_reward=gold_rewards)
-    return built(KTO(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), **{**defaults, **kwargs}))
+make_kto = functools.partial(make, KTO, defaults=dict(max_new_tokens=4, gold_reward=gold_rewards))
 
 
 def examples(module: KTO, n: int = 16, batch_size: int = 8) -> UnpairedPreferenceDataModule:

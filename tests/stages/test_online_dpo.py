@@ -6,6 +6,7 @@ shipped config runs from the command line logging every metric."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import pytest
@@ -18,17 +19,13 @@ from rlhf_lightning.models.shared_base import REFERENCE, adapter_of
 from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.tasks.synthetic import gold_rewards
 from tests.helpers.cli import logged_keys, one_line
-from tests.helpers.models import LORA, built
+from tests.helpers.modules import make
 from tests.helpers.online import fit_iterations, perturb, prompt_batch, prompts
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def make(tiny_model_dir, reward_dir, **kwargs) -> OnlineDPO:
-    torch.manual_seed(0)
-    defaults = dict(policy_lora=LORA, max_new_tokens=6, policy_lr=1e-2, gold_reward=gold_rewards)
-    return built(OnlineDPO(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), reward=AdapterReward(str(reward_dir)),
-                           **{**defaults, **kwargs}))
+make_online_dpo = functools.partial(make, OnlineDPO, defaults=dict(max_new_tokens=6, gold_reward=gold_rewards))
 
 
 def sequence_logps(module: OnlineDPO, role, experience) -> torch.Tensor:
@@ -39,7 +36,7 @@ def sequence_logps(module: OnlineDPO, role, experience) -> torch.Tensor:
 
 
 def test_each_prompts_two_samples_are_ranked_into_a_pair_chosen_first(tiny_model_dir, reward_dir):
-    module = make(tiny_model_dir, reward_dir)
+    module = make_online_dpo(tiny_model_dir, reward_dir)
     batch = prompt_batch(module, n=8)
     with module.sampler.gathered(module.model):
         raw, _ = module.collect(batch)
@@ -61,7 +58,7 @@ def test_each_prompts_two_samples_are_ranked_into_a_pair_chosen_first(tiny_model
 
 @pytest.mark.parametrize("loss_type, beta", [("sigmoid", 0.1), ("ipo", 0.5), ("simpo", 2.0)])
 def test_the_loss_is_the_dpo_loss_of_the_untied_pairs(tiny_model_dir, reward_dir, loss_type, beta):
-    module = make(tiny_model_dir, reward_dir, loss_type=loss_type, beta=beta)
+    module = make_online_dpo(tiny_model_dir, reward_dir, loss_type=loss_type, beta=beta)
     perturb(module, "policy")
     experience, _ = module.rollout(prompt_batch(module, n=8))
     # A tie, made here on the experience as the ranking marks it: that pair must carry no loss.
@@ -81,7 +78,7 @@ def test_the_loss_is_the_dpo_loss_of_the_untied_pairs(tiny_model_dir, reward_dir
 
 
 def test_an_iteration_keeps_pairs_whole_and_trains_only_the_policy_adapter(tiny_model_dir, reward_dir, tmp_path):
-    module = make(tiny_model_dir, reward_dir, num_minibatches=2, gradient_accumulation=2)
+    module = make_online_dpo(tiny_model_dir, reward_dir, num_minibatches=2, gradient_accumulation=2)
     seen = []  # every micro-batch's rows, as (pair weights, prompt tokens)
     loss = module.loss
 

@@ -1,0 +1,35 @@
+"""The one way the tests build a module: :func:`make`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlhf_lightning import PPO, AdapterReward
+from rlhf_lightning.cli.errors import accepted_arguments
+from rlhf_lightning.models.spec import BaseModelSpec
+from tests.helpers.models import LORA, built
+
+
+def make(cls: type, model_dir: str | Path, reward: Any = None, defaults: dict[str, Any] | None = None,
+         **arguments: Any):
+    """``cls`` built (``configure_model``) on the base saved in ``model_dir``, with the tests' small adapters
+    (:data:`LORA` for the policy, and the critic of PPO) and a learning rate of 1e-2, after ``torch.manual_seed(0)``
+    so that its adapters start alike in every test.
+
+    ``reward``: a reward source, or the folder of a reward adapter (an :class:`AdapterReward` of it); none for the
+    offline stages. ``defaults``: a test file's own settings (those the class does not take are left out: online
+    DPO fixes its ``samples_per_prompt``); ``arguments`` override everything.
+    """
+    torch.manual_seed(0)
+    accepted = set(accepted_arguments(f"{cls.__module__}.{cls.__qualname__}"))
+    settings = {"policy_lora": LORA, ("policy_lr" if "policy_lr" in accepted else "lr"): 1e-2}
+    if issubclass(cls, PPO):
+        settings["critic_lora"] = LORA
+    settings |= {name: value for name, value in (defaults or {}).items() if name in accepted}
+    if reward is not None:
+        settings["reward"] = AdapterReward(str(reward)) if isinstance(reward, (str, Path)) else reward
+    return built(cls(base=BaseModelSpec(name_or_path=str(model_dir)), **{**settings, **arguments}))
+
