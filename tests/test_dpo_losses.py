@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from rlhf_lightning.algorithms.dpo import DPOLossOutput, dpo_loss, nll_loss, preference_metrics
+from rlhf_lightning.algorithms.dpo import dpo_loss, nll_loss
 
 REFERENCE_TYPES = ("sigmoid", "robust", "ipo", "hinge", "sigmoid_norm")
 ALL_TYPES = (*REFERENCE_TYPES, "simpo")
@@ -386,37 +386,6 @@ def test_nll_loss_is_the_mean_of_per_sequence_per_token_nll():
     assert abs(loss.item() - 13.0 / 7.0) > 0.1
     loss.backward()
     close(chosen.grad, [-1.0 / (2 * 2), -1.0 / (2 * 5)])  # -1 / (B * |y_i|)
-
-
-# ---------------------------------------------------------------- metrics
-
-
-def test_preference_metrics_values():
-    # Pair 0: chosen ahead by 0.2; pair 1: behind by 0.1; pair 2: a tie, which counts as wrong.
-    output = DPOLossOutput(
-        losses=t(0.0, 0.0, 0.0),
-        chosen_rewards=t(0.3, -0.1, 0.2),
-        rejected_rewards=t(0.1, 0.0, 0.2),
-        logits=t(0.0, 0.0, 0.0),
-    )
-    metrics = preference_metrics(output)
-    assert set(metrics) == {"rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin"}
-    close(metrics["rewards/chosen"], 0.4 / 3)
-    close(metrics["rewards/rejected"], 0.3 / 3)
-    close(metrics["rewards/accuracy"], 1.0 / 3)
-    close(metrics["rewards/margin"], (0.2 - 0.1 + 0.0) / 3)
-    for value in metrics.values():
-        assert value.dim() == 0
-
-
-def test_preference_metrics_from_a_loss_are_detached():
-    chosen = t(-3.0).requires_grad_()
-    metrics = preference_metrics(dpo_loss(**pair_a(policy_chosen_logps=chosen)))
-    close(metrics["rewards/chosen"], 0.1)
-    close(metrics["rewards/rejected"], -0.05)
-    close(metrics["rewards/accuracy"], 1.0)
-    close(metrics["rewards/margin"], 0.15)
-    assert not any(value.requires_grad for value in metrics.values())
 
 
 # ---------------------------------------------------------------- validation
