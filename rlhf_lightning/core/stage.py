@@ -13,7 +13,7 @@ import lightning as L
 import torch
 from torch import Tensor
 
-from rlhf_lightning.core.distributed import sharding_mesh
+from rlhf_lightning.core.distributed import OverRanks, sharding_mesh
 from rlhf_lightning.core.optimizer_ids import numbered_by_module_position
 from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer, position_limit
 from rlhf_lightning.models.sharding import build_sharded, local_tensor
@@ -36,7 +36,7 @@ from rlhf_lightning.utils.timing import phase
 log = logging.getLogger(__name__)
 
 
-class StageModule(L.LightningModule):
+class StageModule(OverRanks, L.LightningModule):
     """Base class of the stage modules.
 
     Construction stores and checks the arguments and reads nothing (``--help``, ``--print_config`` and a config
@@ -101,27 +101,6 @@ class StageModule(L.LightningModule):
     def datamodule(self) -> Any | None:
         """The trainer's data module; None outside a Trainer, or in a fit given dataloaders instead."""
         return self.trainer.datamodule if self._trainer is not None else None
-
-    @property
-    def is_distributed(self) -> bool:
-        """Whether this module runs in a fit of several processes (False outside a Trainer)."""
-        return self._trainer is not None and self.trainer.world_size > 1
-
-    def reduce_over_ranks(self, value: Tensor, reduce_op: str) -> Tensor:
-        """``value`` reduced over the ranks of a distributed fit with ``reduce_op`` (``sum``, ``mean``, ``max``,
-        ...; every rank must call it), itself outside one."""
-        if not self.is_distributed:
-            return value
-        return self.trainer.strategy.reduce(value.clone(), reduce_op=reduce_op)  # Lightning reduces in place
-
-    def mean_over_ranks(self, value: Tensor) -> Tensor:
-        """The mean of ``value`` over the ranks of a distributed fit (itself outside one)."""
-        return self.reduce_over_ranks(value, "mean")
-
-    def sum_over_ranks(self, value: Tensor) -> Tensor:
-        """``value`` summed over the ranks of a distributed fit (itself outside one): what batch statistics take
-        (``over_ranks``) to be those of the global batch."""
-        return self.reduce_over_ranks(value, "sum")
 
     @property
     def export_folder(self) -> Path | None:
