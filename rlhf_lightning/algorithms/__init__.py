@@ -1,5 +1,9 @@
-"""RLHF math as pure tensor functions: masked statistics, KL penalties, GAE, group advantages, surrogate and value
-errors, DPO-family and Bradley-Terry losses. No model, no Lightning: each is checked number by number in tests."""
+"""RLHF math as pure tensor functions: masked statistics (``masked``), KL penalties and their coefficient
+controllers (``kl``), GAE (``advantages``), group advantages (``group``), the surrogate and loss aggregation
+(``surrogate``), the registry of policy losses (``policy_losses``), log-probs, entropies and value errors
+(``losses``), the importance-sampling correction of another engine's rollouts (``rollout_correction``), DPO-family
+(``dpo``), KTO (``kto``) and Bradley-Terry (``preference``) losses, and pass@k and maj@k (``pass_at_k``). No model, no
+Lightning: each is checked number by number in tests."""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Lightning callbacks of the framework."""
+"""Lightning callbacks of the framework: crash-safe checkpoints and resuming (``checkpoint``), a stop at the next step
+on SIGTERM or SIGINT (``preemption``), progress bars (``progress``) and progress lines (``progress_lines``), what a fit
+says at its start and end (``run_report``) from what bounds it (``run_shape``), a validation before the first update
+(``validate_at_start``), the not-learning check (``learning_check``) and the completions table (``completions``)."""
 
 from rlhf_lightning.callbacks.checkpoint import Checkpoint, IterationCheckpoint
 from rlhf_lightning.callbacks.completions import CompletionsTable
