@@ -13,7 +13,6 @@ from rlhf_lightning.algorithms.kl import (
     FixedKLController,
     KLEstimator,
     kl_penalty,
-    sequence_kl_penalty,
     token_rewards,
 )
 from rlhf_lightning.algorithms.losses import (
@@ -39,7 +38,6 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
-    "sequence_kl_penalty",
     "token_rewards",
     "value_errors",
 ]

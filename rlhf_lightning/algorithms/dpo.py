@@ -195,18 +195,18 @@ def nll_loss(chosen_logps: Tensor, chosen_lengths: Tensor) -> Tensor:
     return (-chosen_logps / lengths).mean()
 
 
-def preference_metrics(output: DPOLossOutput) -> dict[str, Tensor]:
-    """Batch means of the implicit rewards, all 0-dim and detached.
-
-    ``rewards/accuracy`` is the share of pairs whose chosen reward is strictly greater (a tie counts as wrong,
-    so a policy equal to its reference scores 0); ``rewards/margin`` is the mean of chosen - rejected.
-    Shapes: ``[B]`` fields of ``output`` -> 0-dim tensors.
+def pair_values(output: DPOLossOutput, chosen_logps: Tensor, rejected_logps: Tensor) -> dict[str, Tensor]:
+    """What DPO and online DPO log of each pair, all ``[B]`` and detached: the implicit rewards
+    (``rewards/chosen``, ``rewards/rejected``), ``rewards/accuracy`` (1 where the chosen reward is strictly greater:
+    a tie counts as wrong, so a policy equal to its reference scores 0), ``rewards/margin`` (chosen - rejected) and
+    the summed log-probs ``chosen_logps`` and ``rejected_logps`` (``logps/chosen``, ``logps/rejected``).
     """
-    chosen = output.chosen_rewards.detach()
-    rejected = output.rejected_rewards.detach()
+    chosen, rejected = output.chosen_rewards.detach(), output.rejected_rewards.detach()
     return {
-        "rewards/chosen": chosen.mean(),
-        "rewards/rejected": rejected.mean(),
-        "rewards/accuracy": (chosen > rejected).to(chosen.dtype).mean(),
-        "rewards/margin": (chosen - rejected).mean(),
+        "rewards/chosen": chosen,
+        "rewards/rejected": rejected,
+        "rewards/accuracy": (chosen > rejected).float(),
+        "rewards/margin": chosen - rejected,
+        "logps/chosen": chosen_logps.detach(),
+        "logps/rejected": rejected_logps.detach(),
     }

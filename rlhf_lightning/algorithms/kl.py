@@ -43,13 +43,6 @@ def _check_coef(coef: float) -> float:
     return float(coef)
 
 
-
-def sequence_kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, response_mask: Tensor,
-                        estimator: KLEstimator = "k1", clamp: float | None = None) -> Tensor:
-    """``[B]``: :func:`kl_penalty` summed over each response's tokens (``response_mask`` ``[B, R]``); with k1, the
-    sequence log-ratio that TRL's RLOO subtracts from the reward."""
-    return torch.where(response_mask, kl_penalty(logprobs, ref_logprobs, estimator, clamp), 0.0).sum(-1)
-
 class FixedKLController:
     """KL coefficient that stays at ``coef`` for the whole run."""
 

@@ -1,4 +1,5 @@
-"""Which of Lightning's strategies a stage runs under, and the device mesh it shards the base over.
+"""Which of Lightning's strategies a stage runs under, the device mesh it shards the base over, and what a stage
+computes over the ranks of a distributed fit (:class:`OverRanks`).
 
 DDP (``strategy: ddp``) replicates the module and needs nothing here. Lightning's ``ModelParallelStrategy``
 (FSDP2) asks the module to shard itself in ``configure_model``: ours shard the shared base over the strategy's
@@ -11,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import lightning as L
+from torch import Tensor
 
 
 def sharding_mesh(trainer: L.Trainer | None) -> Any | None:
@@ -72,3 +74,29 @@ def check_parallel_sizes(trainer: L.Trainer) -> None:
         f"{shown['tensor_parallel_size']} does not match the world size {world} (trainer.devices={devices} x "
         f"trainer.num_nodes={nodes}); set data_parallel_size={world} and tensor_parallel_size=1: our modules "
         "shard the base over data-parallel ranks")
+
+
+class OverRanks:
+    """What a LightningModule computes over the ranks of a distributed fit (a base class of
+    :class:`~rlhf_lightning.core.stage.StageModule`): each reduction is the value itself outside one (no Trainer, or
+    one process), and inside one every rank must call it."""
+
+    @property
+    def is_distributed(self) -> bool:
+        """Whether this module runs in a fit of several processes (False outside a Trainer)."""
+        return self._trainer is not None and self.trainer.world_size > 1
+
+    def reduce_over_ranks(self, value: Tensor, reduce_op: str) -> Tensor:
+        """``value`` reduced over the ranks with ``reduce_op`` (``sum``, ``mean``, ``max``, ...)."""
+        if not self.is_distributed:
+            return value
+        return self.trainer.strategy.reduce(value.clone(), reduce_op=reduce_op)  # Lightning reduces in place
+
+    def mean_over_ranks(self, value: Tensor) -> Tensor:
+        """The mean of ``value`` over the ranks."""
+        return self.reduce_over_ranks(value, "mean")
+
+    def sum_over_ranks(self, value: Tensor) -> Tensor:
+        """``value`` summed over the ranks: what batch statistics take (``over_ranks``) to be those of the global
+        batch."""
+        return self.reduce_over_ranks(value, "sum")

@@ -60,12 +60,6 @@ class Experience:
         """``[B, R]`` response tokens (padding after the stop token)."""
         return self.input_ids[:, self.prompt_length :]
 
-    @property
-    def full_response_mask(self) -> Tensor:
-        """``[B, P + R]`` bool: the response tokens, in the coordinates of ``input_ids``."""
-        prompt = torch.zeros_like(self.input_ids[:, : self.prompt_length], dtype=torch.bool)
-        return torch.cat([prompt, self.response_mask], 1)
-
     def extended(self, cls: type[Experience], **fields: Tensor) -> Experience:
         """This experience as ``cls`` (a subclass), with its own ``fields`` added."""
         return cls(**{field.name: getattr(self, field.name) for field in dataclasses.fields(self)}, **fields)
@@ -112,12 +106,6 @@ class Experience:
                 raise ValueError(f"{type(self).__name__}.{field.name} is {list(value.shape)}: a tensor with a second "
                                  f"dimension must be per-token, [B, R={width}, ...], for the columns to be cut")
         return dataclasses.replace(self, **changes)
-
-    def trimmed(self) -> Experience:
-        """This experience cut to the columns its rows need (:meth:`cut`); itself when it has no padding to cut."""
-        openings, responses = self.row_extents()
-        opening, response = torch.stack([openings.max(), responses.max()]).tolist()
-        return self.cut(opening, response)
 
 
 @dataclass(frozen=True)

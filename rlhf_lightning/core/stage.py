@@ -13,7 +13,7 @@ import lightning as L
 import torch
 from torch import Tensor
 
-from rlhf_lightning.core.distributed import sharding_mesh
+from rlhf_lightning.core.distributed import OverRanks, sharding_mesh
 from rlhf_lightning.core.optimizer_ids import numbered_by_module_position
 from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer, position_limit
 from rlhf_lightning.models.sharding import build_sharded, local_tensor
@@ -36,7 +36,7 @@ from rlhf_lightning.utils.timing import phase
 log = logging.getLogger(__name__)
 
 
-class StageModule(L.LightningModule):
+class StageModule(OverRanks, L.LightningModule):
     """Base class of the stage modules.
 
     Construction stores and checks the arguments and reads nothing (``--help``, ``--print_config`` and a config
@@ -97,18 +97,10 @@ class StageModule(L.LightningModule):
         model.train()  # from_pretrained and peft give eval mode; with dropout off the two modes compute the same
         self.model = model
 
-    def mean_over_ranks(self, value: Tensor) -> Tensor:
-        """The mean of ``value`` over the ranks of a distributed fit (itself outside one)."""
-        if self._trainer is None or self.trainer.world_size == 1:
-            return value
-        return self.trainer.strategy.reduce(value.clone(), reduce_op="mean")  # Lightning reduces in place
-
-    def sum_over_ranks(self, value: Tensor) -> Tensor:
-        """``value`` summed over the ranks of a distributed fit (itself outside one): what batch statistics take
-        (``over_ranks``) to be those of the global batch."""
-        if self._trainer is None or self.trainer.world_size == 1:
-            return value
-        return self.trainer.strategy.reduce(value.clone(), reduce_op="sum")
+    @property
+    def datamodule(self) -> Any | None:
+        """The trainer's data module; None outside a Trainer, or in a fit given dataloaders instead."""
+        return self.trainer.datamodule if self._trainer is not None else None
 
     @property
     def export_folder(self) -> Path | None:
@@ -139,9 +131,8 @@ class StageModule(L.LightningModule):
             # Before the model is built (the command line checks this earlier still): a folder the fit could not
             # write would lose the run's result at its end.
             refuse_unwritable(self.trainer, self.export_folder)
-        datamodule = self.trainer.datamodule if self._trainer is not None else None
-        if datamodule is not None and hasattr(datamodule, "longest"):
-            self.check_lengths(datamodule)
+        if self.datamodule is not None and hasattr(self.datamodule, "longest"):
+            self.check_lengths(self.datamodule)
 
     def check_lengths(self, datamodule: Any) -> None:
         """Before the model is built: the data's longest sequences must fit the model's positions."""
@@ -271,9 +262,7 @@ class StageModule(L.LightningModule):
                 bad = nonfinite_names(named)
                 problem = (f"{where or self.training_position()}: non-finite gradients in {len(bad)} parameters "
                            f"{listing(bad, 3)}")
-        found = torch.tensor(float(problem is not None), device=self.device)
-        if self._trainer is not None and self.trainer.world_size > 1:
-            found = self.trainer.strategy.reduce(found, reduce_op="sum")
+        found = self.sum_over_ranks(torch.tensor(float(problem is not None), device=self.device))
         if not bool(found > 0):
             return True
         problem = problem or f"{where or self.training_position()}: a non-finite value on another rank"

@@ -16,24 +16,22 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
-from peft import PeftConfig, PeftModel, get_peft_model
+from peft import PeftModel, get_peft_model
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 from transformers.pytorch_utils import Conv1D
 
-from rlhf_lightning.models.adapter_fit import check_adapter_fits, check_same_base
-from rlhf_lightning.models.fingerprint import weights_fingerprint, write_base_record
+from rlhf_lightning.models.adapter_files import AdapterFiles
+from rlhf_lightning.models.fingerprint import weights_fingerprint
 from rlhf_lightning.models.heads import ScalarHead
 from rlhf_lightning.models.logits import LogitTransform, find_logit_transform
-from rlhf_lightning.models.merging import adapter_of, merged_state_dict
-from rlhf_lightning.models.sharding import decoder_layers, full_tensor, is_sharded
+from rlhf_lightning.models.merging import adapter_of
+from rlhf_lightning.models.sharding import decoder_layers, is_sharded
 from rlhf_lightning.models.shared_prompt import prefix_groups, prefix_shared_hidden_states
 from rlhf_lightning.models.spec import LoraSpec
 from rlhf_lightning.ops.lora import fuse_lora_layers
-from rlhf_lightning.utils.nonfinite import check_finite_weights
 
 REFERENCE = None  # the role name of the plain base model
 
@@ -43,7 +41,7 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-class SharedBase(nn.Module):
+class SharedBase(AdapterFiles, nn.Module):
     """A frozen causal LM with named LoRA adapters and scalar heads, each role a view of the same weights.
 
     ``with base.role("policy"): ...`` runs the block through the policy adapter alone; ``base.role(None)`` runs
@@ -56,7 +54,8 @@ class SharedBase(nn.Module):
             passes over activations); off = peft's own forward.
 
     ``share_prompt`` (off here; the online modules set it): :meth:`hidden_states` given ``shared_until`` encodes
-    rows' equal prefixes once (:mod:`rlhf_lightning.models.shared_prompt`).
+    rows' equal prefixes once (:mod:`rlhf_lightning.models.shared_prompt`). Adapters are loaded and saved, and
+    merged exports written, by the methods of :class:`~rlhf_lightning.models.adapter_files.AdapterFiles`.
     """
 
     def __init__(self, model: PreTrainedModel, train_base: bool = False, fused_lora: bool = True) -> None:
@@ -130,34 +129,6 @@ class SharedBase(nn.Module):
             self.trainable_adapters.add(name)
         self._adapters_changed()
 
-    def load_adapter(self, directory: str | Path, name: str, trainable: bool = False) -> None:
-        """Load an adapter saved by :meth:`save_adapter` (peft format), and its head if one is beside it, after
-        checking that it fits this base: its layers' shapes, and the weights it was trained on (see
-        :func:`~rlhf_lightning.models.adapter_fit.check_same_base`; the adapter is named ``<name> adapter``)."""
-        directory = str(directory)
-        if not (Path(directory) / "adapter_config.json").exists():
-            raise FileNotFoundError(f"{directory}/adapter_config.json not found: not a peft adapter folder")
-        check_adapter_fits(directory, self.hf_model, self.hf_model.config.name_or_path)
-        check_same_base(directory, self.hf_model.config.name_or_path, self.base_fingerprint, f"{name} adapter")
-        if self.is_empty:
-            # The shapes without the values, which rank 0 sends once the base is sharded.
-            config = PeftConfig.from_pretrained(directory)
-            config.inference_mode = not trainable
-            self._inject_adapter(name, config)
-        elif isinstance(self.model, PeftModel):
-            self.model.load_adapter(directory, adapter_name=name, is_trainable=trainable)
-        else:
-            self.model = PeftModel.from_pretrained(self.model, directory, adapter_name=name, is_trainable=trainable)
-        if trainable:
-            self.trainable_adapters.add(name)
-        if ScalarHead.exists(directory):
-            if self.is_empty:
-                self.heads[name] = ScalarHead(ScalarHead.saved_hidden_size(directory, self.hidden_size)).to("meta")
-            else:
-                self.heads[name] = ScalarHead.load(directory, expected_hidden_size=self.hidden_size)
-            self.heads[name].requires_grad_(trainable)
-        self._adapters_changed()
-
     def _inject_adapter(self, name: str, config) -> None:
         if isinstance(self.model, PeftModel):
             self.model.add_adapter(name, config)
@@ -188,46 +159,6 @@ class SharedBase(nn.Module):
                 self.heads[target].load_state_dict(self.heads[source].state_dict())
         if copied == 0:
             raise ValueError(f"adapter {target!r} has no parameters to copy into")
-
-    def save_adapter(self, name: str, directory: str | Path, write: bool = True) -> Path:
-        """Write adapter ``name`` in peft format (readable by ``PeftModel.from_pretrained``) plus its head, and the
-        fingerprint of the base's weights it was trained on (a base from a local folder).
-
-        Sharded, every rank must call it (the weights are gathered) and only the one with ``write`` writes.
-        Returns the folder holding the adapter: ``directory/name``.
-        """
-        directory = Path(directory)
-        weights = {key: full_tensor(value.detach()) for key, value in self.model.named_parameters()
-                   if adapter_of(key) == name}
-        head = ({key: full_tensor(value.detach()) for key, value in self.heads[name].named_parameters()}
-                if name in self.heads else {})
-        # peft writes every adapter but "default" into a sub-folder named after it.
-        adapter_dir = directory if name == "default" else directory / name
-        if not write:
-            return adapter_dir
-        check_finite_weights({**weights, **{f"heads.{name}.{key}": value for key, value in head.items()}},
-                             f"adapter {name!r} to {directory}")
-        self.model.save_pretrained(str(directory), selected_adapters=[name], state_dict=weights)
-        if head:
-            ScalarHead.save_state(adapter_dir, head, self.heads[name].hidden_size)
-        if self.base_fingerprint is not None:
-            write_base_record(adapter_dir, self.hf_model.config.name_or_path, self.base_fingerprint)
-        return adapter_dir
-
-    def save_merged(self, adapter: str | None, directory: str | Path, tokenizer=None, write: bool = True) -> Path:
-        """Write a standalone transformers model (``from_pretrained``-able) with ``adapter`` merged in.
-
-        Sharded, every rank must call it (the weights are gathered) and only the one with ``write`` writes.
-        """
-        directory = Path(directory)
-        state = merged_state_dict(self.hf_model, adapter)
-        if not write:
-            return directory
-        check_finite_weights(state, f"the model to {directory}")
-        self.hf_model.save_pretrained(directory, state_dict=state)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(directory)
-        return directory
 
     def base_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """The base model's own parameters (not adapters, not heads)."""

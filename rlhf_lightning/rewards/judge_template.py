@@ -62,10 +62,6 @@ class JudgeTemplate:
         self.template = template
         self.columns = [name for name in dict.fromkeys(self.fields) if name not in BUILT_IN_FIELDS]
 
-    @property
-    def is_chat(self) -> bool:
-        return isinstance(self.template, list)
-
     def check_columns(self, columns: Sequence[str]) -> None:
         """Every field besides ``prompt`` and ``response`` must be a column of the prompt data."""
         missing = [name for name in self.columns if name not in columns]

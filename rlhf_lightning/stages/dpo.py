@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlhf_lightning.algorithms.dpo import DPOLossType, check_dpo_arguments, dpo_loss
+from rlhf_lightning.algorithms.dpo import DPOLossType, check_dpo_arguments, dpo_loss, pair_values
 from rlhf_lightning.core.offline import OfflinePreference
 from rlhf_lightning.core.policy import POLICY, PolicyModule
 from rlhf_lightning.data.collate import EncodedPair
@@ -104,10 +104,7 @@ class DPO(OfflinePreference):
         out = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, chosen_lengths, rejected_lengths, hp.beta,
                        hp.loss_type, hp.label_smoothing, hp.simpo_gamma)
         losses = out.losses
-        values = {"rewards/chosen": out.chosen_rewards, "rewards/rejected": out.rejected_rewards,
-                  "rewards/accuracy": (out.chosen_rewards > out.rejected_rewards).float(),
-                  "rewards/margin": out.chosen_rewards - out.rejected_rewards,
-                  "logps/chosen": chosen.detach(), "logps/rejected": rejected.detach()}
+        values = pair_values(out, chosen, rejected)
         if hp.rpo_alpha:
             nll = -chosen / chosen_lengths  # per-token NLL of each chosen response (algorithms.dpo.nll_loss)
             losses = losses + hp.rpo_alpha * nll
@@ -168,7 +165,7 @@ class DPO(OfflinePreference):
                 values = self.sequence_logps(REFERENCE, batch).view(2, -1).float()
                 kept = [offset for offset in range(len(rows)) if start + offset < len(mine)]
                 table[:, batch["index"][kept]] = values[:, kept]
-        return self.trainer.strategy.reduce(table, reduce_op="sum").cpu()
+        return self.sum_over_ranks(table).cpu()
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)

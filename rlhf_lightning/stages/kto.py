@@ -79,7 +79,7 @@ class KTO(OfflinePreference):
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        datamodule = self.trainer.datamodule if self._trainer is not None else None
+        datamodule = self.datamodule
         if stage != "fit" or datamodule is None:
             return
         if not hasattr(datamodule, "label_counts"):

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlhf_lightning.algorithms.dpo import DPOLossType, check_dpo_arguments, dpo_loss
+from rlhf_lightning.algorithms.dpo import DPOLossType, check_dpo_arguments, dpo_loss, pair_values
 from rlhf_lightning.algorithms.kl import kl_penalty
 from rlhf_lightning.algorithms.masked import masked_mean
 from rlhf_lightning.core.collect import Stats
@@ -106,12 +106,9 @@ class OnlineDPO(OnlineRL):
         old_logprobs = logprobs.detach() if micro.logprobs is None else micro.logprobs
         # How far the policy has moved from the sampling policy (k3 of KL(pi_old || pi)), for target_kl and logs.
         terms: Stats = {"policy/approx_kl": masked_mean(kl_penalty(old_logprobs, logprobs.detach(), "k3"), mask)}
-        margin = out.chosen_rewards - out.rejected_rewards
-        pair_values = {"rewards/chosen": out.chosen_rewards, "rewards/rejected": out.rejected_rewards,
-                       "rewards/margin": margin, "rewards/accuracy": (margin > 0).float(),
-                       "logps/chosen": summed[0::2].detach(), "logps/rejected": summed[1::2].detach()}
         # Means over the untied pairs (0 when every pair is a tie: every rank logs the same names).
-        terms |= {name: masked_mean(value, weights) for name, value in pair_values.items()}
+        terms |= {name: masked_mean(value, weights)
+                  for name, value in pair_values(out, summed[0::2], summed[1::2]).items()}
         loss = (out.losses * weights).sum() / normaliser
         terms["loss/policy"] = loss
         return loss, terms

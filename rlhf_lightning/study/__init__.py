@@ -1,9 +1,14 @@
 """Studies built on the framework, on the embedded task whose true (gold) reward is known.
 
-* ``python -m rlhf_lightning.study.family``: every method of the family at several KL strengths over seeds of the
-  pipeline: gold per nat of KL and per CPU-second, at matched KL.
-* ``python -m rlhf_lightning.study.overoptimisation``: PPO against the reward model without and with a KL
-  penalty, and best-of-n, on one seed (Gao et al. 2022).
+* ``python -m rlhf_lightning.study.family`` (``family``): every method of the family at several KL strengths over
+  seeds of the pipeline: gold per nat of KL and per CPU-second, at matched KL. Its methods (``methods``), its units
+  of work and how they run (``family_units``), every method measured alike on held-out prompts (``evaluation``), its
+  numbers (``frontier``), results and summary (``family_summary``) and figures (``family_plot``).
+* ``python -m rlhf_lightning.study.overoptimisation`` (``overoptimisation``): PPO against the reward model without
+  and with a KL penalty, and best-of-n, on one seed (Gao et al. 2022). Its PPO runs (``runs``), numbers
+  (``analysis``) and figure (``plot``).
+
+Both use best-of-n sampling against the proxy (``best_of_n``) and Gao et al.'s functional forms and fits (``gao``).
 """
 
 from rlhf_lightning.study.best_of_n import best_of_n_curve, best_of_n_expectation, best_of_n_weights

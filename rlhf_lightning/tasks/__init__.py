@@ -1,7 +1,8 @@
 """The embedded tasks, built from a seed with no download: ``synthetic`` (a small language with a hidden gold
-reward), ``arithmetic`` (additions with a checkable answer), ``calculator`` (large additions with a tool) and
-``arithmetic_judge`` (verdicts on arithmetic answers, to train a judge). ``dataset: <name>`` in a data module generates
-the task's rows and ``tokenizer: <name>`` in a base model builds its tokenizer."""
+reward; its parts in ``synthetic_grammar``, ``synthetic_gold`` and ``synthetic_data``), ``arithmetic`` (additions
+with a checkable answer), ``calculator`` (large additions with a tool) and ``arithmetic_judge`` (verdicts on
+arithmetic answers, to train a judge); the exact checker of the addition tasks is ``checking``. ``dataset: <name>`` in
+a data module generates the task's rows and ``tokenizer: <name>`` in a base model builds its tokenizer."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rlhf_lightning.tasks.checking import check_sums, reads_answer_column
-from rlhf_lightning.tasks.synthetic import CHAT_TEMPLATE, EOS, PAD, SPECIAL_TOKENS, UNK
+from rlhf_lightning.tasks.synthetic_grammar import CHAT_TEMPLATE, EOS, PAD, SPECIAL_TOKENS, UNK
 
 DIGITS = tuple(str(d) for d in range(10))
 WORDS = ("add", "+", "=", ",", "answer")

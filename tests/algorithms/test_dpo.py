@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from rlhf_lightning.algorithms.dpo import DPOLossOutput, dpo_loss, nll_loss, preference_metrics
+from rlhf_lightning.algorithms.dpo import DPOLossOutput, dpo_loss, nll_loss, pair_values
 
 REFERENCE_TYPES = ("sigmoid", "robust", "ipo", "hinge", "sigmoid_norm")
 ALL_TYPES = (*REFERENCE_TYPES, "simpo")
@@ -388,37 +388,6 @@ def test_nll_loss_is_the_mean_of_per_sequence_per_token_nll():
     close(chosen.grad, [-1.0 / (2 * 2), -1.0 / (2 * 5)])  # -1 / (B * |y_i|)
 
 
-# ---------------------------------------------------------------- metrics
-
-
-def test_preference_metrics_values():
-    # Pair 0: chosen ahead by 0.2; pair 1: behind by 0.1; pair 2: a tie, which counts as wrong.
-    output = DPOLossOutput(
-        losses=t(0.0, 0.0, 0.0),
-        chosen_rewards=t(0.3, -0.1, 0.2),
-        rejected_rewards=t(0.1, 0.0, 0.2),
-        logits=t(0.0, 0.0, 0.0),
-    )
-    metrics = preference_metrics(output)
-    assert set(metrics) == {"rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin"}
-    close(metrics["rewards/chosen"], 0.4 / 3)
-    close(metrics["rewards/rejected"], 0.3 / 3)
-    close(metrics["rewards/accuracy"], 1.0 / 3)
-    close(metrics["rewards/margin"], (0.2 - 0.1 + 0.0) / 3)
-    for value in metrics.values():
-        assert value.dim() == 0
-
-
-def test_preference_metrics_from_a_loss_are_detached():
-    chosen = t(-3.0).requires_grad_()
-    metrics = preference_metrics(dpo_loss(**pair_a(policy_chosen_logps=chosen)))
-    close(metrics["rewards/chosen"], 0.1)
-    close(metrics["rewards/rejected"], -0.05)
-    close(metrics["rewards/accuracy"], 1.0)
-    close(metrics["rewards/margin"], 0.15)
-    assert not any(value.requires_grad for value in metrics.values())
-
-
 # ---------------------------------------------------------------- validation
 
 
@@ -483,3 +452,31 @@ def test_nll_loss_validation():
         nll_loss(t(-3.0, -1.0), torch.tensor([2, 0]))
     with pytest.raises(ValueError, match="chosen_logps must be 1-D"):
         nll_loss(torch.zeros(2, 3), torch.tensor([2, 3]))
+
+
+# ---- what DPO and online DPO log of each pair (pair_values), by hand ----
+
+def test_pair_values_by_hand():
+    # Pair 0: chosen ahead by 0.2; pair 1: behind by 0.1; pair 2: a tie, which counts as wrong.
+    output = DPOLossOutput(losses=t(0.0, 0.0, 0.0), chosen_rewards=t(0.3, -0.1, 0.2),
+                           rejected_rewards=t(0.1, 0.0, 0.2), logits=t(0.0, 0.0, 0.0))
+    values = pair_values(output, t(-3.0, -4.0, -5.0), t(-6.0, -7.0, -8.0))
+    assert list(values) == ["rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin",
+                            "logps/chosen", "logps/rejected"]
+    torch.testing.assert_close(values["rewards/chosen"], t(0.3, -0.1, 0.2))
+    torch.testing.assert_close(values["rewards/rejected"], t(0.1, 0.0, 0.2))
+    assert values["rewards/accuracy"].tolist() == [1.0, 0.0, 0.0]
+    torch.testing.assert_close(values["rewards/margin"], t(0.2, -0.1, 0.0))
+    torch.testing.assert_close(values["logps/chosen"], t(-3.0, -4.0, -5.0))
+    torch.testing.assert_close(values["logps/rejected"], t(-6.0, -7.0, -8.0))
+
+
+def test_pair_values_of_a_loss_are_detached():
+    chosen, rejected = t(-3.0).requires_grad_(), t(-5.0).requires_grad_()
+    output = dpo_loss(chosen, rejected, t(-4.0), t(-4.5), t(2.0), t(5.0), beta=0.1)
+    values = pair_values(output, chosen, rejected)
+    torch.testing.assert_close(values["rewards/chosen"], t(0.1))
+    torch.testing.assert_close(values["rewards/rejected"], t(-0.05))
+    torch.testing.assert_close(values["rewards/margin"], t(0.15))
+    assert values["rewards/accuracy"].tolist() == [1.0]
+    assert not any(value.requires_grad for value in values.values())

@@ -100,7 +100,7 @@ def nan_reward(prompts, completions, **kwargs):
 
 def test_a_reward_function_returning_nan_is_named_with_the_iteration(tiny_model_dir, tmp_path):
     module = make_small(GRPO, tiny_model_dir, FunctionReward(nan_reward), export_dir=str(tmp_path / "export"))
-    with pytest.raises(ValueError, match=r"^iteration 1: reward function (tests\.)?test_nonfinite\.nan_reward returned "
+    with pytest.raises(ValueError, match=r"^iteration 1: reward function (tests\.contracts\.)?test_nonfinite\.nan_reward returned "
                                          r"nan for row 1 \(completion .*\): expected a finite float, or None"):
         fit(module, tmp_path, iterations=1, prefix="grpo/")
     assert assert_every_file_finite(tmp_path) == 0 and not (tmp_path / "export").exists()

@@ -55,7 +55,6 @@ def test_experience_select_takes_rows_of_every_field_keeps_its_class_and_is_immu
     assert part.is_stopped.tolist() == [True, True] and part.returns is None
     assert part.advantages is None and part.prompt_length == 2 and part.group_size == 3
     assert part.responses.tolist() == [[10, 11], [2, 3]]
-    assert part.full_response_mask.tolist() == [[False, False, True, True], [False, False, True, True]]
     with_advantages = dataclasses.replace(experience, advantages=torch.ones(3, 2))
     assert experience.advantages is None and with_advantages.advantages.sum() == 6  # a new object
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -68,7 +68,7 @@ def test_the_rollout_is_as_narrow_as_its_rows(stopping_model_dir):
     module = make_stopping(PPO, stopping_model_dir)
     experience, _ = module.rollout(prompt_batch(module))
     openings, responses = experience.row_extents()
-    assert experience.trimmed() is experience
+    assert openings.max() == experience.prompt_length and responses.max() == experience.response_mask.shape[1]
     assert len(set(responses.tolist())) > 1 and len(set(openings.tolist())) > 1  # lengths differ: padding exists
 
 
@@ -86,7 +86,7 @@ def test_a_micro_batch_cut_to_its_rows_gives_the_same_losses_and_gradients(cls, 
     short = (openings < openings.max()) & (responses < responses.max())  # rows with padding on both sides
     assert short.sum() >= 2
     micro = experience.select(short.nonzero().flatten())
-    cut = micro.trimmed()
+    cut = micro.cut(*(int(extent.max()) for extent in micro.row_extents()))
     assert cut.input_ids.shape[1] < micro.input_ids.shape[1] and cut.prompt_length < micro.prompt_length
     assert cut.response_mask.shape[1] < micro.response_mask.shape[1]
     whole, narrow = module.losses(micro), module.losses(cut)
@@ -111,7 +111,7 @@ def test_a_cut_episode_micro_batch_gives_the_same_losses_and_gradients(calculato
     context = experience.attention_mask[:, experience.prompt_length:].bool() & ~experience.response_mask
     assert context.any()  # the environment answered some turns
     micro = experience.select(torch.argsort(responses)[:4])  # the shortest episodes
-    cut = micro.trimmed()
+    cut = micro.cut(*(int(extent.max()) for extent in micro.row_extents()))
     assert cut.response_mask.shape[1] < micro.response_mask.shape[1]
     whole, narrow = module.losses(micro), module.losses(cut)
     for name, value in whole.items():
