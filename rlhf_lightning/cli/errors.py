@@ -267,14 +267,15 @@ def class_problem(lines: list[str], path: list[str]) -> str | None:
     return None
 
 
-def accepted_arguments(class_path: str) -> list[str]:
+def accepted_arguments(class_path: str | type) -> list[str]:
     """Every argument ``class_path``'s constructor takes, as the command line reads it: its parents' included where
-    it passes ``**kwargs`` up, less those it fixes itself in that call (online DPO's ``samples_per_prompt``)."""
+    it passes ``**kwargs`` up, less those it fixes itself in that call (online DPO's ``samples_per_prompt``).
+    ``class_path``: the class's import path, or the class itself."""
     from jsonargparse import ArgumentParser
 
     from rlhf_lightning.runs.resume import import_class
 
-    cls = import_class(class_path)
+    cls = import_class(class_path) if isinstance(class_path, str) else class_path
     if cls is None:
         return []
     parser = ArgumentParser(exit_on_error=False)

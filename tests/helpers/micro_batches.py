@@ -43,7 +43,7 @@ def fit(cls, model_dir, tmp_path, **options) -> dict:
     """Two iterations of two epochs, one minibatch each (so the update's minibatch is the whole rollout, as narrow
     as its rows): the logged rows, each step's gradients, the trained weights and the widths of the update's
     forward passes."""
-    module = make(cls, model_dir, epochs=2, num_minibatches=1, **options)
+    module = make_stopping(cls, model_dir, epochs=2, num_minibatches=1, **options)
     perturb(module, "policy", "critic")
     widths: list[int] = []
     decoder = module.model.hf_model.get_decoder()

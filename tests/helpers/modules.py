@@ -24,7 +24,8 @@ def make(cls: type, model_dir: str | Path, reward: Any = None, defaults: dict[st
     DPO fixes its ``samples_per_prompt``); ``arguments`` override everything.
     """
     torch.manual_seed(0)
-    accepted = set(accepted_arguments(f"{cls.__module__}.{cls.__qualname__}"))
+    accepted = set(accepted_arguments(cls))
+    assert accepted, f"the arguments of {cls} cannot be read"
     settings = {"policy_lora": LORA, ("policy_lr" if "policy_lr" in accepted else "lr"): 1e-2}
     if issubclass(cls, PPO):
         settings["critic_lora"] = LORA
