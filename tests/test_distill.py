@@ -31,14 +31,14 @@ def student(tiny_model_dir, reward_dir, teacher, **kwargs):
 def test_the_advantage_of_a_token_is_the_teachers_log_prob_minus_the_students(tiny_model_dir, reward_dir):
     module = student(tiny_model_dir, reward_dir, teacher=tiny_model_dir)
     torch.manual_seed(0)
-    same, stats = module.rollout(first_batch(module))
+    same, stats = module.collect_and_prepare(first_batch(module))
     # A fresh adapter is the base itself: the teacher (the same base) agrees on every token.
     torch.testing.assert_close(same.advantages, torch.zeros_like(same.advantages), atol=1e-5, rtol=0)
     assert abs(float(stats["teacher/reverse_kl"])) < 1e-4
 
     _perturb(module, "policy")
     torch.manual_seed(1)
-    experience, stats = module.rollout(first_batch(module))
+    experience, stats = module.collect_and_prepare(first_batch(module))
     mask = experience.response_mask
     teacher = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     width = mask.shape[1]
@@ -83,7 +83,7 @@ def test_a_teacher_adapter_on_the_same_base_grades_as_its_merged_model_does(tiny
     module = student(tiny_model_dir, reward_dir, teacher=adapter)
     assert module.teacher_is_adapter and not module._teacher  # no second model: a role on the shared base
     torch.manual_seed(0)
-    experience, stats = module.rollout(first_batch(module))
+    experience, stats = module.collect_and_prepare(first_batch(module))
     mask = experience.response_mask
     teacher = AutoModelForCausalLM.from_pretrained(merged).eval()
     for row in range(mask.shape[0]):
