@@ -1,4 +1,5 @@
-"""Which of Lightning's strategies a stage runs under, and the device mesh it shards the base over.
+"""Which of Lightning's strategies a stage runs under, the device mesh it shards the base over, and the largest of a
+count over ranks (as many micro-batches on every rank).
 
 DDP (``strategy: ddp``) replicates the module and needs nothing here. Lightning's ``ModelParallelStrategy``
 (FSDP2) asks the module to shard itself in ``configure_model``: ours shard the shared base over the strategy's
@@ -11,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import lightning as L
+import torch
 
 
 def sharding_mesh(trainer: L.Trainer | None) -> Any | None:
@@ -72,3 +74,10 @@ def check_parallel_sizes(trainer: L.Trainer) -> None:
         f"{shown['tensor_parallel_size']} does not match the world size {world} (trainer.devices={devices} x "
         f"trainer.num_nodes={nodes}); set data_parallel_size={world} and tensor_parallel_size=1: our modules "
         "shard the base over data-parallel ranks")
+
+
+def most_over_ranks(module: L.LightningModule, count: int) -> int:
+    """The largest ``count`` of any rank of ``module``'s distributed fit (``count`` outside one)."""
+    if module._trainer is None or module.trainer.world_size == 1:
+        return count
+    return int(module.trainer.strategy.reduce(torch.tensor(count, device=module.device), reduce_op="max"))
