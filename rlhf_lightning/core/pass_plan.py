@@ -8,10 +8,12 @@ the whole rollout) and on the KL (where it goes, whether it is charged or only m
 :func:`plan_passes` decides it from :class:`PassSettings`, the one place that does; the loop reads the
 :class:`PassPlan` it returns (``OnlineRL.pass_plan``).
 
-| the update | KL read | the rollout's log-probs from |
-|---|---|---|
-| one optimizer step | in the loss, or not at all | the update's own pass, detached (``update``) |
-| several steps, or a KL read before the update | - | the first update pass made early (``first_update_pass``) when the first step is one micro-batch of the whole rollout and the loss takes it, else a pass of the rollout's (``rollout``) |
+The rollout's log-probs (``PassPlan.logprobs_pass``) come from:
+
+- ``update``, the single optimizer step's own pass, detached, when nothing reads them before it;
+- ``first_update_pass``, the first optimizer step's pass made before the rewards, when the update makes more steps
+  or a KL is read before it, the first step is one micro-batch of the whole rollout and the loss takes that pass;
+- ``rollout``, a pass of the rollout's own, when they are read before the update otherwise.
 """
 
 from __future__ import annotations
