@@ -2,8 +2,9 @@
 
 It holds the sampling settings, the random streams (:class:`~rlhf_lightning.rollout.seeds.Seeds`), the engine that
 ``decoding`` selects (made on first use and kept with its caches and compiled steps; made anew for another model)
-and the gathering of an FSDP2-sharded base. Callers enter :meth:`Sampler.gathered_base` once per rollout (sampling and every
-scoring pass run inside it; DPO's precomputed reference, which samples nothing, too) and call :meth:`Sampler.draw` for each turn.
+and the gathering of an FSDP2-sharded base. Callers enter :meth:`Sampler.gathered_base` once per rollout (sampling and
+every scoring pass run inside it; DPO's precomputed reference, which samples nothing, enters it too) and call
+:meth:`Sampler.draw` for each turn.
 """
 
 from __future__ import annotations
