@@ -11,7 +11,7 @@ from .measure import GIB
 # The printed names of the library's phase markers (rlhf_lightning.utils.timing.PHASES), where a marker's own name
 # does not say which models the phase runs; the one place a printed phase name is chosen.
 PHASE_LABELS = {
-    # the old log-probs are made here unless the update's first pass gives them (PolicyGradient.reuses_first_pass)
+    # the old log-probs are made here unless the update's first pass gives them (PassPlan.reuse_first_pass)
     "rollout/logprobs": "rollout/logprobs (reference; old unless reused)",
     "rollout/values": "rollout/values (critic)",
 }

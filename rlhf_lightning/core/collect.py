@@ -1,13 +1,14 @@
 """Collection: a batch of prompts in, one :class:`~rlhf_lightning.core.experience.Experience` out.
 
-One rollout (single-turn, or episodes with an ``environment``), then the passes that run once per rollout: the
-policy's log-probs at sampling time (when the update needs them), the reference's (when a KL term or measure
-needs them), the reward sources' scores, with the statistics of what was sampled and the guards that keep a
+One rollout (single-turn, or episodes with an ``environment``), then the passes that run once per rollout, as the
+loop's :class:`~rlhf_lightning.core.pass_plan.PassPlan` says: the policy's log-probs at sampling time, the
+reference's, and the reward sources' scores, with the statistics of what was sampled and the guards that keep a
 non-finite score out of training. Held-out prompts go through the same rollout.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -15,8 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlhf_lightning.algorithms import masked_mean
-from rlhf_lightning.core.experience import Experience, Samples, sequence_kl
+from rlhf_lightning.core.experience import Experience, FirstPass, Samples, sampling_statistics
+from rlhf_lightning.core.pass_plan import PassPlan, PassSettings, plan_passes
 from rlhf_lightning.core.policy import POLICY, PolicyModule
 from rlhf_lightning.environments.environment import Environment
 from rlhf_lightning.models.shared_base import REFERENCE, SharedBase
@@ -108,6 +109,7 @@ class ExperienceCollector(PolicyModule):
         self.environment = environment
         self.share_prompt = share_prompt
         self.last_samples: Samples | None = None  # the latest rollout as text (see callbacks.CompletionsTable)
+        self._pass_plan: PassPlan | None = None
 
     def build_model(self, empty: bool) -> SharedBase:
         model = super().build_model(empty)
@@ -121,10 +123,11 @@ class ExperienceCollector(PolicyModule):
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
+        self._pass_plan = plan_passes(self.pass_settings())  # the hyper-parameters are final
         self.rollouts  # noqa: B018 (an environment or chat template that cannot run episodes fails here)
         # A reward function that cannot take TRL's keywords or the data's columns, or cannot read a row's value of
         # one, fails now, not after a rollout.
-        datamodule = self.trainer.datamodule if self._trainer is not None else None
+        datamodule = self.datamodule
         examples = [*(getattr(datamodule, "train_set", None) or []), *getattr(datamodule, "val_set", [])]
         rows = [(example.where, example.columns) for example in examples if hasattr(example, "columns")]
         for source in self.rewards.sources:
@@ -149,34 +152,79 @@ class ExperienceCollector(PolicyModule):
         self.check_positions(rollouts.positions(opening), what, "lower max_episode_tokens (null = max_turns x "
                              "max_new_tokens), max_new_tokens or data.init_args.max_length")
 
-    # ---- what the rollout computes, decided by the loop ----------------------------------------------------
-
     @property
-    def needs_logprobs(self) -> bool:
-        """Whether collection computes the policy's log-probs of its samples (the loop: when its update makes
-        more than one optimizer step, or a KL penalty in the rewards reads them)."""
-        return False
+    def pass_plan(self) -> PassPlan:
+        """Which passes every iteration runs, from :meth:`pass_settings`: made once, at setup (outside a fit, on
+        first use)."""
+        if self._pass_plan is None:
+            self._pass_plan = plan_passes(self.pass_settings())
+        return self._pass_plan
 
-    @property
-    def needs_reference(self) -> bool:
-        """Whether collection computes the reference's log-probs (the loop: when a KL term or measure needs them)."""
-        return False
+    def pass_settings(self) -> PassSettings:
+        """What decides which passes an iteration runs (the loop's update and the algorithm's KL:
+        ``OnlineRL.pass_settings``)."""
+        raise NotImplementedError
 
     # ---- collection ---------------------------------------------------------------------------------------
+
+    def collect_experience(self, prompts: dict[str, Any]) -> tuple[Experience, Stats]:
+        """Step 1, without gradients and in the sharded base's gathered scope (gathered once for every pass):
+        :meth:`collect` (sampling, the passes the plan names, the reward sources), then the algorithm's own passes
+        (:meth:`extend_experience`)."""
+        self.check_built()
+        with torch.no_grad(), self.sampler.gathered_base(self.model):
+            experience, stats = self.collect(prompts)
+            return self.extend_experience(experience), stats
+
+    def extend_experience(self, experience: Experience) -> Experience:
+        """The algorithm's own passes over the rollout (PPO's values, a teacher's log-probs), in the rollout's
+        gathered scope and without gradients; returns the experience extended (a subclass of
+        :class:`Experience`). None here."""
+        return experience
+
+    def early_first_pass(self, experience: Experience) -> tuple[Experience, FirstPass | None]:
+        """With :attr:`pass_plan`'s ``reuse_first_pass``: the first optimizer step's forward pass
+        (:meth:`first_update_pass`), made now, with gradients, and returned for :meth:`update` to hand to that step;
+        its log-probs and entropy, detached, are the rollout's. Otherwise the experience as it is, and None."""
+        if not self.pass_plan.reuse_first_pass:
+            return experience, None
+        first_pass = self.first_update_pass(experience)
+        return dataclasses.replace(experience, logprobs=first_pass.logprobs.detach(),
+                                   entropy=first_pass.entropy.detach()), first_pass
+
+    def first_update_pass(self, experience: Experience) -> FirstPass:
+        """The policy's forward pass of the first optimizer step on the whole rollout, with gradients, for a loss
+        that takes it (``PassSettings.reusable_first_pass``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no first update pass to reuse")
+
+    def sampling_statistics(self, experience: Experience) -> Stats:
+        """The statistics of the policy at sampling time (``policy/entropy``, ``objective/kl``) when the rollout's
+        log-probs are known before the update (the rollout's pass or the first update pass; otherwise the update's
+        own pass gives them, and its loss logs them), and the rollout's texts' sequence KL (``last_samples``)."""
+        stats, kl = {}, None
+        if self.pass_plan.logprobs_before_update:
+            stats, kl = sampling_statistics(experience.logprobs, experience.entropy, experience.ref_logprobs,
+                                            experience.response_mask)
+        if self.last_samples is not None:
+            kl_list = [0.0] * len(self.last_samples.responses) if kl is None else kl.tolist()
+            self.last_samples = dataclasses.replace(self.last_samples, kl=kl_list)
+        return stats
 
     @torch.no_grad()
     def collect(self, prompts: dict[str, Any]) -> tuple[Experience, Stats]:
         """``samples_per_prompt`` responses (or episodes) to each prompt of a data module's batch, every pass over
-        them made once, and what they show. Run inside the sampler's gathered scope (``sampler.gathered``)."""
+        them made once (those the loop's :attr:`pass_plan` names), and what they show. Run without gradients inside
+        the sharded base's gathered scope (``sampler.gathered_base``)."""
         group = self.hparams.samples_per_prompt
         with phase("rollout/generate"):
             rollout = self.rollouts.run(self.model, POLICY, prompts, group, f"train {self.iteration}")
         ids, attention, mask = rollout.input_ids, rollout.attention_mask, rollout.response_mask
         logprobs = entropy = ref_logprobs = None
+        plan = self.pass_plan
         with phase("rollout/logprobs"):
-            if self.needs_logprobs:
+            if plan.rollout_logprobs:
                 logprobs, entropy = self.response_logprobs(POLICY, ids, attention, mask, with_entropy=True)
-            if self.needs_reference:
+            if plan.reference_logprobs:
                 ref_logprobs, _ = self.response_logprobs(REFERENCE, ids, attention, mask)
         texts = [text for text in prompts["prompt"] for _ in range(group)]
         completions = self.decode(rollout.responses, rollout.read_mask)
@@ -198,9 +246,9 @@ class ExperienceCollector(PolicyModule):
         self.guard_scores([f"the combined reward is non-finite for rows {listing(bad.nonzero().flatten().tolist())} "
                            f"of {bad.shape[0]} (reward_normalize statistics or reward_weights?)"] if bad.any() else [])
         experience = Experience(ids, attention, mask, scores, rollout.is_stopped, rollout.sampler_logprobs, logprobs,
-                                ref_logprobs, rollout.turn_rewards, group_size=group, step_rewards=step_rewards)
-        kl = None if logprobs is None or ref_logprobs is None else sequence_kl(logprobs, ref_logprobs, mask)
-        stats = self.sample_statistics(rollout, source_scores, raw_scores, entropy, kl)
+                                ref_logprobs, rollout.turn_rewards, group_size=group, step_rewards=step_rewards,
+                                entropy=entropy)
+        stats = self.sample_statistics(rollout, source_scores, raw_scores)
         gold = None
         if self.gold_reward is not None:
             gold = [float(g) for g in self.gold_reward(texts, completions)]
@@ -208,8 +256,8 @@ class ExperienceCollector(PolicyModule):
         if rollout.episodes is not None:
             stats.update(episode_statistics(rollout.episodes))
             completions = [transcript_text(self.tokenizer, episode) for episode in rollout.episodes]
-        self.last_samples = Samples(self.iteration, texts, completions, raw_scores.tolist(),
-                                    [0.0] * len(completions) if kl is None else kl.tolist(), gold)
+        # the KL is set once the rollout's log-probs are known (OnlineRL.sampling_statistics)
+        self.last_samples = Samples(self.iteration, texts, completions, raw_scores.tolist(), None, gold)
         return experience, stats
 
     def score_responses(self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor,
@@ -234,8 +282,7 @@ class ExperienceCollector(PolicyModule):
         """Stop on non-finite scores (``problems``, one line each, possibly from another rank): raise
         :class:`NonFiniteError`, or under ``nonfinite: skip`` raise :class:`SkipIteration`."""
         found = torch.tensor(float(bool(problems)), device=self.device)
-        if self._trainer is not None and self.trainer.world_size > 1:  # every rank takes the same decision
-            found = self.trainer.strategy.reduce(found, reduce_op="sum")
+        found = self.sum_over_ranks(found)  # every rank takes the same decision
         if not bool(found > 0):
             return
         message = f"iteration {self.iteration + 1}: {'; '.join(problems) or 'non-finite reward on another rank'}"
@@ -243,10 +290,9 @@ class ExperienceCollector(PolicyModule):
             raise NonFiniteError(f"{message}; {SKIP_HINT}")
         raise SkipIteration(message)
 
-    def sample_statistics(self, rollout: Rollout, source_scores: Tensor, raw_scores: Tensor,
-                          entropy: Tensor | None, kl: Tensor | None) -> Stats:
-        """What the rollout shows: scores (per source too), KL (``kl``, per sequence), lengths, stop rate,
-        entropy."""
+    def sample_statistics(self, rollout: Rollout, source_scores: Tensor, raw_scores: Tensor) -> Stats:
+        """What the rollout shows: scores (per source too), lengths, stop rate (the policy's entropy and KL at
+        sampling time: ``OnlineRL.sampling_statistics``)."""
         mask = rollout.response_mask
         stats = {
             "objective/score": raw_scores.mean(),
@@ -258,10 +304,6 @@ class ExperienceCollector(PolicyModule):
             stats.update({f"objective/{name}": value for name, value in self.rewards.statistics(source_scores).items()})
         for source in self.rewards.sources:  # what a source counted while scoring (a judge's parse failures)
             stats.update({f"objective/{key}": value for key, value in source.batch_metrics().items()})
-        if kl is not None:
-            stats["objective/kl"] = kl.mean()
-        if entropy is not None:
-            stats["policy/entropy"] = masked_mean(entropy, mask)
         return stats
 
     # ---- held-out prompts ---------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Which of Lightning's strategies a stage runs under, the device mesh it shards the base over, and what a stage
-computes over the ranks of a distributed fit (:class:`OverRanks`).
+computes over the ranks of a distributed fit (:class:`OverRanks`; :func:`most_over_ranks`: as many micro-batches on
+every rank).
 
 DDP (``strategy: ddp``) replicates the module and needs nothing here. Lightning's ``ModelParallelStrategy``
 (FSDP2) asks the module to shard itself in ``configure_model``: ours shard the shared base over the strategy's
@@ -12,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import lightning as L
+import torch
 from torch import Tensor
 
 
@@ -100,3 +102,8 @@ class OverRanks:
         """``value`` summed over the ranks: what batch statistics take (``over_ranks``) to be those of the global
         batch."""
         return self.reduce_over_ranks(value, "sum")
+
+
+def most_over_ranks(module: OverRanks, count: int) -> int:
+    """The largest ``count`` of any rank of ``module``'s distributed fit (``count`` outside one)."""
+    return int(module.reduce_over_ranks(torch.tensor(count, device=module.device), "max"))

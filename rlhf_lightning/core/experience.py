@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from rlhf_lightning.algorithms.kl import token_rewards
+from rlhf_lightning.algorithms.masked import masked_mean
 
 
 @dataclass(frozen=True)
@@ -35,9 +36,9 @@ class Experience:
     # [B, R] log-probs the sampler gave the response tokens (its own distribution, kept to measure and correct a
     # mismatch with the trainer's pass)
     sampler_logprobs: Tensor
-    # [B, R] log-probs under the policy at sampling time: a pass of the rollout's, or the update's first one when
-    # that is the whole rollout (PolicyGradient.reuses_first_pass); None when the update makes a single optimizer
-    # step and nothing reads them before it: its own pass (detached) gives them, the policy has not changed before.
+    # [B, R] log-probs under the policy at sampling time, from the pass the plan names (PassPlan.logprobs_pass): a
+    # pass of the rollout's, or the update's first one made before the rewards; None when the update makes a single
+    # optimizer step and nothing reads them before it: its own pass (detached) gives them.
     logprobs: Tensor | None = None
     ref_logprobs: Tensor | None = None  # [B, R] under the reference; None when nothing needs them
     # [B, R] an episode's environment rewards, each at the last policy token of its turn; None for single-turn
@@ -47,9 +48,11 @@ class Experience:
     # [B, R] step rewards of a process reward model, each at its step's last token (PPO, ``dense_step_rewards``);
     # None when the steps' scores are reduced into ``scores`` or no source scores steps
     step_rewards: Tensor | None = None
-    # ([B, R] log-probs, [B, R] entropies) of the policy with their graph: the first optimizer step's forward pass,
-    # made before the rewards (PolicyGradient.first_update_pass); on that step's micro-batch only
-    first_pass: tuple[Tensor, Tensor] | None = None
+    # [B, R] the policy's entropy at sampling time, from the pass that gave ``logprobs`` (for statistics only)
+    entropy: Tensor | None = None
+    # the first optimizer step's forward pass, made before the rewards (PassPlan.reuse_first_pass), its rows cut
+    # as this micro-batch's: on that step's micro-batch only, handed to it by the update
+    first_pass: FirstPass | None = None
 
     @property
     def prompt_length(self) -> int:
@@ -109,6 +112,23 @@ class Experience:
 
 
 @dataclass(frozen=True)
+class FirstPass:
+    """The policy's forward pass of the first optimizer step, made on the whole rollout before the rewards
+    (``PassPlan.reuse_first_pass``), with its graph for that step's backward: the loop hands it, as a value, from
+    the step that makes it to the update, which gives it to its first optimizer step (:meth:`rows_of`) and drops it."""
+
+    logprobs: Tensor  # [B, R] with gradients
+    entropy: Tensor  # [B, R] (with gradients under an entropy bonus)
+
+    def rows_of(self, micro: Experience, rows: list[int]) -> Experience:
+        """``micro`` (the first step's micro-batch: ``rows`` of the rollout, in its order, cut to its columns)
+        carrying this pass's rows."""
+        index, width = torch.tensor(rows, device=self.logprobs.device), micro.response_mask.shape[1]
+        return dataclasses.replace(micro, first_pass=FirstPass(self.logprobs[index, :width],
+                                                               self.entropy[index, :width]))
+
+
+@dataclass(frozen=True)
 class ShapedRewards:
     """A rollout's rewards with the KL penalty to the reference, made once per iteration (the loop's step 2) for the
     algorithm's hook.
@@ -158,6 +178,19 @@ def sequence_kl(logprobs: Tensor, ref_logprobs: Tensor, response_mask: Tensor) -
     return torch.where(response_mask, logprobs - ref_logprobs, 0.0).sum(-1)
 
 
+def sampling_statistics(logprobs: Tensor, entropy: Tensor, ref_logprobs: Tensor | None,
+                        response_mask: Tensor) -> tuple[dict[str, Tensor], Tensor | None]:
+    """``(statistics, [B] sequence KL or None)`` of the policy at sampling time, from the pass that gave the
+    rollout's log-probs (``PassPlan.logprobs_pass``; detached): ``policy/entropy``, the token mean of its entropy,
+    and with the reference's log-probs ``objective/kl``, the mean sequence KL. The one producer of both."""
+    stats = {"policy/entropy": masked_mean(entropy, response_mask)}
+    if ref_logprobs is None:
+        return stats, None
+    kl = sequence_kl(logprobs, ref_logprobs, response_mask)
+    stats["objective/kl"] = kl.mean()
+    return stats, kl
+
+
 @dataclass
 class Samples:
     """What a rollout sampled, as text, for callbacks that show it (one entry per response)."""
@@ -166,5 +199,7 @@ class Samples:
     prompts: list[str]
     responses: list[str]
     scores: list[float]  # sequence rewards before normalisation, clipping and penalties
-    kl: list[float]  # sequence KL to the reference (0 when the algorithm computes no reference log-probs)
+    # sequence KL to the reference (0 when the rollout's log-probs are not known before the update, or the algorithm
+    # computes no reference log-probs); None until the loop knows them (OnlineRL.sampling_statistics)
+    kl: list[float] | None
     gold: list[float] | None  # the task's true reward, when it has one

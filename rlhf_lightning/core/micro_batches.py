@@ -1,5 +1,6 @@
-"""How a minibatch is split into micro-batches by a token budget (``micro_batch_tokens``): plain lists in, lists of
-positions out, no model and no tensors, so every rule is checked number by number.
+"""How a rollout is split into minibatches, and a minibatch into micro-batches (equal parts, or by a token budget,
+``micro_batch_tokens``): plain lists in, lists of positions out, no model and no tensors, so every rule is checked
+number by number.
 
 A row's cost is the columns it needs, ``(opening, response)``: its prompt's real tokens (prompts are left-padded)
 and its response's (right-padded). A micro-batch is cut to its own longest opening plus its own longest response,
@@ -14,9 +15,24 @@ changes a gradient: the loss is normalised over the whole optimizer step, whatev
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+from rlhf_lightning.utils import checks
 
 Extent = tuple[int, int]  # (opening columns, response columns) a row needs
+
+
+def check_split(epochs: int, num_minibatches: int, gradient_accumulation: int, micro_batch_tokens: int | None) -> None:
+    """The update's passes and how each splits the rollout: at least 1 of each; micro-batches by tokens or into
+    equal parts, not both."""
+    for name, value in {"epochs": epochs, "num_minibatches": num_minibatches,
+                        "gradient_accumulation": gradient_accumulation}.items():
+        checks.at_least(name, value)
+    checks.at_least("micro_batch_tokens", micro_batch_tokens, optional=True)
+    if micro_batch_tokens is not None and gradient_accumulation != 1:
+        raise ValueError(f"micro_batch_tokens={micro_batch_tokens} and gradient_accumulation={gradient_accumulation} "
+                         "both split each minibatch into micro-batches: by tokens, or into equal parts; set "
+                         "gradient_accumulation: 1 or micro_batch_tokens: null")
 
 
 def padded_size(extents: Sequence[Extent]) -> int:
@@ -63,3 +79,33 @@ def split_to_count(micros: Sequence[list[int]], extents: Sequence[Extent], count
         half = (len(rows) // unit + 1) // 2 * unit
         micros[index: index + 1] = [rows[:half], rows[half:]]
     return micros
+
+
+def minibatch_sizes(batch_size: int, num_minibatches: int, gradient_accumulation: int, unit: int = 1,
+                    origin: str | None = None) -> tuple[int, int]:
+    """``(minibatch size, micro-batch size)`` of a rollout of ``batch_size`` rows split into ``num_minibatches``
+    minibatches of ``gradient_accumulation`` equal micro-batches of whole units of ``unit`` rows (``origin``: where
+    ``batch_size`` comes from, for the message)."""
+    if (batch_size % num_minibatches or (batch_size // num_minibatches) % gradient_accumulation
+            or (batch_size // num_minibatches // gradient_accumulation) % unit):
+        raise ValueError(
+            f"the rollout batch of {batch_size} responses{f' ({origin})' if origin else ''} must split into "
+            f"num_minibatches={num_minibatches} "
+            f"minibatches of gradient_accumulation={gradient_accumulation} equal micro-batches"
+            f"{f' of whole groups of {unit} rows' if unit > 1 else ''}; "
+            "change data.init_args.batch_size, samples_per_prompt or these two"
+        )
+    minibatch_size = batch_size // num_minibatches
+    return minibatch_size, minibatch_size // gradient_accumulation
+
+
+def micro_batch_parts(extents: Sequence[Extent], gradient_accumulation: int, budget: int | None, unit: int = 1,
+                      most_over_ranks: Callable[[int], int] = lambda count: count) -> list[list[int]]:
+    """Positions of the rows of each micro-batch of a minibatch whose rows need ``extents``: ``gradient_accumulation``
+    equal consecutive parts, or packed by the token ``budget`` (:func:`pack_by_tokens`) and split to as many as any
+    rank has (``most_over_ranks`` of this rank's count; :func:`split_to_count`)."""
+    if budget is None:
+        size = len(extents) // gradient_accumulation
+        return [list(range(start, start + size)) for start in range(0, len(extents), size)]
+    parts = pack_by_tokens(extents, budget, unit)
+    return split_to_count(parts, extents, most_over_ranks(len(parts)), unit)

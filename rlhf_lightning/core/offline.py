@@ -59,7 +59,7 @@ class OfflinePreference(PolicyModule):
         return True
 
     @property
-    def samples(self) -> bool:
+    def samples_responses(self) -> bool:
         return self.hparams.sample_eval_batches != 0
 
     # ---- log-probs ----------------------------------------------------------------------------------------

@@ -2,15 +2,20 @@
 
 One ``training_step`` is one iteration on a batch of prompts, five steps read top to bottom:
 
-1. **collect** experience (:meth:`collect`): ``samples_per_prompt`` responses (or episodes) per prompt and every
-   pass over them made once: old and reference log-probs when needed, the reward sources' scores; then the
-   algorithm's own passes (:meth:`extend_experience`: PPO's values, a teacher's log-probs);
-2. **shape the rewards** (:meth:`shape_rewards`): the scores, an episode's turn rewards and, with a KL penalty, the
+1. **collect** experience (:meth:`collect_experience`): ``samples_per_prompt`` responses (or episodes) per prompt
+   and every pass over them made once (:meth:`collect`): the rollout's and the reference's log-probs when the
+   :class:`~rlhf_lightning.core.pass_plan.PassPlan` (:attr:`pass_plan`, made once at setup) says so, the reward
+   sources' scores; then the algorithm's own passes (:meth:`extend_experience`: PPO's values, a teacher's
+   log-probs). When the plan reuses the first update pass, that pass is made next (:meth:`early_first_pass`, timed
+   as the update's) and gives the rollout's log-probs; then the statistics of the policy at sampling time
+   (:meth:`sampling_statistics`);
+2. **shape the rewards** (:meth:`shape_rewards`): the scores, an episode's turn rewards and, as the plan says, the
    per-token KL computed once;
 3. **the algorithm** (:meth:`prepare_update`): advantages (and returns), or online DPO's ordered pairs;
 4. **update** (:meth:`update`): ``epochs`` passes over shuffled minibatches of micro-batches of the algorithm's
    :meth:`loss` (:meth:`micro_batches`: equal ones, or packed by ``micro_batch_tokens``, each cut to the columns its
-   own rows need); gradient clipping, optimizer step, optional target-KL stop;
+   own rows need; the first update pass, when made early, handed to the first step as a value); gradient clipping,
+   optimizer step, optional target-KL stop;
 5. **log** every statistic (:meth:`end_iteration`).
 
 The loop knows no algorithm: :class:`~rlhf_lightning.core.policy_gradient.PolicyGradient` adds the registered
@@ -30,8 +35,6 @@ rollout statistics are those of the policy the iteration started from (iteration
 from __future__ import annotations
 
 import logging
-import time
-from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any, get_args
 
@@ -39,16 +42,27 @@ import torch
 from torch import Tensor
 
 from rlhf_lightning.core.collect import ExperienceCollector, SkipIteration, Stats
-from rlhf_lightning.core.experience import Experience, ShapedRewards
-from rlhf_lightning.core.micro_batches import Extent, pack_by_tokens, split_to_count
+from rlhf_lightning.core.distributed import most_over_ranks
+from rlhf_lightning.core.experience import Experience, FirstPass, ShapedRewards
+from rlhf_lightning.core.micro_batches import Extent, check_split, micro_batch_parts, minibatch_sizes
+from rlhf_lightning.core.pass_plan import PassSettings
 from rlhf_lightning.core.policy import POLICY
-from rlhf_lightning.models.sharding import full_tensor
+from rlhf_lightning.core.update_statistics import UpdateStatistics, gradient_norm, shuffled_minibatches
 from rlhf_lightning.utils import checks
 from rlhf_lightning.utils.nonfinite import NonFinite
 from rlhf_lightning.utils.optim import Schedule
-from rlhf_lightning.utils.timing import phase
+from rlhf_lightning.utils.timing import Stopwatch, phase
 
 log = logging.getLogger(__name__)
+
+# Members the loop read under another name: a subclass that defines one is refused (it would silently stop counting).
+_PLAN = "return PassSettings from pass_settings() (rlhf_lightning.core.pass_plan) and read pass_plan"
+RENAMED = {
+    "rollout": "training_step calls collect_experience (step 1), shape_rewards (2) and prepare_update (3); "
+               "collect_and_prepare runs the three for analysis",
+    "measure_kl": f"{_PLAN}: dataclasses.replace(super().pass_settings(), measure_kl=True)",
+    **{name: _PLAN for name in ("needs_logprobs", "needs_reference", "logprobs_before_update", "reuses_first_pass")},
+}
 
 
 class OnlineRL(ExperienceCollector):
@@ -80,9 +94,6 @@ class OnlineRL(ExperienceCollector):
     """
 
     metric_prefix = "online"
-    # Compute the reference's and the rollout's log-probs, hence log the samples' KL, whatever else needs them (PPO and
-    # online DPO always do; the critic-free algorithms skip the reference pass at kl_coef 0, as TRL's GRPO does).
-    measure_kl = False
     # Losses normalised over the whole optimizer step: their micro-batch parts add up to the step's loss.
     STEP_LOSSES = frozenset({"loss/policy", "loss/total"})
     # Consecutive rows that minibatches and micro-batches never split (a pair of online DPO).
@@ -112,29 +123,24 @@ class OnlineRL(ExperienceCollector):
                 "top_k/top_p: the losses and the KL use log-probs of the full distribution (at the temperature), "
                 "so sampling from a truncated one would make every ratio and KL wrong; set top_k: 0, top_p: 1.0"
             )
-        for name, value in {"epochs": epochs, "num_minibatches": num_minibatches,
-                            "gradient_accumulation": gradient_accumulation}.items():
-            checks.at_least(name, value)
-        checks.at_least("micro_batch_tokens", micro_batch_tokens, optional=True)
-        if micro_batch_tokens is not None and gradient_accumulation != 1:
-            raise ValueError(f"micro_batch_tokens={micro_batch_tokens} and gradient_accumulation="
-                             f"{gradient_accumulation} both split each minibatch into micro-batches: by tokens, or "
-                             "into equal parts; set gradient_accumulation: 1 or micro_batch_tokens: null")
-        checks.at_least("warmup_iterations", warmup_iterations, minimum=0)
-        checks.non_negative("weight_decay", weight_decay)
+        check_split(epochs, num_minibatches, gradient_accumulation, micro_batch_tokens)
+        checks.check_optimizer("policy_lr", policy_lr, weight_decay, warmup_iterations, lr_schedule,
+                               warmup_name="warmup_iterations")
         for name, value in {"target_kl": target_kl, "max_grad_norm": max_grad_norm}.items():
             checks.positive(name, value, optional=True)
-        checks.positive("policy_lr", policy_lr)
         checks.positive("adam_eps", adam_eps)
-        checks.one_of("lr_schedule", lr_schedule, get_args(Schedule))
         checks.one_of("nonfinite", nonfinite, get_args(NonFinite))
         self.automatic_optimization = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        checks.no_renamed_members(cls, RENAMED)
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
         # The rollout's split into minibatches is known once the data module is: checked before the first
         # rollout, not after it (minutes on a real model).
-        datamodule = self.trainer.datamodule if self._trainer is not None else None
+        datamodule = self.datamodule
         batch_size = getattr(datamodule, "batch_size", None)
         if stage == "fit" and isinstance(batch_size, int):
             self.minibatch_sizes(batch_size * self.hparams.samples_per_prompt,
@@ -157,57 +163,46 @@ class OnlineRL(ExperienceCollector):
         """Optimizer steps made on one rollout (before any target-KL stop)."""
         return self.hparams.epochs * self.hparams.num_minibatches
 
-    @property
-    def needs_logprobs(self) -> bool:
-        """The rollout's log-probs are needed when the update makes more than one optimizer step (the first one's
-        own pass, detached, gives them otherwise: the policy has not moved since sampling), or to measure the KL."""
-        return self.steps_per_rollout > 1 or self.measure_kl
-
-    @property
-    def needs_reference(self) -> bool:
-        """The reference's log-probs: with ``measure_kl``."""
-        return self.measure_kl
+    def pass_settings(self) -> PassSettings:
+        """What decides which passes an iteration runs (:func:`~rlhf_lightning.core.pass_plan.plan_passes`): the
+        update's shape here; an algorithm adds its KL (``kl_in``, whether it is charged or measured)."""
+        hp = self.hparams
+        return PassSettings(self.steps_per_rollout, whole_first_step=hp.num_minibatches == 1
+                            and hp.gradient_accumulation == 1 and hp.micro_batch_tokens is None)
 
     # ---- the iteration ------------------------------------------------------------------------------------
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        start = time.perf_counter()
+        watch = Stopwatch()  # time/rollout: its laps; time/update: the rest (the first update pass included)
         self.sampler.seeds.start_iteration(self.iteration, self.global_rank)
         try:
-            experience, stats = self.rollout(batch["prompts"])  # steps 1 to 3
+            with watch.lap("rollout"):
+                experience, stats = self.collect_experience(batch["prompts"])  # 1. sampling, every pass once
         except SkipIteration as skipped:
             self.skip_iteration(str(skipped))
         else:
-            rollout_seconds = time.perf_counter() - start
-            stats.update(self.update(experience, batch.get("ptx")))  # 4. update
-            self.end_iteration(experience, stats, start, rollout_seconds)  # 5. log
+            experience, first_pass = self.early_first_pass(experience)  # the update's, when the plan reuses it
+            with watch.lap("rollout"), torch.no_grad():
+                stats |= self.sampling_statistics(experience)  # the policy at sampling time: entropy, KL
+                rewards, shaped = self.shape_rewards(experience)  # 2. rewards, the per-token KL computed once
+                experience, prepared = self.prepare_update(experience, rewards)  # 3. the algorithm
+            trained = self.update(experience, batch.get("ptx"), first_pass)  # 4. update
+            self.end_iteration(experience, {**stats, **shaped, **prepared, **trained}, watch)  # 5. log
         # The row's trainer/global_step: the optimizer steps once the iteration is done (skipped or not), in
         # agreement with <prefix>/iteration, which counts it done (Lightning's logging step would count iterations).
         self.log("trainer/global_step", float(self.global_step))
 
-    def rollout(self, prompts: dict[str, Any]) -> tuple[Experience, Stats]:
-        """Steps 1 to 3 on a batch of prompts: the experience ready for the update, and its statistics."""
-        self.check_built()
-        # a sharded base gathered once for every pass of the rollout
-        with torch.no_grad(), self.sampler.gathered(self.model):
-            experience, stats = self.collect(prompts)  # 1. experience, every pass made once
-            experience = self.extend_experience(experience)  # and the algorithm's own passes
-        experience, pass_stats = self.first_update_pass(experience)  # with gradients, for the first step
+    def collect_and_prepare(self, prompts: dict[str, Any]) -> tuple[Experience, Stats]:
+        """Steps 1 to 3 of :meth:`training_step` on a batch of prompts, for analysis and tests: the experience the
+        update would train on, and the statistics logged of it. A first update pass the plan reuses is made (its
+        log-probs are the rollout's) and let go: an update after this call makes its own."""
+        experience, stats = self.collect_experience(prompts)
+        experience, _ = self.early_first_pass(experience)
         with torch.no_grad():
-            rewards, reward_stats = self.shape_rewards(experience)  # 2. rewards, the per-token KL computed once
-            experience, update_stats = self.prepare_update(experience, rewards)  # 3. the algorithm
-        return experience, {**stats, **pass_stats, **reward_stats, **update_stats}
-
-    def first_update_pass(self, experience: Experience) -> tuple[Experience, Stats]:
-        """The update's first forward pass made before the rewards, where it also gives what they read (see
-        :meth:`~rlhf_lightning.core.policy_gradient.PolicyGradient.first_update_pass`); none here."""
-        return experience, {}
-
-    def extend_experience(self, experience: Experience) -> Experience:
-        """The algorithm's own passes over the rollout (PPO's values, a teacher's log-probs), in the rollout's
-        gathered scope and without gradients; returns the experience extended (a subclass of
-        :class:`Experience`). None here."""
-        return experience
+            stats |= self.sampling_statistics(experience)
+            rewards, shaped = self.shape_rewards(experience)
+            experience, prepared = self.prepare_update(experience, rewards)
+        return experience, {**stats, **shaped, **prepared}
 
     def shape_rewards(self, experience: Experience) -> tuple[ShapedRewards, Stats]:
         """Step 2: the rollout's rewards (the sources' scores; an episode's turn rewards and a process reward model's
@@ -235,26 +230,27 @@ class OnlineRL(ExperienceCollector):
 
     # ---- 4. update ----------------------------------------------------------------------------------------
 
-    def update(self, experience: Experience, ptx: dict[str, Tensor] | None) -> Stats:
-        """``epochs`` passes of minibatch updates. Returns each loss (``STEP_LOSSES``) as the mean over optimizer
-        steps of what the step backpropagated, every other term as its mean over the micro-batches, each weighted
-        by its share of its minibatch's rows (equal micro-batches weigh alike)."""
+    def update(self, experience: Experience, ptx: dict[str, Tensor] | None, first_pass: FirstPass | None = None
+               ) -> Stats:
+        """``epochs`` passes of minibatch updates; ``first_pass``: the first optimizer step's forward pass made before
+        the rewards (:meth:`early_first_pass`), handed to that step. Returns the statistics of
+        :class:`~rlhf_lightning.core.update_statistics.UpdateStatistics`."""
         hp = self.hparams
         optimizer = self.optimizers()
         minibatch_size, _ = self.minibatch_sizes(experience.response_mask.shape[0])
         extents = list(zip(*(columns.tolist() for columns in experience.row_extents()), strict=True))
-        sums: Stats = defaultdict(lambda: torch.zeros((), device=self.device))
-        counts: dict[str, float] = defaultdict(float)
-        attempted, steps, epochs_run, early_stopped = 0, 0, 0, False
+        statistics = UpdateStatistics(self.STEP_LOSSES, self.device)
+        attempted, epochs_run, early_stopped = 0, 0, False
         while epochs_run < hp.epochs and not early_stopped:
             epochs_run += 1
-            unit = self.rows_kept_together  # shuffled as units: a pair's rows stay side by side (online DPO)
-            order = torch.randperm(experience.response_mask.shape[0] // unit, device=self.device)
-            order = (order[:, None] * unit + torch.arange(unit, device=self.device)).flatten()
-            for minibatch in order.split(minibatch_size):
+            for minibatch in shuffled_minibatches(experience.response_mask.shape[0], minibatch_size,
+                                                  self.rows_kept_together, self.device):
                 attempted += 1
                 where = f"iteration {self.iteration + 1}, optimizer step {attempted} of {self.steps_per_rollout}"
                 micros = self.micro_batches(experience, minibatch.tolist(), extents)
+                if first_pass is not None:  # one micro-batch of every row (the plan reuses no other), used once
+                    (micro,) = micros
+                    micros, first_pass = [first_pass.rows_of(micro, minibatch.tolist())], None
                 shares = [micro.response_mask.shape[0] / minibatch.shape[0] for micro in micros]
                 normalisers = self.step_normalisers(micros)
                 minibatch_kl = torch.zeros((), device=self.device)
@@ -267,15 +263,7 @@ class OnlineRL(ExperienceCollector):
                     minibatch_kl += terms["policy/approx_kl"].detach() * shares[index]
                 if not self.guard_step(where):
                     continue  # nothing of a skipped step enters the statistics
-                for terms, share in zip(step_terms, shares, strict=True):
-                    for name, value in terms.items():
-                        if name in self.STEP_LOSSES:  # parts of the step's loss: their sum is the step's
-                            sums[name] += value
-                        else:  # each micro-batch's term weighs as its share of the minibatch's rows
-                            sums[name] += value * share
-                            counts[name] += share
-                steps += 1
-                sums["grad_norm"] += self._gradient_norm()
+                statistics.add_step(step_terms, shares, gradient_norm(self.parameters(), self.device))
                 if hp.max_grad_norm is not None:
                     self.clip_gradients(optimizer, gradient_clip_val=hp.max_grad_norm,
                                         gradient_clip_algorithm="norm")
@@ -286,35 +274,22 @@ class OnlineRL(ExperienceCollector):
                 if hp.target_kl is not None and float(self.mean_over_ranks(minibatch_kl)) > hp.target_kl:
                     early_stopped = True
                     break
-        stats = {name: total / (counts[name] or steps) for name, total in sums.items()}
-        stats["skipped_steps"] = torch.tensor(float(self.skipped_steps))
-        stats["policy/epochs"] = torch.tensor(float(epochs_run))
-        stats["policy/early_stopped"] = torch.tensor(float(early_stopped))
-        return stats
+        return {**statistics.means(), "skipped_steps": torch.tensor(float(self.skipped_steps)),
+                "policy/epochs": torch.tensor(float(epochs_run)),
+                "policy/early_stopped": torch.tensor(float(early_stopped))}
 
     def micro_batches(self, experience: Experience, rows: list[int], extents: list[Extent]) -> list[Experience]:
         """A minibatch's micro-batches (its ``rows`` of ``experience``, whose rows need the columns ``extents``), each
         cut to the columns its own rows need: ``gradient_accumulation`` equal parts, or packed by
         ``micro_batch_tokens``, as many on every rank (each backward pass is a collective under DDP and FSDP2)."""
-        hp, unit = self.hparams, self.rows_kept_together
+        hp = self.hparams
         needed = [extents[row] for row in rows]
-        if hp.micro_batch_tokens is None:
-            size = len(rows) // hp.gradient_accumulation
-            parts = [list(range(start, start + size)) for start in range(0, len(rows), size)]
-        else:
-            parts = pack_by_tokens(needed, hp.micro_batch_tokens, unit)
-            parts = split_to_count(parts, needed, self.most_over_ranks(len(parts)), unit)
         micros = []
-        for part in parts:
+        for part in micro_batch_parts(needed, hp.gradient_accumulation, hp.micro_batch_tokens,
+                                      self.rows_kept_together, lambda count: most_over_ranks(self, count)):
             micro = experience.select(torch.tensor([rows[p] for p in part], device=self.device))
             micros.append(micro.cut(max(needed[p][0] for p in part), max(needed[p][1] for p in part)))
         return micros
-
-    def most_over_ranks(self, count: int) -> int:
-        """The largest ``count`` of any rank of a distributed fit (``count`` outside one)."""
-        if self._trainer is None or self.trainer.world_size == 1:
-            return count
-        return int(self.trainer.strategy.reduce(torch.tensor(count, device=self.device), reduce_op="max"))
 
     def step_normalisers(self, micros: Sequence[Experience]) -> dict[str, Tensor]:
         """Denominators of the optimizer step's losses, summed over its micro-batches and averaged over ranks
@@ -346,34 +321,18 @@ class OnlineRL(ExperienceCollector):
         """``(minibatch size, micro-batch size)`` of a rollout of ``batch_size`` responses (``origin``: where that
         number comes from, for the message)."""
         hp = self.hparams
-        unit = self.rows_kept_together
-        if (batch_size % hp.num_minibatches or (batch_size // hp.num_minibatches) % hp.gradient_accumulation
-                or (batch_size // hp.num_minibatches // hp.gradient_accumulation) % unit):
-            raise ValueError(
-                f"the rollout batch of {batch_size} responses{f' ({origin})' if origin else ''} must split into "
-                f"num_minibatches={hp.num_minibatches} "
-                f"minibatches of gradient_accumulation={hp.gradient_accumulation} equal micro-batches"
-                f"{f' of whole groups of {unit} rows' if unit > 1 else ''}; "
-                "change data.init_args.batch_size, samples_per_prompt or these two"
-            )
-        minibatch_size = batch_size // hp.num_minibatches
-        return minibatch_size, minibatch_size // hp.gradient_accumulation
-
-    def _gradient_norm(self) -> Tensor:
-        """The 2-norm of every gradient together (of the whole gradients: sharded ones are combined over ranks)."""
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        if not grads:
-            return torch.zeros((), device=self.device)
-        return full_tensor(torch.nn.utils.get_total_norm(grads))
+        return minibatch_sizes(batch_size, hp.num_minibatches, hp.gradient_accumulation, self.rows_kept_together,
+                               origin)
 
     # ---- 5. log -------------------------------------------------------------------------------------------
 
-    def end_iteration(self, experience: Experience, stats: Stats, start: float, rollout_seconds: float) -> None:
-        """The learning-rate schedule's step, timings, and logging of every statistic."""
+    def end_iteration(self, experience: Experience, stats: Stats, watch: Stopwatch) -> None:
+        """The learning-rate schedule's step, timings (``time/rollout``: steps 1 to 3 but the first update pass;
+        ``time/update``: the rest), and logging of every statistic."""
         scheduler = self.lr_schedulers()
         if scheduler is not None:
             scheduler.step()
-        seconds = time.perf_counter() - start
+        seconds, rollout_seconds = watch.elapsed(), watch.seconds["rollout"]
         stats.update({
             "time/rollout": torch.tensor(rollout_seconds),
             "time/update": torch.tensor(seconds - rollout_seconds),

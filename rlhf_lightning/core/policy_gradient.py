@@ -39,13 +39,13 @@ from rlhf_lightning.algorithms.surrogate import (
     loss_normaliser,
 )
 from rlhf_lightning.core.collect import Stats
-from rlhf_lightning.core.experience import Experience, ShapedRewards, sequence_kl
-from rlhf_lightning.core.micro_batches import Extent
+from rlhf_lightning.core.experience import Experience, FirstPass, ShapedRewards, sampling_statistics
 from rlhf_lightning.core.online import OnlineRL
+from rlhf_lightning.core.pass_plan import PassSettings
 from rlhf_lightning.core.policy import POLICY
 from rlhf_lightning.data.collate import IGNORE_INDEX
 from rlhf_lightning.utils import checks
-from rlhf_lightning.utils.timing import phase
+from rlhf_lightning.utils.timing import Stopwatch, phase
 
 
 class PolicyGradient(OnlineRL):
@@ -136,11 +136,10 @@ class PolicyGradient(OnlineRL):
         self.policy_loss = policy_loss
         self.kl_controller = (FixedKLController(kl_coef) if kl_target is None
                               else AdaptiveKLController(kl_coef, kl_target, kl_horizon))
-        self._first_pass: tuple[Tensor, Tensor] | None = None  # see first_update_pass
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        datamodule = self.trainer.datamodule if self._trainer is not None else None
+        datamodule = self.datamodule
         ptx = getattr(datamodule, "ptx", None)
         if ptx is not None and ptx.train_set is not None:
             self.check_positions(ptx.longest(), "the longest pretraining (ptx) example",
@@ -150,82 +149,35 @@ class PolicyGradient(OnlineRL):
     def ptx_coef(self) -> float:
         return self.hparams.ptx_coef
 
-    @property
-    def needs_reference(self) -> bool:
-        """The reference log-probs: when a KL term (or the adaptive controller) needs them, or with ``measure_kl``."""
-        return self.measure_kl or self.kl_controller.value > 0 or self.hparams.kl_target is not None
-
-    @property
-    def needs_logprobs(self) -> bool:
-        """The rollout's log-probs, from a pass of their own: for an update of more than one optimizer step, or for
-        a KL penalty in the rewards (with a single step and the KL in the loss, the step's own pass measures the
-        KL), unless the update's first pass gives them (:attr:`reuses_first_pass`)."""
-        return self.logprobs_before_update and not self.reuses_first_pass
-
-    @property
-    def logprobs_before_update(self) -> bool:
-        """Whether the rollout's log-probs are needed before the update's first step has made its own pass: for
-        an update of more than one optimizer step, or for a KL penalty in the rewards."""
-        return self.steps_per_rollout > 1 or (self.needs_reference and self.hparams.kl_in == "reward")
-
-    @property
-    def reuses_first_pass(self) -> bool:
-        """Whether the update's first forward pass gives the rollout's log-probs: when they are needed before the
-        update and its first optimizer step is one micro-batch of the whole rollout (``num_minibatches`` 1,
-        ``gradient_accumulation`` 1, no ``micro_batch_tokens``). The policy has not moved before that step, so its
-        pass, made before the rewards and kept with its graph for the step's backward, is the old-log-prob pass:
-        one policy forward pass per iteration fewer, the same numbers."""
+    def pass_settings(self) -> PassSettings:
+        """The loop's, with the KL penalty (``kl_in``; charged when the coefficient is > 0, or adaptive) and a loss
+        that takes the first update pass made before the rewards."""
         hp = self.hparams
-        return (self.logprobs_before_update and hp.num_minibatches == 1 and hp.gradient_accumulation == 1
-                and hp.micro_batch_tokens is None)
+        return dataclasses.replace(super().pass_settings(), kl_in=hp.kl_in, reusable_first_pass=True,
+                                   kl_penalised=self.kl_controller.value > 0 or hp.kl_target is not None)
 
     def kl_coef_in(self, place: Literal["reward", "loss"]) -> float:
         """The current KL coefficient if the KL penalty goes into ``place`` (``kl_in``), else 0."""
         return self.kl_controller.value if self.hparams.kl_in == place else 0.0
 
-    def first_update_pass(self, experience: Experience) -> tuple[Experience, Stats]:
-        """With :attr:`reuses_first_pass`: the policy's forward pass of the first optimizer step, on the whole
-        rollout, made now with gradients (kept for :meth:`micro_batches` to hand to that step); its log-probs,
-        detached, are the rollout's, and give what the rollout pass would have logged (``policy/entropy``,
-        ``objective/kl``)."""
-        self._first_pass = None
-        if not self.reuses_first_pass:
-            return experience, {}
-        mask = experience.response_mask
+    def first_update_pass(self, experience: Experience) -> FirstPass:
+        """The policy's forward pass of the first optimizer step on the whole rollout, with gradients (with the
+        entropy, whose statistic it gives; its gradient under an entropy bonus)."""
         with phase("update/policy forward"):
-            logprobs, entropy = self.response_logprobs(POLICY, experience.input_ids, experience.attention_mask, mask,
-                                                       with_entropy=True, entropy_grad=bool(self.hparams.ent_coef))
-        self._first_pass = (logprobs, entropy)
-        stats = {"policy/entropy": masked_mean(entropy.detach(), mask)}
-        if experience.ref_logprobs is not None:
-            kl = sequence_kl(logprobs.detach(), experience.ref_logprobs, mask)
-            stats["objective/kl"] = kl.mean()
-            if self.last_samples is not None:
-                self.last_samples.kl = kl.tolist()
-        return dataclasses.replace(experience, logprobs=logprobs.detach()), stats
-
-    def micro_batches(self, experience: Experience, rows: list[int], extents: list[Extent]) -> list[Experience]:
-        """The loop's micro-batches; the first optimizer step's (one micro-batch of every row, see
-        :meth:`first_update_pass`) carries the pass made before the rewards, in its rows' order."""
-        micros = super().micro_batches(experience, rows, extents)
-        if self._first_pass is None:
-            return micros
-        (micro,) = micros
-        logprobs, entropy = self._first_pass
-        self._first_pass = None  # its graph serves one backward
-        index, width = torch.tensor(rows, device=logprobs.device), micro.response_mask.shape[1]
-        return [dataclasses.replace(micro, first_pass=(logprobs[index, :width], entropy[index, :width]))]
+            logprobs, entropy = self.response_logprobs(POLICY, experience.input_ids, experience.attention_mask,
+                                                       experience.response_mask, with_entropy=True,
+                                                       entropy_grad=bool(self.hparams.ent_coef))
+        return FirstPass(logprobs, entropy)
 
     # ---- 2. rewards, 3. advantages -------------------------------------------------------------------------
 
     def shape_rewards(self, experience: Experience) -> tuple[ShapedRewards, Stats]:
         """The loop's rewards with the per-token KL of the rollout (``kl_estimator``, ``kl_clamp``) and this
-        iteration's coefficient of it in the rewards. The KL is computed when the rewards charge it, or with
-        ``measure_kl`` (PPO logs it as ``objective/kl_penalty``), and both log-prob passes ran."""
+        iteration's coefficient of it in the rewards. The KL is computed as the plan says (``PassPlan.reward_kl``):
+        when the rewards charge it, or the algorithm measures it (PPO logs it as ``objective/kl_penalty``)."""
         rewards, stats = super().shape_rewards(experience)
         kl = None
-        read = self.kl_coef_in("reward") > 0 or self.measure_kl
-        if read and experience.logprobs is not None and experience.ref_logprobs is not None:
+        if self.pass_plan.reward_kl:
             hp = self.hparams
             kl = torch.where(experience.response_mask, kl_penalty(experience.logprobs, experience.ref_logprobs,
                                                                   hp.kl_estimator, hp.kl_clamp), 0.0)
@@ -266,16 +218,17 @@ class PolicyGradient(OnlineRL):
         (``normaliser``); + PPO-ptx."""
         hp = self.hparams
         mask, loss_mask = micro.response_mask, self.loss_mask(micro)
+        own_pass = micro.logprobs is None  # its own pass gives the rollout's log-probs (PassPlan.logprobs_pass)
         if micro.first_pass is not None:
-            logprobs, entropy = micro.first_pass
+            logprobs, entropy = micro.first_pass.logprobs, micro.first_pass.entropy
         else:
             with phase("update/policy forward"):
                 logprobs, entropy = self.response_logprobs(
                     POLICY, micro.input_ids, micro.attention_mask, mask,
-                    with_entropy=bool(hp.ent_coef) or micro.logprobs is None, entropy_grad=bool(hp.ent_coef))
+                    with_entropy=bool(hp.ent_coef) or own_pass, entropy_grad=bool(hp.ent_coef))
         # One optimizer step per rollout: the policy has not moved since sampling, so its own pass, detached,
         # gives the old log-probs (ratio 1 in value, the policy gradient in gradient).
-        old_logprobs = logprobs.detach() if micro.logprobs is None else micro.logprobs
+        old_logprobs = logprobs.detach() if own_pass else micro.logprobs
         per_token, statistics = self.policy_loss(logprobs, old_logprobs, micro.advantages, mask)
         # the trainer's log-probs at sampling time against the sampler's
         mismatch = mismatch_statistics(old_logprobs, micro.sampler_logprobs, mask)
@@ -289,10 +242,8 @@ class PolicyGradient(OnlineRL):
         log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0).detach()
         terms["policy/approx_kl"] = masked_mean(torch.expm1(log_ratio) - log_ratio, mask)
         terms |= {f"policy/{name}": value for name, value in statistics.items()}
-        if micro.logprobs is None:
-            terms["policy/entropy"] = masked_mean(entropy.detach(), mask)
-            if micro.ref_logprobs is not None:
-                terms["objective/kl"] = sequence_kl(logprobs.detach(), micro.ref_logprobs, mask).mean()
+        if own_pass:  # the statistics of the policy at sampling time, of this pass
+            terms |= sampling_statistics(logprobs.detach(), entropy.detach(), micro.ref_logprobs, mask)[0]
         terms["loss/policy"] = aggregate_loss(per_token, loss_mask, hp.loss_aggregation, normaliser)
         kl_coef = self.kl_coef_in("loss")
         if kl_coef > 0:
@@ -321,12 +272,12 @@ class PolicyGradient(OnlineRL):
 
     # ---- 5. after the iteration ---------------------------------------------------------------------------
 
-    def end_iteration(self, experience: Experience, stats: Stats, start: float, rollout_seconds: float) -> None:
+    def end_iteration(self, experience: Experience, stats: Stats, watch: Stopwatch) -> None:
         """The adaptive KL coefficient's update from this iteration's KL, then the loop's bookkeeping."""
         if "objective/kl" in stats:
             world_samples = experience.response_mask.shape[0] * (self.trainer.world_size if self._trainer else 1)
             self.kl_controller.update(float(self.mean_over_ranks(stats["objective/kl"])), world_samples)
-        super().end_iteration(experience, stats, start, rollout_seconds)
+        super().end_iteration(experience, stats, watch)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)

@@ -1,4 +1,5 @@
-"""Drawing tokens, one job: the sampler (``sampler``: settings ``settings``, seeds ``seeds``, the engine and its caches,
-the sharded base's gathering), the engines behind one interface (``engines``: our decoder ``decode``, ``generate``,
-vLLM ``vllm_engine``), and the turn loop every rollout runs (``rollouts``; single-turn = one turn without an
-environment) with an episode's tokens (``episodes``)."""
+"""Drawing tokens and running episodes: the sampler (``sampler``: its settings ``settings``, seeds ``seeds``, the
+engine and its caches, the sharded base's gathering, which DPO's precomputed reference uses too), the engines behind
+one interface (``engines``: our decoder ``decode``, ``generate``, vLLM ``vllm_engine``), and the rollouts
+(``rollouts``): one draw per prompt without an environment, or episodes, whose turns go through an environment's
+tools and answers (``episodes``: an episode's tokens)."""

@@ -1,10 +1,10 @@
-"""The turn loop every rollout runs. A single-turn rollout is an episode of one turn without an environment.
+"""Rollouts: one draw of ``group`` responses per prompt without an environment, or episodes of turns with one.
 
-Turn 1 draws ``group`` responses to each prompt, each prompt encoded once for its group. With an environment, each
-turn is then parsed for tool calls in the template's format, the episode's environment (made anew for every
-episode) answers, its tokens are appended (:class:`~rlhf_lightning.rollout.episodes.TemplateDelta`) and the
-episodes still running take their next turn together (the batch shrinks as episodes finish; it never falls back to
-one episode at a time).
+A single-turn rollout is one call of the sampler (no episode, no turn loop): ``group`` responses to each prompt,
+each prompt encoded once for its group. Episodes start the same way (turn 1); each turn is then parsed for tool
+calls in the template's format, the episode's environment (made anew for every episode) answers, its tokens are
+appended (:class:`~rlhf_lightning.rollout.episodes.TemplateDelta`) and the episodes still running take their next
+turn together (the batch shrinks as episodes finish; it never falls back to one episode at a time).
 
 The result, :class:`Rollout`, is laid out the same way for both: the opening left-padded, the response or episode
 right-padded after it, ``response_mask`` on the policy's tokens only (an environment's tokens are context: no

@@ -2,8 +2,9 @@
 
 It holds the sampling settings, the random streams (:class:`~rlhf_lightning.rollout.seeds.Seeds`), the engine that
 ``decoding`` selects (made on first use and kept with its caches and compiled steps; made anew for another model)
-and the gathering of an FSDP2-sharded base. Callers enter :meth:`Sampler.gathered` once per rollout (sampling and every
-scoring pass run inside it) and call :meth:`Sampler.draw` for each turn.
+and the gathering of an FSDP2-sharded base. Callers enter :meth:`Sampler.gathered_base` once per rollout (sampling and
+every scoring pass run inside it; DPO's precomputed reference, which samples nothing, enters it too) and call
+:meth:`Sampler.draw` for each turn.
 """
 
 from __future__ import annotations
@@ -76,10 +77,11 @@ class Sampler:
         return engine
 
     @contextmanager
-    def gathered(self, model: SharedBase) -> Iterator[None]:
-        """A rollout's block of no-grad passes over ``model`` (sampling and scoring): a sharded base gathered as
-        ``sharded_rollout`` says (every layer for the whole block, or each layer per forward pass); nothing
-        without sharding. Entered once per rollout; at its end the engines rest (vLLM's sleep on a GPU)."""
+    def gathered_base(self, model: SharedBase) -> Iterator[None]:
+        """A block of no-grad passes over ``model`` with its sharded base gathered as ``sharded_rollout`` says
+        (every layer for the whole block, or each layer per forward pass); nothing without sharding. Entered once
+        per rollout (sampling and scoring) and by DPO's precomputed reference; at its end the engines rest (vLLM's
+        sleep on a GPU)."""
         try:
             with gathered(model, whole=self.sharded_rollout == "gathered"):
                 yield

@@ -4,7 +4,8 @@ Each response token's reward is log p_teacher(y_t | y_<t) - log p_student(y_t | 
 samples: its sum over a response is minus the reverse KL from the student to the teacher, estimated where the
 student actually goes (on-policy distillation as in GKD, Agarwal et al. 2024, with on-policy data; Thinking
 Machines' "On-Policy Distillation", 2025; NeMo-RL). The advantage of a token is its own reward (no discount, no
-baseline: the teacher's judgement is per token already), trained with the loop's clipped surrogate. It runs with
+baseline: the teacher's judgement is per token already), trained with the registered policy loss (``policy_loss``:
+PPO's clipped surrogate by default, with its importance ratios to the sampling policy). It runs with
 any number of samples per prompt (no group) and on episodes (the teacher reads the whole transcript; only the
 policy's tokens are graded).
 """
@@ -121,7 +122,7 @@ class OnPolicyDistillation(PolicyGradient):
     @torch.no_grad()
     def extend_experience(self, experience: Experience) -> DistillationExperience:
         """The teacher's log-probs of the policy's tokens."""
-        with phase("rollout/reward"):
+        with phase("rollout/teacher"):
             teacher = self.teacher_logprobs(experience.input_ids, experience.attention_mask,
                                             experience.response_mask)
         return experience.extended(DistillationExperience, teacher_logprobs=teacher)

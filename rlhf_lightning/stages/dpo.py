@@ -155,7 +155,7 @@ class DPO(OfflinePreference):
         mine = list(range(self.global_rank, len(pairs), world))
         share = -(-len(pairs) // world)
         padded = mine + mine[-1:] * (share - len(mine)) if mine else [0] * share
-        with self.sampler.gathered(self.model):  # a sharded base gathered once for every batch of the table
+        with self.sampler.gathered_base(self.model):  # a sharded base gathered once for every batch of the table
             for start in range(0, share, batch_size):
                 rows = padded[start : start + batch_size]
                 batch = collate([pairs[i] for i in rows])

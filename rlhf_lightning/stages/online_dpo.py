@@ -10,6 +10,7 @@ this module only ranks and defines the loss.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,7 @@ from rlhf_lightning.algorithms.masked import masked_mean
 from rlhf_lightning.core.collect import Stats
 from rlhf_lightning.core.experience import Experience, ShapedRewards
 from rlhf_lightning.core.online import OnlineRL
+from rlhf_lightning.core.pass_plan import PassSettings
 from rlhf_lightning.core.policy import POLICY
 from rlhf_lightning.utils import checks
 from rlhf_lightning.utils.timing import phase
@@ -55,7 +57,6 @@ class OnlineDPO(OnlineRL):
     """
 
     metric_prefix = "online_dpo"
-    measure_kl = True  # the loss needs the reference's log-probs anyway
     rows_kept_together = 2
 
     def __init__(self, *args: Any, beta: float = 0.1, loss_type: DPOLossType = "sigmoid",
@@ -66,6 +67,11 @@ class OnlineDPO(OnlineRL):
         super().__init__(*args, samples_per_prompt=2, **kwargs)
         check_dpo_arguments(beta, loss_type, label_smoothing)
         checks.non_negative("simpo_gamma", simpo_gamma)
+
+    def pass_settings(self) -> PassSettings:
+        """The reference pass always (the loss reads the reference's log-probs), and with it the rollout's own
+        log-prob pass: the KL is logged, measured before the update."""
+        return dataclasses.replace(super().pass_settings(), measure_kl=True)
 
     # ---- 3. the pairs -------------------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ from rlhf_lightning.algorithms import (
 from rlhf_lightning.algorithms.surrogate import aggregate_loss, loss_normaliser
 from rlhf_lightning.core.collect import Stats
 from rlhf_lightning.core.experience import Experience, ShapedRewards
+from rlhf_lightning.core.pass_plan import PassSettings
 from rlhf_lightning.core.policy import POLICY, without_dropout
 from rlhf_lightning.core.policy_gradient import PolicyGradient
 from rlhf_lightning.models.shared_base import SharedBase
@@ -71,7 +72,6 @@ class PPO(PolicyGradient):
 
     metric_prefix = "ppo"
     dense_step_rewards = True  # a process reward model's step scores at their steps' last tokens, credited by GAE
-    measure_kl = True  # ppo/objective/kl at every kl_coef, 0 included (the over-optimisation study's β = 0 runs)
     exported_roles = (POLICY, CRITIC)
 
     def __init__(
@@ -109,6 +109,11 @@ class PPO(PolicyGradient):
         if self.critic_from_reward:
             model.copy_adapter(REWARD_ROLE, CRITIC)
         return model
+
+    def pass_settings(self) -> PassSettings:
+        """The reference pass at every ``kl_coef``, 0 included: ``ppo/objective/kl`` and ``objective/kl_penalty``
+        are logged whatever the coefficient (the over-optimisation study's β = 0 runs)."""
+        return dataclasses.replace(super().pass_settings(), measure_kl=True)
 
     # ---- the critic ---------------------------------------------------------------------------------------
 
@@ -166,7 +171,7 @@ class PPO(PolicyGradient):
         """One backward for the policy and critic losses (``backward``; ``auto``: joint under DDP, whose reducer
         needs every gradient in one pass)."""
         if self.hparams.backward == "auto":
-            return self._trainer is not None and self.trainer.world_size > 1
+            return self.is_distributed
         return self.hparams.backward == "joint"
 
     def parameter_groups(self) -> list[dict[str, Any]]:

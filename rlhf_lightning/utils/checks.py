@@ -107,3 +107,10 @@ def check_optimizer(lr_name: str, lr: float, weight_decay: float, warmup_steps: 
     non_negative("weight_decay", weight_decay)
     at_least(warmup_name, warmup_steps, minimum=0)
     one_of("lr_schedule", schedule, ("constant", "linear", "cosine"))
+
+
+def no_renamed_members(cls: type, renamed: dict[str, str]) -> None:
+    """Refuse a class that defines a member under an old name (a key of ``renamed``, whose value says what took its
+    place): the loop no longer calls it, so an override would silently stop counting."""
+    for name in renamed.keys() & vars(cls).keys():
+        raise TypeError(f"{cls.__qualname__}.{name}: the loop no longer reads {name!r}; {renamed[name]}")

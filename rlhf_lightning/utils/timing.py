@@ -19,6 +19,7 @@ PHASES = (
     "rollout/logprobs",  # the rollout's policy (old) and reference log-probs
     "rollout/values",  # the critic's values of the rollout (PPO)
     "rollout/reward",  # the reward sources
+    "rollout/teacher",  # a distillation teacher's log-probs of the rollout
     "update/policy forward",  # the policy's log-probs in the update (and DPO's)
     "update/reference forward",  # DPO's reference log-probs per step
     "update/critic forward",  # the critic's values in the update (PPO)
@@ -53,3 +54,25 @@ def record_phases(recorder: Recorder, clock: Callable[[], float] = time.perf_cou
         yield
     finally:
         _recorders.remove(entry)
+
+
+class Stopwatch:
+    """Seconds spent in named parts of a block that alternates between them (the on-policy loop's rollout and
+    update): ``with watch.lap("rollout"): ...`` adds the block's seconds to ``watch.seconds["rollout"]``."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
+        self.started = clock()
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def lap(self, part: str) -> Iterator[None]:
+        start = self.clock()
+        try:
+            yield
+        finally:
+            self.seconds[part] = self.seconds.get(part, 0.0) + self.clock() - start
+
+    def elapsed(self) -> float:
+        """Seconds since the stopwatch was made."""
+        return self.clock() - self.started

@@ -104,7 +104,7 @@ def grpo(tiny_model_dir, reward_dir, **kwargs):
 def test_the_sampler_log_probs_are_kept_and_the_loss_is_weighted(tiny_model_dir, reward_dir):
     module = grpo(tiny_model_dir, reward_dir, rollout_correction="token_truncate", rollout_correction_max=1.5)
     torch.manual_seed(0)
-    experience, _ = module.rollout(first_batch(module))
+    experience, _ = module.collect_and_prepare(first_batch(module))
     mask = experience.response_mask
     # The sampler's own log-probs equal the trainer's pass in fp32 on CPU (same model, same temperature).
     trainer, _ = module.response_logprobs("policy", experience.input_ids, experience.attention_mask, mask)

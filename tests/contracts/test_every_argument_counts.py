@@ -321,7 +321,7 @@ def rollout_values(module, setting: dict[str, Any]) -> dict[str, float]:
         perturb(module, 1)
     data = prompt_data(module, setting.get("calculator", False))
     torch.manual_seed(0)
-    experience, stats = module.rollout(next(iter(data.train_dataloader()["prompts"])))
+    experience, stats = module.collect_and_prepare(next(iter(data.train_dataloader()["prompts"])))
     if setting.get("moved"):
         perturb(module, 2)  # the policy moves after sampling: ratios away from 1
     if setting.get("stale"):  # a sampler whose log-probs disagree with the trainer's

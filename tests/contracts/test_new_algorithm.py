@@ -53,7 +53,7 @@ def test_gpg_advantages_are_the_papers_rescaled_group_baseline(my_gpg, tiny_mode
                               reward=AdapterReward(str(reward_dir)), samples_per_prompt=4, max_new_tokens=6))
     assert "VanillaPolicyGradient" in PolicyLoss.registry  # defining the class registered it
     perturb(module, "policy")
-    experience, stats = module.rollout(prompt_batch(module, n=4))
+    experience, stats = module.collect_and_prepare(prompt_batch(module, n=4))
     # Two of the four groups are made to agree: their advantage is 0 and alpha = B / (B - M) = 16 / 8.
     scores = experience.scores.clone()
     scores[:4], scores[8:12] = 1.0, -0.5

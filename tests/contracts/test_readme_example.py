@@ -31,7 +31,7 @@ def readme_example(monkeypatch):
 def test_length_penalty_example_charges_every_response_token(readme_example, tiny_model_dir, reward_dir):
     torch.manual_seed(0)
     plain = make_ppo(tiny_model_dir, reward_dir)
-    rollout, _ = plain.rollout(first_batch(plain))
+    rollout, _ = plain.collect_and_prepare(first_batch(plain))
     penalized = readme_example.LengthPenalizedPPO(
         base=plain.hparams.base, reward=plain.rewards.sources[0], policy_lora=LORA, critic_lora=LORA, token_cost=0.25)
     expected, _ = plain.shape_rewards(rollout)

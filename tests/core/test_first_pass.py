@@ -1,4 +1,4 @@
-"""The old log-probs from the update's first forward pass (``PolicyGradient.reuses_first_pass``): when the update's
+"""The old log-probs from the update's first forward pass (``PassPlan.reuse_first_pass``): when the update's
 first optimizer step is one micro-batch of the whole rollout, its policy pass is made before the rewards and gives
 the rollout's log-probs, so the rollout makes no policy pass of its own.
 
@@ -9,6 +9,8 @@ update pass on them shuffled, so sums differ in their last bits).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -31,8 +33,8 @@ def counting(cls: type, reuse: bool) -> type:
             return super().response_logprobs(role, *args, **kwargs)
 
     Counted.__name__ = cls.__name__
-    if not reuse:
-        Counted.reuses_first_pass = False
+    if not reuse:  # as if the first step were split: the plan takes the rollout's own pass
+        Counted.pass_settings = lambda self: dataclasses.replace(cls.pass_settings(self), whole_first_step=False)
     Counted.passes = []
     return Counted
 
@@ -73,5 +75,5 @@ def test_the_first_update_pass_gives_the_old_logprobs_with_one_policy_pass_fewer
 ])
 def test_which_updates_reuse_their_first_pass(options, reuses, rollout_pass, stopping_model_dir):
     module = make_stopping(PPO, stopping_model_dir, **options)
-    assert module.reuses_first_pass is reuses
-    assert module.needs_logprobs is rollout_pass  # the rollout's own policy pass
+    assert module.pass_plan.reuse_first_pass is reuses
+    assert module.pass_plan.rollout_logprobs is rollout_pass  # the rollout's own policy pass

@@ -66,7 +66,7 @@ def test_the_rollout_is_as_narrow_as_its_rows(stopping_model_dir):
     """The passes after sampling (log-probs, reference, reward, values) run on the rollout's own tensors: no column
     of them is padding in every row."""
     module = make_stopping(PPO, stopping_model_dir)
-    experience, _ = module.rollout(prompt_batch(module))
+    experience, _ = module.collect_and_prepare(prompt_batch(module))
     openings, responses = experience.row_extents()
     assert openings.max() == experience.prompt_length and responses.max() == experience.response_mask.shape[1]
     assert len(set(responses.tolist())) > 1 and len(set(openings.tolist())) > 1  # lengths differ: padding exists
@@ -81,7 +81,7 @@ def test_the_rollout_is_as_narrow_as_its_rows(stopping_model_dir):
 def test_a_micro_batch_cut_to_its_rows_gives_the_same_losses_and_gradients(cls, options, stopping_model_dir):
     module = make_stopping(cls, stopping_model_dir, **options)
     perturb(module, "policy", "critic")
-    experience, _ = module.rollout(prompt_batch(module, n=8))
+    experience, _ = module.collect_and_prepare(prompt_batch(module, n=8))
     openings, responses = experience.row_extents()
     short = (openings < openings.max()) & (responses < responses.max())  # rows with padding on both sides
     assert short.sum() >= 2
@@ -106,7 +106,7 @@ def test_a_cut_episode_micro_batch_gives_the_same_losses_and_gradients(calculato
     only the padding after each micro-batch's longest episode goes."""
     module = episodic(GRPO, calculator_model_dir, kl_coef=0.1, samples_per_prompt=4)
     perturb(module, "policy")
-    experience, _ = module.rollout(calculator_batch(module))
+    experience, _ = module.collect_and_prepare(calculator_batch(module))
     openings, responses = experience.row_extents()
     context = experience.attention_mask[:, experience.prompt_length:].bool() & ~experience.response_mask
     assert context.any()  # the environment answered some turns

@@ -7,10 +7,11 @@ from typing import Any
 
 import torch
 
-from rlhf_lightning import PPO, AdapterReward
+from rlhf_lightning import PPO, AdapterReward, FunctionReward
 from rlhf_lightning.cli.errors import accepted_arguments
 from rlhf_lightning.models.spec import BaseModelSpec
-from tests.helpers.models import LORA, built
+from rlhf_lightning.tasks.synthetic import gold_rewards
+from tests.helpers.models import LORA, built, tiny_spec
 
 
 def make(cls: type, model_dir: str | Path, reward: Any = None, defaults: dict[str, Any] | None = None,
@@ -34,3 +35,8 @@ def make(cls: type, model_dir: str | Path, reward: Any = None, defaults: dict[st
         settings["reward"] = AdapterReward(str(reward)) if isinstance(reward, (str, Path)) else reward
     return built(cls(base=BaseModelSpec(name_or_path=str(model_dir)), **{**settings, **arguments}))
 
+
+def unbuilt(cls: type, **arguments: Any):
+    """``cls`` constructed on the tiny GPT-2, scored by the synthetic task's gold reward, with nothing loaded (what
+    the constructor and the settings decide needs no model)."""
+    return cls(base=tiny_spec(), reward=FunctionReward(gold_rewards), **arguments)

@@ -8,11 +8,13 @@ import lightning as L
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlhf_lightning import PPO, PromptDataModule
+from rlhf_lightning import PPO, AdapterReward, OnPolicyDistillation, PromptDataModule
 from rlhf_lightning.callbacks import IterationCheckpoint
 from rlhf_lightning.core.online import OnlineRL
 from rlhf_lightning.models.shared_base import adapter_of
+from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.tasks.synthetic import gold_rewards
+from tests.helpers.models import LORA, built
 from tests.helpers.modules import make
 
 # PPO of the stage tests: 6 new tokens, two epochs of two minibatches, the gold reward logged.
@@ -84,3 +86,10 @@ make_online = functools.partial(make, defaults=ONLINE_SETTINGS)
 
 def prompt_batch(module: OnlineRL, n: int = 4) -> dict:
     return next(iter(prompts(module, n=n, batch_size=n).train_dataloader()["prompts"]))
+
+
+def student(tiny_model_dir, reward_dir, teacher, **kwargs):
+    """On-policy distillation from ``teacher`` (a model folder or an adapter) on the tiny base."""
+    return built(OnPolicyDistillation(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), policy_lora=LORA,
+                                      max_new_tokens=6, reward=AdapterReward(str(reward_dir)), teacher=str(teacher),
+                                      **kwargs))

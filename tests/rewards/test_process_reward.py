@@ -116,7 +116,7 @@ def test_ppo_trains_on_each_step_at_its_last_token_beside_a_weighted_checker(tin
     reward = [ProcessReward(str(prm_dir)), FunctionReward(exact_match)]
     module = _module(PPO, tiny_arithmetic_dir, reward, reward_weights=[0.5, 2.0], kl_coef=0.1)
     batch = _prompts(module)
-    experience, _ = module.rollout(batch)
+    experience, _ = module.collect_and_prepare(batch)
     mask = experience.response_mask
     completions = module.decode(experience.responses, mask)
     inputs = module.reward_inputs(experience.input_ids, experience.attention_mask, mask, completions,
@@ -139,7 +139,7 @@ def test_ppo_trains_on_each_step_at_its_last_token_beside_a_weighted_checker(tin
 def test_grpo_trains_on_the_named_reduction_of_the_steps(tiny_arithmetic_dir, prm_dir, reduction):
     module = _module(GRPO, tiny_arithmetic_dir, ProcessReward(str(prm_dir), reduction))
     batch = _prompts(module)
-    experience, _ = module.rollout(batch)
+    experience, _ = module.collect_and_prepare(batch)
     assert experience.step_rewards is None
     inputs = module.reward_inputs(experience.input_ids, experience.attention_mask, experience.response_mask,
                                   module.decode(experience.responses, experience.response_mask),

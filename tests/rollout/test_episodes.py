@@ -23,7 +23,7 @@ from tests.helpers.online import fit_iterations, prompts
 
 def sample_episodes(module, prompts, per_prompt):
     """``per_prompt`` episodes per prompt, as a training rollout samples them."""
-    with module.sampler.gathered(module.model):
+    with module.sampler.gathered_base(module.model):
         return module.rollouts.run(module.model, POLICY, prompts, per_prompt, "test")
 
 
@@ -127,7 +127,7 @@ def test_every_online_algorithm_trains_on_episodes(algorithm, calculator_model_d
     module = episodic(algorithm, calculator_model_dir, **extra)
     module.trainer = None
     torch.manual_seed(4)
-    experience, stats = module.rollout(calculator_batch(module))
+    experience, stats = module.collect_and_prepare(calculator_batch(module))
     mask = experience.response_mask
     episode_tokens = experience.attention_mask[:, -mask.shape[1]:].bool()
     assert (episode_tokens & ~mask).any()  # environment tokens sit between the policy's

@@ -113,7 +113,7 @@ def trainer_logprobs(model, drawn, role=POLICY, temperature=0.7):
 
 def draw(model, sampler, tokenizer, texts=("good movie", "the plot was", "i"), group=4, seeds=None, role=POLICY):
     ids, mask = left_padded(tokenizer, list(texts))
-    with sampler.gathered(model):
+    with sampler.gathered_base(model):
         return sampler.draw(model, role, ids, mask, group, seeds)
 
 
@@ -250,7 +250,7 @@ def test_multi_turn_episodes_are_drawn_turn_by_turn_by_vllm(calculator_llama_dir
     module.trainer = None
     try:
         torch.manual_seed(4)
-        experience, stats = module.rollout(calculator_batch(module))
+        experience, stats = module.collect_and_prepare(calculator_batch(module))
         assert stats["episode/turns"] > 1.0
         mask = experience.response_mask
         assert (experience.attention_mask[:, -mask.shape[1]:].bool() & ~mask).any()  # the environment's tokens

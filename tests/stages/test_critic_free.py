@@ -37,7 +37,7 @@ CRITIC_FREE = [GRPO, RLOO, REINFORCEPlusPlus]
 def test_rollout_advantages_are_the_pure_functions_on_the_experience(cls, tiny_model_dir, reward_dir):
     module = make_online(cls, tiny_model_dir, reward_dir, kl_coef=0.1, kl_in="reward")
     perturb(module, "policy")  # a policy away from the reference, so the KL terms are not zero
-    experience, stats = module.rollout(prompt_batch(module))
+    experience, stats = module.collect_and_prepare(prompt_batch(module))
     assert experience.group_size == 4 and experience.response_mask.shape[0] == 16
     assert torch.equal(experience.input_ids[0, :experience.prompt_length],
                        experience.input_ids[3, :experience.prompt_length])  # a group shares its prompt
@@ -65,21 +65,21 @@ def test_grpo_single_step_skips_the_old_logprob_pass_and_beta_zero_the_reference
     calls = []
     original = module.response_logprobs
     module.response_logprobs = lambda role, *a, **k: calls.append(role) or original(role, *a, **k)
-    experience, _ = module.rollout(prompt_batch(module))
+    experience, _ = module.collect_and_prepare(prompt_batch(module))
     assert experience.logprobs is None and experience.ref_logprobs is None and calls == []
     terms = module.losses(experience)  # old log-probs = this pass's own, detached: ratio exactly 1
     assert terms["policy/ratio"].item() == 1.0 and terms["policy/clipfrac"].item() == 0.0
     assert calls == ["policy"]
     # with beta > 0 the reference is scored in the rollout, the policy still only once
     module = make_online(GRPO, tiny_model_dir, reward_dir, epochs=1, num_minibatches=1, kl_coef=0.1)
-    experience, _ = module.rollout(prompt_batch(module))
+    experience, _ = module.collect_and_prepare(prompt_batch(module))
     assert experience.logprobs is None and experience.ref_logprobs is not None
 
 
 def test_kl_in_the_loss_is_k3_times_the_ratio(tiny_model_dir, reward_dir):
     module = make_online(GRPO, tiny_model_dir, reward_dir, kl_coef=0.5)
     perturb(module, "policy")
-    experience, _ = module.rollout(prompt_batch(module))
+    experience, _ = module.collect_and_prepare(prompt_batch(module))
     with torch.no_grad():
         perturb(module, "policy")  # the policy moves after sampling: ratios differ from 1
     terms = module.losses(experience)
@@ -100,7 +100,7 @@ def test_gradients_reach_exactly_the_policy_adapter(cls, tiny_model_dir, reward_
     kwargs = {} if cls is PPO else {"kl_coef": 0.1}
     module = make_online(cls, tiny_model_dir, reward_dir, ent_coef=0.01, **kwargs)
     perturb(module, "policy", "critic")
-    experience, _ = module.rollout(prompt_batch(module))
+    experience, _ = module.collect_and_prepare(prompt_batch(module))
     terms = module.losses(experience)
     trainable = {name: p for name, p in module.named_parameters() if p.requires_grad}
     grads = torch.autograd.grad(terms["loss/policy"], list(trainable.values()), allow_unused=True)
@@ -118,7 +118,7 @@ def test_the_step_loss_does_not_depend_on_the_micro_batch_split(aggregation, tin
     module = make_online(GRPO, tiny_model_dir, reward_dir, loss_aggregation=aggregation, kl_coef=0.1, epochs=1,
                   num_minibatches=1)
     perturb(module, "policy")
-    experience, _ = module.rollout(prompt_batch(module))
+    experience, _ = module.collect_and_prepare(prompt_batch(module))
     split = [torch.arange(0, 5), torch.arange(5, 16)]  # unequal rows, hence unequal token counts
     policy = [p for n, p in module.named_parameters() if adapter_of(n) == "policy"]
     whole = torch.autograd.grad(module.losses(experience)["loss/total"], policy)
@@ -131,7 +131,7 @@ def test_the_step_loss_does_not_depend_on_the_micro_batch_split(aggregation, tin
 
 def test_truncated_completions_carry_no_loss(tiny_model_dir, reward_dir):
     module = make_online(GRPO, tiny_model_dir, reward_dir, mask_truncated_completions=True, max_new_tokens=3)
-    experience, stats = module.rollout(prompt_batch(module))
+    experience, stats = module.collect_and_prepare(prompt_batch(module))
     loss_mask = module.loss_mask(experience)
     stopped_rows = loss_mask.any(-1)
     assert 0 < stopped_rows.sum() < 16, "the tiny model must leave some responses unfinished in 3 tokens"
@@ -149,7 +149,7 @@ def test_truncated_completions_carry_no_loss(tiny_model_dir, reward_dir):
 def test_lora_dropout_is_forced_to_zero_and_top_k_is_refused(tiny_model_dir, reward_dir):
     module = make_online(GRPO, tiny_model_dir, reward_dir, policy_lora=LoraSpec(r=4, alpha=8, dropout=0.3))
     assert module.model.model.peft_config["policy"].lora_dropout == 0.0
-    experience, _ = module.rollout(prompt_batch(module))  # old log-probs from the rollout (2 x 2 steps)
+    experience, _ = module.collect_and_prepare(prompt_batch(module))  # old log-probs from the rollout (2 x 2 steps)
     terms = module.losses(experience)
     assert terms["policy/ratio"].item() == pytest.approx(1.0, abs=1e-6)  # no dropout noise between passes
     with pytest.raises(ValueError, match="top_k/top_p"):
@@ -174,7 +174,7 @@ def test_reward_functions_with_trl_signature_columns_weights_and_none(tiny_model
                         reward_weights=[1.0, 2.0]))
     batch = next(iter(prompts(module, dataset=str(data_file), batch_size=2).train_dataloader()["prompts"]))
     assert batch["columns"] == {"topic": ["skip", "animals"]} or batch["columns"] == {"topic": ["animals", "skip"]}
-    experience, stats = module.rollout(batch)
+    experience, stats = module.collect_and_prepare(batch)
     topics = [t for t in batch["columns"]["topic"] for _ in range(2)]
     lengths = experience.response_mask.sum(-1).float()
     with torch.no_grad():
@@ -281,7 +281,7 @@ class DrGRPO(GRPO):
                          *common], run=False).model
     assert grpo.hparams.scale_rewards == "none" and grpo.hparams.loss_aggregation == "constant"
     grpo.configure_model()
-    experience, _ = grpo.rollout(prompt_batch(grpo))  # reads both during the iteration
+    experience, _ = grpo.collect_and_prepare(prompt_batch(grpo))  # reads both during the iteration
     assert experience.advantages is not None
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlhf_lightning import AdapterReward, FunctionReward, OnPolicyDistillation
+from rlhf_lightning import FunctionReward, OnPolicyDistillation
 from rlhf_lightning.cli.merge_command import merge_adapter
 from rlhf_lightning.models.fingerprint import BASE_RECORD, weights_fingerprint
 from rlhf_lightning.models.spec import BaseModelSpec
@@ -22,26 +22,20 @@ from tests.helpers.models import (
     built,
     retrain_in_place,  # noqa: F401
 )
-from tests.helpers.online import first_batch, perturb
-
-
-def student(tiny_model_dir, reward_dir, teacher, **kwargs):
-    return built(OnPolicyDistillation(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), policy_lora=LORA,
-                                      max_new_tokens=6, reward=AdapterReward(str(reward_dir)), teacher=str(teacher),
-                                      **kwargs))
+from tests.helpers.online import first_batch, perturb, student
 
 
 def test_the_advantage_of_a_token_is_the_teachers_log_prob_minus_the_students(tiny_model_dir, reward_dir):
     module = student(tiny_model_dir, reward_dir, teacher=tiny_model_dir)
     torch.manual_seed(0)
-    same, stats = module.rollout(first_batch(module))
+    same, stats = module.collect_and_prepare(first_batch(module))
     # A fresh adapter is the base itself: the teacher (the same base) agrees on every token.
     torch.testing.assert_close(same.advantages, torch.zeros_like(same.advantages), atol=1e-5, rtol=0)
     assert abs(float(stats["teacher/reverse_kl"])) < 1e-4
 
     perturb(module, "policy")
     torch.manual_seed(1)
-    experience, stats = module.rollout(first_batch(module))
+    experience, stats = module.collect_and_prepare(first_batch(module))
     mask = experience.response_mask
     teacher = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     width = mask.shape[1]
@@ -86,7 +80,7 @@ def test_a_teacher_adapter_on_the_same_base_grades_as_its_merged_model_does(tiny
     module = student(tiny_model_dir, reward_dir, teacher=adapter)
     assert module.teacher_is_adapter and not module._teacher  # no second model: a role on the shared base
     torch.manual_seed(0)
-    experience, stats = module.rollout(first_batch(module))
+    experience, stats = module.collect_and_prepare(first_batch(module))
     mask = experience.response_mask
     teacher = AutoModelForCausalLM.from_pretrained(merged).eval()
     for row in range(mask.shape[0]):

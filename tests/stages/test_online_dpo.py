@@ -38,7 +38,7 @@ def sequence_logps(module: OnlineDPO, role, experience) -> torch.Tensor:
 def test_each_prompts_two_samples_are_ranked_into_a_pair_chosen_first(tiny_model_dir, reward_dir):
     module = make_online_dpo(tiny_model_dir, reward_dir)
     batch = prompt_batch(module, n=8)
-    with module.sampler.gathered(module.model):
+    with module.sampler.gathered_base(module.model):
         raw, _ = module.collect(batch)
     rewards, _ = module.shape_rewards(raw)
     experience, stats = module.prepare_update(raw, rewards)
@@ -60,7 +60,7 @@ def test_each_prompts_two_samples_are_ranked_into_a_pair_chosen_first(tiny_model
 def test_the_loss_is_the_dpo_loss_of_the_untied_pairs(tiny_model_dir, reward_dir, loss_type, beta):
     module = make_online_dpo(tiny_model_dir, reward_dir, loss_type=loss_type, beta=beta)
     perturb(module, "policy")
-    experience, _ = module.rollout(prompt_batch(module, n=8))
+    experience, _ = module.collect_and_prepare(prompt_batch(module, n=8))
     # A tie, made here on the experience as the ranking marks it: that pair must carry no loss.
     weights = experience.pair_weights.clone()
     weights[:2] = 0.0

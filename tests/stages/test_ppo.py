@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_fresh_policy_is_the_reference_kl_zero_and_ratio_one(tiny_model_dir, reward_dir):
     module = make_ppo(tiny_model_dir, reward_dir)
-    rollout, stats = module.rollout(first_batch(module))
+    rollout, stats = module.collect_and_prepare(first_batch(module))
     assert torch.equal(rollout.logprobs, rollout.ref_logprobs)
     assert stats["objective/kl"].item() == 0.0
     terms = module.losses(rollout.select(torch.randperm(8)[:4]), None)
@@ -67,7 +67,7 @@ def test_every_role_reads_the_same_base_weights_and_the_process_holds_one_copy(t
 def test_policy_loss_reaches_only_the_policy_and_value_loss_only_the_critic(tiny_model_dir, reward_dir):
     module = make_ppo(tiny_model_dir, reward_dir, num_minibatches=1)
     perturb(module, "policy", "critic")  # non-zero B, so that A gets gradient too
-    rollout, _ = module.rollout(first_batch(module))
+    rollout, _ = module.collect_and_prepare(first_batch(module))
     terms = module.losses(rollout, None)
     trainable = {name: p for name, p in module.named_parameters() if p.requires_grad}
     policy_params = {n for n in trainable if adapter_of(n) == "policy"}
@@ -154,7 +154,7 @@ def test_function_reward_scores_texts_and_config_errors_are_clear(tiny_model_dir
     torch.manual_seed(0)
     module = built(PPO(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), reward=FunctionReward(gold_rewards),
                        policy_lora=LORA, critic_lora=LORA, max_new_tokens=6, gold_reward=gold_rewards))
-    rollout, stats = module.rollout(first_batch(module))
+    rollout, stats = module.collect_and_prepare(first_batch(module))
     torch.testing.assert_close(stats["objective/score"], stats["objective/gold"])  # the same function
     with pytest.raises(ValueError, match="critic_from_reward needs an AdapterReward"):
         PPO(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), reward=FunctionReward(gold_rewards),
@@ -240,7 +240,7 @@ def test_backward_choice(tiny_model_dir, reward_dir):
 def test_rlhf_reward_is_score_minus_kl_even_with_whitened_rewards_and_adam_eps_is_used(tiny_model_dir, reward_dir):
     module = make_ppo(tiny_model_dir, reward_dir, whiten_rewards=True, kl_coef=0.5, adam_eps=1e-5)
     perturb(module, "policy")
-    experience, stats = module.rollout(first_batch(module))
+    experience, stats = module.collect_and_prepare(first_batch(module))
     kl = (experience.logprobs - experience.ref_logprobs).where(experience.response_mask, 0.0).sum(-1)  # k1
     torch.testing.assert_close(stats["objective/rlhf_reward"], (experience.scores - 0.5 * kl).mean())
     optimizer = module.configure_optimizers()["optimizer"]
