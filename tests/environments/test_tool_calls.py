@@ -275,6 +275,7 @@ NOT_AN_ENVIRONMENT = ("is not an rlhf_lightning Environment: an environment must
                       "and adds the base: class GuessTheNumber(Environment)")
 
 
+@pytest.mark.slow
 def test_a_gym_style_environment_class_is_told_what_an_environment_must_be(tmp_path):
     (tmp_path / "gym_style.py").write_text(GYM_STYLE)
     (tmp_path / "env.yaml").write_text("model:\n  init_args:\n    environment:\n      class_path: "

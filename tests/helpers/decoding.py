@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -60,3 +61,9 @@ def sample(base: SharedBase, decoding: str, ids, mask, group: int, new_tokens: i
     drawn = sampler(base, decoding).draw(base, role, ids, mask, group, seeds=list(range(ids.shape[0] * group)),
                                          max_new_tokens=new_tokens)
     return drawn.sequences, drawn.mask, drawn.logprobs
+
+
+def family_params() -> list:
+    """Every family of :data:`ARCHITECTURES` as a parameter, all but GPT-2 marked ``slow``: the fast suite checks one
+    family, the full suite every one."""
+    return [pytest.param(family, marks=() if family == "gpt2" else pytest.mark.slow) for family in ARCHITECTURES]

@@ -20,7 +20,7 @@ from rlhf_lightning.models.loading import disable_dropout
 from rlhf_lightning.models.logprobs import token_logprobs
 from rlhf_lightning.models.shared_base import REFERENCE
 from rlhf_lightning.models.shared_prompt import prefix_groups
-from tests.helpers.decoding import ARCHITECTURES, policy_base, prompts, sample
+from tests.helpers.decoding import family_params, policy_base, prompts, sample
 from tests.helpers.distributed import COMMON, ONLINE, PER_RANK, REPO, STRATEGIES, close, run_all
 
 GROUP = 4
@@ -53,7 +53,7 @@ def logprobs_and_gradients(base, role, ids, attention, response_mask, share: boo
     return logprobs.detach(), {name: p.grad.clone() for name, p in base.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("family", list(ARCHITECTURES))
+@pytest.mark.parametrize("family", family_params())
 def test_shared_prompt_passes_equal_whole_row_passes_for_every_family(family):
     base = policy_base(family)
     ids, attention, response_mask = grouped_block(base)

@@ -10,7 +10,7 @@ import torch
 from rlhf_lightning.rollout.decode import PROMPT_BUCKET, _compiled_graphs
 from rlhf_lightning.rollout.settings import SamplingSettings
 from tests.helpers.decoding import (
-    ARCHITECTURES,
+    family_params,
     policy_base,
     prompts,
     sample,
@@ -18,7 +18,7 @@ from tests.helpers.decoding import (
 )
 
 
-@pytest.mark.parametrize("family", list(ARCHITECTURES))
+@pytest.mark.parametrize("family", family_params())
 def test_the_loop_draws_generates_tokens_and_log_probs_encoding_each_prompt_once(family):
     base = policy_base(family)
     ids, mask = prompts(3, 11, seed=1)
@@ -79,7 +79,7 @@ def test_a_dynamic_cache_needs_generate_and_unknown_decodings_are_refused():
 
 # ---- the compiled step (torch.compile's inductor on CPU: the same graphs a GPU captures, without CUDA graphs) ----
 
-@pytest.mark.parametrize("family", list(ARCHITECTURES))
+@pytest.mark.parametrize("family", family_params())
 def test_compiled_decoding_draws_the_eager_tokens_and_compiles_once_for_a_shape(family):
     base = policy_base(family)
     # Prompt lengths 11 and 40 share a bucket; 70 + 24 tokens overrun the sliding windows (64) of Mistral and Gemma-2.
@@ -95,6 +95,7 @@ def test_compiled_decoding_draws_the_eager_tokens_and_compiles_once_for_a_shape(
         assert _compiled_graphs() - graphs == (rollout != 1)  # a prompt bucket seen before compiles nothing
 
 
+@pytest.mark.slow
 def test_compiled_decoding_recompiles_for_a_new_batch_or_role_only_once():
     base = policy_base("gpt2")
     # Compiled graphs serve every model of the same structure and shapes: these batch sizes are this test's alone.
@@ -106,6 +107,7 @@ def test_compiled_decoding_recompiles_for_a_new_batch_or_role_only_once():
     assert stats.compiles == 4 and stats.compile_seconds > 0  # (5 or 7 prompts) x (policy or reference), once each
 
 
+@pytest.mark.slow
 def test_compiled_decoding_in_bf16_samples_its_tokens_with_their_log_probs():
     """bf16 kernels round differently when fused: a draw that falls within ~1e-2 of a token's cumulative boundary
     may pick its neighbour, so tokens are compared with the log-probs the eager model gives the compiled path's own

@@ -201,6 +201,7 @@ def test_a_sum_written_with_thousands_separators_is_read_as_the_number():
     assert correct_answer(prompt, completions, answer=[154616.0] * 4) == [1.0, 1.0, 0.0, 0.0]
 
 
+@pytest.mark.slow
 def test_an_answer_that_is_no_number_stops_the_fit_at_setup_naming_file_row_and_column(calculator_model_dir,
                                                                                         tmp_path):
     rows = [{"prompt": "what is 48213 + 90377 ?", "answer": 138590},

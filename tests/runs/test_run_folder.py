@@ -39,6 +39,7 @@ def sft_arguments(tiny_model_dir: Path, *extra: str) -> list[str]:
             "--trainer.limit_val_batches=0", *extra]
 
 
+@pytest.mark.slow
 def test_a_read_only_run_folder_is_one_line_before_anything_runs(tiny_model_dir, tmp_path):
     run_folder = tmp_path / "read-only"
     run_folder.mkdir()

@@ -227,6 +227,7 @@ def test_tiny_family_study_end_to_end_resumes_and_measures_every_method_alike(ti
     assert again["table"] == summary["table"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["cispo", "online_dpo", "kto", "distill"])
 def test_the_newer_methods_run_a_quick_study_unit(method, tiny_model_dir, reward_dir, tmp_path):
     """CISPO, online DPO, KTO and distillation each run one unit of the study's quick mode through the real CLI,

@@ -39,6 +39,7 @@ def test_a_module_inside_a_moved_package_moves_with_it_and_other_names_stay_unkn
         importlib.import_module("rlhf_lightning.no_such_module")
 
 
+@pytest.mark.slow
 def test_a_config_naming_an_old_class_path_runs_and_says_where_it_moved(tmp_path):
     """``--print_config`` with the last release's class paths: it parses, and the warning names the new ones."""
     result = subprocess.run(
