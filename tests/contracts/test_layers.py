@@ -83,7 +83,7 @@ def test_the_low_layers_never_import_the_modules_above_them():
 
 
 def test_rollout_draws_tokens_and_knows_no_reward_or_loop():
-    """rollout/ does one job: no reward source, no experience, no LightningModule."""
+    """rollout/ draws tokens and runs episodes, and knows no reward source, no experience, no LightningModule."""
     for module, targets in imports().items():
         if part(module) == "rollout":
             assert not [t for t in targets if part(t) in ("rewards", "core")], module
