@@ -1,6 +1,5 @@
 """Which of Lightning's strategies a stage runs under, the device mesh it shards the base over, and what a stage
-computes over the ranks of a distributed fit (:class:`OverRanks`; :func:`most_over_ranks`: as many micro-batches on
-every rank).
+computes over the ranks of a distributed fit (:class:`OverRanks`).
 
 DDP (``strategy: ddp``) replicates the module and needs nothing here. Lightning's ``ModelParallelStrategy``
 (FSDP2) asks the module to shard itself in ``configure_model``: ours shard the shared base over the strategy's
@@ -103,7 +102,7 @@ class OverRanks:
         batch."""
         return self.reduce_over_ranks(value, "sum")
 
-
-def most_over_ranks(module: OverRanks, count: int) -> int:
-    """The largest ``count`` of any rank of ``module``'s distributed fit (``count`` outside one)."""
-    return int(module.reduce_over_ranks(torch.tensor(count, device=module.device), "max"))
+    def most_over_ranks(self, count: int) -> int:
+        """The largest ``count`` of any rank (``count`` outside a distributed fit): as many micro-batches on every
+        rank."""
+        return int(self.reduce_over_ranks(torch.tensor(count, device=self.device), "max"))

@@ -42,7 +42,6 @@ import torch
 from torch import Tensor
 
 from rlhf_lightning.core.collect import ExperienceCollector, SkipIteration, Stats
-from rlhf_lightning.core.distributed import most_over_ranks
 from rlhf_lightning.core.experience import Experience, FirstPass, ShapedRewards
 from rlhf_lightning.core.micro_batches import Extent, check_split, micro_batch_parts, minibatch_sizes
 from rlhf_lightning.core.pass_plan import PassSettings
@@ -286,7 +285,7 @@ class OnlineRL(ExperienceCollector):
         needed = [extents[row] for row in rows]
         micros = []
         for part in micro_batch_parts(needed, hp.gradient_accumulation, hp.micro_batch_tokens,
-                                      self.rows_kept_together, lambda count: most_over_ranks(self, count)):
+                                      self.rows_kept_together, self.most_over_ranks):
             micro = experience.select(torch.tensor([rows[p] for p in part], device=self.device))
             micros.append(micro.cut(max(needed[p][0] for p in part), max(needed[p][1] for p in part)))
         return micros

@@ -147,7 +147,7 @@ def test_the_readme_layout_lists_the_layers_bottom_up_one_line_each():
     assert layout_lines(README.read_text()) == [list(names) for names in LAYERS]
 
 
-def test_the_layout_reader_sees_a_missing_folder():
+def test_the_layout_reader_takes_the_names_before_a_lines_description():
     readme = "## Layout\n\n```\nrlhf_lightning/\n  utils/ runs/    words core/ in a description\n" \
              "                  more words\n  core/\nconfigs/  one YAML\n```\n"
     assert layout_lines(readme) == [["utils", "runs"], ["core"]]

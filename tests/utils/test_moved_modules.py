@@ -25,7 +25,8 @@ def test_every_old_name_imports_the_module_at_its_new_place_with_a_warning(old):
 
 
 def test_the_old_names_of_classes_are_the_classes():
-    sys.modules.pop("rlhf_lightning.ppo", None), sys.modules.pop("rlhf_lightning.loggers", None)
+    for old in ("rlhf_lightning.ppo", "rlhf_lightning.loggers"):
+        sys.modules.pop(old, None)
     with pytest.warns(FutureWarning):
         from rlhf_lightning.loggers import WandbLogger
         from rlhf_lightning.ppo import PPO
