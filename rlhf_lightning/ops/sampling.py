@@ -85,6 +85,19 @@ def inverse_cdf_draw(scores: Tensor, uniform: Tensor) -> tuple[Tensor, Tensor, T
     return tokens.squeeze(-1), logprobs, torch.isfinite(total.squeeze(-1))
 
 
+# The draw as one opaque operator for compiled code: Inductor's own lowering of the softmax and running sum over a
+# large vocabulary (a split scan) fails to generate its CUDA kernel (torch 2.11, an H200: GPT-2's 50,257 and
+# Qwen2's 151,936 ids). Opaque, the draw runs ATen's kernels, inside the same CUDA graph, with eager's numbers.
+inverse_cdf_draw_op = torch.library.custom_op("rlhf_lightning::inverse_cdf_draw", inverse_cdf_draw, mutates_args=())
+
+
+@inverse_cdf_draw_op.register_fake
+def _inverse_cdf_draw_shapes(scores: Tensor, uniform: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    rows = scores.shape[0]
+    return (scores.new_empty(rows, dtype=torch.long), scores.new_empty(rows, dtype=torch.float32),
+            scores.new_empty(rows, dtype=torch.bool))
+
+
 def nonfinite_scores_error(bad_rows: Tensor, tokens_so_far: int) -> FloatingPointError:
     """The error for next-token scores that cannot be sampled (``bad_rows``: ``[B]`` bool)."""
     return FloatingPointError(

@@ -14,6 +14,7 @@ batch or cache shape; ``tests/rollout/test_decode.py`` checks tokens and log-pro
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import time
@@ -27,7 +28,7 @@ from torch import Tensor
 from transformers import LogitsProcessorList, PreTrainedModel, StaticCache
 from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
-from rlhf_lightning.ops.sampling import inverse_cdf_draw, nonfinite_scores_error
+from rlhf_lightning.ops.sampling import inverse_cdf_draw_op, nonfinite_scores_error
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +69,11 @@ class Decoder:
             # One code object serves every model, batch size and prompt bucket of the process; dynamo's default of
             # 8 compiled versions per code object would silently fall back to eager after the eighth.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            mode = "reduce-overhead" if hf_model.device.type == "cuda" else None
-            self._step = torch.compile(self.step, mode=mode, dynamic=False)
+            if hf_model.device.type == "cuda":
+                self._step = functools.partial(_replay, torch.compile(self.step, mode="reduce-overhead",
+                                                                      dynamic=False))
+            else:
+                self._step = torch.compile(self.step, dynamic=False)
 
     @torch.no_grad()
     def __call__(self, input_ids: Tensor, attention_mask: Tensor, warpers: LogitsProcessorList,
@@ -189,9 +193,16 @@ def _draw(logits: Tensor, uniform: Tensor, finished: Tensor, warpers: LogitsProc
     """The next token of each row from its warped ``logits``: ``(tokens, log-probs, finished, finite)``; a row
     finished before this token gets ``pad_token_id`` (as ``generate``), one that draws a stop token finishes."""
     scores = warpers(None, logits)
-    token, logprob, finite = inverse_cdf_draw(scores, uniform)
+    token, logprob, finite = inverse_cdf_draw_op(scores, uniform)
     token = torch.where(finished, pad_token_id, token)
     return token, logprob, finished | torch.isin(token, stop_ids), finite | finished
+
+
+def _replay(graphed_step: Any, *inputs: Any) -> tuple[Tensor, ...]:
+    """One call of the CUDA-graphed step, its outputs copied out of the graph's memory: the next replay writes
+    there, and the loop keeps every token and log-prob and feeds ``token`` and ``finished`` back in."""
+    torch.compiler.cudagraph_mark_step_begin()
+    return tuple(output.clone() for output in graphed_step(*inputs))
 
 
 def _compiled_graphs() -> int:

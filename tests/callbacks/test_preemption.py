@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.helpers.distributed import STRATEGIES
+from tests.helpers.environment import with_repo_on_path
 from tests.helpers.preemption import COMMON, assert_same_training, drive, run, stage
 
 REPO = Path(__file__).resolve().parents[2]
@@ -179,7 +180,7 @@ def test_under_slurm_sigusr1_checkpoints_and_requeues_the_job(tiny_model_dir, re
                                           "init_args": {"batch": 2, "name": "SIGUSR1"}})]))
     slurm = {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "rlhf", "SLURM_JOB_ID": "4242", "SLURM_PROCID": "0",
              "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NTASKS_PER_NODE": "1"}
-    env = {**os.environ, **slurm, "PYTHONPATH": str(REPO), "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    env = with_repo_on_path(**slurm, PATH=f"{bin_dir}:{os.environ['PATH']}")
     result = subprocess.run([sys.executable, str(REPO / "tests" / "helpers" / "equivalence.py"), str(runs_file)], cwd=tmp_path,
                             env=env, capture_output=True, text=True, timeout=600, start_new_session=True)
     assert result.returncode == 128 + signal.SIGUSR1, result.stderr[-3000:]

@@ -4,12 +4,13 @@ logged anything leaves no empty W&B run behind."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers.environment import with_repo_on_path
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -19,7 +20,7 @@ def command_line(tmp_path: Path, *arguments: str, warnings: str = "", **environm
     tmp_path.mkdir(parents=True, exist_ok=True)
     return subprocess.run([sys.executable, "-m", "rlhf_lightning", *arguments], cwd=tmp_path, capture_output=True,
                           text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": warnings, **environment})
+                          env=with_repo_on_path(PYTHONWARNINGS=warnings, **environment))
 
 
 @pytest.mark.slow

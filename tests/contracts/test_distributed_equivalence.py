@@ -22,7 +22,6 @@ process) with two epochs and, for PPO, two micro-batches per step.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -43,6 +42,7 @@ from tests.helpers.distributed import (
     run_all,
     stages,
 )
+from tests.helpers.environment import with_repo_on_path
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -199,7 +199,7 @@ def test_fsdp2_resume_after_kill_9_is_exact(tiny_model_dir, reward_dir, tmp_path
     runs_file.write_text(json.dumps(plan("killed", {"class_path": "tests.helpers.equivalence.KillAt",
                                                     "init_args": {"iteration": 3, "step": 2}})))
     killed = subprocess.run([sys.executable, str(REPO / "tests" / "helpers" / "equivalence.py"), str(runs_file)], cwd=tmp_path,
-                            env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=600,
+                            env=with_repo_on_path(), capture_output=True, text=True, timeout=600,
                             start_new_session=True)  # its own process group: the kill takes both ranks, not pytest
     assert killed.returncode == -9, killed.stderr[-3000:]
     saved = sorted(path.name for path in (tmp_path / "killed").iterdir())
@@ -284,7 +284,7 @@ def test_model_parallel_settings_run_or_are_refused_in_one_line(tiny_model_dir, 
                *(f"--trainer.strategy.init_args.{setting}" for setting in settings if "=" in setting),
                *(f"--trainer.precision={setting}" for setting in settings if "=" not in setting),
                f"--model.init_args.export_dir={tmp_path / 'export'}", "--trainer.callbacks=[]"]
-    result = subprocess.run(command, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+    result = subprocess.run(command, cwd=tmp_path, env=with_repo_on_path(), capture_output=True,
                             text=True, timeout=300)
     if error is None:
         assert result.returncode == 0, result.stderr[-3000:]
@@ -332,7 +332,7 @@ def test_a_rank_that_fails_or_dies_is_named_in_one_line_by_every_rank(tiny_model
                "--model.init_args.reward={class_path: rlhf_lightning.FunctionReward, init_args: {fn: failing.reward}}",
                "--data.init_args.batch_size=2", "--trainer.limit_val_batches=0", "--model.init_args.export_dir=null",
                f"--trainer.default_root_dir={tmp_path / 'run'}", "--trainer.callbacks=[]", *STRATEGIES[strategy]]
-    result = subprocess.run(command, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+    result = subprocess.run(command, cwd=tmp_path, env=with_repo_on_path(), capture_output=True,
                             text=True, timeout=300)
     seconds = time.time() - float((tmp_path / "failed_at").read_text())
     assert result.returncode == 1, result.stderr[-3000:]

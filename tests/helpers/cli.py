@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -13,6 +12,7 @@ import pytest
 from rlhf_lightning.cli import main
 from rlhf_lightning.cli.errors import TRACEBACK_ENV
 from rlhf_lightning.runs.wandb_offline import read_history
+from tests.helpers.environment import with_repo_on_path
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,7 +32,7 @@ def logged_keys(directory: Path, expected: set[str], timeout: float = 30.0) -> s
 
 
 def cli_subprocess(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = with_repo_on_path()
     env.pop(TRACEBACK_ENV, None)
     return subprocess.run([sys.executable, "-m", "rlhf_lightning", *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)

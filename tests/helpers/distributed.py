@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.helpers.environment import with_repo_on_path
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -73,7 +74,7 @@ def stages(model_dir: Path, reward_dir: Path) -> dict[str, tuple[str, list[str],
 def run_all(runs: list[dict], tmp_path: Path, name: str) -> None:
     runs_file = tmp_path / f"{name}.json"
     runs_file.write_text(json.dumps(runs))
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = with_repo_on_path()
     result = subprocess.run([sys.executable, str(REPO / "tests" / "helpers" / "equivalence.py"), str(runs_file)], cwd=tmp_path,
                             env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]

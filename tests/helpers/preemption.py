@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
+
+from tests.helpers.environment import with_repo_on_path
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -48,7 +49,7 @@ def drive(tmp_path: Path, name: str, runs: list[dict]) -> subprocess.CompletedPr
     runs_file = tmp_path / f"{name}.json"
     runs_file.write_text(json.dumps(runs))
     return subprocess.run([sys.executable, str(REPO / "tests" / "helpers" / "equivalence.py"), str(runs_file)], cwd=tmp_path,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=600,
+                          env=with_repo_on_path(), capture_output=True, text=True, timeout=600,
                           start_new_session=True)
 
 

@@ -10,7 +10,12 @@ import torch
 
 from rlhf_lightning.core.policy import PolicyModule
 from rlhf_lightning.models.spec import BaseModelSpec
-from rlhf_lightning.ops.sampling import InverseCDFSampler, sampling_processors
+from rlhf_lightning.ops.sampling import (
+    InverseCDFSampler,
+    inverse_cdf_draw,
+    inverse_cdf_draw_op,
+    sampling_processors,
+)
 from tests.helpers.models import LORA, built
 from tests.helpers.online import first_batch, make_ppo
 
@@ -47,6 +52,21 @@ def test_processors_apply_temperature_top_k_and_top_p_before_drawing(options, ex
 def test_sampler_is_reproducible_from_the_seed():
     assert torch.equal(draw(InverseCDFSampler(), PROBS, rows=50, seed=7), draw(InverseCDFSampler(), PROBS, rows=50,
                                                                                  seed=7))
+
+
+def test_the_draw_as_an_operator_is_the_function_eager_and_compiled_with_shapes_it_declares():
+    """The decode step compiles the draw as one opaque operator (Inductor's split scan over a large vocabulary
+    fails on CUDA): it must give the plain function's tokens, log-probs and flags, compiled or not."""
+    scores = torch.randn(6, 50257, generator=torch.Generator().manual_seed(0))
+    scores[2] = float("-inf")
+    uniform = torch.rand(6, 1, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    expected = inverse_cdf_draw(scores * 0.5, uniform)
+    compiled = torch.compile(lambda s, u: inverse_cdf_draw_op(s * 0.5, u), fullgraph=True, dynamic=False)
+    for drawn in (inverse_cdf_draw_op(scores * 0.5, uniform), compiled(scores, uniform)):
+        assert [t.dtype for t in drawn] == [torch.long, torch.float32, torch.bool]
+        torch.testing.assert_close(drawn, expected, rtol=0, atol=0, equal_nan=True)  # row 2's log-prob: NaN
+    assert expected[2].tolist() == [True, True, False, True, True, True]
+    torch.library.opcheck(inverse_cdf_draw_op, (scores[:2], uniform[:2]))  # finite rows: it compares no NaN
 
 
 def test_non_finite_scores_name_the_rows():

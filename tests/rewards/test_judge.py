@@ -4,7 +4,6 @@ served from a real local model on the loopback address, its failures, and parse 
 from __future__ import annotations
 
 import csv
-import os
 import socket
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from rlhf_lightning.rewards.http import EndpointError
 from rlhf_lightning.rewards.inputs import RewardInputs
 from rlhf_lightning.rewards.judge_parsers import expected_score, parse_label, parse_number
 from rlhf_lightning.rewards.judge_template import JudgeTemplate
+from tests.helpers.environment import with_repo_on_path
 from tests.helpers.models import LORA, built
 
 REPO = Path(__file__).resolve().parents[2]
@@ -357,7 +357,7 @@ def test_endpoint_failures_are_one_line_naming_the_endpoint(server, policy_base,
 def test_parse_failures_are_counted_logged_and_warned_once_in_a_fit(tiny_model_dir, tmp_path):
     """GRPO through the command line with a judge on the shared base asked for a number it never writes (the tiny
     model speaks only the synthetic language): every response is a failure scored -1, logged each iteration."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = with_repo_on_path()
     result = subprocess.run(
         [sys.executable, "-m", "rlhf_lightning", "fit", "--config", str(REPO / "configs/grpo.yaml"),
          f"--model.init_args.base.name_or_path={tiny_model_dir}", "--model.init_args.reward=rlhf_lightning.JudgeReward",

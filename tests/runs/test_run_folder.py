@@ -18,6 +18,7 @@ from rlhf_lightning import SFT, SFTDataModule
 from rlhf_lightning.cli.errors import TRACEBACK_ENV
 from rlhf_lightning.models.spec import BaseModelSpec
 from tests.helpers.cli import error_lines, one_line
+from tests.helpers.environment import with_repo_on_path
 from tests.helpers.preemption import COMMON, stage
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,7 +45,7 @@ def test_a_read_only_run_folder_is_one_line_before_anything_runs(tiny_model_dir,
     run_folder = tmp_path / "read-only"
     run_folder.mkdir()
     run_folder.chmod(0o555)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = with_repo_on_path()
     env.pop(TRACEBACK_ENV, None)
     try:
         result = subprocess.run(

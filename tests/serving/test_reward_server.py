@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -30,6 +29,7 @@ from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.rewards.inputs import RewardInputs, reward_inputs
 from rlhf_lightning.rewards.remote_protocol import tokenizer_identity
 from rlhf_lightning.serving.command import require_serving
+from tests.helpers.environment import with_repo_on_path
 from tests.helpers.served_sources import NAN_MARKER
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,7 +56,7 @@ def server(tiny_model_dir, reward_dir, tmp_path_factory) -> Iterator[Server]:
         "reward": {"class_path": SERVED_CLASS, "init_args": {"path": str(reward_dir)}},
         "port": 0, "max_batch_size": 8, "max_wait_ms": 50}))
     process = subprocess.Popen([sys.executable, "-m", "rlhf_lightning", "serve-reward", "--config", str(config)],
-                               cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+                               cwd=REPO, env=with_repo_on_path(), stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
     ready = process.stdout.readline()
     if not ready.startswith(f"serving {LABEL} at http://127.0.0.1:"):

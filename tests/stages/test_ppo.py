@@ -3,7 +3,6 @@ adapters, checkpoints resume exactly, and every term is logged."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from rlhf_lightning.cli.merge_command import merge_adapter
 from rlhf_lightning.models.shared_base import adapter_of, position_ids_from_mask
 from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.tasks.synthetic import gold_rewards
+from tests.helpers.environment import with_repo_on_path
 from tests.helpers.models import LORA, built
 from tests.helpers.online import (
     assert_one_copy_of_the_base,
@@ -185,7 +185,7 @@ def run_under_ddp(config: str, tmp_path: Path, *overrides: str) -> subprocess.Co
         "--trainer.limit_train_batches=2", "--trainer.val_check_interval=2", "--trainer.logger=false",
         "--trainer.callbacks=[]", "--trainer.enable_progress_bar=false",
     ]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = with_repo_on_path()
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "distributed_backend=gloo" in result.stderr
