@@ -53,7 +53,8 @@ LIBRARIES = ("transformers", "peft", "lightning", "jsonargparse", "wandb", "data
 @dataclass
 class Step:
     """One check: ``arguments`` after ``python``, run from the repository's root; ``estimate``: seconds it is
-    expected to take on one H100 (a guess until a run has measured it: the results file records the real ones)."""
+    expected to take on one H100 or H200 (the first three as measured on an H200, 2026-11-27; the GRPO and PPO steps
+    still guesses: the results file records the real ones)."""
 
     name: str
     arguments: list[str]
@@ -84,8 +85,8 @@ def plan(trl: str | None) -> list[Step]:
     ppo_sides = "ours,trl,trl_lora,floor" if (trl or "").startswith("1.12.") else "ours,floor"
     return [
         Step("cuda-tests", ["-m", "pytest", "-m", "cuda", "tests/contracts/test_cuda.py", "-q", "-p", "no:cacheprovider"], 200),
-        Step("decoding-gpt2", [*decoding, "--shape", "gpt2"], 50),
-        Step("decoding-qwen2-0.5b", [*decoding, "--shape", "qwen2-0.5b"], 90),
+        Step("decoding-gpt2", [*decoding, "--shape", "gpt2"], 90),
+        Step("decoding-qwen2-0.5b", [*decoding, "--shape", "qwen2-0.5b"], 180),
         Step("grpo-gpt2", ["benchmarks/grpo_vs_trl.py", *online, "--prompts", "16", "--group-size", "8",
                            "--sides", grpo_sides], 90),
         Step("ppo-gpt2", ["benchmarks/ppo_vs_trl.py", *online, "--prompts", "16", "--sides", ppo_sides], 100),
@@ -130,7 +131,7 @@ def run_step(step: Step, seconds_left: float) -> None:
     started = time.perf_counter()
     process = subprocess.Popen([sys.executable, *step.arguments], cwd=REPO, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                               env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": python_path()})
     stopped = threading.Event()
 
     def stop() -> None:
@@ -152,6 +153,12 @@ def run_step(step: Step, seconds_left: float) -> None:
         step.status = f"stopped: the budget ran out after {step.seconds:.0f} s"
     else:
         step.status = "passed" if step.exit_code == 0 else "failed"
+
+
+def python_path() -> str:
+    """The steps' ``PYTHONPATH``: the checkout first (a benchmark script imports the package from it where nothing
+    is installed), then the caller's entries (carried wheels)."""
+    return os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 def environment(commit: str | None) -> dict[str, str]:

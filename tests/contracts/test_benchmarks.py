@@ -237,8 +237,19 @@ def test_gpu_checks_starts_no_step_its_budget_cannot_hold_and_writes_the_results
     assert result.returncode == 0, result.stderr[-3000:]
     text = (tmp_path / "gpu.md").read_text()
     assert "- GPU: none (torch sees no CUDA device)\n" in text and "- torch: " in text and "- commit: " in text
-    assert "| decoding-gpt2 | not started: 1 s of the budget left, it needs about 50 s |  |  | 50 | `python " in text
+    assert "| decoding-gpt2 | not started: 1 s of the budget left, it needs about 90 s |  |  | 90 | `python " in text
     assert "| grpo-gpt2 | not started: " in text and "## decoding-gpt2" not in text  # nothing ran: no output
+
+
+def test_gpu_checks_steps_import_the_checkout_and_keep_the_callers_path(monkeypatch):
+    specification = importlib.util.spec_from_file_location("gpu_checks_module", REPO / "benchmarks" / "gpu_checks.py")
+    module = importlib.util.module_from_spec(specification)
+    monkeypatch.setitem(sys.modules, "gpu_checks_module", module)  # its dataclasses look their module up
+    specification.loader.exec_module(module)
+    monkeypatch.setenv("PYTHONPATH", "/tmp/site")  # wheels carried onto a GPU machine
+    assert module.python_path().split(":") == [str(REPO), "/tmp/site"]
+    monkeypatch.delenv("PYTHONPATH")
+    assert module.python_path() == str(REPO)
 
 
 def test_gpu_checks_refuses_an_unknown_step_in_one_line():
