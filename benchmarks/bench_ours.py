@@ -65,17 +65,17 @@ def prompt_loader(settings: Settings, tokenizer):
     return torch.utils.data.DataLoader(list(range(len(ids))), batch_size=settings.prompts, collate_fn=collate)
 
 
-def force_planned_stops(settings: Settings) -> StopPlan | None:
-    """Under ``--lengths`` other than ``equal``: our eager decoder (the engine ``decoding: auto`` picks on CPU)
-    replaced, in this process only, by one that appends the plan's :class:`~harness.lengths.ForcedStops` to its
-    warpers and records the lengths each rollout drew. The sampler builds its engine from ``ENGINES``, the
-    registry an engine joins. Returns the plan (None under ``equal``)."""
+def planned_stops(settings: Settings) -> tuple[StopPlan | None, dict[str, Any]]:
+    """Under ``--lengths`` other than ``equal``: the plan, and the module argument of an engine that is our eager
+    decoder (the one ``Auto`` picks on CPU) with the plan's :class:`~harness.lengths.ForcedStops` appended to its
+    warpers, recording the lengths each rollout drew: an engine of our own, given as any user would. ``(None, {})``
+    under ``equal``."""
     if settings.lengths == "equal":
-        return None
+        return None, {}
     from transformers import LogitsProcessorList
 
-    from rlhf_lightning.rollout import engines
     from rlhf_lightning.rollout.decode import Decoder
+    from rlhf_lightning.rollout.engines import EagerDecoder
 
     plan = StopPlan(settings)
 
@@ -86,13 +86,13 @@ def force_planned_stops(settings: Settings) -> StopPlan | None:
             plan.record(tokens)
             return tokens, logprobs
 
-    class StoppingEagerDecoder(engines.EagerDecoder):
-        def __init__(self, model) -> None:
-            super().__init__(model)
-            self.decoder = StoppingDecoder(model.hf_model, compiled=False)
+    class StoppingEagerDecoder(EagerDecoder):
+        def draw(self, model, *args, **kwargs):
+            if self._decoder is None or self._decoder.hf_model is not model.hf_model:
+                self._decoder = StoppingDecoder(model.hf_model, compiled=False)
+            return super().draw(model, *args, **kwargs)
 
-    engines.ENGINES["eager"] = StoppingEagerDecoder
-    return plan
+    return plan, {"engine": StoppingEagerDecoder()}
 
 
 def stop_token(settings: Settings) -> str | None:
@@ -110,13 +110,14 @@ def run(settings: Settings, profile: bool = False) -> None:
     other side (see ``ppo_vs_trl.py``); reports its measured iterations."""
     configure_threads(settings)
     torch.manual_seed(settings.seed)
-    plan = force_planned_stops(settings)
-    rows = fit(ppo_module(settings), settings, profile, "ppo")
+    plan, engine = planned_stops(settings)
+    rows = fit(ppo_module(settings, **engine), settings, profile, "ppo")
     report({"side": "ours", "iterations": rows, **lengths_of(plan)})
 
 
-def ppo_module(settings: Settings, samples_per_prompt: int = 1):
-    """The ``rlhf_lightning.PPO`` of :func:`run`, not yet fitted (``samples_per_prompt`` responses per prompt)."""
+def ppo_module(settings: Settings, samples_per_prompt: int = 1, **engine: Any):
+    """The ``rlhf_lightning.PPO`` of :func:`run`, not yet fitted (``samples_per_prompt`` responses per prompt;
+    ``engine``: the module's ``engine`` argument, where :func:`planned_stops` gives one)."""
     from rlhf_lightning import PPO, AdapterReward
 
     return PPO(
@@ -126,7 +127,7 @@ def ppo_module(settings: Settings, samples_per_prompt: int = 1):
         max_new_tokens=settings.response_length, temperature=1.0, stop_token=stop_token(settings),
         samples_per_prompt=samples_per_prompt, epochs=settings.ppo_epochs, num_minibatches=settings.num_minibatches,
         policy_lr=settings.lr, critic_lr=settings.lr,
-        **settings.ppo_options,
+        **settings.ppo_options, **engine,
     )
 
 
@@ -168,13 +169,13 @@ def run_grpo(settings: GRPOSettings, beta: float, profile: bool = False) -> None
     optimizer step, group-std scaling with eps 1e-4, clip 0.2, gradient norm clipped to 1, constant learning rate."""
     configure_threads(settings)
     torch.manual_seed(settings.seed)
-    plan = force_planned_stops(settings)
-    rows = fit(grpo_module(settings, beta), settings, profile, "grpo")
+    plan, engine = planned_stops(settings)
+    rows = fit(grpo_module(settings, beta, **engine), settings, profile, "grpo")
     report({"side": "ours" if beta else "ours_beta0", "iterations": rows, **lengths_of(plan)})
 
 
-def grpo_module(settings: GRPOSettings, beta: float):
-    """The ``rlhf_lightning.GRPO`` of :func:`run_grpo`, not yet fitted."""
+def grpo_module(settings: GRPOSettings, beta: float, **engine: Any):
+    """The ``rlhf_lightning.GRPO`` of :func:`run_grpo`, not yet fitted (``engine``: as :func:`ppo_module`'s)."""
     from rlhf_lightning import GRPO, FunctionReward
     from rlhf_lightning.algorithms.policy_losses import Clip
 
@@ -189,7 +190,7 @@ def grpo_module(settings: GRPOSettings, beta: float):
         epochs=settings.ppo_epochs, num_minibatches=settings.num_minibatches, policy_loss=Clip(clip_range=0.2),
         max_grad_norm=1.0, policy_lr=settings.lr, adam_eps=1e-8, weight_decay=0.0,
         lr_schedule="constant", seed=settings.seed,
-        **settings.ppo_options,
+        **settings.ppo_options, **engine,
     )
 
 

@@ -1,4 +1,4 @@
-"""Decoding: a rollout's sampling under each ``decoding`` setting, in one process, on the same model and draws.
+"""Decoding: a rollout's sampling by each engine, in one process, on the same model and draws.
 
 A random model of the chosen shape (``--shape``: a GPT-2 preset, or ``qwen2-0.5b`` / ``llama-1b``, the layer
 shapes of Qwen2-0.5B and Llama-3.2-1B with random weights; nothing is downloaded) with a ``policy`` LoRA adapter
@@ -10,7 +10,7 @@ Sides, each the median of ``--repeats`` timed rollouts after one untimed warm-up
   ``group`` times): the path before the decode loop, and the baseline of the ratios;
 - ``eager``: our loop, each prompt encoded once and its KV cache copied to its samples;
 - ``compiled``: the same loop with its decode step compiled (``torch.compile``; CUDA graphs on a GPU);
-- ``vllm``: vLLM in this process (``decoding: vllm``), the model saved to a temporary folder for it to load: run
+- ``vllm``: vLLM in this process (the engine ``VLLMEngine``), the model saved to a temporary folder for it to load: run
   where vLLM is installed and serves the shape (Llama and Qwen2 shapes; vLLM has no LoRA on GPT-2), and skipped
   with its one-line reason otherwise. Its own lines: start-up seconds (building ``LLM``), the adapter push
   (tensors into its LoRA cache after an update), the memory it added (resident set on a CPU, allocated on a GPU),
@@ -44,9 +44,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.harness.settings import GPT2_VOCAB, PRESETS  # noqa: E402
 from rlhf_lightning.models.shared_base import SharedBase  # noqa: E402
 from rlhf_lightning.models.spec import LoraSpec  # noqa: E402
+from rlhf_lightning.rollout.engines import CompiledDecoder, EagerDecoder, Engine, Generate  # noqa: E402
 from rlhf_lightning.rollout.sampler import Sampler  # noqa: E402
 from rlhf_lightning.rollout.seeds import Seeds  # noqa: E402
-from rlhf_lightning.rollout.settings import SamplingSettings, VLLMSettings  # noqa: E402
+from rlhf_lightning.rollout.settings import SamplingSettings  # noqa: E402
 
 # Layer shapes of public models (random weights): Qwen2-0.5B and Llama-3.2-1B.
 SHAPES = {
@@ -129,7 +130,8 @@ def vllm_side(base: SharedBase, sampler: Sampler, ids: torch.Tensor, mask: torch
     memory = memory_now(args.device) - memory_before
     lora_b = next(p for name, p in base.model.named_parameters() if "lora_B" in name)
     with torch.no_grad():
-        lora_b.mul_(1.0)  # an in-place write, as an optimizer step's: the next draw pushes the adapter
+        lora_b.mul_(1.0)  # an in-place write, as an optimizer step's
+    sampler.sync(base, "policy", 1)  # the training loop's sync after it: the adapter pushed, timed
     drawn = sampler.draw(base, "policy", ids, mask, args.group, list(range(ids.shape[0] * args.group)))
     sequence_mask = pad_to_sequence(drawn.mask, drawn.sequences.shape[1])
     with torch.no_grad():
@@ -140,9 +142,18 @@ def vllm_side(base: SharedBase, sampler: Sampler, ids: torch.Tensor, mask: torch
             "logprob_diff_max": float(mismatch["logprob_diff_max"]), "kl_sample_train": float(mismatch["kl"])}
 
 
+def engine_of(side: str, args: argparse.Namespace) -> Engine:
+    """The engine of a side."""
+    if side == "vllm":
+        from rlhf_lightning.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(kv_cache_gib=args.kv_cache_gib)
+    return {"generate": Generate, "eager": EagerDecoder, "compiled": CompiledDecoder}[side]()
+
+
 def vllm_refused(base: SharedBase) -> str | None:
     """Why the vLLM side cannot run here (vLLM absent or untested, a shape it serves no LoRA on), or None."""
-    from rlhf_lightning.rollout.vllm_engine import installed_version, version_refusal
+    from rlhf_lightning.rollout.vllm_support import installed_version, version_refusal
 
     if refusal := version_refusal(installed_version()):
         return refusal
@@ -198,9 +209,8 @@ def main(argv: list[str] | None = None) -> dict:
         sides.remove("vllm")
     folder = tempfile.TemporaryDirectory(prefix="decoding-vllm-")
     for side in sides:
-        settings = SamplingSettings(max_new_tokens=args.response_length, decoding=side,
-                                    vllm=VLLMSettings(kv_cache_gib=args.kv_cache_gib))
-        sampler = Sampler(settings, Seeds(0), 0)
+        sampler = Sampler(SamplingSettings(max_new_tokens=args.response_length), Seeds(0), 0,
+                          engine=engine_of(side, args))
         memory_before = memory_now(args.device)
         if side == "vllm":  # vLLM loads the model from a folder: the same weights, saved
             base.save_merged(None, folder.name)

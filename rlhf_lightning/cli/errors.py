@@ -142,6 +142,11 @@ MOVED = {
     "ratio_level": ("policy_loss", "policy_loss.ratio_level"),
     "cispo_max_weight": ("policy_loss", "policy_loss: CISPO with policy_loss.max_weight"),
     "cispo_min_weight": ("policy_loss", "policy_loss: CISPO with policy_loss.min_weight"),
+    "decoding": ("engine", "engine: {class_path: rlhf_lightning.rollout.engines.EagerDecoder}; decoding auto, "
+                           "compiled, generate and vllm are the engines Auto, CompiledDecoder, Generate and "
+                           "rlhf_lightning.rollout.vllm_engine.VLLMEngine"),
+    "vllm": ("engine", "engine: {class_path: rlhf_lightning.rollout.vllm_engine.VLLMEngine, init_args: "
+                       "{kv_cache_gib: ...}}, the same options"),
 }
 
 
@@ -248,7 +253,7 @@ def class_problem(lines: list[str], path: list[str]) -> str | None:
         if unknown:
             name = unknown.group(1)
             accepted = accepted_arguments(class_name)
-            group, place = MOVED.get(name, (None, None))
+            group, place = MOVED.get(name, MOVED.get(name.split(".")[0], (None, None)))  # vllm.kv_cache_gib: vllm
             hint = f" (it moved: {place})" if group in accepted else suggestion(name, accepted)
             return (f"{key}.init_args.{name}: {class_name} takes no argument {name!r}{hint}; --{key}.help "
                     f"{class_name} lists them all")

@@ -269,6 +269,7 @@ class OnlineRL(ExperienceCollector):
                 with phase("update/optimizer step"):
                     optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
+                self.sync_engine()
                 # Every rank must take the same decision, or DDP would wait for a backward that never comes.
                 if hp.target_kl is not None and float(self.mean_over_ranks(minibatch_kl)) > hp.target_kl:
                     early_stopped = True
@@ -276,6 +277,11 @@ class OnlineRL(ExperienceCollector):
         return {**statistics.means(), "skipped_steps": torch.tensor(float(self.skipped_steps)),
                 "policy/epochs": torch.tensor(float(epochs_run)),
                 "policy/early_stopped": torch.tensor(float(early_stopped))}
+
+    def sync_engine(self) -> None:
+        """After an optimizer step: the engine's copy of each sampled role, version ``global_step``, made current."""
+        for role in self.sampled_roles:
+            self.sampler.sync(self.model, role, self.trainer.global_step)
 
     def micro_batches(self, experience: Experience, rows: list[int], extents: list[Extent]) -> list[Experience]:
         """A minibatch's micro-batches (its ``rows`` of ``experience``, whose rows need the columns ``extents``), each

@@ -27,11 +27,11 @@ from rlhf_lightning.core.stage import StageModule
 from rlhf_lightning.models.logprobs import predicting_hidden_states, token_logprobs
 from rlhf_lightning.models.shared_base import REFERENCE, SharedBase, adapter_of
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
+from rlhf_lightning.rollout.engines import Auto, Engine, EngineSetup
 from rlhf_lightning.rollout.rollouts import Rollout, Rollouts
 from rlhf_lightning.rollout.sampler import Sampler
 from rlhf_lightning.rollout.seeds import Seeds
-from rlhf_lightning.rollout.settings import SamplingSettings, VLLMSettings, stop_token_ids
-from rlhf_lightning.rollout.vllm_engine import vllm_refusal
+from rlhf_lightning.rollout.settings import SamplingSettings, stop_token_ids
 from rlhf_lightning.utils import checks
 from rlhf_lightning.utils.checks import check_sampling
 from rlhf_lightning.utils.metrics import reset_metrics
@@ -154,16 +154,17 @@ class PolicyModule(HeldOutSamples, StageModule):
         top_p: nucleus-sampling threshold; 1.0 = off (refused by the online algorithms, as ``top_k``).
         kv_cache: KV cache of generation: ``static`` allocates it once for prompt + ``max_new_tokens`` (faster,
             notably on CPU); ``dynamic`` grows it token by token (for models without static-cache support; only
-            ``decoding: generate``).
-        decoding: how responses are decoded: ``eager`` = our loop over a static KV cache, each prompt encoded once
-            for its ``samples_per_prompt`` responses; ``compiled`` = the same loop with its decode step
-            ``torch.compile``-d (CUDA graphs on a GPU: about one launch per token; compiled once per batch size
-            and 64-token prompt bucket); ``generate`` = transformers' ``generate`` (every row encodes its prompt);
-            ``auto`` = ``compiled`` on CUDA, ``eager`` elsewhere and under FSDP2, ``generate`` with a dynamic
-            cache. All draw the same tokens (compiled: up to kernel rounding). ``vllm`` = vLLM in this process
-            (one per DDP rank; Llama-, Qwen2-shaped models...), with its own copy of the base and the sampled
-            adapter pushed after every update: other tokens than ours, its log-probs logged against the trainer's.
-        vllm: the vLLM engine's memory and modes (``decoding: vllm`` only).
+            the engine ``Generate``, which ``Auto`` picks then).
+        engine: what draws the responses (``rlhf_lightning.rollout.engines``; its options are its own init args):
+            ``Auto`` = ``CompiledDecoder`` on CUDA, ``EagerDecoder`` elsewhere and under FSDP2, ``Generate`` with a
+            dynamic cache. ``EagerDecoder`` = our loop over a static KV cache, each prompt encoded once for its
+            ``samples_per_prompt`` responses; ``CompiledDecoder`` = the same loop with its decode step
+            ``torch.compile``-d (CUDA graphs on a GPU: about one launch per token; compiled once per batch size and
+            64-token prompt bucket); ``Generate`` = transformers' ``generate`` (every row encodes its prompt). All
+            draw the same tokens (compiled: up to kernel rounding). ``rlhf_lightning.rollout.vllm_engine.VLLMEngine``
+            = vLLM in this process (one per DDP rank; Llama-, Qwen2-shaped models...), with its own copy of the base
+            and the sampled adapter pushed after every update: other tokens than ours, its log-probs logged against
+            the trainer's. Or an engine of your own (a subclass of ``Engine``).
         stop_token: what ends a response: ``auto`` = EOS and the token the chat template ends an assistant turn
             with (ChatML's ``<|im_end|>``, Gemma's ``<end_of_turn>``), ``eos`` = the tokenizer's EOS alone,
             another single token, or null (never stop).
@@ -191,6 +192,7 @@ class PolicyModule(HeldOutSamples, StageModule):
 
     metric_prefix = "policy"  # namespace of the logged metrics (``ppo``, ``grpo``, ``dpo``...)
     exported_roles: tuple[str, ...] = (POLICY,)  # adapters written by :meth:`export`
+    sampled_roles: tuple[str, ...] = (POLICY,)  # adapters the engine samples from: synced after each optimizer step
     validation_metrics: tuple[str, ...] = ("kl", "length", "eos_frac", "gold")  # per-sample, averaged
 
     def __init__(
@@ -202,8 +204,7 @@ class PolicyModule(HeldOutSamples, StageModule):
         top_k: int = 0,
         top_p: float = 1.0,
         kv_cache: Literal["static", "dynamic"] = "static",
-        decoding: Literal["auto", "compiled", "eager", "generate", "vllm"] = "auto",
-        vllm: VLLMSettings = VLLMSettings(),  # noqa: B008 (frozen; the CLI shows it as the default)
+        engine: Engine = Auto(),  # noqa: B008 (stateless until its first draw; the CLI shows it as the default)
         stop_token: str | None = "auto",
         logprob_chunk: int | None = None,
         seed: int = 0,
@@ -213,19 +214,24 @@ class PolicyModule(HeldOutSamples, StageModule):
         pass_at_k: PassAtK = PassAtK(),  # noqa: B008 (never mutated; the CLI shows it as the default)
         export_dir: str | None = None,
     ) -> None:
-        check_sampling(max_new_tokens, temperature, top_k, top_p, kv_cache, logprob_chunk, decoding)
+        check_sampling(max_new_tokens, temperature, top_k, top_p, kv_cache, logprob_chunk)
+        if not isinstance(engine, Engine):
+            raise TypeError(f"engine must be an Engine (rlhf_lightning.rollout.engines: Auto, EagerDecoder, "
+                            f"CompiledDecoder, Generate; rlhf_lightning.rollout.vllm_engine.VLLMEngine; or a "
+                            f"subclass of your own), got {engine!r}")
         checks.one_of("seed_scope", seed_scope, ("rank", "prompt"))
         checks.one_of("sharded_rollout", sharded_rollout, ("gathered", "per_layer"))
         super().__init__(base)
-        self.save_hyperparameters(ignore=["reward", "gold_reward", "environment"])
+        self.save_hyperparameters(ignore=["reward", "gold_reward", "environment", "engine"])
         # Under LightningCLI the saved hyper-parameters are the config's, which lack what a subclass passes to its
         # parent itself (e.g. PPO(gamma=0.99) fixed in a subclass): add every __init__ level's own arguments.
         for level in collect_init_args(inspect.currentframe(), []):
             self.hparams.update({name: value for name, value in level.items()
-                                 if name not in self.hparams and name not in ("reward", "gold_reward", "environment")})
+                                 if name not in self.hparams
+                                 and name not in ("reward", "gold_reward", "environment", "engine")})
         self.policy_lora = without_dropout(policy_lora.check("policy_lora"), POLICY)
         self.gold_reward = gold_reward
-        self.vllm_settings = vllm
+        self.engine = engine
         self.pass_at_k = pass_at_k.check()
         if pass_at_k.enabled and gold_reward is None:
             raise ValueError(f"pass_at_k.samples={pass_at_k.samples} needs gold_reward: pass@k and maj@k count the "
@@ -245,14 +251,13 @@ class PolicyModule(HeldOutSamples, StageModule):
     @property
     def sampler(self) -> Sampler:
         """What draws the policy's responses: the sampling settings (stop tokens from the tokenizer), the seeds, the
-        engine (``decoding``) and the sharded base's gathering."""
+        engine and the sharded base's gathering."""
         if self._sampler is None:
             hp = self.hparams
             settings = SamplingSettings(hp.max_new_tokens, hp.temperature, hp.top_k, hp.top_p, hp.kv_cache,
-                                        stop_token_ids(self.tokenizer, hp.stop_token), hp.get("decoding", "auto"),
-                                        self.vllm_settings)
+                                        stop_token_ids(self.tokenizer, hp.stop_token))
             self._sampler = Sampler(settings, Seeds(hp.seed, hp.seed_scope), self.tokenizer.pad_token_id,
-                                    hp.sharded_rollout)
+                                    hp.sharded_rollout, self.engine)
         return self._sampler
 
     @property
@@ -269,16 +274,17 @@ class PolicyModule(HeldOutSamples, StageModule):
 
     def setup(self, stage: str) -> None:
         self.sampler  # noqa: B018 (a stop_token the tokenizer lacks fails here, before the model is built)
-        if self.hparams.get("decoding") == "vllm" and self.samples_responses:
-            self.refuse_vllm()
+        if self.samples_responses:
+            self.refuse_engine()
         super().setup(stage)
 
-    def refuse_vllm(self) -> None:
-        """Before the model is built: what ``decoding: vllm`` cannot serve, in one line."""
+    def refuse_engine(self) -> None:
+        """Before the model is built: what the engine cannot serve (:meth:`Engine.refusal`), in one line."""
         trainer = self._trainer
-        device = trainer.strategy.root_device.type if trainer is not None else "cpu"
-        refusal = vllm_refusal(self.base_spec.name_or_path, device, sharding_mesh(trainer) is not None,
-                               {POLICY: self.policy_lora})
+        setup = EngineSetup(device_type=trainer.strategy.root_device.type if trainer is not None else "cpu",
+                            sharded=sharding_mesh(trainer) is not None, kv_cache=self.hparams.kv_cache,
+                            name_or_path=self.base_spec.name_or_path, adapters={POLICY: self.policy_lora})
+        refusal = self.engine.refusal(setup)
         if refusal is not None:
             raise ValueError(refusal)
 

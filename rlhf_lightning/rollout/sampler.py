@@ -1,8 +1,8 @@
 """The sampler: one object that owns how tokens are drawn.
 
-It holds the sampling settings, the random streams (:class:`~rlhf_lightning.rollout.seeds.Seeds`), the engine that
-``decoding`` selects (made on first use and kept with its caches and compiled steps; made anew for another model)
-and the gathering of an FSDP2-sharded base. Callers enter :meth:`Sampler.gathered_base` once per rollout (sampling and
+It holds the sampling settings, the random streams (:class:`~rlhf_lightning.rollout.seeds.Seeds`), the engine (the
+modules' ``engine``, resolved for the device at the first draw and kept with its caches and compiled steps) and the
+gathering of an FSDP2-sharded base. Callers enter :meth:`Sampler.gathered_base` once per rollout (sampling and
 every scoring pass run inside it; DPO's precomputed reference, which samples nothing, enters it too) and call
 :meth:`Sampler.draw` for each turn.
 """
@@ -20,10 +20,9 @@ from torch import Tensor
 
 from rlhf_lightning.models.sharding import gathered
 from rlhf_lightning.models.shared_base import SharedBase
-from rlhf_lightning.rollout.engines import ENGINES, Engine
+from rlhf_lightning.rollout.engines import Auto, Engine
 from rlhf_lightning.rollout.seeds import Seeds
 from rlhf_lightning.rollout.settings import SamplingSettings, truncate_after_stop
-from rlhf_lightning.rollout.vllm_engine import VLLMEngine  # noqa: F401 (registers decoding: vllm)
 
 ShardedRollout = Literal["gathered", "per_layer"]
 
@@ -53,28 +52,36 @@ class Sampler:
     """Draws responses from a role of the shared base.
 
     Args:
-        settings: how tokens are sampled, and which engine draws them (``settings.decoding``).
+        settings: how tokens are sampled.
         seeds: the random streams.
         pad_token_id: what fills a response after its stop token.
         sharded_rollout: how an FSDP2-sharded base is gathered during a rollout (the modules' argument).
+        engine: what draws the tokens (the modules' argument); :class:`~rlhf_lightning.rollout.engines.Auto` by
+            default.
     """
 
     def __init__(self, settings: SamplingSettings, seeds: Seeds, pad_token_id: int,
-                 sharded_rollout: ShardedRollout = "gathered") -> None:
+                 sharded_rollout: ShardedRollout = "gathered", engine: Engine | None = None) -> None:
         self.settings = settings
         self.seeds = seeds
         self.pad_token_id = pad_token_id
         self.sharded_rollout = sharded_rollout
-        self._engines: dict[str, Engine] = {}
+        self.chosen = Auto() if engine is None else engine
+        self._engines: dict[tuple[str, bool], Engine] = {}
 
     def engine(self, model: SharedBase) -> Engine:
-        """The engine that draws from ``model``: made on first use, then kept (its caches and compiled steps
-        serve every rollout)."""
-        name = self.settings.engine_name(next(model.parameters()).device, model.is_sharded)
-        engine = self._engines.get(name)
-        if engine is None or engine.model is not model:
-            engine = self._engines[name] = ENGINES[name](model)
-        return engine
+        """The engine that draws from ``model``: the chosen one, resolved for its device and sharding at first use,
+        then kept (its caches and compiled steps serve every rollout)."""
+        place = (str(next(model.parameters()).device), model.is_sharded)
+        if place not in self._engines:
+            self._engines[place] = self.chosen.resolved(torch.device(place[0]), place[1], self.settings.kv_cache)
+        return self._engines[place]
+
+    def sync(self, model: SharedBase, role: str, version: int) -> None:
+        """After an optimizer step changed ``role``'s adapter (now its ``version``): every engine brings its copy of
+        the weights up to date (:meth:`~rlhf_lightning.rollout.engines.Engine.sync`)."""
+        for engine in self._engines.values():
+            engine.sync(model, role, version)
 
     @contextmanager
     def gathered_base(self, model: SharedBase) -> Iterator[None]:
@@ -107,7 +114,7 @@ class Sampler:
         if max_new_tokens is not None and max_new_tokens != settings.max_new_tokens:
             settings = dataclasses.replace(settings, max_new_tokens=max_new_tokens)
         synced = model.is_sharded and self.sharded_rollout == "per_layer"
-        tokens, logprobs = self.engine(model).draw(role, input_ids, attention_mask, group, settings,
+        tokens, logprobs = self.engine(model).draw(model, role, input_ids, attention_mask, group, settings,
                                                    self.pad_token_id, seeds, synced)
         tokens, mask = truncate_after_stop(tokens, settings.stop_token_ids, self.pad_token_id)
         return Drawn(input_ids.repeat_interleave(group, 0), attention_mask.repeat_interleave(group, 0), tokens, mask,

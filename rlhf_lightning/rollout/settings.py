@@ -11,25 +11,13 @@ from transformers import PreTrainedTokenizerBase
 
 from rlhf_lightning.algorithms.masked import last_marked_index
 from rlhf_lightning.data.tokenize import completion_end_id
-from rlhf_lightning.utils.checks import check_sampling, check_vllm
+from rlhf_lightning.utils.checks import check_sampling
 
 
 @dataclass(frozen=True)
 class VLLMSettings:
-    """The vLLM engine's own settings (``decoding: vllm``; ignored by the other engines).
-
-    Args:
-        kv_cache_gib: memory of vLLM's KV cache, in GiB; null = ``gpu_memory_utilization`` decides on a GPU, and
-            1 GiB on a CPU (vLLM's own CPU default took 12.2 GiB on a 24 GiB machine when issue 32 was filed).
-        gpu_memory_utilization: the share of the GPU's memory vLLM may take for its weights and KV cache (the
-            KV cache's size when ``kv_cache_gib`` is null). Low by default: training shares the GPU.
-        enforce_eager: run vLLM's model without CUDA graphs or ``torch.compile``; null = on a CPU (its compile
-            mode was 4.6 x slower there at 124M parameters, as issue 32 measured), off on a GPU.
-        sleep: on a GPU, put vLLM to sleep after each rollout (its weights copied to CPU memory, its KV cache
-            freed) and wake it before the next, so the update has the memory; vLLM's sleep mode does nothing on a
-            CPU, where this is ignored.
-        max_model_len: longest prompt + response vLLM plans its cache for; null = the model's own limit.
-    """
+    """Kept only so that checkpoints written while vLLM's settings were a module argument (``vllm: {...}``) still
+    load; they are now :class:`~rlhf_lightning.rollout.vllm_engine.VLLMEngine`'s own init args."""
 
     kv_cache_gib: float | None = None
     gpu_memory_utilization: float = 0.3
@@ -37,13 +25,11 @@ class VLLMSettings:
     sleep: bool = True
     max_model_len: int | None = None
 
-    def __post_init__(self) -> None:
-        check_vllm(self.kv_cache_gib, self.gpu_memory_utilization, self.max_model_len)
-
 
 @dataclass(frozen=True)
 class SamplingSettings:
-    """How responses are sampled (see the modules' arguments of the same names)."""
+    """How responses are sampled (see the modules' arguments of the same names); which engine draws them is the
+    modules' ``engine``."""
 
     max_new_tokens: int = 64
     temperature: float = 1.0
@@ -51,28 +37,9 @@ class SamplingSettings:
     top_p: float = 1.0
     kv_cache: Literal["static", "dynamic"] = "static"
     stop_token_ids: tuple[int, ...] = ()  # any of them ends a response; empty = never stop
-    decoding: Literal["auto", "compiled", "eager", "generate", "vllm"] = "auto"
-    vllm: VLLMSettings = VLLMSettings()
 
     def __post_init__(self) -> None:
-        check_sampling(self.max_new_tokens, self.temperature, self.top_k, self.top_p, self.kv_cache, None,
-                       self.decoding)
-
-    def engine_name(self, device: torch.device, sharded: bool) -> str:
-        """The engine that draws the tokens (:mod:`rlhf_lightning.rollout.engines`): ``decoding`` itself, and for
-        ``auto`` ``compiled`` on CUDA (CUDA graphs), ``eager`` elsewhere and on an FSDP2-sharded base (whose
-        per-layer hooks are not compiled), ``generate`` with a dynamic cache."""
-        if self.decoding != "auto":
-            if self.decoding == "compiled" and sharded:
-                raise ValueError("decoding: compiled cannot run on an FSDP2-sharded base (its layers gather "
-                                 "themselves in hooks that are not compiled); use decoding: eager or auto")
-            if self.decoding == "vllm" and sharded:
-                raise ValueError("decoding: vllm cannot run on an FSDP2-sharded base (each rank's vLLM would load the "
-                                 "whole base beside its shard); use decoding: eager or auto, or DDP")
-            return self.decoding
-        if self.kv_cache == "dynamic":
-            return "generate"
-        return "compiled" if device.type == "cuda" and not sharded else "eager"
+        check_sampling(self.max_new_tokens, self.temperature, self.top_k, self.top_p, self.kv_cache, None)
 
 
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase, stop_token: str | None) -> tuple[int, ...]:
@@ -119,4 +86,4 @@ def stopped(responses: Tensor, response_mask: Tensor, stop_token_ids: int | tupl
     return ended & response_mask.any(-1)
 
 
-torch.serialization.add_safe_globals([VLLMSettings])  # saved with the modules' hyper-parameters
+torch.serialization.add_safe_globals([VLLMSettings])  # in the hyper-parameters of older checkpoints

