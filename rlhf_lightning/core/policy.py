@@ -279,14 +279,17 @@ class PolicyModule(HeldOutSamples, StageModule):
         super().setup(stage)
 
     def refuse_engine(self) -> None:
-        """Before the model is built: what the engine cannot serve (:meth:`Engine.refusal`), in one line."""
+        """Before the model is built: what the engine cannot serve (:meth:`Engine.refusal`), in one line; then the
+        engine keeps what it needs of the setup (:meth:`Engine.prepare`)."""
         trainer = self._trainer
         setup = EngineSetup(device_type=trainer.strategy.root_device.type if trainer is not None else "cpu",
                             sharded=sharding_mesh(trainer) is not None, kv_cache=self.hparams.kv_cache,
-                            name_or_path=self.base_spec.name_or_path, adapters={POLICY: self.policy_lora})
+                            name_or_path=self.base_spec.name_or_path, adapters={POLICY: self.policy_lora},
+                            run_folder=None if trainer is None else str(trainer.default_root_dir))
         refusal = self.engine.refusal(setup)
         if refusal is not None:
             raise ValueError(refusal)
+        self.engine.prepare(setup)
 
     def check_lengths(self, datamodule: Any) -> None:
         """Prompts and the responses sampled after them must fit the model's positions (pairs too, for DPO)."""

@@ -13,10 +13,11 @@ seeds:
 - :class:`EagerDecoder` and :class:`CompiledDecoder`: our decoding loop (:mod:`rlhf_lightning.rollout.decode`): each
   prompt encoded once for its group, a static KV cache, the decode step optionally ``torch.compile``-d;
 - :class:`Generate`: transformers' ``generate`` with our sampler as the last logits processor;
-- :class:`~rlhf_lightning.rollout.vllm_engine.VLLMEngine`: vLLM in this process, with its own copy of the weights.
+- :class:`~rlhf_lightning.rollout.vllm_engine.VLLMEngine`: vLLM in this process, with its own copy of the weights;
+- :class:`~rlhf_lightning.rollout.vllm_server.VLLMServer`: vLLM's own server, adapters pushed to it by version.
 
-Three hooks besides :meth:`Engine.draw` make an engine whole: :meth:`Engine.refusal` (what it cannot serve, in one
-line, before the model is built), :meth:`Engine.sync` (called by the training loop after every optimizer step that
+The hooks besides :meth:`Engine.draw`: :meth:`Engine.refusal` (what it cannot serve, in one line, before the
+model is built), :meth:`Engine.prepare` (what it keeps of the fit's setup: the run folder), :meth:`Engine.sync` (called by the training loop after every optimizer step that
 changed a sampled role: an engine with its own copy of the weights brings it up to date there, never inside
 ``draw``), and :meth:`Engine.rest` / :meth:`Engine.close`. A new engine subclasses :class:`Engine`; nothing else
 changes (``tests/rollout/test_engines.py`` trains with one defined in the test).
@@ -48,6 +49,7 @@ class EngineSetup:
     kv_cache: str = "static"  # the modules' kv_cache
     name_or_path: str | None = None  # the base's folder or hub name (None: built from an architecture)
     adapters: dict[str, LoraSpec] = field(default_factory=dict)  # the sampled roles' adapters
+    run_folder: str | None = None  # trainer.default_root_dir: where an engine may write (adapters, a server's log)
 
 
 class Engine:
@@ -65,6 +67,9 @@ class Engine:
     def refusal(self, setup: EngineSetup) -> str | None:
         """Why this engine cannot serve the run, in one line (None when it can); the fit stops with it at setup."""
         return None
+
+    def prepare(self, setup: EngineSetup) -> None:
+        """When the fit is set up, after :meth:`refusal`: keep what the engine needs of ``setup`` (nothing here)."""
 
     def draw(self, model: SharedBase, role: str | None, input_ids: Tensor, attention_mask: Tensor, group: int,
              settings: SamplingSettings, pad_token_id: int, seeds: Sequence[int] | None = None,

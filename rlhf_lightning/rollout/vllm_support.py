@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from transformers import AutoConfig
 
 from rlhf_lightning.models.shared_base import SharedBase
@@ -91,6 +92,8 @@ def adapter_tensors(model: SharedBase, role: str) -> dict[str, Tensor]:
     from peft import get_peft_model_state_dict
 
     state = get_peft_model_state_dict(model.model, adapter_name=role)
+    # FSDP2: each tensor gathered from its shards (a collective: every rank calls this)
+    state = {name: tensor.full_tensor() if isinstance(tensor, DTensor) else tensor for name, tensor in state.items()}
     return {name: tensor.detach().to("cpu", copy=True) for name, tensor in state.items()}
 
 

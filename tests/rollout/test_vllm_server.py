@@ -1,0 +1,184 @@
+"""vLLM's own server as the rollout engine (``engine: VLLMServer``), for real: one server of the tiny Llama started
+on 127.0.0.1 with vLLM's CPU build, shared by the tests of this module (the tests marked ``vllm``, in the README's
+vLLM environment). Its log-probs agree with the trainer's pass, the adapter goes to it by version after each sync, a
+stale or missing adapter stops the draw in one line, the same seeds redraw the same responses, a GRPO fit trains on
+it, and a server that serves another base, a too short ``max_model_len`` or a server that died are one line. Its
+argument checks and refusals run everywhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf_lightning.cli import main
+from rlhf_lightning.core.policy import POLICY, pad_to_sequence
+from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer
+from rlhf_lightning.models.logprobs import token_logprobs
+from rlhf_lightning.models.shared_base import SharedBase
+from rlhf_lightning.models.spec import BaseModelSpec
+from rlhf_lightning.rollout.engines import EngineSetup
+from rlhf_lightning.rollout.sampler import Sampler
+from rlhf_lightning.rollout.seeds import Seeds
+from rlhf_lightning.rollout.settings import SamplingSettings
+from rlhf_lightning.rollout.vllm_process import ServerError, request_json
+from rlhf_lightning.rollout.vllm_server import VLLMServer
+from rlhf_lightning.rollout.vllm_support import installed_version
+from tests.helpers.models import LORA, save_reward_adapter
+from tests.helpers.preemption import COMMON, ONLINE
+
+with_vllm = pytest.mark.vllm
+TEMPERATURE = 0.7
+
+
+# ---- everywhere ---------------------------------------------------------------------------------------------
+
+def test_its_arguments_and_what_it_cannot_serve_are_refused_in_one_line(tiny_model_dir):
+    with pytest.raises(ValueError, match="engine.init_args.urls: name at least one server, or null to start one"):
+        VLLMServer(urls=[])
+    gpt2 = VLLMServer(urls=["http://127.0.0.1:1"]).refusal(EngineSetup("cpu", name_or_path=str(tiny_model_dir),
+                                                                       adapters={POLICY: LORA}))
+    assert "no LoRA for that family" in gpt2
+    # under FSDP2 it is allowed: the server has the weights, the trainer its shards
+    started = VLLMServer().refusal(EngineSetup("cpu", sharded=True, name_or_path=None))
+    if installed_version() is None:
+        assert started.startswith("the engine VLLMServer (without urls) needs vLLM, which is not installed")
+    else:
+        assert "base.name_or_path" in started
+
+
+def test_an_unreachable_server_is_one_line_within_its_timeout():
+    with pytest.raises(ServerError, match=r"^cannot reach the vLLM server: GET http://127.0.0.1:9/v1/models"):
+        request_json("GET", "http://127.0.0.1:9/v1/models", None, 2.0)
+
+
+# ---- one server for the module ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def served(tiny_llama_dir, tmp_path_factory):
+    """The tiny Llama with a policy adapter that changes its outputs, and a sampler whose engine started a server of
+    it; the server is stopped at the end."""
+    spec = BaseModelSpec(name_or_path=str(tiny_llama_dir))
+    tokenizer = load_tokenizer(spec)
+    model = SharedBase(load_causal_lm(spec, tokenizer))
+    model.add_adapter(POLICY, LORA)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, parameter in model.model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.5)
+    engine = VLLMServer(kv_cache_gib=0.25, startup_timeout=300, request_timeout=120)
+    engine.prepare(EngineSetup("cpu", run_folder=str(tmp_path_factory.mktemp("server-run"))))
+    settings = SamplingSettings(max_new_tokens=8, temperature=TEMPERATURE, stop_token_ids=(tokenizer.eos_token_id,))
+    sampler = Sampler(settings, Seeds(0), tokenizer.pad_token_id, engine=engine)
+    yield model, sampler, tokenizer, engine
+    sampler.close()
+
+
+def draw(served, texts=("good movie", "the plot was", "i"), group=4, seeds=None, settings=None):
+    model, sampler, tokenizer, _ = served
+    tokenizer.padding_side = "left"
+    batch = tokenizer(list(texts), return_tensors="pt", padding=True, add_special_tokens=False)
+    if settings is not None:
+        sampler.settings = settings
+    return sampler.draw(model, POLICY, batch["input_ids"], batch["attention_mask"], group, seeds)
+
+
+def trainer_gap(model, drawn) -> float:
+    mask = pad_to_sequence(drawn.mask, drawn.sequences.shape[1])
+    with torch.no_grad():
+        logprobs, _ = token_logprobs(model, POLICY, drawn.sequences, drawn.attention_mask, mask, TEMPERATURE)
+    return float((logprobs[:, -drawn.mask.shape[1]:] - drawn.logprobs)[drawn.mask].abs().max())
+
+
+def served_names(engine) -> set[str]:
+    return {card["id"] for card in request_json("GET", f"{engine.url}/v1/models", None, 10)["data"]}
+
+
+@with_vllm
+def test_the_servers_tokens_come_with_the_trainers_log_probs_and_the_same_seeds_redraw_them(served):
+    model, _, _, engine = served
+    first = draw(served, seeds=list(range(12)))
+    assert first.tokens.shape[0] == 12 and first.mask.any()
+    assert trainer_gap(model, first) < 1e-4
+    assert engine.loaded == {POLICY: 0} and engine.adapter_name(POLICY, 0) in served_names(engine)
+    assert engine.adapter_name(POLICY, 0).startswith("policy-v0-")
+    again = draw(served, seeds=list(range(12)))
+    assert torch.equal(first.tokens, again.tokens) and torch.equal(first.logprobs, again.logprobs)
+
+
+@with_vllm
+def test_each_sync_loads_a_new_version_by_name_and_retires_the_one_before(served):
+    model, sampler, _, engine = served
+    draw(served)
+    lora_b = next(p for name, p in model.model.named_parameters() if "lora_B" in name)
+    with torch.no_grad():
+        lora_b.add_(0.3)  # what an optimizer step does
+    sampler.sync(model, POLICY, 1)
+    names = served_names(engine)
+    assert engine.adapter_name(POLICY, 1) in names and engine.adapter_name(POLICY, 0) not in names
+    assert (engine.run_folder / "engine-adapters" / "policy-v1" / "adapter_model.safetensors").is_file()
+    assert engine.push_seconds < 5.0
+    assert trainer_gap(model, draw(served)) < 1e-4  # the server samples from the updated adapter
+
+
+@with_vllm
+def test_a_stale_or_missing_adapter_stops_the_draw_in_one_line(served, monkeypatch):
+    model, sampler, _, engine = served
+    version = engine.loaded[POLICY]
+    lora_b = next(p for name, p in model.model.named_parameters() if "lora_B" in name)
+    with torch.no_grad():
+        lora_b.add_(0.1)  # an update the loop did not sync
+    with pytest.raises(RuntimeError, match=rf"the adapter 'policy' changed since its last sync \(version {version}\)"):
+        draw(served)
+    real_call = engine.call
+    # a sync whose load silently does nothing: the server never holds the next version
+    monkeypatch.setattr(engine, "call", lambda method, path, body=None: None if "lora_adapter" in path
+                        else real_call(method, path, body))
+    sampler.sync(model, POLICY, version + 1)
+    monkeypatch.undo()
+    with pytest.raises(ServerError, match=rf"answered 404 to POST .*/v1/completions: .*policy-v{version + 1}"):
+        draw(served)
+    engine.loaded.pop(POLICY)  # what the server holds is unknown now: the next draw loads the synced version
+    assert trainer_gap(model, draw(served)) < 1e-4
+
+
+@with_vllm
+def test_a_server_of_another_base_and_a_too_short_max_model_len_are_one_line(served, tiny_model_dir):
+    model, _, _, engine = served
+    other = SharedBase(load_causal_lm(BaseModelSpec(name_or_path=str(tiny_model_dir)),
+                                      load_tokenizer(BaseModelSpec(name_or_path=str(tiny_model_dir)))))
+    with pytest.raises(ServerError, match=rf"serves .*, not the trainer's base {tiny_model_dir}"):
+        VLLMServer(urls=[engine.url]).connect(other)
+    sampler, kept = served[1], served[1].settings
+    try:
+        with pytest.raises(ValueError, match=rf"exceed the vLLM server's max_model_len {engine.max_model_len}"):
+            draw(served, settings=SamplingSettings(max_new_tokens=engine.max_model_len, stop_token_ids=()))
+    finally:
+        sampler.settings = kept
+
+
+@with_vllm
+@pytest.mark.slow
+def test_a_grpo_fit_trains_on_a_server_it_is_given(served, tiny_llama_dir, tmp_path):
+    from tests.helpers.cli import REPO
+
+    _, _, _, engine = served
+    reward = save_reward_adapter(tiny_llama_dir, tmp_path / "reward")
+    history = tmp_path / "run"
+    main(["fit", "--config", str(REPO / "configs" / "grpo.yaml"), f"--model.init_args.base.name_or_path={tiny_llama_dir}",
+          f"--model.init_args.reward.init_args.path={reward}", *COMMON, *ONLINE,
+          "--model.init_args.engine={class_path: rlhf_lightning.rollout.vllm_server.VLLMServer, init_args: {urls: ["
+          f"{engine.url}]}}}}", "--model.init_args.export_dir=null", "--trainer.limit_train_batches=2",
+          "--trainer.limit_val_batches=0", f"--trainer.default_root_dir={history}"])
+    versions = sorted(folder.name for folder in (history / "engine-adapters").iterdir())
+    assert versions[-1] == "policy-v4" and len(versions) >= 2  # 2 iterations x 2 epochs x 1 minibatch
+    assert sum(name.startswith("policy-v4-") for name in served_names(engine)) == 1  # the fit's, beside ours
+
+
+@with_vllm
+def test_a_server_that_died_is_named_with_its_log(served):
+    _, _, _, engine = served
+    engine.process.stop()  # last in this module: the shared server is gone after it
+    with pytest.raises(ServerError, match=r"the vLLM server the fit started exited with code .*; its log: .*"
+                                          r"server-rank0\.log"):
+        draw(served)
