@@ -39,7 +39,6 @@ from torch import Tensor
 from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.rollout.engines import Engine, EngineSetup
 from rlhf_lightning.rollout.settings import SamplingSettings
-from rlhf_lightning.rollout.vllm_engine import adapter_state
 from rlhf_lightning.rollout.vllm_process import ServerError, ServerProcess, request_json
 from rlhf_lightning.rollout.vllm_support import adapter_tensors, run_refusal, version_refusal
 
@@ -82,7 +81,7 @@ class VLLMServer(Engine):
         self.base_name: str | None = None  # the base as the server names it
         self.max_model_len: int | None = None
         self.loaded: dict[str, int] = {}  # role -> the version this rank's server holds
-        self.synced: dict[str, tuple[int, tuple]] = {}  # role -> (version, adapter state) at its last sync
+        self.synced: dict[str, tuple[int, tuple]] = {}  # role -> (version, fingerprint) at its last sync
         self.push_seconds = 0.0  # the last sync's write and load
 
     def refusal(self, setup: EngineSetup) -> str | None:
@@ -141,19 +140,19 @@ class VLLMServer(Engine):
         """Write ``role``'s adapter as ``version`` (rank 0; every rank takes part in gathering FSDP2's shards) and
         load it into this rank's server; before the first draw only the version is recorded (the first draw loads
         it)."""
-        self.synced[role] = (version, adapter_state(model, role))
+        tensors = adapter_tensors(model, role)  # FSDP2: each shard gathered, a collective on every rank
+        self.synced[role] = (version, fingerprint(tensors))
         if self.url is not None:
-            self.push(model, role, version)
+            self.push(model, role, version, tensors)
 
     def adapter_name(self, role: str, version: int) -> str:
         """The name the servers know ``role``'s ``version`` by (see the module docstring)."""
         run = hashlib.sha1(str(self.adapter_root()).encode()).hexdigest()[:8]
         return f"{role}-v{version}-{run}"
 
-    def push(self, model: SharedBase, role: str, version: int) -> None:
+    def push(self, model: SharedBase, role: str, version: int, tensors: dict[str, Tensor]) -> None:
         start = time.perf_counter()
         name, folder = self.adapter_name(role, version), self.adapter_root() / f"{role}-v{version}"
-        tensors = adapter_tensors(model, role)  # FSDP2: each shard gathered, a collective on every rank
         if not dist.is_initialized() or dist.get_rank() == 0:
             folder.mkdir(parents=True, exist_ok=True)
             save_file({key: value.contiguous() for key, value in tensors.items()},
@@ -186,14 +185,15 @@ class VLLMServer(Engine):
         the first draw); refused where the adapter changed since its last sync."""
         if role is None:
             return self.base_name
-        version, state = self.synced.get(role, (0, None))
-        if state is not None and state != adapter_state(model, role):
+        tensors = adapter_tensors(model, role)  # FSDP2: gathered, a collective (every rank draws)
+        version, synced = self.synced.get(role, (0, None))
+        if synced is not None and synced != fingerprint(tensors):
             raise RuntimeError(f"the adapter {role!r} changed since its last sync (version {version}): an engine "
                                "with its own copy of the weights is synced by the training loop after each "
                                "optimizer step (Engine.sync); a loop that steps an optimizer of its own calls "
                                "self.sampler.sync(self.model, role, version) after it")
         if self.loaded.get(role) != version:
-            self.push(model, role, version)
+            self.push(model, role, version, tensors)
         return self.adapter_name(role, version)
 
     # ---- drawing -------------------------------------------------------------------------------------------
@@ -232,6 +232,12 @@ class VLLMServer(Engine):
             tokens[index, : len(ids)] = torch.tensor(ids, dtype=torch.long)
             logprobs[index, : len(ids)] = torch.tensor(values, dtype=torch.float32)
         return tokens.to(input_ids.device), logprobs.to(input_ids.device)
+
+
+def fingerprint(tensors: dict[str, Tensor]) -> tuple[float, ...]:
+    """Each tensor's sum of squares, in float64: what an update changes (a check, not a proof), the same whether
+    the adapter was read sharded under FSDP2 or whole."""
+    return tuple(float(tensors[name].double().square().sum()) for name in sorted(tensors))
 
 
 def version_refusal_for_server() -> str | None:

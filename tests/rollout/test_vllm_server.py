@@ -99,7 +99,9 @@ def test_the_servers_tokens_come_with_the_trainers_log_probs_and_the_same_seeds_
     model, _, _, engine = served
     first = draw(served, seeds=list(range(12)))
     assert first.tokens.shape[0] == 12 and first.mask.any()
-    assert trainer_gap(model, first) < 1e-4
+    gap = trainer_gap(model, first)
+    assert gap < 1e-4
+    print(f"\nthe server's log-probs against the trainer's pass: largest gap {gap:.2e}")
     assert engine.loaded == {POLICY: 0} and engine.adapter_name(POLICY, 0) in served_names(engine)
     assert engine.adapter_name(POLICY, 0).startswith("policy-v0-")
     again = draw(served, seeds=list(range(12)))
@@ -173,6 +175,62 @@ def test_a_grpo_fit_trains_on_a_server_it_is_given(served, tiny_llama_dir, tmp_p
     versions = sorted(folder.name for folder in (history / "engine-adapters").iterdir())
     assert versions[-1] == "policy-v4" and len(versions) >= 2  # 2 iterations x 2 epochs x 1 minibatch
     assert sum(name.startswith("policy-v4-") for name in served_names(engine)) == 1  # the fit's, beside ours
+
+
+def server_fit(llama, reward, url: str, *extra: str) -> list[str]:
+    from tests.helpers.cli import REPO
+
+    return ["--config", str(REPO / "configs" / "grpo.yaml"), f"--model.init_args.base.name_or_path={llama}",
+            f"--model.init_args.reward.init_args.path={reward}", *COMMON, *ONLINE,
+            "--model.init_args.engine={class_path: rlhf_lightning.rollout.vllm_server.VLLMServer, init_args: "
+            f"{{urls: [{url}]}}}}", "--model.init_args.export_dir=null", "--trainer.limit_val_batches=0", *extra]
+
+
+@with_vllm
+@pytest.mark.slow
+def test_two_ddp_or_fsdp2_ranks_on_one_server_train_as_one_process_does(served, tiny_llama_dir, tmp_path):
+    """One process on the whole batch, then two CPU ranks (DDP, then FSDP2: the adapter gathered from its shards
+    and written by rank 0) on its halves, each sending its prompts to the same server, seeded per prompt."""
+    from tests.helpers.distributed import STRATEGIES, largest_differences
+    from tests.helpers.preemption import drive, run
+
+    reward = save_reward_adapter(tiny_llama_dir, tmp_path / "reward")
+    arguments = server_fit(tiny_llama_dir, reward, served[3].url, "--trainer.limit_train_batches=2",
+                           "--model.init_args.seed_scope=prompt")
+    single = drive(tmp_path, "single", [run(tmp_path, "single", [*arguments, "--data.init_args.batch_size=4"])])
+    assert single.returncode == 0, single.stderr[-4000:]
+    full = torch.load(tmp_path / "single.pt")
+    for layout in ("ddp", "fsdp2"):
+        ranks = drive(tmp_path, layout, [run(tmp_path, layout, [*arguments, "--data.init_args.batch_size=2",
+                                                                 *STRATEGIES[layout]])])
+        assert ranks.returncode == 0, ranks.stderr[-4000:]
+        largest = largest_differences(full, torch.load(tmp_path / f"{layout}.pt"))
+        print(f"\nthe vLLM server engine on two {layout} ranks against one process: largest differences {largest}")
+
+
+@with_vllm
+@pytest.mark.slow
+def test_a_grpo_run_on_the_server_resumes_exactly_after_kill_9(served, tiny_llama_dir, tmp_path):
+    import signal
+
+    from tests.helpers.preemption import assert_same_training, drive, run
+
+    reward = save_reward_adapter(tiny_llama_dir, tmp_path / "reward")
+    arguments = server_fit(tiny_llama_dir, reward, served[3].url, "--trainer.limit_train_batches=4",
+                           "--trainer.enable_checkpointing=true")
+    every = {"class_path": "rlhf_lightning.callbacks.IterationCheckpoint",
+             "init_args": {"every_n_iterations": 1, "save_last": True, "enable_version_counter": False}}
+    full = drive(tmp_path, "full", [run(tmp_path, "full", arguments, every)])
+    assert full.returncode == 0, full.stderr[-4000:]
+    killed = drive(tmp_path, "killed", [run(tmp_path, "killed", arguments, every, {
+        "class_path": "tests.helpers.equivalence.KillAt", "init_args": {"iteration": 3, "step": 2}})])
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-4000:]
+    resumed = drive(tmp_path, "resumed", [run(tmp_path, "killed", arguments, every, resume=True)])
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    full_probe, resumed_probe = torch.load(tmp_path / "full.pt"), torch.load(tmp_path / "killed.pt")
+    assert_same_training(full_probe, resumed_probe, from_batch=3, steps_per_batch=2)
+    print(f"\nthe vLLM server engine, GRPO killed with SIGKILL in iteration 3 and resumed: "
+          f"{sum(len(row) for row in resumed_probe['metrics'])} logged values equal the uninterrupted run's")
 
 
 @with_vllm
