@@ -16,6 +16,9 @@ Sides, each the median of ``--repeats`` timed rollouts after one untimed warm-up
   (tensors into its LoRA cache after an update), the memory it added (resident set on a CPU, allocated on a GPU),
   and how far its log-probs are from the trainer's pass over its tokens (mean and max, and the k3 KL). Its random
   streams are vLLM's, so its tokens are not ``generate``'s.
+- ``vllm_server``: vLLM's own server (the engine ``VLLMServer``), started on 127.0.0.1 from the same folder
+  (``--server-cpus`` binds it to some cores); the same lines, its memory the server process's own, and its start-up
+  the wait for its first answer.
 
 Printed: seconds per rollout, prefill (the prompts' forward pass timed alone, as each side runs it) and decode (the
 rest), each with its ratio to ``generate``; decoded tokens per second; the compile seconds of the warm-up, and how
@@ -65,7 +68,7 @@ SHAPES = {
                    "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 512},
     **{name: {"model_type": "gpt2", "vocab_size": GPT2_VOCAB, **shape} for name, shape in PRESETS.items()},
 }
-SIDES = ("generate", "eager", "compiled", "vllm")
+SIDES = ("generate", "eager", "compiled", "vllm", "vllm_server")
 
 
 def build(shape: str, dtype: torch.dtype, device: str) -> SharedBase:
@@ -127,7 +130,8 @@ def vllm_side(base: SharedBase, sampler: Sampler, ids: torch.Tensor, mask: torch
     from rlhf_lightning.models.logprobs import token_logprobs
 
     engine = sampler.engine(base)
-    memory = memory_now(args.device) - memory_before
+    process = getattr(engine, "process", None)  # the server side: the memory is its server's
+    memory = server_memory_gib(process.process.pid) if process else memory_now(args.device) - memory_before
     lora_b = next(p for name, p in base.model.named_parameters() if "lora_B" in name)
     with torch.no_grad():
         lora_b.mul_(1.0)  # an in-place write, as an optimizer step's
@@ -142,12 +146,39 @@ def vllm_side(base: SharedBase, sampler: Sampler, ids: torch.Tensor, mask: torch
             "logprob_diff_max": float(mismatch["logprob_diff_max"]), "kl_sample_train": float(mismatch["kl"])}
 
 
-def engine_of(side: str, args: argparse.Namespace) -> Engine:
-    """The engine of a side."""
+def save_word_tokenizer(folder: str, vocab_size: int) -> None:
+    """A tokenizer of ``vocab_size`` words ``t0``, ``t1``, ... for the random model: what a server needs to
+    detokenize its answers (the tokens themselves travel as ids)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="t0", eos_token="t1").save_pretrained(folder)
+
+
+def server_memory_gib(pid: int) -> float:
+    """Resident memory of a server process and its children, GiB (psutil, which vLLM installs)."""
+    import psutil
+
+    server = psutil.Process(pid)
+    return sum(process.memory_info().rss for process in [server, *server.children(recursive=True)]) / 2**30
+
+
+def engine_of(side: str, args: argparse.Namespace, folder: str) -> Engine:
+    """The engine of a side (the server's adapters and log in ``folder``)."""
     if side == "vllm":
         from rlhf_lightning.rollout.vllm_engine import VLLMEngine
 
         return VLLMEngine(kv_cache_gib=args.kv_cache_gib)
+    if side == "vllm_server":
+        from rlhf_lightning.rollout.engines import EngineSetup
+        from rlhf_lightning.rollout.vllm_server import VLLMServer
+
+        cpus = None if args.server_cpus is None else [int(cpu) for cpu in args.server_cpus.split(",")]
+        engine = VLLMServer(kv_cache_gib=args.kv_cache_gib, cpus=cpus)
+        engine.prepare(EngineSetup(args.device, run_folder=folder))
+        return engine
     return {"generate": Generate, "eager": EagerDecoder, "compiled": CompiledDecoder}[side]()
 
 
@@ -175,7 +206,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--response-length", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sides", default=",".join(SIDES), help="vllm is skipped, saying why, where it cannot run")
-    parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="the vLLM side's KV cache")
+    parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="the vLLM sides' KV cache")
+    parser.add_argument("--server-cpus", help="cores the vllm_server side's server is bound to, e.g. 0 (default: "
+                                              "unbound)")
     parser.add_argument("--dry-run", action="store_true", help="the tiny preset, short prompts, one repeat")
     parser.add_argument("--workdir", help="unused (the model is built in memory); accepted as every benchmark does")
     args = parser.parse_args(argv)
@@ -204,22 +237,24 @@ def main(argv: list[str] | None = None) -> dict:
           f"({torch.get_num_threads()} threads); {args.prompts} prompts x {args.group} samples, prompt "
           f"{args.prompt_length}, response {args.response_length} tokens")
     results, reference_tokens, vllm = {}, None, {}
-    if "vllm" in sides and (refusal := vllm_refused(base)):
-        print(f"vllm: skipped ({refusal})")
-        sides.remove("vllm")
+    for side in [side for side in sides if side.startswith("vllm")]:
+        if refusal := vllm_refused(base):
+            print(f"{side}: skipped ({refusal})")
+            sides.remove(side)
     folder = tempfile.TemporaryDirectory(prefix="decoding-vllm-")
     for side in sides:
         sampler = Sampler(SamplingSettings(max_new_tokens=args.response_length), Seeds(0), 0,
-                          engine=engine_of(side, args))
+                          engine=engine_of(side, args, folder.name))
         memory_before = memory_now(args.device)
-        if side == "vllm":  # vLLM loads the model from a folder: the same weights, saved
-            base.save_merged(None, folder.name)
+        if side.startswith("vllm") and base.hf_model.config.name_or_path != folder.name:
+            base.save_merged(None, folder.name)  # vLLM loads the model from a folder: the same weights, saved
+            save_word_tokenizer(folder.name, base.hf_model.config.vocab_size)  # a server detokenizes its answers
             base.hf_model.config.name_or_path = folder.name
         warmup, tokens = rollout(base, sampler, ids, mask, args, seeds)
         seconds = statistics.median(rollout(base, sampler, ids, mask, args, seeds)[0] for _ in range(args.repeats))
         prefill_rows = rows if side == "generate" else args.prompts
         # vLLM's prefill runs inside its scheduler, not timed apart (its decode column is the whole rollout)
-        prefill = 0.0 if side == "vllm" else statistics.median(
+        prefill = 0.0 if side.startswith("vllm") else statistics.median(
             prefill_seconds(base, ids.repeat_interleave(prefill_rows // args.prompts, 0),
                             mask.repeat_interleave(prefill_rows // args.prompts, 0), args)
             for _ in range(args.repeats))
@@ -231,27 +266,27 @@ def main(argv: list[str] | None = None) -> dict:
                          "tokens_per_second": rows * args.response_length / seconds,
                          "warmup_seconds": warmup, "same_tokens": same,
                          "compile_seconds": decoder.stats.compile_seconds if decoder is not None else 0.0}
-        if side == "vllm":
-            vllm = results[side]["vllm"] = vllm_side(base, sampler, ids, mask, args, memory_before)
+        if side.startswith("vllm"):
+            vllm[side] = results[side]["vllm"] = vllm_side(base, sampler, ids, mask, args, memory_before)
             sampler.close()
     baseline = results.get("generate", next(iter(results.values())))
-    print(f"{'side':<10} {'s/rollout':>9} {'ratio':>6} {'prefill s':>9} {'ratio':>6} {'decode s':>9} {'ratio':>6} "
+    print(f"{'side':<11} {'s/rollout':>9} {'ratio':>6} {'prefill s':>9} {'ratio':>6} {'decode s':>9} {'ratio':>6} "
           f"{'tok/s':>8} {'compile s':>9} {'same tokens':>11}")
     for side, result in results.items():
         for name in ("", "prefill_", "decode_"):
             result[f"{name}ratio"] = result[f"{name}seconds"] / baseline[f"{name}seconds"]
-        print(f"{side:<10} {result['seconds']:9.3f} {result['ratio']:6.3f} {result['prefill_seconds']:9.3f} "
+        print(f"{side:<11} {result['seconds']:9.3f} {result['ratio']:6.3f} {result['prefill_seconds']:9.3f} "
               f"{result['prefill_ratio']:6.3f} {result['decode_seconds']:9.3f} {result['decode_ratio']:6.3f} "
               f"{result['tokens_per_second']:8.0f} {result['compile_seconds']:9.1f} {result['same_tokens']:11.4f}")
     if {"eager", "compiled"} <= results.keys() and results["compiled"]["seconds"] < results["eager"]["seconds"]:
         saved = results["eager"]["seconds"] - results["compiled"]["seconds"]
         print(f"the compile pays for itself after {results['compiled']['compile_seconds'] / saved:.1f} rollouts "
               f"of this shape ({saved:.3f} s saved per rollout against eager)")
-    if vllm:
-        print(f"vllm: start-up {vllm['startup_seconds']:.1f} s · adapter push {vllm['push_seconds'] * 1e3:.1f} ms · "
-              f"memory added {vllm['memory_gib']:.2f} GiB · trainer vs vLLM log-probs: |difference| mean "
-              f"{vllm['logprob_diff_mean']:.2e}, max {vllm['logprob_diff_max']:.2e}, KL(vLLM || trainer) k3 "
-              f"{vllm['kl_sample_train']:.2e}")
+    for side, figures in vllm.items():
+        print(f"{side}: start-up {figures['startup_seconds']:.1f} s · adapter push {figures['push_seconds'] * 1e3:.1f} "
+              f"ms · memory added {figures['memory_gib']:.2f} GiB · trainer vs vLLM log-probs: |difference| mean "
+              f"{figures['logprob_diff_mean']:.2e}, max {figures['logprob_diff_max']:.2e}, KL(vLLM || trainer) k3 "
+              f"{figures['kl_sample_train']:.2e}")
     folder.cleanup()
     summary = {"settings": dict(vars(args)), "sides": results}
     print(json.dumps(summary))

@@ -239,7 +239,7 @@ class OnlineRL(ExperienceCollector):
         minibatch_size, _ = self.minibatch_sizes(experience.response_mask.shape[0])
         extents = list(zip(*(columns.tolist() for columns in experience.row_extents()), strict=True))
         statistics = UpdateStatistics(self.STEP_LOSSES, self.device)
-        attempted, epochs_run, early_stopped = 0, 0, False
+        attempted, epochs_run, early_stopped, sync_seconds = 0, 0, False, 0.0
         while epochs_run < hp.epochs and not early_stopped:
             epochs_run += 1
             for minibatch in shuffled_minibatches(experience.response_mask.shape[0], minibatch_size,
@@ -269,19 +269,15 @@ class OnlineRL(ExperienceCollector):
                 with phase("update/optimizer step"):
                     optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                self.sync_engine()
+                sync_seconds += self.sampler.sync_roles(self.model, self.sampled_roles, self.trainer.global_step)
                 # Every rank must take the same decision, or DDP would wait for a backward that never comes.
                 if hp.target_kl is not None and float(self.mean_over_ranks(minibatch_kl)) > hp.target_kl:
                     early_stopped = True
                     break
         return {**statistics.means(), "skipped_steps": torch.tensor(float(self.skipped_steps)),
+                "time/engine_sync": torch.tensor(sync_seconds),
                 "policy/epochs": torch.tensor(float(epochs_run)),
                 "policy/early_stopped": torch.tensor(float(early_stopped))}
-
-    def sync_engine(self) -> None:
-        """After an optimizer step: the engine's copy of each sampled role, version ``global_step``, made current."""
-        for role in self.sampled_roles:
-            self.sampler.sync(self.model, role, self.trainer.global_step)
 
     def micro_batches(self, experience: Experience, rows: list[int], extents: list[Extent]) -> list[Experience]:
         """A minibatch's micro-batches (its ``rows`` of ``experience``, whose rows need the columns ``extents``), each

@@ -10,6 +10,7 @@ every scoring pass run inside it; DPO's precomputed reference, which samples not
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.rollout.engines import Auto, Engine
 from rlhf_lightning.rollout.seeds import Seeds
 from rlhf_lightning.rollout.settings import SamplingSettings, truncate_after_stop
+from rlhf_lightning.utils.timing import phase
 
 ShardedRollout = Literal["gathered", "per_layer"]
 
@@ -82,6 +84,15 @@ class Sampler:
         the weights up to date (:meth:`~rlhf_lightning.rollout.engines.Engine.sync`)."""
         for engine in self._engines.values():
             engine.sync(model, role, version)
+
+    def sync_roles(self, model: SharedBase, roles: Sequence[str], version: int) -> float:
+        """:meth:`sync` of each of ``roles`` (the training loop's, after every optimizer step); the seconds it took
+        (logged as ``time/engine_sync``)."""
+        start = time.perf_counter()
+        with phase("update/engine sync"):
+            for role in roles:
+                self.sync(model, role, version)
+        return time.perf_counter() - start
 
     @contextmanager
     def gathered_base(self, model: SharedBase) -> Iterator[None]:

@@ -83,6 +83,7 @@ class VLLMServer(Engine):
         self.loaded: dict[str, int] = {}  # role -> the version this rank's server holds
         self.synced: dict[str, tuple[int, tuple]] = {}  # role -> (version, fingerprint) at its last sync
         self.push_seconds = 0.0  # the last sync's write and load
+        self.startup_seconds = 0.0  # from starting a server to its first answer (0 for a server given by URL)
 
     def refusal(self, setup: EngineSetup) -> str | None:
         # A server the fit starts is vLLM in this environment: the tested release. One started by the user may be
@@ -102,7 +103,9 @@ class VLLMServer(Engine):
         if self.urls is None:
             self.process = ServerProcess(model, self.adapter_root() / f"server-rank{rank}.log", self.max_loras,
                                          self.kv_cache_gib, self.server_args, self.cpus)
+            start = time.perf_counter()
             self.url = self.process.start(self.startup_timeout)
+            self.startup_seconds = time.perf_counter() - start
         else:
             self.url = self.urls[rank % len(self.urls)].rstrip("/")
         cards = self.call("GET", "/v1/models")["data"]

@@ -25,6 +25,7 @@ PHASES = (
     "update/critic forward",  # the critic's values in the update (PPO)
     "update/backward",  # every backward pass
     "update/optimizer step",  # the optimizer's step
+    "update/engine sync",  # an engine's copy of the weights brought up to date after a step (vLLM's adapter push)
 )
 
 _recorders: list[tuple[Recorder, Callable[[], float]]] = []

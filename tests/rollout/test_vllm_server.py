@@ -7,6 +7,8 @@ argument checks and refusals run everywhere."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -231,6 +233,39 @@ def test_a_grpo_run_on_the_server_resumes_exactly_after_kill_9(served, tiny_llam
     assert_same_training(full_probe, resumed_probe, from_batch=3, steps_per_batch=2)
     print(f"\nthe vLLM server engine, GRPO killed with SIGKILL in iteration 3 and resumed: "
           f"{sum(len(row) for row in resumed_probe['metrics'])} logged values equal the uninterrupted run's")
+
+
+def benchmark(script: str, *arguments: str) -> dict:
+    import subprocess
+    import sys
+
+    from tests.helpers.cli import REPO
+
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *arguments], capture_output=True,
+                          text=True, timeout=900, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {"stdout": done.stdout, **json.loads(done.stdout.strip().splitlines()[-1])}
+
+
+@with_vllm
+@pytest.mark.slow
+def test_the_decoding_benchmark_times_the_server_beside_vllm_in_the_process():
+    result = benchmark("decoding.py", "--dry-run", "--shape", "llama-tiny", "--sides", "eager,vllm,vllm_server")
+    for side in ("vllm", "vllm_server"):
+        figures = result["sides"][side]["vllm"]
+        assert result["sides"][side]["seconds"] > 0 and figures["startup_seconds"] > 0
+        assert figures["push_seconds"] > 0 and figures["memory_gib"] > 0 and figures["logprob_diff_max"] < 1e-4
+    assert "vllm_server: start-up " in result["stdout"]
+
+
+@with_vllm
+@pytest.mark.slow
+def test_the_placement_benchmark_times_a_grpo_iteration_in_each_placement(tmp_path):
+    result = benchmark("placement.py", "--dry-run", "--workdir", str(tmp_path))
+    assert set(result["placements"]) == {"in_process", "server", "eager"}
+    assert all(figures["seconds"] > 0 for figures in result["placements"].values())
+    assert result["placements"]["in_process"]["ratio"] == 1.0
+    assert "placement    s/iter rollout s  ratio" in result["stdout"]
 
 
 @with_vllm
