@@ -65,8 +65,8 @@ def run_refusal(name_or_path: str | None, device_type: str, sharded: bool,
     take, adapters with biases."""
     if sharded:
         return ("the engine VLLMEngine under FSDP2 (ModelParallelStrategy) is not supported: each rank's vLLM would "
-                "load the whole base beside its shard; use the engine EagerDecoder (or Auto), or DDP, where each rank "
-                "runs its own vLLM")
+                "load the whole base beside its shard; use vLLM's own server (the engine "
+                "rlhf_lightning.rollout.vllm_server.VLLMServer), the engine EagerDecoder (or Auto), or DDP")
     if name_or_path is None:
         return ("the engine VLLMEngine loads the base from its folder (base.name_or_path); a base built from "
                 "base.architecture has none: fit configs/*sft*.yaml first and point base.name_or_path at its model")
