@@ -95,9 +95,9 @@ def main(argv: list[str] | None = None) -> None:
     ppo = args.algorithm == "ppo"
     prepare_workdir(settings, reward_adapter=ppo)
     configure_threads(settings)
-    bench_ours.force_planned_stops(settings)
-    module = (bench_ours.ppo_module(settings, settings.group_size) if ppo
-              else bench_ours.grpo_module(settings, settings.beta))
+    _, engine = bench_ours.planned_stops(settings)
+    module = (bench_ours.ppo_module(settings, settings.group_size, **engine) if ppo
+              else bench_ours.grpo_module(settings, settings.beta, **engine))
     alternating(module)
     rows = bench_ours.fit(module, settings, False, module.metric_prefix)
     on, off = medians(rows[0::2]), medians(rows[1::2])

@@ -92,27 +92,36 @@ class VLLMServer(Engine):
         return refusal or run_refusal(setup.name_or_path, setup.device_type, False, setup.adapters)
 
     def prepare(self, setup: EngineSetup) -> None:
+        """Keep the run folder; a server given by URL is checked now, before the model is built: it answers and
+        serves the trainer's base."""
         self.run_folder = Path(setup.run_folder or ".")
+        if self.urls is not None and setup.name_or_path is not None:
+            self.attach(self.urls[rank() % len(self.urls)], setup.name_or_path)
 
     # ---- the server ----------------------------------------------------------------------------------------
 
     def connect(self, model: SharedBase) -> None:
-        """This rank's server, started where the fit starts it, then checked: it answers, serves the trainer's
-        base, and its ``max_model_len``."""
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        if self.urls is None:
-            self.process = ServerProcess(model, self.adapter_root() / f"server-rank{rank}.log", self.max_loras,
-                                         self.kv_cache_gib, self.server_args, self.cpus)
-            start = time.perf_counter()
-            self.url = self.process.start(self.startup_timeout)
-            self.startup_seconds = time.perf_counter() - start
-        else:
-            self.url = self.urls[rank % len(self.urls)].rstrip("/")
-        cards = self.call("GET", "/v1/models")["data"]
+        """This rank's server, at its first draw: started where the fit starts it (then checked as :meth:`attach`
+        does)."""
         base = str(model.hf_model.config.name_or_path)
+        if self.urls is not None:
+            self.attach(self.urls[rank() % len(self.urls)], base)
+            return
+        self.process = ServerProcess(model, self.adapter_root() / f"server-rank{rank()}.log", self.max_loras,
+                                     self.kv_cache_gib, self.server_args, self.cpus)
+        start = time.perf_counter()
+        url = self.process.start(self.startup_timeout)
+        self.startup_seconds = time.perf_counter() - start
+        self.attach(url, base)
+
+    def attach(self, url: str, base: str) -> None:
+        """Use the server at ``url``: it answers, it serves ``base`` (the trainer's), and its ``max_model_len``."""
+        self.url = url.rstrip("/")
+        cards = self.call("GET", "/v1/models")["data"]
         served = next((card for card in cards if card.get("parent") is None), cards[0])
         if os.path.realpath(str(served.get("root") or served["id"])) != os.path.realpath(base):
-            raise ServerError(f"the vLLM server at {self.url} serves {served.get('root') or served['id']}, not the "
+            self.url = None
+            raise ServerError(f"the vLLM server at {url} serves {served.get('root') or served['id']}, not the "
                               f"trainer's base {base}: start it with that base (its responses would be another "
                               "model's)")
         self.base_name, self.max_model_len = served["id"], served.get("max_model_len")
@@ -235,6 +244,10 @@ class VLLMServer(Engine):
             tokens[index, : len(ids)] = torch.tensor(ids, dtype=torch.long)
             logprobs[index, : len(ids)] = torch.tensor(values, dtype=torch.float32)
         return tokens.to(input_ids.device), logprobs.to(input_ids.device)
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def fingerprint(tensors: dict[str, Tensor]) -> tuple[float, ...]:

@@ -204,7 +204,7 @@ def test_trl_sides_run(outputs, run):
 
 def test_decoding_runs_every_side_and_they_draw_the_same_tokens(outputs):
     stdout, result = output_of(outputs, "decoding")
-    assert "side       s/rollout  ratio prefill s  ratio  decode s  ratio    tok/s compile s same tokens" in stdout
+    assert "side        s/rollout  ratio prefill s  ratio  decode s  ratio    tok/s compile s same tokens" in stdout
     sides = result["sides"]
     assert set(sides) == {"generate", "eager", "compiled"}
     assert all(side["same_tokens"] == 1.0 and finite_positive(side["seconds"]) for side in sides.values())

@@ -48,9 +48,19 @@ def test_its_arguments_and_what_it_cannot_serve_are_refused_in_one_line(tiny_mod
         assert "base.name_or_path" in started
 
 
-def test_an_unreachable_server_is_one_line_within_its_timeout():
-    with pytest.raises(ServerError, match=r"^cannot reach the vLLM server: GET http://127.0.0.1:9/v1/models"):
-        request_json("GET", "http://127.0.0.1:9/v1/models", None, 2.0)
+def test_an_unreachable_server_is_one_line_when_the_fit_is_set_up(tiny_llama_dir, tmp_path):
+    engine = VLLMServer(urls=["http://127.0.0.1:9"], request_timeout=5)
+    with pytest.raises(ServerError, match=r"^cannot reach the vLLM server: GET http://127.0.0.1:9/v1/models: "):
+        engine.prepare(EngineSetup("cpu", name_or_path=str(tiny_llama_dir), run_folder=str(tmp_path)))
+
+
+def test_a_fit_given_an_unreachable_server_stops_at_setup_in_one_line(tiny_llama_dir, reward_dir, capsys):
+    from tests.helpers.cli import grpo, one_line
+
+    line = one_line(capsys, *grpo(tiny_llama_dir, reward_dir, "--model.init_args.engine={class_path: "
+                                  "rlhf_lightning.rollout.vllm_server.VLLMServer, init_args: {urls: "
+                                  "[http://127.0.0.1:9], request_timeout: 5}}"))
+    assert line.startswith("error: cannot reach the vLLM server: GET http://127.0.0.1:9/v1/models: ")
 
 
 # ---- one server for the module ------------------------------------------------------------------------------
@@ -152,7 +162,9 @@ def test_a_server_of_another_base_and_a_too_short_max_model_len_are_one_line(ser
     other = SharedBase(load_causal_lm(BaseModelSpec(name_or_path=str(tiny_model_dir)),
                                       load_tokenizer(BaseModelSpec(name_or_path=str(tiny_model_dir)))))
     with pytest.raises(ServerError, match=rf"serves .*, not the trainer's base {tiny_model_dir}"):
-        VLLMServer(urls=[engine.url]).connect(other)
+        VLLMServer(urls=[engine.url]).prepare(EngineSetup("cpu", name_or_path=str(tiny_model_dir)))  # at setup
+    with pytest.raises(ServerError, match=rf"serves .*, not the trainer's base {tiny_model_dir}"):
+        VLLMServer(urls=[engine.url]).connect(other)  # at the first draw, where the setup named no folder
     sampler, kept = served[1], served[1].settings
     try:
         with pytest.raises(ValueError, match=rf"exceed the vLLM server's max_model_len {engine.max_model_len}"):
@@ -233,6 +245,38 @@ def test_a_grpo_run_on_the_server_resumes_exactly_after_kill_9(served, tiny_llam
     assert_same_training(full_probe, resumed_probe, from_batch=3, steps_per_batch=2)
     print(f"\nthe vLLM server engine, GRPO killed with SIGKILL in iteration 3 and resumed: "
           f"{sum(len(row) for row in resumed_probe['metrics'])} logged values equal the uninterrupted run's")
+
+
+def api_servers() -> set[int]:
+    import psutil
+
+    return {process.pid for process in psutil.process_iter(["cmdline"])
+            if "vllm.entrypoints.openai.api_server" in " ".join(process.info["cmdline"] or [])}
+
+
+@with_vllm
+@pytest.mark.slow
+def test_a_server_the_fit_started_ends_with_the_fit_even_when_it_is_killed(served, tiny_llama_dir, tmp_path):
+    """Without ``urls`` the fit starts its own server; a kill -9 of the fit leaves no server behind."""
+    import signal
+    import time
+
+    from tests.helpers.preemption import drive, run
+
+    reward = save_reward_adapter(tiny_llama_dir, tmp_path / "reward")
+    before = api_servers()
+    arguments = [*server_fit(tiny_llama_dir, reward, "http://unused", "--trainer.limit_train_batches=3")]
+    arguments[arguments.index(next(a for a in arguments if "VLLMServer" in a))] = (
+        "--model.init_args.engine={class_path: rlhf_lightning.rollout.vllm_server.VLLMServer, init_args: "
+        "{kv_cache_gib: 0.25}}")
+    killed = drive(tmp_path, "killed", [run(tmp_path, "killed", arguments, {
+        "class_path": "tests.helpers.equivalence.KillAt", "init_args": {"iteration": 2, "step": 1}})])
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-4000:]
+    assert (tmp_path / "killed" / "engine-adapters" / "server-rank0.log").is_file()  # it had started one
+    deadline = time.monotonic() + 60
+    while api_servers() - before and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not api_servers() - before
 
 
 def benchmark(script: str, *arguments: str) -> dict:

@@ -38,6 +38,7 @@ def test_a_ppo_iteration_records_every_phase_of_the_on_policy_loop(tiny_model_di
         "update/policy forward": steps, "update/critic forward": steps,
         "update/backward": 2 * steps,  # policy, then critic (backward: separate on one device)
         "update/optimizer step": steps,
+        "update/engine sync": steps,  # after each step: our decoder has nothing to bring up to date, but is asked
     })
 
 
