@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import signal
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 import lightning as L
 import yaml
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.trainer.states import TrainerFn
@@ -188,6 +190,13 @@ class RLHFCLI(LightningCLI):
         # A callback of the top-level groups (validate_at_start, not_learning) that the config also lists in
         # trainer.callbacks is the config's: once.
         configured = list(config.get("callbacks") or [])
+        if config.get("enable_checkpointing") is False:  # Lightning would refuse the config's checkpoint callbacks
+            left_out = [type(c).__name__ for c in configured if isinstance(c, ModelCheckpoint)]
+            config["callbacks"] = configured = [c for c in configured if not isinstance(c, ModelCheckpoint)]
+            if left_out:
+                warnings.warn(f"trainer.enable_checkpointing=false: the config's checkpoint callbacks "
+                              f"({', '.join(left_out)}) are left out; this run writes no checkpoint", UserWarning,
+                              stacklevel=1)
         callbacks = [c for c in callbacks if not (isinstance(c, ValidateAtStart | LearningCheck)
                                                   and any(isinstance(o, type(c)) for o in configured))]
         listed = configured + list(callbacks)

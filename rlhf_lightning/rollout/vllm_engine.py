@@ -39,13 +39,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlhf_lightning.models.merging import adapter_of
 from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.rollout.engines import Engine, EngineSetup
 from rlhf_lightning.rollout.settings import SamplingSettings
 from rlhf_lightning.rollout.vllm_support import (
     adapter_tensors,
+    check_length,
     contained,
+    fingerprint,
     max_lora_rank,
     peft_config,
     vllm_refusal,
@@ -57,17 +58,11 @@ CPU_KV_CACHE_GIB = 1.0  # the KV cache on a CPU when kv_cache_gib is null
 
 @dataclass(frozen=True)
 class Served:
-    """An adapter as vLLM holds it: the trained weights' state it was pushed from, its version, its LoRA id."""
+    """An adapter as vLLM holds it: the fingerprint of the weights it was pushed from, its version, its LoRA id."""
 
-    state: tuple[tuple[int, int], ...]  # (data_ptr, in-place version) of each of the role's parameters
+    state: tuple[float, ...]  # vllm_support.fingerprint of the role's adapter tensors
     version: int
     lora_id: int
-
-
-def adapter_state(model: SharedBase, role: str) -> tuple[tuple[int, int], ...]:
-    """What changes whenever ``role``'s adapter weights do: an optimizer step, a loaded checkpoint (both write in
-    place, which bumps a tensor's version counter) or new parameter objects."""
-    return tuple((p.data_ptr(), p._version) for name, p in model.model.named_parameters() if adapter_of(name) == role)
 
 
 # ---- what runs inside vLLM's worker (same process: collective_rpc passes the tensors by reference) -----------
@@ -199,16 +194,17 @@ class VLLMEngine(Engine):
     def sync(self, model: SharedBase, role: str, version: int) -> None:
         """Push ``role``'s adapter as ``version`` (after the optimizer step that made it); before vLLM is built, or
         while it sleeps, the next draw pushes it."""
-        state = adapter_state(model, role)
-        self.synced[role] = (version, state)
+        tensors = adapter_tensors(model, role)
+        self.synced[role] = (version, fingerprint(tensors))
         if self.llm is not None and model is self.model and not self.asleep:
-            self._push(role, state, version, self.served.get(role))
+            self._push(role, tensors, version, self.served.get(role))
 
     def served_version(self, role: str) -> Served:
         """``role``'s adapter as vLLM serves it, pushed first where vLLM holds none (its first draw, or after a
         sleep); refused where the trained adapter changed since its last sync, or where vLLM's worker holds another
         version than the one pushed: never a silent rollout from a stale policy."""
-        state = adapter_state(self.model, role)
+        tensors = adapter_tensors(self.model, role)
+        state = fingerprint(tensors)  # what any write changes: an optimizer step, a checkpoint, ``p.data`` itself
         version, synced_state = self.synced.get(role, (0, None))
         if synced_state is not None and synced_state != state:
             raise RuntimeError(f"the adapter {role!r} changed since its last sync (version {version}): an engine "
@@ -217,7 +213,7 @@ class VLLMEngine(Engine):
                                "self.sampler.sync(self.model, role, version) after it")
         served = self.served.get(role)
         if served is None or served.state != state:  # its first draw, after a sleep, or weights loaded before it
-            served = self._push(role, state, version, served)
+            served = self._push(role, tensors, version, served)
         holds = self.llm.collective_rpc(_served)[0].get(role)
         if holds != (served.version, served.lora_id):
             held = "nothing" if holds is None else f"version {holds[0]} (LoRA id {holds[1]})"
@@ -226,18 +222,20 @@ class VLLMEngine(Engine):
                                "sampling would be from a stale policy")
         return served
 
-    def _push(self, role: str, state: tuple, version: int, previous: Served | None) -> Served:
+    def _push(self, role: str, tensors: dict[str, Tensor], version: int, previous: Served | None) -> Served:
         self._lora_ids += 1
+        state = fingerprint(tensors)  # before the push: vLLM scales the tensors it is given in place
         start = time.perf_counter()
-        self.push(role, version, self._lora_ids, None if previous is None else previous.lora_id)
+        self.push(role, version, self._lora_ids, None if previous is None else previous.lora_id, tensors)
         self.push_seconds = time.perf_counter() - start
         served = self.served[role] = Served(state, version, self._lora_ids)
         return served
 
-    def push(self, role: str, version: int, lora_id: int, retired: int | None) -> None:
-        """Load ``role``'s adapter tensors into vLLM's LoRA cache as ``lora_id`` (retiring the previous id)."""
-        self.llm.collective_rpc(_load_adapter, args=(role, version, lora_id, adapter_tensors(self.model, role),
-                                                      peft_config(self.model, role), retired))
+    def push(self, role: str, version: int, lora_id: int, retired: int | None, tensors: dict[str, Tensor]) -> None:
+        """Load ``role``'s adapter ``tensors`` (copies: vLLM scales them in place) into vLLM's LoRA cache as
+        ``lora_id``, retiring the previous id."""
+        self.llm.collective_rpc(_load_adapter, args=(role, version, lora_id, tensors, peft_config(self.model, role),
+                                                      retired))
 
     # ---- sleep (GPU) ---------------------------------------------------------------------------------------
 
@@ -267,6 +265,8 @@ class VLLMEngine(Engine):
             self.close()
         if self.llm is None:
             self.build(model)
+        check_length(attention_mask, settings.max_new_tokens, self.llm.llm_engine.model_config.max_model_len,
+                      "vLLM's max_model_len (the engine's max_model_len, or the model's positions)")
         self.wake()
         lora = None
         if role is not None:

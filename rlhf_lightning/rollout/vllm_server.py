@@ -40,7 +40,13 @@ from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.rollout.engines import Engine, EngineSetup
 from rlhf_lightning.rollout.settings import SamplingSettings
 from rlhf_lightning.rollout.vllm_process import ServerError, ServerProcess, request_json
-from rlhf_lightning.rollout.vllm_support import adapter_tensors, run_refusal, version_refusal
+from rlhf_lightning.rollout.vllm_support import (
+    adapter_tensors,
+    check_length,
+    fingerprint,
+    run_refusal,
+    version_refusal,
+)
 
 
 class VLLMServer(Engine):
@@ -215,10 +221,8 @@ class VLLMServer(Engine):
              synced: bool = False) -> tuple[Tensor, Tensor]:
         if self.url is None:
             self.connect(model)
-        if self.max_model_len is not None and input_ids.shape[1] + settings.max_new_tokens > self.max_model_len:
-            raise ValueError(f"prompts of {input_ids.shape[1]} tokens + max_new_tokens {settings.max_new_tokens} "
-                             f"exceed the vLLM server's max_model_len {self.max_model_len} ({self.url}): start it with "
-                             "a larger --max-model-len, or shorten the prompts or responses")
+        check_length(attention_mask, settings.max_new_tokens, self.max_model_len,
+                     f"the vLLM server's max_model_len ({self.url}; its --max-model-len)")
         name = self.requested_model(model, role)
         prompts = [row[mask.bool()].tolist() for row, mask in zip(input_ids.cpu(), attention_mask.cpu(), strict=True)]
         request_seeds = (torch.randint(0, 2**62, (len(prompts),)).tolist() if seeds is None
@@ -248,12 +252,6 @@ class VLLMServer(Engine):
 
 def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
-
-
-def fingerprint(tensors: dict[str, Tensor]) -> tuple[float, ...]:
-    """Each tensor's sum of squares, in float64: what an update changes (a check, not a proof), the same whether
-    the adapter was read sharded under FSDP2 or whole."""
-    return tuple(float(tensors[name].double().square().sum()) for name in sorted(tensors))
 
 
 def version_refusal_for_server() -> str | None:

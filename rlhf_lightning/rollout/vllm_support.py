@@ -97,6 +97,22 @@ def adapter_tensors(model: SharedBase, role: str) -> dict[str, Tensor]:
     return {name: tensor.detach().to("cpu", copy=True) for name, tensor in state.items()}
 
 
+def check_length(attention_mask: Tensor, max_new_tokens: int, limit: int | None, what: str) -> None:
+    """Refuse prompts that cannot take ``max_new_tokens`` more tokens within ``limit`` (vLLM would cut the
+    responses at it without a word, and its log-probs there would not be the trainer's)."""
+    longest = int(attention_mask.sum(-1).max())
+    if limit is not None and longest + max_new_tokens > limit:
+        raise ValueError(f"the longest prompt ({longest} tokens) + max_new_tokens {max_new_tokens} exceed {what} "
+                         f"{limit}: raise it, or shorten the prompts (data max_length) or max_new_tokens")
+
+
+def fingerprint(tensors: dict[str, Tensor]) -> tuple[float, ...]:
+    """Each of an adapter's tensors' sum of squares, in float64: what any write to the weights changes (a check,
+    not a proof), however it was written (an optimizer step, a loaded checkpoint, ``p.data`` itself, which bumps no
+    version counter) and whether the adapter was read sharded under FSDP2 or whole."""
+    return tuple(float(tensors[name].double().square().sum()) for name in sorted(tensors))
+
+
 def peft_config(model: SharedBase, role: str) -> dict[str, Any]:
     """``role``'s peft config as the dict vLLM's ``PEFTHelper`` reads."""
     config = model.model.peft_config[role].to_dict()

@@ -10,7 +10,7 @@ import pytest
 
 from rlhf_lightning.cli import RLHFCLI, main
 from rlhf_lightning.runs.wandb_offline import find_run_file, read_config, read_history
-from tests.helpers.cli import logged_keys
+from tests.helpers.cli import grpo, logged_keys
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -96,3 +96,15 @@ def test_tiny_sft_then_reward_run_end_to_end_with_wandb_logs(tmp_path, capsys):
     assert config["model"]["class_path"] == "rlhf_lightning.RewardModel"
     assert config["model"]["init_args"]["lora"]["r"] == 2
 
+
+
+def test_checkpointing_off_leaves_the_configs_checkpoint_callbacks_out_with_a_warning(tiny_model_dir, reward_dir,
+                                                                                      tmp_path):
+    """``--trainer.enable_checkpointing=false`` on a shipped config (which lists a checkpoint callback): Lightning
+    would refuse the pair with a traceback; the run goes on without a checkpoint, and says so."""
+    arguments = [argument for argument in grpo(tiny_model_dir, reward_dir, f"--trainer.default_root_dir={tmp_path}")
+                 if argument != "--trainer.callbacks=[]"]  # the config's own: IterationCheckpoint, CompletionsTable
+    with pytest.warns(UserWarning, match=r"^trainer.enable_checkpointing=false: the config's checkpoint callbacks "
+                                         r"\(IterationCheckpoint\) are left out; this run writes no checkpoint$"):
+        main(arguments)
+    assert (tmp_path / "config.yaml").is_file() and not (tmp_path / "checkpoints").exists()

@@ -176,8 +176,7 @@ def test_every_update_is_pushed_by_the_sync_step_and_a_stale_adapter_stops_the_r
     draw(model, sampler, tokenizer)
     assert engine.served[POLICY].version == version + 1  # the adapter did not change: nothing pushed
 
-    with torch.no_grad():
-        lora_b.add_(0.3)  # an update the loop did not sync
+    lora_b.data.add_(0.3)  # an update the loop did not sync, through .data: no version counter moves
     with pytest.raises(RuntimeError, match=rf"the adapter 'policy' changed since its last sync \(version "
                                            rf"{version + 1}\)"):
         draw(model, sampler, tokenizer)
@@ -194,6 +193,19 @@ def test_every_update_is_pushed_by_the_sync_step_and_a_stale_adapter_stops_the_r
     drawn = draw(model, sampler, tokenizer)
     assert engine.served[POLICY].version == version + 2
     assert (trainer_logprobs(model, drawn) - drawn.logprobs)[drawn.mask].abs().max() < 1e-4
+
+
+@with_vllm
+def test_responses_that_would_pass_vllms_max_model_len_are_refused_in_one_line(served):
+    model, sampler, tokenizer = served
+    limit = sampler.engine(model).llm.llm_engine.model_config.max_model_len
+    kept = sampler.settings
+    sampler.settings = SamplingSettings(max_new_tokens=limit, stop_token_ids=kept.stop_token_ids)
+    try:
+        with pytest.raises(ValueError, match=rf"\+ max_new_tokens {limit} exceed vLLM's max_model_len .* {limit}:"):
+            draw(model, sampler, tokenizer)
+    finally:
+        sampler.settings = kept
 
 
 @with_vllm
