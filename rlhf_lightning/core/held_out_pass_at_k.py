@@ -3,6 +3,7 @@ reward (a verifier) has judged."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -70,7 +71,14 @@ def pass_at_k_values(setting: PassAtK, gold: Sequence[float], completions: Seque
     """Per held-out prompt ``[P]``: pass@k for every ``k`` of ``setting``, and maj@k when ``answer_of`` reads the
     answers; ``gold`` and ``completions`` hold ``setting.samples`` consecutive responses per prompt."""
     n = setting.samples
-    correct = (torch.tensor([float(g) for g in gold]) >= setting.correct_at).view(-1, n)
+    scores = torch.tensor([float(g) for g in gold])
+    correct = (scores >= setting.correct_at).view(-1, n)
+    if not correct.any() and not bool(((scores == 0) | (scores == 1)).all()):
+        # A real-valued score, not a checker's 0/1, that never reaches correct_at: every pass@k would read 0.
+        warnings.warn(f"pass_at_k: no held-out response's gold reward reached pass_at_k.correct_at "
+                      f"({setting.correct_at:g}), and the gold reward is not a checker's 0 or 1: pass@k counts "
+                      "responses a verifier judges correct; set correct_at to the score that counts as correct, or "
+                      "turn pass_at_k off (samples: 1)", UserWarning, stacklevel=2)
     values = {f"pass@{k}": pass_at_k(correct, k) for k in setting.ks}
     if answer_of is not None:
         answers = [answer_of(text) for text in completions]

@@ -59,6 +59,9 @@ class JudgeTemplate:
         else:
             raise ValueError(f"JudgeReward template: expected a format string or a non-empty list of messages, got "
                              f"{template!r}")
+        if "response" not in self.fields:
+            raise ValueError(f"JudgeReward template: it never names {{response}}, so the judge would never see the "
+                             f"responses it scores; put {{response}} where the response goes (got {template!r})")
         self.template = template
         self.columns = [name for name in dict.fromkeys(self.fields) if name not in BUILT_IN_FIELDS]
 

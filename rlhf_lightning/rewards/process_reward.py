@@ -13,6 +13,7 @@ on one number per response, the ``reduction`` of its step scores.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Literal, get_args
 
@@ -129,6 +130,11 @@ class ProcessReward(RewardSource):
         stop_ids = torch.tensor([*self.end_ids, *inputs.stop_token_ids], dtype=responses.dtype,
                                 device=responses.device)
         ends = step_ends(responses, mask, self.separator_id, stop_ids)
+        if mask.any() and not bool(((responses == self.separator_id) & mask).any()):
+            # Every response one step: the PRM scores whole responses, as it was never trained to (warned once).
+            warnings.warn(f"process reward {self.path}: no response of the batch contains the step separator "
+                          f"(token {self.separator_id}), so each is scored as one step; does the policy write steps "
+                          "the way the PRM's training data did?", UserWarning, stacklevel=2)
         stop_list = stop_ids.tolist()
         sequences, read_positions = [], []
         for row in range(mask.shape[0]):

@@ -86,6 +86,21 @@ def test_values_of_responses_judged_by_the_arithmetic_checker():
     assert set(pass_at_k_values(PassAtK(samples=4), gold, completions, None)) == {"pass@1", "pass@2", "pass@4"}
 
 
+def test_a_real_valued_gold_reward_that_never_reaches_correct_at_is_named():
+    """The synthetic task's gold reward is a score, not a checker: pass@k would read 0 for every k in silence."""
+    completions = ["a", "b", "c", "d"]
+    with pytest.warns(UserWarning, match=r"^pass_at_k: no held-out response's gold reward reached "
+                                         r"pass_at_k.correct_at \(1\), and the gold reward is not a checker's 0 or 1"):
+        values = pass_at_k_values(PassAtK(samples=2), [0.3, -0.2, 0.7, 0.1], completions, None)
+    assert float(values["pass@2"].sum()) == 0.0
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a checker's zeros, or a score that reaches correct_at: no word
+        pass_at_k_values(PassAtK(samples=2), [0.0, 0.0, 0.0, 0.0], completions, None)
+        pass_at_k_values(PassAtK(samples=2, correct_at=0.5), [0.3, -0.2, 0.7, 0.1], completions, None)
+
+
 @pytest.mark.parametrize(("argument", "expected"), [
     ("--model.init_args.gold_reward=null", "error: pass_at_k.samples=8 needs gold_reward: pass@k and maj@k count "
      "the responses a verifier judges correct (e.g. rlhf_lightning.tasks.arithmetic.exact_match)"),

@@ -73,6 +73,9 @@ def test_the_template_fills_prompt_response_and_a_column():
                            "{column} (a literal brace as {{ or }})"),
     ([{"role": "user"}], [], "JudgeReward template message 0: expected {role: ..., content: ...} (two strings), got "
                              "{'role': 'user'}"),
+    ("Is this answer to {prompt} correct?", [], "JudgeReward template: it never names {response}, so the judge would "
+                                                "never see the responses it scores; put {response} where the response "
+                                                "goes (got 'Is this answer to {prompt} correct?')"),
 ])
 def test_a_template_that_cannot_be_filled_is_one_line(template, columns, message):
     with pytest.raises(ValueError) as error:

@@ -111,6 +111,13 @@ def test_each_step_is_read_as_the_prm_was_trained(tiny_arithmetic_dir, prm_dir):
         assert scores[row][~ends[row]].abs().sum() == 0  # nothing between the steps' ends
     torch.testing.assert_close(source.score(inputs), torch.tensor([min(values) for values, _ in expected]))
 
+    # A batch whose responses hold no separator at all: each is one step, and the PRM says so
+    plain = reward_inputs(input_ids[1:2, : len(prompt) + 4], attention[1:2, : len(prompt) + 4], mask[1:2, :4],
+                          ["7 + 8 ="], ["add 4 7 + 3 8"], None, tokenizer)
+    with pytest.warns(UserWarning, match=rf"no response of the batch contains the step separator \(token {comma}\)"):
+        _, ends = source.step_scores(plain)
+    assert ends[0].nonzero().flatten().tolist() == [3]
+
 
 def test_ppo_trains_on_each_step_at_its_last_token_beside_a_weighted_checker(tiny_arithmetic_dir, prm_dir):
     reward = [ProcessReward(str(prm_dir)), FunctionReward(exact_match)]
