@@ -168,7 +168,7 @@ def condense_parser_error(message: str, options: list[str] = ()) -> str:
         given = unrecognized.group(1).split("=")[0]
         return f"{lines[0]}{suggestion(given, list(options))}"
     path: list[str] = []
-    depth, in_class, detail, last_class = -1, False, "", 0
+    depth, in_class, detail, last_class, key_index = -1, False, "", 0, 0
     for index, line in enumerate(lines):
         if CLASS_PATH.search(line):
             in_class = True  # the next key is one of the subclass's init_args
@@ -179,7 +179,7 @@ def condense_parser_error(message: str, options: list[str] = ()) -> str:
             continue
         if len(key.group(1)) <= depth:
             break  # a sibling report (another union member): the deepest chain is complete
-        depth = len(key.group(1))
+        depth, key_index = len(key.group(1)), index
         path += ["init_args", key.group(2)] if path and in_class else [key.group(2)]
         in_class = False
         detail = next((rest.strip() for rest in lines[index + 1:] if rest.strip()), "")
@@ -191,10 +191,35 @@ def condense_parser_error(message: str, options: list[str] = ()) -> str:
     given = EXPECTED_PATH.search(detail)
     if given is not None:  # a class or function named by a string that imports nothing
         return unknown_class(".".join(path), given.group(1))
+    if "Does not validate against any of the Union subtypes" in detail and (
+            simple := simple_union_problem(lines[key_index + 1:])):  # an optional number, say: what it takes
+        return f"{'.'.join(path)}: {simple}"
     if "Does not validate against any of the Union subtypes" in detail or CLASS_PATH.search(detail):
         # the innermost class given by class_path (a policy loss inside a module) is the one with the problem
         return class_problem(lines[last_class:], path) or f"{'.'.join(path)}: {detail}"
     return f"{'.'.join(path)}: {detail}"
+
+
+EXPECTED_TYPE = re.compile(r"^\s*- Expected a <class '(\w+)'>\s*$")
+GIVEN_VALUE = re.compile(r"^\s*Given value: (.*)$")
+TYPE_NAMES = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false", "NoneType": "null"}
+
+
+def simple_union_problem(block: list[str]) -> str | None:
+    """``expected an integer or null, got 512.5`` for a union of plain types (``int | None``) that a value fits
+    none of; None for a union with a class among its members (reported by :func:`class_problem`)."""
+    expected, given = [], None
+    for line in block:
+        if CLASS_PATH.search(line) or PARSER_KEY.match(line):
+            return None
+        if match := EXPECTED_TYPE.match(line):
+            expected.append(TYPE_NAMES.get(match.group(1), match.group(1)))
+        elif match := GIVEN_VALUE.match(line):
+            given = match.group(1).strip()
+            break
+    if not expected or given is None:
+        return None
+    return f"expected {' or '.join(dict.fromkeys(expected))}, got {given}"
 
 
 EXPECTED_PATH = re.compile(r"Expected a path but (\S+) either not accessible or invalid")

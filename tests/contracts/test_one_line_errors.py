@@ -61,6 +61,15 @@ def test_a_misspelled_key_or_class_names_the_closest_valid_ones(capsys, argument
     assert one_line(capsys, "fit", "--config", str(REPO / "configs" / "grpo.yaml"), argument, code=2) == expected
 
 
+@pytest.mark.parametrize("argument, expected", [
+    ("--model.init_args.micro_batch_tokens=512.5",
+     "error: model.init_args.micro_batch_tokens: expected an integer or null, got 512.5"),
+    ("--model.init_args.target_kl=abc", "error: model.init_args.target_kl: expected a number or null, got abc"),
+])
+def test_a_value_an_optional_argument_cannot_take_says_what_it_takes(capsys, argument, expected):
+    assert one_line(capsys, *grpo("unused", "unused", argument), code=2) == expected
+
+
 @pytest.mark.parametrize("overrides, expected", [
     (["--model.init_args.micro_batch_tokens=0"], "error: micro_batch_tokens must be an integer >= 1 or null, got 0"),
     (["--model.init_args.micro_batch_tokens=512", "--model.init_args.gradient_accumulation=2"],
