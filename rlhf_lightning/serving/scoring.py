@@ -110,6 +110,10 @@ class RewardService:
             if values is not None and len(values) != count:
                 raise RequestError(f"{key} has {len(values)} entries for {count} completions: expected one per "
                                    "completion")
+        try:  # a reward function that needs a column this request lacks: the client's mistake, named (a 422)
+            self.source.check_columns(sorted(columns))
+        except (TypeError, ValueError) as error:
+            raise RequestError(f"columns: {error} (the request's columns are the prompt data here)") from None
         if attention_mask is not None:
             self.check_layout(input_ids, attention_mask)
         if input_ids is None:

@@ -349,3 +349,22 @@ def test_serve_reward_refusals_are_one_line(tiny_model_dir, reward_dir, tmp_path
                 main(["serve-reward", *arguments])
             assert exit_info.value.code == code
             assert [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")] == [expected]
+
+
+def needs_reference(prompts, completions, reference, **columns):
+    """A served reward function that needs a column ``reference`` (TRL's signature)."""
+    return [float(c == r) for c, r in zip(completions, reference, strict=True)]
+
+
+def test_a_request_without_a_column_the_function_needs_is_the_clients_mistake_named(tokenizer):
+    """A 422 (the server answers a RequestError so), which RemoteReward does not retry: not a 500 with Python's
+    'missing 1 required positional argument'."""
+    from rlhf_lightning.rewards.sources import FunctionReward
+    from rlhf_lightning.serving.scoring import RequestError, RewardService
+
+    service = RewardService(FunctionReward(needs_reference), None, tokenizer, torch.device("cpu"))
+    with pytest.raises(RequestError, match=r"^columns: reward function .*needs_reference needs column 'reference', "
+                                           r"which the prompt data lacks .*\(the request's columns are the prompt "
+                                           r"data here\)$"):
+        service.rows(["p"], ["c"], None, None, {})
+    assert len(service.rows(["p"], ["c"], None, None, {"reference": ["c"]})) == 1
