@@ -17,9 +17,9 @@ seeds:
 - :class:`~rlhf_lightning.rollout.vllm_server.VLLMServer`: vLLM's own server, adapters pushed to it by version.
 
 The hooks besides :meth:`Engine.draw`: :meth:`Engine.refusal` (what it cannot serve, in one line, before the
-model is built), :meth:`Engine.prepare` (what it keeps of the fit's setup: the run folder), :meth:`Engine.sync` (called by the training loop after every optimizer step that
-changed a sampled role: an engine with its own copy of the weights brings it up to date there, never inside
-``draw``), and :meth:`Engine.rest` / :meth:`Engine.close`. A new engine subclasses :class:`Engine`; nothing else
+model is built), :meth:`Engine.prepare` (what it keeps of the fit's setup: the run folder), :meth:`Engine.sync`
+(called by the training loop after every optimizer step that changed a sampled role: an engine with its own copy of
+the weights brings it up to date there, never inside ``draw``), and :meth:`Engine.rest` / :meth:`Engine.close`. A new engine subclasses :class:`Engine`; nothing else
 changes (``tests/rollout/test_engines.py`` trains with one defined in the test).
 """
 

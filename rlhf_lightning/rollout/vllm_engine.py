@@ -47,13 +47,13 @@ from rlhf_lightning.rollout.vllm_support import (
     check_length,
     contained,
     fingerprint,
-    max_lora_rank,
+    kv_cache_bytes,
+    lora_slots,
     peft_config,
+    stale_adapter_error,
     vllm_refusal,
 )
 from rlhf_lightning.utils.checks import check_vllm
-
-CPU_KV_CACHE_GIB = 1.0  # the KV cache on a CPU when kv_cache_gib is null
 
 
 @dataclass(frozen=True)
@@ -138,19 +138,17 @@ class VLLMEngine(Engine):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: no copies
         self.model = model
         device = next(model.parameters()).device
-        kv_cache_gib = CPU_KV_CACHE_GIB if self.kv_cache_gib is None and device.type == "cpu" else self.kv_cache_gib
         hf_model = model.hf_model
-        # A LoRA slot per adapter on the base (whichever the rollouts sample from); each push retires its previous
-        # id, so nothing is ever evicted.
-        ranks = [config.r for config in model.model.peft_config.values()] if model.adapters else [8]
+        # A LoRA slot per adapter on the base; each push retires its previous id, so nothing is ever evicted.
+        rank, slots = lora_slots(model)
         arguments: dict[str, Any] = dict(
             model=hf_model.config.name_or_path, skip_tokenizer_init=True, seed=0,  # every request has its seed
             dtype=str(hf_model.dtype).removeprefix("torch."),
-            enable_lora=True, max_lora_rank=max_lora_rank(max(ranks)), max_loras=len(ranks),
+            enable_lora=True, max_lora_rank=rank, max_loras=slots,
             max_model_len=self.max_model_len, logprobs_mode="processed_logprobs",
             enforce_eager=device.type == "cpu" if self.enforce_eager is None else self.enforce_eager,
             gpu_memory_utilization=self.gpu_memory_utilization,
-            kv_cache_memory_bytes=None if kv_cache_gib is None else int(kv_cache_gib * 2**30),
+            kv_cache_memory_bytes=kv_cache_bytes(self.kv_cache_gib, device.type),
             enable_sleep_mode=device.type == "cuda" and self.sleep,
         )
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
@@ -207,10 +205,7 @@ class VLLMEngine(Engine):
         state = fingerprint(tensors)  # what any write changes: an optimizer step, a checkpoint, ``p.data`` itself
         version, synced_state = self.synced.get(role, (0, None))
         if synced_state is not None and synced_state != state:
-            raise RuntimeError(f"the adapter {role!r} changed since its last sync (version {version}): an engine "
-                               "with its own copy of the weights is synced by the training loop after each "
-                               "optimizer step (Engine.sync); a loop that steps an optimizer of its own calls "
-                               "self.sampler.sync(self.model, role, version) after it")
+            raise stale_adapter_error(role, version)
         served = self.served.get(role)
         if served is None or served.state != state:  # its first draw, after a sleep, or weights loaded before it
             served = self._push(role, tensors, version, served)

@@ -15,9 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_lightning.models.shared_base import SharedBase
-from rlhf_lightning.rollout.vllm_support import max_lora_rank
+from rlhf_lightning.rollout.vllm_support import kv_cache_bytes, lora_slots
 
-CPU_KV_CACHE_GIB = 1.0  # a started server's KV cache on a CPU when kv_cache_gib is null
 PR_SET_PDEATHSIG = 1  # prctl's option: the signal a child gets when its parent dies
 
 
@@ -68,15 +67,15 @@ class ServerProcess:
         self.cpus = cpus
         hf_model = model.hf_model
         self.on_cpu = next(model.parameters()).device.type == "cpu"
-        ranks = [config.r for config in model.model.peft_config.values()] if model.adapters else [8]
-        gib = CPU_KV_CACHE_GIB if kv_cache_gib is None and self.on_cpu else kv_cache_gib
+        rank, _ = lora_slots(model)
+        kv_bytes = kv_cache_bytes(kv_cache_gib, "cpu" if self.on_cpu else "cuda")
         self.arguments = [
             "--model", str(hf_model.config.name_or_path), "--host", "127.0.0.1",
             "--dtype", str(hf_model.dtype).removeprefix("torch."), "--seed", "0",
-            "--enable-lora", "--max-loras", str(max_loras), "--max-lora-rank", str(max_lora_rank(max(ranks))),
+            "--enable-lora", "--max-loras", str(max_loras), "--max-lora-rank", str(rank),
             "--logprobs-mode", "processed_logprobs",  # the log-probs of what it sampled, after the temperature
             *(["--enforce-eager"] if self.on_cpu else []),
-            *([] if gib is None else ["--kv-cache-memory-bytes", str(int(gib * 2**30))]),
+            *([] if kv_bytes is None else ["--kv-cache-memory-bytes", str(kv_bytes)]),
             *server_args]
         self.process: subprocess.Popen | None = None
 

@@ -44,7 +44,9 @@ from rlhf_lightning.rollout.vllm_support import (
     adapter_tensors,
     check_length,
     fingerprint,
+    installed_version,
     run_refusal,
+    stale_adapter_error,
     version_refusal,
 )
 
@@ -94,7 +96,8 @@ class VLLMServer(Engine):
     def refusal(self, setup: EngineSetup) -> str | None:
         # A server the fit starts is vLLM in this environment: the tested release. One started by the user may be
         # any release that speaks its API.
-        refusal = version_refusal_for_server() if self.urls is None else None
+        refusal = (version_refusal(installed_version(), "the engine VLLMServer (without urls)")
+                   if self.urls is None else None)
         return refusal or run_refusal(setup.name_or_path, setup.device_type, False, setup.adapters)
 
     def prepare(self, setup: EngineSetup) -> None:
@@ -206,10 +209,7 @@ class VLLMServer(Engine):
         tensors = adapter_tensors(model, role)  # FSDP2: gathered, a collective (every rank draws)
         version, synced = self.synced.get(role, (0, None))
         if synced is not None and synced != fingerprint(tensors):
-            raise RuntimeError(f"the adapter {role!r} changed since its last sync (version {version}): an engine "
-                               "with its own copy of the weights is synced by the training loop after each "
-                               "optimizer step (Engine.sync); a loop that steps an optimizer of its own calls "
-                               "self.sampler.sync(self.model, role, version) after it")
+            raise stale_adapter_error(role, version)
         if self.loaded.get(role) != version:
             self.push(model, role, version, tensors)
         return self.adapter_name(role, version)
@@ -252,11 +252,3 @@ class VLLMServer(Engine):
 
 def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
-
-
-def version_refusal_for_server() -> str | None:
-    """vLLM missing or untested in this environment, for a server the fit starts (named as this engine)."""
-    from rlhf_lightning.rollout.vllm_support import installed_version
-
-    refusal = version_refusal(installed_version())
-    return None if refusal is None else refusal.replace("the engine VLLMEngine", "the engine VLLMServer (without urls)")

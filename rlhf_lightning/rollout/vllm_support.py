@@ -48,14 +48,13 @@ def vllm_refusal(name_or_path: str | None, device_type: str, sharded: bool,
     return version_refusal(installed_version()) or run_refusal(name_or_path, device_type, sharded, adapters)
 
 
-def version_refusal(version: str | None) -> str | None:
-    """vLLM missing (naming the extra to install) or outside the tested releases."""
+def version_refusal(version: str | None, engine: str = "the engine VLLMEngine") -> str | None:
+    """vLLM missing (naming the extra to install) or outside the tested releases; ``engine``: who needs it."""
     low, high = TESTED_VERSIONS
     if version is None:
-        return f"the engine VLLMEngine needs vLLM, which is not installed: {INSTALL}"
+        return f"{engine} needs vLLM, which is not installed: {INSTALL}"
     if not low <= _release(version) < high:
-        return (f"the engine VLLMEngine is tested with vLLM {low[0]}.{low[1]}.x; this environment has {version} "
-                f"({INSTALL})")
+        return f"{engine} is tested with vLLM {low[0]}.{low[1]}.x; this environment has {version} ({INSTALL})"
     return None
 
 
@@ -143,6 +142,30 @@ def contained() -> Iterator[None]:
             torch.cuda.set_rng_state_all(states[2])
         if numpy is not None:
             numpy.random.set_state(numpy_state)
+
+
+CPU_KV_CACHE_GIB = 1.0  # vLLM's KV cache on a CPU when kv_cache_gib is null
+
+
+def kv_cache_bytes(kv_cache_gib: float | None, device_type: str) -> int | None:
+    """vLLM's KV cache in bytes: ``kv_cache_gib``, or :data:`CPU_KV_CACHE_GIB` on a CPU; None = vLLM decides (its
+    ``gpu_memory_utilization`` on a GPU)."""
+    gib = CPU_KV_CACHE_GIB if kv_cache_gib is None and device_type == "cpu" else kv_cache_gib
+    return None if gib is None else int(gib * 2**30)
+
+
+def lora_slots(model: SharedBase) -> tuple[int, int]:
+    """``(max_lora_rank, adapters)`` vLLM must hold for ``model``'s adapters (whichever the rollouts sample from)."""
+    ranks = [config.r for config in model.model.peft_config.values()] if model.adapters else [8]
+    return max_lora_rank(max(ranks)), len(ranks)
+
+
+def stale_adapter_error(role: str, version: int) -> RuntimeError:
+    """A draw from an adapter that changed since the loop last synced it (as ``version``)."""
+    return RuntimeError(f"the adapter {role!r} changed since its last sync (version {version}): an engine with its "
+                        "own copy of the weights is synced by the training loop after each optimizer step "
+                        "(Engine.sync); a loop that steps an optimizer of its own calls "
+                        "self.sampler.sync(self.model, role, version) after it")
 
 
 def max_lora_rank(rank: int) -> int:

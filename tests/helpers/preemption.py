@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -72,3 +73,23 @@ def assert_same_training(full: dict, resumed: dict, from_batch: int, steps_per_b
             assert torch.equal(got[key], value), key
     for key, value in full["weights"].items():
         assert torch.equal(resumed["weights"][key], value), key
+
+
+EVERY_ITERATION = {"class_path": "rlhf_lightning.callbacks.IterationCheckpoint",
+                   "init_args": {"every_n_iterations": 1, "save_last": True, "enable_version_counter": False}}
+
+
+def kill_and_resume(tmp_path: Path, arguments: list[str]) -> tuple[dict, dict]:
+    """A fit of ``arguments`` (4 iterations, 2 optimizer steps each) run whole, then killed with SIGKILL at iteration
+    3's second step and resumed with ``--ckpt_path last`` (a checkpoint every iteration): the two runs' probes,
+    after checking that the resumed one continued the whole one bit for bit."""
+    full = drive(tmp_path, "full", [run(tmp_path, "full", arguments, EVERY_ITERATION)])
+    assert full.returncode == 0, full.stderr[-4000:]
+    killed = drive(tmp_path, "killed", [run(tmp_path, "killed", arguments, EVERY_ITERATION, {
+        "class_path": "tests.helpers.equivalence.KillAt", "init_args": {"iteration": 3, "step": 2}})])
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-4000:]
+    resumed = drive(tmp_path, "resumed", [run(tmp_path, "killed", arguments, EVERY_ITERATION, resume=True)])
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    full_probe, resumed_probe = torch.load(tmp_path / "full.pt"), torch.load(tmp_path / "killed.pt")
+    assert_same_training(full_probe, resumed_probe, from_batch=3, steps_per_batch=2)
+    return full_probe, resumed_probe

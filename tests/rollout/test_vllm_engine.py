@@ -31,7 +31,7 @@ from rlhf_lightning.rollout.vllm_support import installed_version, run_refusal, 
 from rlhf_lightning.tasks.calculator import build_tokenizer, correct_answer
 from rlhf_lightning.tasks.synthetic import gold_rewards
 from tests.helpers.models import LORA, TINY_LLAMA, built
-from tests.helpers.preemption import COMMON, ONLINE, assert_same_training, drive, run
+from tests.helpers.preemption import COMMON, ONLINE, drive, kill_and_resume, run
 
 KV_CACHE_GIB = 0.25
 with_vllm = pytest.mark.vllm
@@ -353,17 +353,7 @@ def test_a_grpo_run_on_vllm_resumes_exactly_after_kill_9(tiny_llama_dir, llama_a
     arguments = vllm_fit("grpo", tiny_llama_dir, reward, "--trainer.limit_train_batches=4",
                          "--trainer.limit_val_batches=0", "--trainer.enable_checkpointing=true")
     arguments[1] = str(REPO / arguments[1])
-    every = {"class_path": "rlhf_lightning.callbacks.IterationCheckpoint",
-             "init_args": {"every_n_iterations": 1, "save_last": True, "enable_version_counter": False}}
-    full = drive(tmp_path, "full", [run(tmp_path, "full", arguments, every)])
-    assert full.returncode == 0, full.stderr[-4000:]
-    killed = drive(tmp_path, "killed", [run(tmp_path, "killed", arguments, every, {
-        "class_path": "tests.helpers.equivalence.KillAt", "init_args": {"iteration": 3, "step": 2}})])
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-4000:]
-    resumed = drive(tmp_path, "resumed", [run(tmp_path, "killed", arguments, every, resume=True)])
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-    full_probe, resumed_probe = torch.load(tmp_path / "full.pt"), torch.load(tmp_path / "killed.pt")
-    assert_same_training(full_probe, resumed_probe, from_batch=3, steps_per_batch=2)
+    full_probe, resumed_probe = kill_and_resume(tmp_path, arguments)
     compared = sum(len(row) for row in resumed_probe["metrics"])
     print(f"\nvLLM engine, GRPO killed with SIGKILL in iteration 3 and resumed: {compared} logged values and "
           f"{len(full_probe['weights'])} trained tensors equal the uninterrupted run's, bit for bit")

@@ -225,24 +225,12 @@ def test_two_ddp_or_fsdp2_ranks_on_one_server_train_as_one_process_does(served, 
 @with_vllm
 @pytest.mark.slow
 def test_a_grpo_run_on_the_server_resumes_exactly_after_kill_9(served, tiny_llama_dir, tmp_path):
-    import signal
-
-    from tests.helpers.preemption import assert_same_training, drive, run
+    from tests.helpers.preemption import kill_and_resume
 
     reward = save_reward_adapter(tiny_llama_dir, tmp_path / "reward")
     arguments = server_fit(tiny_llama_dir, reward, served[3].url, "--trainer.limit_train_batches=4",
                            "--trainer.enable_checkpointing=true")
-    every = {"class_path": "rlhf_lightning.callbacks.IterationCheckpoint",
-             "init_args": {"every_n_iterations": 1, "save_last": True, "enable_version_counter": False}}
-    full = drive(tmp_path, "full", [run(tmp_path, "full", arguments, every)])
-    assert full.returncode == 0, full.stderr[-4000:]
-    killed = drive(tmp_path, "killed", [run(tmp_path, "killed", arguments, every, {
-        "class_path": "tests.helpers.equivalence.KillAt", "init_args": {"iteration": 3, "step": 2}})])
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-4000:]
-    resumed = drive(tmp_path, "resumed", [run(tmp_path, "killed", arguments, every, resume=True)])
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-    full_probe, resumed_probe = torch.load(tmp_path / "full.pt"), torch.load(tmp_path / "killed.pt")
-    assert_same_training(full_probe, resumed_probe, from_batch=3, steps_per_batch=2)
+    _, resumed_probe = kill_and_resume(tmp_path, arguments)
     print(f"\nthe vLLM server engine, GRPO killed with SIGKILL in iteration 3 and resumed: "
           f"{sum(len(row) for row in resumed_probe['metrics'])} logged values equal the uninterrupted run's")
 
