@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from typing import Any
 
 import httpx
@@ -14,7 +15,13 @@ from transformers import PreTrainedTokenizerBase
 from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.rewards.http import EndpointError, get_json, post_json
 from rlhf_lightning.rewards.inputs import RewardInputs
-from rlhf_lightning.rewards.remote_protocol import INFO_KEYS, SCHEMA_VERSION, decode_score, tokenizer_identity
+from rlhf_lightning.rewards.remote_protocol import (
+    INFO_KEYS,
+    SCHEMA_VERSION,
+    TOKEN_VARIABLE,
+    decode_score,
+    tokenizer_identity,
+)
 from rlhf_lightning.rewards.sources import RewardSource
 from rlhf_lightning.utils import checks
 
@@ -37,10 +44,12 @@ class RemoteReward(RewardSource):
         backoff: seconds before the first retry, doubled before each next one.
         batch_size: rows per request at most.
         name: the label of the source's metrics (``objective/score/<name>``); null = the served source's name.
+        token_variable: the environment variable whose value is sent as a bearer token (``Authorization: Bearer``)
+            when it is set: the server's token (kept out of configs and logs).
     """
 
     def __init__(self, url: str, timeout: float = 60.0, retries: int = 3, backoff: float = 1.0,
-                 batch_size: int = 256, name: str | None = None) -> None:
+                 batch_size: int = 256, name: str | None = None, token_variable: str = TOKEN_VARIABLE) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"RemoteReward url {url!r}: expected http://HOST:PORT (the address serve-reward printed)")
         checks.positive("RemoteReward timeout", timeout)
@@ -49,7 +58,7 @@ class RemoteReward(RewardSource):
         checks.at_least("RemoteReward batch_size", batch_size)
         self.url = url.rstrip("/")
         self.timeout, self.retries, self.backoff, self.batch_size = timeout, retries, backoff, batch_size
-        self._name = name
+        self._name, self.token_variable = name, token_variable
         self.may_abstain = False  # until the server says what its source does
         self.client: httpx.Client | None = None
 
@@ -64,8 +73,9 @@ class RemoteReward(RewardSource):
     def request(self, path: str, payload: dict[str, Any] | None = None) -> Any:
         if self.client is None:
             self.client = httpx.Client()  # one connection, kept open between requests
+        token = os.environ.get(self.token_variable)  # read at each request: a token rotated mid-run is picked up
         options = {"timeout": self.timeout, "retries": self.retries, "backoff": self.backoff, "what": "RemoteReward",
-                   "client": self.client}
+                   "client": self.client, "headers": {"Authorization": f"Bearer {token}"} if token else None}
         if payload is None:
             return get_json(f"{self.url}{path}", **options)
         return post_json(f"{self.url}{path}", payload, **options)

@@ -18,6 +18,8 @@ from transformers import PreTrainedTokenizerBase
 SCHEMA_VERSION = 1
 INFO_KEYS = ("schema", "source", "statistics", "tokenizer", "max_batch_size", "served")
 INFINITIES = {"inf": math.inf, "-inf": -math.inf}
+# The environment variable holding the bearer token, on the server (which then requires it) and its clients.
+TOKEN_VARIABLE = "RLHF_LIGHTNING_REWARD_TOKEN"
 
 
 def tokenizer_identity(tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:

@@ -18,10 +18,11 @@ from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer, positi
 from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.rewards.sources import RewardSource
+from rlhf_lightning.serving.guard import DEFAULT_LIMITS, TOKEN_VARIABLE, Limits, is_loopback, token_from
 from rlhf_lightning.serving.scoring import RewardService
 from rlhf_lightning.utils import checks
 
-INSTALL_HINT = "pip install 'rlhf-lightning[serve]'"
+INSTALL_HINT = "pip install -e '.[serve]' (in the repository's clone)"
 
 
 def require_serving() -> None:
@@ -34,7 +35,9 @@ def require_serving() -> None:
 
 
 def serve_reward(base: BaseModelSpec, reward: RewardSource, host: str = "127.0.0.1", port: int = 8000,
-                 max_batch_size: int = 64, max_wait_ms: float = 10.0, device: str = "auto") -> None:
+                 max_batch_size: int = 64, max_wait_ms: float = 10.0, device: str = "auto", max_rows: int = 1024,
+                 max_body_mb: float = 64.0, max_pending: int = 256, token_variable: str = TOKEN_VARIABLE,
+                 docs: bool = False) -> None:
     """Serve a reward source over HTTP: ``GET /info``, ``POST /score`` (docs/reward-server.md); train through it
     with ``reward: {class_path: rlhf_lightning.RemoteReward, init_args: {url: http://HOST:PORT}}``.
 
@@ -44,21 +47,34 @@ def serve_reward(base: BaseModelSpec, reward: RewardSource, host: str = "127.0.0
         reward: the reward source, as an online module's ``reward`` (``class_path`` and ``init_args``), e.g.
             ``{class_path: rlhf_lightning.AdapterReward, init_args: {path: outputs/reward/adapters/reward}}``.
         host: the address to listen on: 127.0.0.1 (this machine only). Another address (``0.0.0.0``: every
-            interface) lets anyone who reaches the port use the server: it has no authentication.
+            interface) lets anyone who reaches the port use the server, unless a token is set (a warning says so).
         port: the port to listen on; 0 = a free one (the ready line names it).
         max_batch_size: the most rows scored in one forward pass; concurrent requests are joined up to it.
         max_wait_ms: how long a request waits for others to join its batch, in milliseconds.
         device: where to score: ``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda``, ``cuda:1``...
+        max_rows: the most completions one request may carry (a 422 beyond); RemoteReward sends its batch_size.
+        max_body_mb: the most MiB one request's body may have (a 413 beyond, before it is read whole).
+        max_pending: the most requests in the server at once; beyond, a 503 that clients retry.
+        token_variable: the environment variable holding a bearer token; when it is set, every request must carry
+            ``Authorization: Bearer <token>`` (a 401 without), and RemoteReward sends its own environment's.
+        docs: serve FastAPI's ``/docs``, ``/redoc`` and ``/openapi.json`` (off: they describe the server to anyone).
     """
     checks.at_least("max_batch_size", max_batch_size)
     checks.non_negative("max_wait_ms", max_wait_ms)
     checks.in_range("port", port, 0, 65535)
+    checks.at_least("max_rows", max_rows)
+    checks.positive("max_body_mb", max_body_mb)
+    checks.at_least("max_pending", max_pending)
     require_serving()
+    limits = Limits(max_rows, int(max_body_mb * 2**20), max_pending, token_from(token_variable))
+    if limits.token is None and not is_loopback(host):
+        print(f"warning: serve-reward listens on {host} with no token: anyone who reaches port {port} can use it "
+              f"(set ${token_variable} on the server and its clients to require one)", file=sys.stderr, flush=True)
     listening = listen(host, port)  # before minutes of loading: a port in use fails now
     with listening:
         service = load_service(base, reward, torch.device("cuda" if device == "auto" and torch.cuda.is_available()
                                                           else "cpu" if device == "auto" else device))
-        run_server(service, listening, max_batch_size, max_wait_ms / 1000)
+        run_server(service, listening, max_batch_size, max_wait_ms / 1000, limits, docs, token_variable)
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -87,9 +103,10 @@ def load_service(spec: BaseModelSpec, source: RewardSource, device: torch.device
                          limit if learned else None)
 
 
-def run_server(service: RewardService, listening: socket.socket, max_batch_size: int, max_wait: float) -> None:
+def run_server(service: RewardService, listening: socket.socket, max_batch_size: int, max_wait: float,
+               limits: Limits = DEFAULT_LIMITS, docs: bool = False, token_variable: str = TOKEN_VARIABLE) -> None:
     """uvicorn serving ``service`` on the bound socket ``listening`` until a signal; one line when ready (the
-    address), one when stopped."""
+    address, and whether a token is needed), one when stopped."""
     import uvicorn
 
     from rlhf_lightning.serving.app import make_app
@@ -102,7 +119,8 @@ def run_server(service: RewardService, listening: socket.socket, max_batch_size:
             if self.started:
                 bound_host, bound_port = self.servers[0].sockets[0].getsockname()[:2]
                 bound_host = f"[{bound_host}]" if ":" in bound_host else bound_host  # an IPv6 address in a URL
-                print(f"serving {service.label} at http://{bound_host}:{bound_port}", flush=True)
+                needs = f" (bearer token: ${token_variable})" if limits.token is not None else ""
+                print(f"serving {service.label} at http://{bound_host}:{bound_port}{needs}", flush=True)
 
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             self.stopped_by = signal.Signals(sig).name
@@ -111,7 +129,7 @@ def run_server(service: RewardService, listening: socket.socket, max_batch_size:
             # normal end: status 0.
             getattr(self, "_captured_signals", []).clear()
 
-    app = make_app(service, max_batch_size, max_wait)
+    app = make_app(service, max_batch_size, max_wait, limits, docs)
     server = Server(uvicorn.Config(app, log_level="warning", access_log=False))
     server.run(sockets=[listening])
     if not server.started:  # uvicorn logged why

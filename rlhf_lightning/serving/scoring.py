@@ -4,6 +4,7 @@ gradients, as :class:`~rlhf_lightning.rewards.inputs.RewardInputs` (what the sou
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,6 +20,12 @@ from rlhf_lightning.rewards.sources import RewardSource
 
 class RequestError(ValueError):
     """A request the server cannot score as sent: answered with HTTP 422 and this one line."""
+
+
+def public_name(name: str) -> str:
+    """A model's name as the server shows it to clients: a hub id as it is, a folder by its last part only (a
+    client has no business with the machine's paths)."""
+    return Path(name).name if Path(name).is_absolute() or Path(name).exists() else name
 
 
 @dataclass
@@ -86,12 +93,13 @@ class RewardService:
     def info(self, max_batch_size: int) -> dict[str, Any]:
         """``GET /info``: what a client checks at setup (see :mod:`rlhf_lightning.rewards.remote_protocol`)."""
         stats = self.source.statistics
+        tokenizer = tokenizer_identity(self.tokenizer)
         return {
             "schema": SCHEMA_VERSION,
             "source": {"name": self.source.name, "class": self.source_class,
                        "may_abstain": bool(getattr(self.source, "may_abstain", True))},
             "statistics": None if stats is None else {"mean": stats[0], "std": stats[1]},
-            "tokenizer": tokenizer_identity(self.tokenizer),
+            "tokenizer": {**tokenizer, "name": public_name(tokenizer["name"])},
             "max_batch_size": max_batch_size,
             "served": dict(self.served),
         }
@@ -161,7 +169,7 @@ class RewardService:
         if self.embeddings is not None and sequence and not 0 <= min(sequence) <= max(sequence) < self.embeddings:
             bad = next(token for token in sequence if not 0 <= token < self.embeddings)
             raise RequestError(f"{key} row {row} holds token id {bad}: expected ids in [0, {self.embeddings}) "
-                               f"(tokenizer {self.tokenizer.name_or_path})")
+                               f"(tokenizer {public_name(str(self.tokenizer.name_or_path))})")
 
     @torch.no_grad()
     def score(self, rows: Rows) -> list[float]:

@@ -33,6 +33,7 @@ RUNS = {
     "scale": ["--dry-run", "--shape", "2x64", "--vocab", "256", "--fit-layers", "1,2", "--sides", "ours_ppo",
               "--no-target"],
     "decoding": ["--dry-run"],
+    "reward_server_load": ["--dry-run"],
     "shared_prompt": ["--dry-run"],
     "shared_prompt ppo": ["--dry-run", "--algorithm", "ppo"],
     "sharding": ["--ranks", "1", "--algorithms", "grpo", "--layers", "1", "--width", "64", "--prompts", "4",
@@ -275,3 +276,10 @@ def test_shared_prompt_times_ppo_with_its_critic_and_reward_adapter(outputs):
     for half in ("shared", "per_row"):
         assert {"rollout/values", "rollout/reward", "update/critic forward"} <= result[half].keys()
         assert result[half]["rollout/values"] > 0
+
+
+def test_reward_server_load_loses_nothing_and_refuses_the_oversized_request(outputs):
+    stdout, result = output_of(outputs, "reward_server_load")  # the script itself fails on a lost or unequal answer
+    assert "requests lost         0 of 12" in stdout
+    assert (result["lost"], result["equal"], result["oversized_status"]) == (0, 12, 413)
+    assert finite_positive(result["requests_per_second"]) and finite_positive(result["server_peak_mib"])

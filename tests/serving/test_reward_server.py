@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
-import signal
 import socket
-import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -19,7 +17,6 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-import yaml
 
 from rlhf_lightning import AdapterReward, RemoteReward
 from rlhf_lightning.cli import main
@@ -29,13 +26,11 @@ from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.rewards.inputs import RewardInputs, reward_inputs
 from rlhf_lightning.rewards.remote_protocol import tokenizer_identity
 from rlhf_lightning.serving.command import require_serving
-from tests.helpers.environment import with_repo_on_path
+from tests.helpers.reward_server import SERVED_CLASS, reward_server
 from tests.helpers.served_sources import NAN_MARKER
 
 REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = 1e-5  # scores through the server vs in this process, in batches of other rows: float rounding
-SERVED_CLASS = "tests.helpers.served_sources.NaNOnMarker"
-LABEL = f"reward_model ({SERVED_CLASS})"
 
 
 @dataclass
@@ -48,26 +43,11 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, reward_dir, tmp_path_factory) -> Iterator[Server]:
-    """The real server, on a free loopback port, serving the reward adapter (NaN for :data:`NAN_MARKER`), from a
-    config file as a user writes one; stopped with SIGTERM, which must end it cleanly."""
-    config = tmp_path_factory.mktemp("serve") / "serve.yaml"
-    config.write_text(yaml.safe_dump({
-        "base": {"name_or_path": str(tiny_model_dir)},
-        "reward": {"class_path": SERVED_CLASS, "init_args": {"path": str(reward_dir)}},
-        "port": 0, "max_batch_size": 8, "max_wait_ms": 50}))
-    process = subprocess.Popen([sys.executable, "-m", "rlhf_lightning", "serve-reward", "--config", str(config)],
-                               cwd=REPO, env=with_repo_on_path(), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
-    ready = process.stdout.readline()
-    if not ready.startswith(f"serving {LABEL} at http://127.0.0.1:"):
-        process.kill()
-        pytest.fail(f"no ready line: {ready!r}\n{process.communicate()[1][-3000:]}")
-    yield Server(ready.rsplit(" at ", 1)[1].strip())
-    process.send_signal(signal.SIGTERM)
-    out, err = process.communicate(timeout=60)
-    assert process.returncode == 0, err[-3000:]
-    assert out.startswith(f"stopped serving {LABEL} (SIGTERM; served "), out
-    assert "Traceback" not in err, err[-3000:]
+    """The real server, serving the reward adapter (NaN for :data:`NAN_MARKER`); SIGTERM must end it cleanly."""
+    with reward_server(tmp_path_factory.mktemp("serve"), tiny_model_dir, reward_dir, max_batch_size=8,
+                       max_wait_ms=50) as started:
+        yield Server(started.url)
+    assert "Traceback" not in started.stderr, started.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -107,12 +87,14 @@ def rows_of(inputs: RewardInputs, start: int, stop: int) -> RewardInputs:
                         inputs.completion_ids[start:stop])
 
 
-def test_info_names_the_source_its_statistics_and_tokenizer(server, tokenizer):
+def test_info_names_the_source_its_statistics_and_tokenizer(server, tokenizer, tiny_model_dir):
     info = httpx.get(f"{server.url}/info").json()
     assert info["schema"] == 1
     assert info["source"] == {"name": "reward_model", "class": SERVED_CLASS, "may_abstain": False}
     assert info["statistics"] == {"mean": 0.5, "std": 2.0}  # the adapter's reward_stats.json
-    assert info["tokenizer"] == tokenizer_identity(tokenizer)
+    # The tokenizer's identity, with its folder by name only: no path of the server's machine reaches a client.
+    assert info["tokenizer"] == {**tokenizer_identity(tokenizer), "name": Path(tiny_model_dir).name}
+    assert "/" not in json.dumps(info["tokenizer"])
     assert info["max_batch_size"] == 8
     remote = RemoteReward(server.url)
     remote.setup(None, tokenizer)
@@ -188,9 +170,12 @@ def test_concurrent_requests_are_scored_in_shared_batches(server, tokenizer):
      "input_ids/attention_mask row 1 has 1/1 entries, row 0 2: expected rows of one width (the padded batch)"),
     ({"prompts": ["a"], "completions": ["c"], "input_ids": [[0, 5]], "attention_mask": [[0, 0]]},
      "attention_mask row 0: expected 0 and 1, with a 1 on each attended token"),
-    ("not json", "body: JSON decode error; expected {"),
+    ("not json", "body: Invalid JSON: expected ident at line 1 column 2; expected {"),
+    ('{"prompts": ["a"], "completions": ["\\ud800"]}', "body: Invalid JSON: unexpected end of hex escape at line 1 column 43; expected {"),
+    ({"prompts": ["a"] * 1025, "completions": ["c"] * 1025}, "completions has 1025 entries, beyond the server's "
+                                                             "max_rows 1024: send fewer per request"),
 ], ids=["missing", "lengths", "token-id", "empty", "too-long", "extra-key", "layout-width", "layout-mask",
-        "not-json"])
+        "not-json", "lone-surrogate", "too-many-rows"])
 def test_a_bad_request_is_a_422_with_one_line(server, body, expected):
     if isinstance(body, str):
         response = httpx.post(f"{server.url}/score", content=body, headers={"content-type": "application/json"})
@@ -299,7 +284,7 @@ def test_the_server_without_fastapi_says_what_to_install(monkeypatch):
     with pytest.raises(RuntimeError) as error:
         require_serving()
     assert str(error.value) == ("serve-reward needs fastapi and uvicorn (import of fastapi halted; None in "
-                                "sys.modules): pip install 'rlhf-lightning[serve]'")
+                                "sys.modules): pip install -e '.[serve]' (in the repository's clone)")
 
 
 def test_a_ppo_fit_through_the_server_logs_the_in_process_scores(server, tiny_model_dir, reward_dir, tmp_path):

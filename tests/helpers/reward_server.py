@@ -1,0 +1,58 @@
+"""The real reward server (``python -m rlhf_lightning serve-reward``) in a subprocess on a free loopback port, as
+the server tests start it: from a config file as a user writes one, stopped with SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.helpers.environment import REPO, with_repo_on_path
+
+SERVED_CLASS = "tests.helpers.served_sources.NaNOnMarker"
+LABEL = f"reward_model ({SERVED_CLASS})"
+
+
+@dataclass
+class Started:
+    """A running server: its address, the ready line it printed, and (after it stopped) its output."""
+
+    url: str
+    ready: str
+    stdout: str = ""
+    stderr: str = ""
+
+
+@contextmanager
+def reward_server(folder: Path, model_dir: Path, reward_dir: Path, **settings: Any) -> Iterator[Started]:
+    """The server of :data:`SERVED_CLASS` on ``model_dir`` and ``reward_dir`` with ``settings`` (serve-reward's
+    arguments; ``env`` is the process's extra environment); its output is read once it stopped (SIGTERM)."""
+    env = settings.pop("env", {})
+    config = folder / "serve.yaml"
+    config.write_text(yaml.safe_dump({
+        "base": {"name_or_path": str(model_dir)},
+        "reward": {"class_path": SERVED_CLASS, "init_args": {"path": str(reward_dir)}},
+        "port": 0, **settings}))
+    process = subprocess.Popen([sys.executable, "-m", "rlhf_lightning", "serve-reward", "--config", str(config)],
+                               cwd=REPO, env=with_repo_on_path(**env), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    ready = process.stdout.readline()
+    if not ready.startswith(f"serving {LABEL} at http://127.0.0.1:"):
+        process.kill()
+        pytest.fail(f"no ready line: {ready!r}\n{process.communicate()[1][-3000:]}")
+    started = Started(ready.split(" at ", 1)[1].split()[0], ready.strip())
+    try:
+        yield started
+    finally:
+        process.send_signal(signal.SIGTERM)
+        started.stdout, started.stderr = process.communicate(timeout=60)
+        assert process.returncode == 0, started.stderr[-3000:]
+        assert started.stdout.startswith(f"stopped serving {LABEL} (SIGTERM; served "), started.stdout
