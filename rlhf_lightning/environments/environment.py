@@ -6,6 +6,7 @@ from gym-style APIs, with chat messages as observations::
 
     reset(row) -> messages                       # the episode's opening messages, from the dataset row
     step(messages) -> Step(messages, reward, done)  # after each assistant turn: what the policy reads next
+    close()                                      # once the episode has ended, however it ended
 
 :class:`ToolEnvironment` runs the tool calls of each assistant turn and ends the episode at the first turn without
 one; subclass it (or :class:`Environment`) for feedback, games or graders.
@@ -59,6 +60,10 @@ class Environment:
         """Answer the last message, the policy's turn: ``{"role": "assistant", "content": ..., "tool_calls":
         [...], "invalid_tool_calls": [error texts]}`` (calls as parsed from the generated text)."""
         raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the episode held (a session, a process): called once the episode has ended, however it
+        ended (done, out of turns or tokens, or the rollout stopped by an error). Nothing here."""
 
 
 class ToolEnvironment(Environment):

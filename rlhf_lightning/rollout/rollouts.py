@@ -90,8 +90,11 @@ class Rollouts:
             if not isinstance(probe, Environment):
                 made = type(probe)
                 raise TypeError(f"environment: {not_an_environment(f'{made.__module__}.{made.__qualname__}')}")
-            self.tool_format = detect_format(tokenizer) if probe.tools else None
-            self.tool_schemas = [tool.schema for tool in probe.tools.values()]
+            try:
+                self.tool_format = detect_format(tokenizer) if probe.tools else None
+                self.tool_schemas = [tool.schema for tool in probe.tools.values()]
+            finally:
+                probe.close()
             self.delta = TemplateDelta(tokenizer, completion_end_id(tokenizer, conversational=True))
 
     def default_opening_length(self, prompt: Any) -> int:
@@ -122,14 +125,20 @@ class Rollouts:
         if model.is_sharded and self.sampler.sharded_rollout == "per_layer":
             raise ValueError("episodes need sharded_rollout: gathered (ranks finish their episodes at different "
                              "turns, so they cannot gather layers in step)")
-        episodes = self.open_episodes(prompts, group)
+        episodes: list[Episode] = []
         device = prompts["input_ids"].device
-        for turn in range(1, self.max_turns + 1):
-            running = [episode for episode in episodes if not episode.done]
-            if not running:
-                break
-            group_of_turn = group if turn == 1 and _openings_agree(running, group) else 1
-            self.take_turn(running, self.draw_turn(model, role, running, group_of_turn, turn, seeds, device), turn)
+        try:
+            self.open_episodes(prompts, group, episodes)
+            for turn in range(1, self.max_turns + 1):
+                running = [episode for episode in episodes if not episode.done]
+                if not running:
+                    break
+                group_of_turn = group if turn == 1 and _openings_agree(running, group) else 1
+                self.take_turn(running, self.draw_turn(model, role, running, group_of_turn, turn, seeds, device),
+                               turn)
+        finally:  # every episode has ended, however: its environment releases what it held (an OpenEnv session)
+            for episode in episodes:
+                episode.environment.close()
         input_ids, attention_mask, policy, turn_rewards, sampler_logprobs = episode_tensors(
             episodes, self.tokenizer.pad_token_id, device)
         responses = input_ids[:, input_ids.shape[1] - policy.shape[1]:]
@@ -137,18 +146,24 @@ class Rollouts:
                        sampler_logprobs, stopped(responses, policy, self.sampler.settings.stop_token_ids),
                        turn_rewards, episodes)
 
-    def open_episodes(self, prompts: dict[str, Any], group: int) -> list[Episode]:
-        """``group`` episodes per prompt (consecutive), each with a fresh environment reset on its dataset row."""
+    def open_episodes(self, prompts: dict[str, Any], group: int,
+                      episodes: list[Episode] | None = None) -> list[Episode]:
+        """``group`` episodes per prompt (consecutive), each with a fresh environment reset on its dataset row,
+        appended to ``episodes`` as they open (so that a failure leaves the opened ones for the caller to close)."""
         raw = prompts.get("raw_prompt", prompts["prompt"])
         columns = prompts.get("columns", {})
         numbers = prompts.get("index")
-        episodes = []
+        episodes = [] if episodes is None else episodes
         for index in range(len(raw) * group):
             prompt = index // group
             row = {"prompt": raw[prompt], **{name: column[prompt] for name, column in columns.items()}}
             environment = self.environment()
             row_number = int(numbers[prompt]) + 1 if numbers is not None else prompt + 1  # names the row in errors
-            messages = checked_reset(environment, row, row_number)
+            try:
+                messages = checked_reset(environment, row, row_number)
+            except BaseException:
+                environment.close()
+                raise
             schemas = [tool.schema for tool in environment.tools.values()]
             episodes.append(Episode(index, environment, opening_ids(self.tokenizer, messages, schemas), messages,
                                     row_number=row_number))

@@ -1,8 +1,9 @@
 """The embedded tasks, built from a seed with no download: ``synthetic`` (a small language with a hidden gold
 reward; its parts in ``synthetic_grammar``, ``synthetic_gold`` and ``synthetic_data``), ``arithmetic`` (additions
-with a checkable answer), ``calculator`` (large additions with a tool) and ``arithmetic_judge`` (verdicts on
-arithmetic answers, to train a judge); the exact checker of the addition tasks is ``checking``. ``dataset: <name>`` in
-a data module generates the task's rows and ``tokenizer: <name>`` in a base model builds its tokenizer."""
+with a checkable answer), ``calculator`` (large additions with a tool), ``arithmetic_judge`` (verdicts on
+arithmetic answers, to train a judge) and ``guess_number`` (an OpenEnv game, whose module is
+``rlhf_lightning.environments.guess_number``); the exact checker of the addition tasks is ``checking``.
+``dataset: <name>`` in a data module generates the task's rows and ``tokenizer: <name>`` in a base model builds its tokenizer."""
 
 from __future__ import annotations
 
@@ -14,8 +15,12 @@ from typing import Any
 _TASKS = {"synthetic": ("rlhf_lightning.tasks.synthetic", "SyntheticTask"),
           "arithmetic": ("rlhf_lightning.tasks.arithmetic", "ArithmeticTask"),
           "calculator": ("rlhf_lightning.tasks.calculator", "CalculatorTask"),
-          "arithmetic_judge": ("rlhf_lightning.tasks.arithmetic_judge", "ArithmeticJudgeTask")}
+          "arithmetic_judge": ("rlhf_lightning.tasks.arithmetic_judge", "ArithmeticJudgeTask"),
+          # an OpenEnv game: its module lives with the environments and needs the optional openenv package
+          "guess_number": ("rlhf_lightning.environments.guess_number", "GuessNumberTask")}
 TASKS = tuple(_TASKS)
+# Tokenizers by name: each task's, and reasoning-gym's (whose rows come from its data modules, not `dataset:`).
+TOKENIZERS = (*TASKS, "reasoning_gym")
 
 
 def _module(name: str) -> ModuleType:
@@ -30,5 +35,7 @@ def make_task(name: str, seed: int) -> Any:
 
 
 def build_task_tokenizer(name: str):
-    """The tokenizer of task ``name``."""
+    """The tokenizer of task ``name`` (one of :data:`TOKENIZERS`)."""
+    if name == "reasoning_gym":
+        return importlib.import_module("rlhf_lightning.tasks.reasoning_gym").build_tokenizer()
     return _module(name).build_tokenizer()
