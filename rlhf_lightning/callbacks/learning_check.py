@@ -1,4 +1,5 @@
-"""A run that learns nothing says so: no gradient reaching the trainable weights for several batches in a row."""
+"""A run that learns nothing says so: no gradient reaching the trainable weights for several batches in a row, or
+no signal from the reward (every group tied) whatever gradient a KL term still brings."""
 
 from __future__ import annotations
 
@@ -31,15 +32,17 @@ class Cause:
     applies: Callable[[float], bool]
     text: str
     setting: str | None = None
+    no_signal: bool = False  # the reward says nothing here: a gradient (a KL term's) does not make it learning
 
 
 # In the order they are looked for; the first that applies names the stall.
 CAUSES = (
     Cause("objective/frac_zero_std", lambda value: value >= 1.0,
           "every group's responses scored alike, so every advantage was 0 (raise samples_per_prompt or the reward's "
-          "resolution, or start from a policy that solves some prompts)"),
+          "resolution, or start from a policy that solves some prompts)", no_signal=True),
     Cause("objective/tie_frac", lambda value: value >= 1.0,
-          "the two responses of every pair scored alike, so no pair was ordered (check the reward source)"),
+          "the two responses of every pair scored alike, so no pair was ordered (check the reward source)",
+          no_signal=True),
     Cause("response/eos_frac", lambda value: value <= 0.0,
           "no response stopped: with mask_truncated_completions every response is masked (raise max_new_tokens)",
           setting="mask_truncated_completions"),
@@ -53,12 +56,15 @@ class Stall:
     first: int
     last: int
     cause: str
+    what: str = "no gradient reached the trainable weights"
 
 
 class LearningCheck(Callback):
-    """Watches every optimizer step's gradient on the trainable weights. When ``patience`` training batches in a
-    row (iterations of the on-policy loop, batches of the offline stages) brought no optimizer step with a
-    non-zero, finite gradient — every advantage 0, every pair tied, every row masked, every step skipped — it
+    """Watches every optimizer step's gradient on the trainable weights, and the reward's signal. When ``patience``
+    training batches in a row (iterations of the on-policy loop, batches of the offline stages) brought no
+    optimizer step with a non-zero, finite gradient — every advantage 0, every pair tied, every row masked, every
+    step skipped — or brought one with no signal from the reward (every group's or pair's scores tied: a KL term's
+    gradient alone, which Adam turns into full-size steps that move the policy without learning anything), it
     warns with the cause and the metric that shows it::
 
         [grpo] not learning: no gradient reached the trainable weights in iterations 1-3: every group's responses
@@ -118,7 +124,8 @@ class LearningCheck(Callback):
         if not self.patience:
             return
         done = batches_done(trainer)
-        if self._learning_steps:
+        silent = self.without_signal(trainer, pl_module)
+        if self._learning_steps and silent is None:
             self._streak, self._last_learning = 0, done
             return
         # A batch of an accumulation window that takes no step says nothing; an iteration of the on-policy loop
@@ -129,11 +136,28 @@ class LearningCheck(Callback):
         if self._streak > self.patience:
             self.stalls[-1].last = done
         elif self._streak == self.patience:
-            self.stalls.append(Stall(self._last_learning + 1, done, self.cause(trainer, pl_module)))
-            line = self.message(pl_module, self.stalls[-1])
+            if self._learning_steps:  # a gradient reached the weights, but nothing of the reward's
+                stall = Stall(self._last_learning + 1, done, f"{silent}; the gradient that still reached the weights "
+                              "came from other terms (a KL penalty), which move the policy without learning from the "
+                              "reward", "the reward gave no signal")
+            else:
+                stall = Stall(self._last_learning + 1, done, self.cause(trainer, pl_module))
+            self.stalls.append(stall)
+            line = self.message(pl_module, stall)
             if self.action == "raise":
                 raise NotLearningError(f"{line} (LearningCheck action: raise)")
             rank_zero_warn(line)
+
+    @staticmethod
+    def without_signal(trainer: L.Trainer, pl_module: L.LightningModule) -> str | None:
+        """The cause, with its metric, when this batch's reward gave no signal (every group or pair tied); else
+        None."""
+        prefix = getattr(pl_module, "metric_prefix", "")
+        for cause in CAUSES:
+            value = trainer.callback_metrics.get(f"{prefix}/{cause.metric}")
+            if cause.no_signal and value is not None and cause.applies(float(value)):
+                return f"{cause.text} ({prefix}/{cause.metric} {float(value):.4g})"
+        return None
 
     @staticmethod
     def cause(trainer: L.Trainer, pl_module: L.LightningModule) -> str:
@@ -155,4 +179,4 @@ class LearningCheck(Callback):
         unit = "batches" if pl_module.automatic_optimization else "iterations"
         span = f"{stall.first}-{stall.last}" if stall.last > stall.first else str(stall.first)
         prefix = getattr(pl_module, "metric_prefix", type(pl_module).__name__)
-        return f"[{prefix}] not learning: no gradient reached the trainable weights in {unit} {span}: {stall.cause}"
+        return f"[{prefix}] not learning: {stall.what} in {unit} {span}: {stall.cause}"

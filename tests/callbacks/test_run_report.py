@@ -187,14 +187,27 @@ def constant_reward(prompts, completions, **columns):
     return [1.0] * len(completions)
 
 
-def grpo_fit(tiny_model_dir, reward_dir, tmp_path, check, reward=None, **kwargs):
+class MovedPolicy(L.Callback):
+    """Moves the policy's LoRA off zero before the first update: the policy differs from the reference, so a KL
+    term in the loss has a gradient (a long run's policy does; a tiny one's starts equal to it to the last bit)."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for name, parameter in pl_module.named_parameters():
+                if "lora_B" in name and parameter.requires_grad:
+                    parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+
+
+def grpo_fit(tiny_model_dir, reward_dir, tmp_path, check, reward=None, callbacks=(), **kwargs):
     """A 3-iteration GRPO fit of the tiny model with ``check``, progress lines and the summary."""
     module = make_online(GRPO, tiny_model_dir, reward_dir, epochs=1, num_minibatches=1, **kwargs)
     if reward is not None:  # the same module scored by ``reward`` instead of the reward adapter
         module = built(GRPO(**{**module.hparams, "reward": reward}))
     trainer = L.Trainer(max_epochs=1, limit_train_batches=3, limit_val_batches=0, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                        default_root_dir=tmp_path, callbacks=[check, ProgressLines(every_seconds=0), RunReport()])
+                        default_root_dir=tmp_path,
+                        callbacks=[*callbacks, check, ProgressLines(every_seconds=0), RunReport()])
     trainer.fit(module, datamodule=prompts(module, n=12, batch_size=4))
     return trainer
 
@@ -217,6 +230,27 @@ def test_a_run_whose_groups_all_score_alike_is_told_it_is_not_learning(tiny_mode
                                                r"\(LearningCheck action: raise\)$"):
         grpo_fit(tiny_model_dir, reward_dir, tmp_path, LearningCheck(patience=2, action="raise"), reward=flat,
                  kl_coef=0.0)
+
+
+@pytest.mark.slow
+def test_tied_groups_with_a_kl_gradient_are_still_not_learning(tiny_model_dir, reward_dir, tmp_path, capsys):
+    """The shipped GRPO's KL in the loss on a constant reward: a rounding-level gradient reaches the weights at
+    every step (and Adam makes full-size steps of it), yet the reward says nothing: the check names the tie."""
+    flat = FunctionReward(constant_reward)
+    check = LearningCheck(patience=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = grpo_fit(tiny_model_dir, reward_dir, tmp_path, check, reward=flat, callbacks=[MovedPolicy()],
+                           kl_coef=0.04, kl_in="loss")
+    assert float(trainer.callback_metrics["grpo/grad_norm"]) > 0  # the KL term's gradient did reach the weights
+    said = [str(w.message) for w in caught if "not learning" in str(w.message)]
+    assert said == ["[grpo] not learning: the reward gave no signal in iterations 1-2: every group's responses scored "
+                    "alike, so every advantage was 0 (raise samples_per_prompt or the reward's resolution, or start "
+                    "from a policy that solves some prompts) (grpo/objective/frac_zero_std 1); the gradient that "
+                    "still reached the weights came from other terms (a KL penalty), which move the policy without "
+                    "learning from the reward"]
+    assert [(stall.first, stall.last) for stall in check.stalls] == [(1, 3)]
+    assert "[grpo] not learning: the reward gave no signal in iterations 1-3" in capsys.readouterr().out
 
 
 @pytest.mark.slow
