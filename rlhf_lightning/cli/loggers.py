@@ -105,9 +105,16 @@ class WandbLogger(LightningWandbLogger):
         self._wandb_init.pop("anonymous", None)  # deprecated in wandb, which warns about it on every run
         self.set_save_dir(save_dir)
 
+    @property
+    def experiment(self) -> Any:
+        """The W&B run, started on first use; its folder is made then (a logger that follows the run folder
+        leaves no empty ``outputs`` behind in the working directory)."""
+        if self._experiment is None:
+            Path(self._save_dir).mkdir(parents=True, exist_ok=True)
+        return super().experiment
+
     def set_save_dir(self, save_dir: str) -> None:
-        """Write the run under ``save_dir`` (before the run starts)."""
-        Path(save_dir).mkdir(parents=True, exist_ok=True)
+        """Write the run under ``save_dir`` (before the run starts; the folder is made when it does)."""
         self._save_dir = save_dir
         # W&B's service process resolves a relative folder against its own working directory, which is the one
         # of the first run in the process: a later run from another folder would write its files elsewhere.

@@ -55,3 +55,17 @@ def test_a_sweep_agent_run_goes_online_unless_told_otherwise(home, monkeypatch):
     assert wandb_api_key_configured()
     monkeypatch.setenv("WANDB_MODE", "offline")
     assert not wandb_api_key_configured()
+
+
+def test_a_logger_that_follows_the_run_folder_leaves_no_outputs_folder_behind(home, tmp_path, monkeypatch):
+    work, run_folder = tmp_path / "work", tmp_path / "runs" / "ppo"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    logger = WandbLogger()  # no save_dir: the command line gives it the run folder
+    assert not (work / "outputs").exists()
+    logger.use_run_folder(str(run_folder))
+    logger.log_metrics({"loss": 1.0}, step=0)
+    logger.finalize("success")
+    assert list(work.iterdir()) == []
+    assert [path.name for path in run_folder.iterdir()] == ["wandb"]
