@@ -2,7 +2,8 @@
 
 Filtered: the libraries' deprecation notices (transformers, Lightning, torch... warn about their own APIs, which we
 call, not the user), Lightning's tips about its cloud services, and the libraries' progress bars when the output
-is not a terminal (a log file would hold one redrawn line per update). Our own warnings print as one line
+is not a terminal (a log file would hold one redrawn line per update), and vLLM's traceback of a failed chat-template
+warm-up (the engine is given token ids, never chat messages, so its template is never used). Our own warnings print as one line
 ``warning: <message>``, without the source line Python adds. ``python -W default`` or ``PYTHONWARNINGS``
 restores every warning as Python shows it.
 """
@@ -19,6 +20,8 @@ PACKAGE = Path(__file__).resolve().parents[1]
 LIBRARIES = r"(transformers|lightning|lightning_fabric|pytorch_lightning|torch|torchmetrics|jsonargparse|wandb|peft|" \
             r"datasets|huggingface_hub|tokenizers)(\.|$)"
 TIP = "💡 Tip:"
+# Log records dropped whole: logger name -> the messages (as logged, before formatting).
+DROPPED = {"vllm.renderers.base": ("Chat template warmup failed",)}
 
 
 class DropTips(logging.Filter):
@@ -26,6 +29,17 @@ class DropTips(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not str(record.getMessage()).startswith(TIP)
+
+
+class DropMessages(logging.Filter):
+    """Drops the records whose message (before formatting) is one of ``messages``."""
+
+    def __init__(self, messages: tuple[str, ...]) -> None:
+        super().__init__()
+        self.messages = messages
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg not in self.messages
 
 
 def ours(filename: str) -> bool:
@@ -54,6 +68,10 @@ def quiet_libraries() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, DropTips) for f in logger.filters):
             logger.addFilter(DropTips())
+    for name, messages in DROPPED.items():  # loggers made now are the ones the library takes when imported later
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, DropMessages) for f in logger.filters):
+            logger.addFilter(DropMessages(messages))
     if not sys.stdout.isatty():
         from transformers.utils import logging as transformers_logging
 
