@@ -2,8 +2,9 @@
 
 ``python -m rlhf_lightning plot outputs/ppo`` draws them for any run folder; the command line draws them at the end
 of every ``fit`` (``<run folder>/plots/<stage>.png``). They are read back from the W&B run files the folder holds
-(offline runs, and the local copy of online ones): the folder's latest run and the runs it resumed, in order, so
-that a resumed run's curves continue its first part's.
+(offline runs, and the local copy of online ones). A run and the runs it resumed are one curve, so that a resumed
+run's curves continue its first part's; a folder shared by several fresh runs (a sweep's trials) draws each as its
+own curve, in its own colour, the latest marked.
 """
 
 from __future__ import annotations
@@ -30,22 +31,29 @@ def resumed(run_file: Path) -> bool:
     return bool(config.get("ckpt_path"))
 
 
-def run_files(folder: Path) -> list[Path]:
-    """The W&B run files of the folder's latest run, oldest first: its newest run that logged something, and the
-    runs it resumed (one before another while each resumed a checkpoint). A folder shared by fresh runs, as a
-    sweep's trials share theirs, gives only the latest."""
+def runs_of(folder: Path) -> list[list[Path]]:
+    """The runs of ``folder``, oldest first, each as its W&B run files in order: a fresh run that logged something,
+    then each run that resumed it (a run whose command had a ``ckpt_path`` continues the one before it)."""
     files = sorted(folder.rglob("run-*.wandb"), key=lambda path: path.stat().st_mtime)
-    files = [path for path in files if has_history(path)]
-    chain = files[-1:]
-    while chain and resumed(chain[0]) and len(chain) < len(files):
-        chain.insert(0, files[-len(chain) - 1])
-    return chain
+    runs: list[list[Path]] = []
+    for path in (path for path in files if has_history(path)):
+        if runs and resumed(path):
+            runs[-1].append(path)
+        else:
+            runs.append([path])
+    return runs
 
 
-def numeric_rows(folder: Path) -> list[dict[str, float]]:
-    """Every logged row of every run of ``folder``, in order, with its finite numbers only."""
+def run_files(folder: Path) -> list[Path]:
+    """The W&B run files of the folder's latest run, oldest first: its first part and the runs that resumed it."""
+    runs = runs_of(folder)
+    return runs[-1] if runs else []
+
+
+def numeric_rows(files: Sequence[Path]) -> list[dict[str, float]]:
+    """Every logged row of the run files ``files``, in order, with its finite numbers only."""
     rows = []
-    for path in run_files(folder):
+    for path in files:
         for row in read_history(path):
             rows.append({key: float(value) for key, value in row.items()
                          if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)})
@@ -96,43 +104,61 @@ def series(rows: Sequence[dict[str, float]], x: str, key: str) -> tuple[list[flo
 
 def plot_run(folder: str | Path) -> list[Path]:
     """Draw ``<folder>/plots/<prefix>.png`` for every stage logged in ``folder``'s W&B runs; returns the files.
-    Raises ``FileNotFoundError`` when the folder holds no run that logged something."""
+    Each run of the folder is its own curve (:func:`runs_of`). Raises ``FileNotFoundError`` when the folder holds
+    no run that logged something."""
+    folder = Path(folder)
+    runs = [rows for rows in (numeric_rows(files) for files in runs_of(folder)) if rows]
+    if not runs:
+        raise FileNotFoundError(f"{folder}: no W&B run with logged metrics to plot (was W&B disabled?)")
+    keys = {key for rows in runs for row in rows for key in row}
+    written = []
+    for prefix in stage_prefixes([row for rows in runs for row in rows]):
+        chosen = panels(prefix, keys)
+        if chosen:
+            written.append(draw(folder, prefix, chosen, x_axis(prefix, keys), runs))
+    return written
+
+
+def draw(folder: Path, prefix: str, chosen: list[tuple[str, list[str]]], x: str,
+         runs: list[list[dict[str, float]]]) -> Path:
+    """One stage's figure: a panel per entry of ``chosen``, every run's curves in each (training, validation)."""
     from matplotlib.figure import Figure  # no pyplot: no global backend, nothing opened on screen
 
-    folder = Path(folder)
-    rows = numeric_rows(folder)
-    if not rows:
-        raise FileNotFoundError(f"{folder}: no W&B run with logged metrics to plot (was W&B disabled?)")
-    keys = {key for row in rows for key in row}
-    written = []
-    for prefix in stage_prefixes(rows):
-        chosen, x = panels(prefix, keys), x_axis(prefix, keys)
-        if not chosen:
-            continue
-        columns = min(3, len(chosen))
-        lines = math.ceil(len(chosen) / columns)
-        figure = Figure(figsize=(4.2 * columns, 3.2 * lines), layout="constrained")
-        axes = figure.subplots(lines, columns, squeeze=False).flatten()
-        for ax, (title, metrics) in zip(axes, chosen, strict=False):
+    columns = min(3, len(chosen))
+    lines = math.ceil(len(chosen) / columns)
+    figure = Figure(figsize=(4.2 * columns, 3.2 * lines), layout="constrained")
+    axes = figure.subplots(lines, columns, squeeze=False).flatten()
+    several = len(runs) > 1
+    for ax, (title, metrics) in zip(axes, chosen, strict=False):
+        for number, rows in enumerate(runs, 1):
+            latest = number == len(runs)
             for key in metrics:
                 xs, ys = series(rows, x, key)
+                if not xs:
+                    continue
                 validation = "/val/" in key
                 sparse = validation or len(xs) <= 20  # a marker on each point a reader should see
-                ax.plot(xs, ys, marker="o" if sparse else None, markersize=4 if validation else 2.5,
-                        label="validation" if validation else "training")
-            ax.set_title(f"{prefix}/{title}", fontsize=10)
-            ax.set_xlabel(x.split("/", 1)[1] if x.startswith(f"{prefix}/") else "optimizer step")
-            ax.grid(alpha=0.3)
-            if len(metrics) > 1:
-                ax.legend(fontsize=8)
-        for ax in axes[len(chosen):]:
-            ax.set_visible(False)
-        figure.suptitle(f"{folder} · {prefix}", fontsize=11)
-        path = folder / "plots" / f"{prefix}.png"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        figure.savefig(path, dpi=100)
-        written.append(path)
-    return written
+                part = "validation" if validation else "training"
+                style = {"marker": "o" if sparse else None, "markersize": 4 if validation else 2.5,
+                         "label": part}
+                if several:  # a colour per run; validation dashed beside its training twin
+                    style.update(color=f"C{(number - 1) % 10}", linestyle="--" if validation else "-",
+                                 linewidth=1.8 if latest else 1.0, alpha=1.0 if latest else 0.6,
+                                 label=f"run {number}{' (latest)' if latest else ''} {part}")
+                ax.plot(xs, ys, **style)
+        ax.set_title(f"{prefix}/{title}", fontsize=10)
+        ax.set_xlabel(x.split("/", 1)[1] if x.startswith(f"{prefix}/") else "optimizer step")
+        ax.grid(alpha=0.3)
+        if (len(metrics) > 1 and not several) or (several and ax is axes[0]):
+            ax.legend(fontsize=7 if several else 8)
+    for ax in axes[len(chosen):]:
+        ax.set_visible(False)
+    count = f" · {len(runs)} runs" if several else ""
+    figure.suptitle(f"{folder} · {prefix}{count}", fontsize=11)
+    path = folder / "plots" / f"{prefix}.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
+    return path
 
 
 def main(argv: Sequence[str]) -> None:

@@ -1,4 +1,5 @@
-"""PNG curves of a run folder, readable without W&B: which curves, on which x-axis, from every run of the folder."""
+"""PNG curves of a run folder, readable without W&B: which curves, on which x-axis, from every run of the folder
+(each its own curve; a resumed run continues the one it resumed)."""
 
 from __future__ import annotations
 
@@ -87,8 +88,8 @@ def toy_run(folder, ckpt_path=None, seed=0) -> None:
     trainer.fit(Toy())
 
 
-def test_a_folder_shared_by_fresh_runs_plots_the_latest_and_what_it_resumed(tmp_path):
-    from rlhf_lightning.runs.plots import run_files
+def test_a_folder_shared_by_fresh_runs_draws_each_run_and_what_resumed_it(tmp_path, capsys, monkeypatch):
+    from rlhf_lightning.runs.plots import numeric_rows, run_files, runs_of
 
     folder = tmp_path / "sweep"
     toy_run(folder)  # a first trial
@@ -98,4 +99,24 @@ def test_a_folder_shared_by_fresh_runs_plots_the_latest_and_what_it_resumed(tmp_
     assert run_files(folder) == sorted(second)
     toy_run(folder, ckpt_path="last", seed=2)  # the second trial resumed
     third = set(folder.rglob("run-*.wandb")) - first - second
+    assert runs_of(folder) == [sorted(first), [*second, *third]]
     assert run_files(folder) == [*second, *third]
+    # Each run is its own curve: the picture's first panel has one training and one validation line per run, and
+    # the trials' own numbers (different seeds) are drawn, not the latest twice.
+    losses = [[row["toy/loss"] for row in numeric_rows(files) if "toy/loss" in row] for files in runs_of(folder)]
+    assert losses[0] != losses[1][:len(losses[0])]
+    from matplotlib.figure import Figure
+
+    drawn = []
+    original = Figure.savefig
+
+    def keep(figure, *args, **kwargs):  # the figure as drawn, to read its lines back
+        drawn.append(figure)
+        return original(figure, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    main(["plot", str(folder)])
+    assert capsys.readouterr().out == f"{folder}: {folder / 'plots' / 'toy.png'}\n"
+    labels = [line.get_label() for line in drawn[0].axes[0].get_lines()]
+    assert labels == ["run 1 training", "run 1 validation", "run 2 (latest) training", "run 2 (latest) validation"]
+    assert drawn[0].get_suptitle() == f"{folder} · toy · 2 runs"
