@@ -124,14 +124,17 @@ class RewardService:
             raise RequestError(f"columns: {error} (the request's columns are the prompt data here)") from None
         if attention_mask is not None:
             self.check_layout(input_ids, attention_mask)
-        if input_ids is None:
-            input_ids = [self.encode(prompt, completion, row)
-                         for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True))]
-        if completion_ids is None:
-            completion_ids = [self.tokenizer(c, add_special_tokens=False)["input_ids"] for c in completions]
-        for key, sequences in (("input_ids", input_ids), ("completion_ids", completion_ids)):
-            for row, sequence in enumerate(sequences):
-                self.check_ids(key, row, sequence)
+        # Each row checked as soon as it is encoded: a request whose first row is too long fails at once, without
+        # holding the token ids of every other row.
+        given_input_ids, given_completion_ids = input_ids is not None, completion_ids is not None
+        input_ids, completion_ids = list(input_ids or []), list(completion_ids or [])
+        for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
+            if not given_input_ids:
+                input_ids.append(self.encode(prompt, completion, row))
+            self.check_ids("input_ids", row, input_ids[row])
+            if not given_completion_ids:
+                completion_ids.append(self.tokenizer(completion, add_special_tokens=False)["input_ids"])
+            self.check_ids("completion_ids", row, completion_ids[row])
         return Rows(list(prompts), list(completions), completion_ids, input_ids, dict(columns), attention_mask)
 
     def check_layout(self, input_ids: list[list[int]] | None, attention_mask: list[list[int]]) -> None:
