@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from rlhf_lightning.core.experience import Experience, FirstPass, Samples, sampling_statistics
+from rlhf_lightning.core.held_out import gold_scores
 from rlhf_lightning.core.pass_plan import PassPlan, PassSettings, plan_passes
 from rlhf_lightning.core.policy import POLICY, PolicyModule
 from rlhf_lightning.environments.environment import Environment
@@ -251,7 +252,7 @@ class ExperienceCollector(PolicyModule):
         stats = self.sample_statistics(rollout, source_scores, raw_scores)
         gold = None
         if self.gold_reward is not None:
-            gold = [float(g) for g in self.gold_reward(texts, completions)]
+            gold = gold_scores(self.gold_reward, prompts["prompt"], completions, prompts.get("columns"), repeat=group)
             stats["objective/gold"] = torch.tensor(gold).mean()
         if rollout.episodes is not None:
             stats.update(episode_statistics(rollout.episodes))

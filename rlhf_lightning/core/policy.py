@@ -21,24 +21,22 @@ from torch import Tensor
 from torchmetrics import MeanMetric
 
 from rlhf_lightning.core.distributed import sharding_mesh
-from rlhf_lightning.core.experience import sequence_kl
-from rlhf_lightning.core.held_out_pass_at_k import PassAtK, answer_reader, pass_at_k_values
+from rlhf_lightning.core.held_out import POLICY, HeldOutSamples
+from rlhf_lightning.core.held_out_pass_at_k import PassAtK, answer_reader
 from rlhf_lightning.core.stage import StageModule
 from rlhf_lightning.models.logprobs import predicting_hidden_states, token_logprobs
-from rlhf_lightning.models.shared_base import REFERENCE, SharedBase, adapter_of
+from rlhf_lightning.models.shared_base import SharedBase, adapter_of
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
 from rlhf_lightning.rollout.engines import Auto, Engine, EngineSetup
-from rlhf_lightning.rollout.rollouts import Rollout, Rollouts
+from rlhf_lightning.rollout.rollouts import Rollouts
 from rlhf_lightning.rollout.sampler import Sampler
 from rlhf_lightning.rollout.seeds import Seeds
 from rlhf_lightning.rollout.settings import SamplingSettings, stop_token_ids
 from rlhf_lightning.utils import checks
 from rlhf_lightning.utils.checks import check_sampling
-from rlhf_lightning.utils.metrics import reset_metrics
 
 log = logging.getLogger(__name__)
 
-POLICY = "policy"
 GoldReward = Callable[[Sequence[str], Sequence[str]], Sequence[float]]
 
 
@@ -56,89 +54,6 @@ def pad_to_sequence(response_mask: Tensor, length: int) -> Tensor:
     """A rollout's response mask ``[B, R]`` in the coordinates of its ``[B, length]`` sequences (responses last)."""
     prompt = response_mask.new_zeros((response_mask.shape[0], length - response_mask.shape[1]))
     return torch.cat([prompt, response_mask], 1)
-
-
-class HeldOutSamples:
-    """The evaluation of sampled responses on held-out prompts, a part of :class:`PolicyModule`: one response per
-    prompt (and ``pass_at_k.samples`` more with pass@k), its KL to the reference, length, stop rate and gold reward,
-    added to the validation metrics (``val_metrics``) and logged when validation ends."""
-
-    @torch.no_grad()
-    def evaluate_samples(self, prompts: dict[str, Any], batch_idx: int) -> dict[str, Tensor]:
-        """One response per held-out prompt of ``prompts`` (a data module's prompt batch), sampled from evaluation
-        batch ``batch_idx``'s fixed stream (training's left untouched), and its :meth:`sample_values` and
-        :meth:`evaluate_extra` added to the validation metrics."""
-        values, _, _ = self.sample_and_measure(prompts, batch_idx)
-        if self.pass_at_k.enabled:
-            values.update(self.sample_pass_at_k(prompts, batch_idx))
-        self.record_validation(values)
-        return values
-
-    @torch.no_grad()
-    def sample_pass_at_k(self, prompts: dict[str, Any], batch_idx: int) -> dict[str, Tensor]:
-        """pass@k (and maj@k, when the gold reward reads answers) per held-out prompt of ``prompts``, from
-        ``pass_at_k.samples`` responses each, drawn from a stream of their own (``purpose`` ``pass_at_k``)."""
-        n = self.pass_at_k.samples
-        with self.sampler.seeds.evaluation(batch_idx, self.global_rank, self.device, "pass_at_k"), \
-                self.sampler.gathered_base(self.model):
-            rollout = self.rollouts.run(self.model, POLICY, prompts, n, "pass_at_k")
-            texts = self.decode(rollout.responses, rollout.read_mask)
-        gold = self.gold_reward([prompt for prompt in prompts["prompt"] for _ in range(n)], texts)
-        return pass_at_k_values(self.pass_at_k, gold, texts, answer_reader(self.gold_reward))
-
-    @torch.no_grad()
-    def sample_and_measure(self, prompts: dict[str, Any], batch_idx: int,
-                           extra: bool = True) -> tuple[dict[str, Tensor], Rollout, list[str]]:
-        """The per-sample validation values of one response per prompt (evaluation batch ``batch_idx``'s stream;
-        with ``seed_scope: prompt`` each prompt's own), the rollout itself and its texts (what reward sources read).
-        ``extra``: with :meth:`evaluate_extra`'s values (the reward sources' scores of the online modules)."""
-        self.check_built()
-        with self.sampler.seeds.evaluation(batch_idx, self.global_rank, self.device), \
-                self.sampler.gathered_base(self.model):
-            rollout = self.rollouts.run(self.model, POLICY, prompts, 1, "validation")
-            texts = self.decode(rollout.responses, rollout.read_mask)
-            values = self.sample_values(rollout, prompts["prompt"], texts)
-            if extra:
-                values.update(self.evaluate_extra(rollout, prompts, texts))
-        return values, rollout, texts
-
-    @torch.no_grad()
-    def sample_values(self, rollout: Rollout, prompts: Sequence[str], texts: list[str]) -> dict[str, Tensor]:
-        """Per-sample validation values of a rollout: ``kl`` (nats, to the reference, over the policy's tokens),
-        ``length``, ``eos_frac`` and ``gold`` (with a gold reward, of ``texts``: what reward sources read)."""
-        ids, mask, response_mask = rollout.input_ids, rollout.attention_mask, rollout.response_mask
-        logprobs, _ = self.response_logprobs(POLICY, ids, mask, response_mask)
-        ref_logprobs, _ = self.response_logprobs(REFERENCE, ids, mask, response_mask)
-        values = {
-            "kl": sequence_kl(logprobs, ref_logprobs, response_mask),
-            "length": response_mask.sum(-1).float(),
-            "eos_frac": rollout.is_stopped.float(),
-        }
-        if self.gold_reward is not None:
-            values["gold"] = torch.tensor([float(g) for g in self.gold_reward(list(prompts), texts)])
-        return values
-
-    def evaluate_extra(self, rollout: Rollout, prompts: dict[str, Any], texts: list[str]) -> dict[str, Tensor]:
-        """More per-sample validation values of a held-out rollout (``validation_metrics`` must name them); none
-        here."""
-        return {}
-
-    def record_validation(self, values: dict[str, Tensor]) -> None:
-        """Add per-sample validation ``values`` to the metrics logged when validation ends. An empty value (a
-        batch without such samples, e.g. no desirable response for KTO) adds nothing: a metric no batch fed is not
-        logged, never NaN."""
-        for name, value in values.items():
-            if value.numel():
-                self.val_metrics[name].update(value.to(self.device))
-
-    def on_validation_epoch_end(self) -> None:
-        # Already the values of every rank (torchmetrics syncs them): sync_dist averages equal values (and keeps
-        # Lightning's advice to use it away).
-        for name, metric in self.val_metrics.items():
-            if metric.update_count:
-                self.log(f"{self.metric_prefix}/val/{name}", metric.compute(), sync_dist=True)
-        reset_metrics(*self.val_metrics.values())
-        super().on_validation_epoch_end()
 
 
 class PolicyModule(HeldOutSamples, StageModule):

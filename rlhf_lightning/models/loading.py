@@ -25,7 +25,7 @@ from transformers import (
 
 from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.ops.activations import fuse_tanh_gelu
-from rlhf_lightning.tasks import TASKS, build_task_tokenizer
+from rlhf_lightning.tasks import TOKENIZERS, build_task_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def load_tokenizer(spec: BaseModelSpec) -> PreTrainedTokenizerBase:
         raise ValueError(
             "base model: set `tokenizer` (a hub id, a folder or 'synthetic') when `name_or_path` is null"
         )
-    if source in TASKS:
+    if source in TOKENIZERS:
         tokenizer = build_task_tokenizer(source)
     else:
         check_local_folder(source, "tokenizer" if spec.tokenizer else "model")

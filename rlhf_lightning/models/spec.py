@@ -22,8 +22,9 @@ class BaseModelSpec:
         architecture: Hugging Face config fields of a fresh model, e.g. ``{model_type: gpt2, n_layer: 4}``;
             used only when ``name_or_path`` is null. ``vocab_size`` and the special token ids come from the
             tokenizer.
-        tokenizer: hub id or folder of the tokenizer, or ``synthetic`` for the embedded task's word-level
-            tokenizer; null means the same place as ``name_or_path``.
+        tokenizer: hub id or folder of the tokenizer, or an embedded task's name for its tokenizer (``synthetic``,
+            ``arithmetic``, ``calculator``, ``arithmetic_judge``; ``reasoning_gym``: characters, for tiny models on
+            reasoning-gym's tasks); null means the same place as ``name_or_path``.
         revision: hub revision (branch, tag or commit) of the model and tokenizer.
         trust_remote_code: run Python code shipped with a hub model. Off unless you trust its author.
         dtype: dtype of the loaded weights; ``auto`` keeps the checkpoint's. Training precision is the

@@ -54,3 +54,23 @@ def reset_metrics(*metrics: Metric) -> None:
     with torch.inference_mode(False):
         for metric in metrics:
             metric.reset()
+
+
+class GroupMeans(Metric):
+    """The mean of the values of each of ``groups`` groups (a value's group is its index), summed over batches and
+    devices; :meth:`compute` gives ``(means [G], counts [G])``, a group that saw no value has count 0 (and mean 0)."""
+
+    full_state_update = False
+
+    def __init__(self, groups: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        for name in ("total", "count"):
+            self.add_state(name, default=torch.zeros(groups, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, values: Tensor, groups: Tensor) -> None:
+        groups = groups.to(self.total.device)
+        self.total.index_add_(0, groups, values.detach().double().to(self.total.device))
+        self.count.index_add_(0, groups, torch.ones_like(self.count[groups]))
+
+    def compute(self) -> tuple[Tensor, Tensor]:
+        return (self.total / self.count.clamp(min=1)).float(), self.count
