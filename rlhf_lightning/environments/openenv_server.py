@@ -17,6 +17,7 @@ import atexit
 import ctypes
 import functools
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -112,8 +113,12 @@ class StartedServer:
         self.log = Path(tempfile.mkdtemp(prefix="openenv-server-")) / "server.log"
         command = [sys.executable, "-m", "rlhf_lightning.environments.openenv_server", "--env", env, "--env-args",
                    json.dumps(env_args), "--port", str(port), "--max-concurrent-envs", str(max_concurrent_envs)]
+        # The server imports what the fit imports: the environment's module may be on the fit's path only.
+        paths = [os.getcwd(), *(path for path in sys.path if path and os.path.isdir(path))]
+        environment = {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(
+            [*paths, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]))}
         with self.log.open("w") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment,
                                             preexec_fn=_die_with_parent)  # noqa: PLW1509 - prctl only, no locks
         atexit.register(self.stop)
         self.wait_until_healthy()
@@ -149,8 +154,8 @@ class StartedServer:
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.terminate()
-            try:
-                self.process.wait(10)
+            try:  # a server still running a step that never returns does not stop on SIGTERM alone
+                self.process.wait(3)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()

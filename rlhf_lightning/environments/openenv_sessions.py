@@ -144,10 +144,12 @@ class RemoteSession:
     def __init__(self, client_class: type, url: str, timeout: float) -> None:
         self.url, self.timeout = url, timeout
         self.client = client_class(base_url=url, connect_timeout_s=timeout, message_timeout_s=timeout)
+        self.client_class_name = client_class.__name__
         self.opened = False
 
     def _run(self, make: Callable[[], Any], what: str, timeout: float | None = None) -> Any:
         """Await ``make()`` on the clients' loop, each failure one line."""
+        from pydantic import ValidationError
         from websockets.exceptions import ConnectionClosed
 
         timeout = self.timeout if timeout is None else timeout
@@ -158,6 +160,9 @@ class RemoteSession:
         except (TimeoutError, asyncio.TimeoutError, concurrent.futures.TimeoutError):
             future.cancel()
             raise OpenEnvError(f"{where} did not answer {what} within {timeout:g} s (the adapter's timeout)") from None
+        except ValidationError as error:  # a typed client's models refused what the server answered
+            raise OpenEnvError(f"{where}: the answer to {what} does not validate as {self.client_class_name}'s "
+                               f"models: {validation_text(error)}") from None
         except ConnectionClosed as error:
             raise OpenEnvError(f"{where} closed the connection during {what}: the server stopped or crashed "
                                f"({error})") from None
