@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 
 RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+MAX_BACKOFF = 10.0  # seconds between two tries at most: a server back from a restart is found within this
 
 
 class EndpointError(RuntimeError):
@@ -38,41 +39,47 @@ def _refusal(response: httpx.Response) -> str:
 
 def post_json(url: str, payload: dict[str, Any], *, timeout: float = 60.0, retries: int = 3, backoff: float = 1.0,
               headers: dict[str, str] | None = None, what: str = "endpoint",
-              client: httpx.Client | None = None) -> Any:
+              client: httpx.Client | None = None, retry_for: float = 0.0) -> Any:
     """POST ``payload`` as JSON to ``url`` and return the decoded JSON answer.
 
-    Up to ``1 + retries`` tries, ``timeout`` seconds each, waiting ``backoff * 2**k`` seconds before retry ``k``;
-    only what may pass is retried (no connection, a timeout, HTTP 408/429/5xx). Anything else (another 4xx, an
-    answer that is not JSON) fails at once. ``what`` names the endpoint's role in the error, e.g. ``"RemoteReward"``.
+    At least ``1 + retries`` tries, and more until ``retry_for`` seconds have passed since the first failure (a
+    server restarting: it is waited for), ``timeout`` seconds each, waiting ``backoff * 2**k`` seconds (at most
+    :data:`MAX_BACKOFF`) before retry ``k``; only what may pass is retried (no connection, a timeout, HTTP
+    408/429/5xx). Anything else (another 4xx, an answer that is not JSON) fails at once. ``what`` names the
+    endpoint's role in the error, e.g. ``"RemoteReward"``.
     """
     return request_json("POST", url, payload, timeout=timeout, retries=retries, backoff=backoff, headers=headers,
-                        what=what, client=client)
+                        what=what, client=client, retry_for=retry_for)
 
 
 def get_json(url: str, *, timeout: float = 60.0, retries: int = 3, backoff: float = 1.0,
-             headers: dict[str, str] | None = None, what: str = "endpoint", client: httpx.Client | None = None) -> Any:
+             headers: dict[str, str] | None = None, what: str = "endpoint", client: httpx.Client | None = None,
+             retry_for: float = 0.0) -> Any:
     """GET ``url`` and return the decoded JSON answer, tried and refused as :func:`post_json` does."""
     return request_json("GET", url, None, timeout=timeout, retries=retries, backoff=backoff, headers=headers,
-                        what=what, client=client)
+                        what=what, client=client, retry_for=retry_for)
 
 
 def request_json(method: str, url: str, payload: dict[str, Any] | None, *, timeout: float, retries: int,
-                 backoff: float, headers: dict[str, str] | None, what: str, client: httpx.Client | None) -> Any:
+                 backoff: float, headers: dict[str, str] | None, what: str, client: httpx.Client | None,
+                 retry_for: float = 0.0) -> Any:
     """One ``method`` request with ``payload`` as its JSON body (None: no body), with :func:`post_json`'s tries."""
     owned = client is None
     client = client or httpx.Client()
-    last = ""
+    last, attempt, first_failure = "", 0, None
     try:
-        for attempt in range(1 + retries):
+        while attempt == 0 or attempt <= retries or time.monotonic() - first_failure < retry_for:
             if attempt:
-                time.sleep(backoff * 2 ** (attempt - 1))
+                time.sleep(min(backoff * 2 ** (attempt - 1), MAX_BACKOFF))
+            attempt += 1
             try:
                 response = client.request(method, url, json=payload, headers=headers, timeout=timeout)
             except httpx.HTTPError as error:
-                last = _reason(error)
+                last, first_failure = _reason(error), first_failure or time.monotonic()
                 continue
             if response.status_code in RETRY_STATUS:
                 last = f"HTTP {response.status_code}: {_refusal(response)[:200]}"
+                first_failure = first_failure or time.monotonic()
                 continue
             if response.status_code >= 400:
                 raise EndpointError(f"{what} {url}: HTTP {response.status_code}: {_refusal(response)}")
@@ -83,5 +90,7 @@ def request_json(method: str, url: str, payload: dict[str, Any] | None, *, timeo
     finally:
         if owned:
             client.close()
-    tries = f"{1 + retries} tr{'y' if retries == 0 else 'ies'}"
+    tries = f"{attempt} tr{'y' if attempt == 1 else 'ies'}"
+    if retry_for:
+        tries += f" over {time.monotonic() - first_failure:.0f}s (retry_for {retry_for:g}s)"
     raise EndpointError(f"{what} {url}: {last} ({tries}, timeout {timeout:g}s each)")

@@ -75,6 +75,8 @@ class JudgeReward(RewardSource):
         timeout: seconds an endpoint request may take, per try.
         retries: tries after the first on a connection error, timeout, HTTP 408/429/5xx.
         backoff: seconds before the first retry, doubled for each next one.
+        retry_for: go on trying an endpoint request for this many seconds after it first failed (a server
+            restarting, a rate limit); 0 = ``retries`` alone.
         seed: the ``seed`` sent with each endpoint request.
         name: labels the judge's metrics: ``objective/<name>/parse_failures``.
     """
@@ -97,6 +99,7 @@ class JudgeReward(RewardSource):
         timeout: float = 60.0,
         retries: int = 3,
         backoff: float = 1.0,
+        retry_for: float = 180.0,
         seed: int = 0,
         name: str = "judge",
     ) -> None:
@@ -108,6 +111,7 @@ class JudgeReward(RewardSource):
         checks.positive("timeout", timeout)
         checks.at_least("retries", retries, minimum=0)
         checks.non_negative("backoff", backoff)
+        checks.non_negative("retry_for", retry_for)
         model, adapter, base_url, api_key_env = (checks.optional_str(value)
                                                  for value in (model, adapter, base_url, api_key_env))
         if isinstance(failure_score, str) and failure_score not in ("lowest", "abstain"):
@@ -130,6 +134,7 @@ class JudgeReward(RewardSource):
         self.model, self.adapter, self.base_url, self.api_key_env = model, adapter, base_url, api_key_env
         self.max_new_tokens, self.max_length, self.batch_size = max_new_tokens, max_length, batch_size
         self.timeout, self.retries, self.backoff, self.seed = timeout, retries, backoff, seed
+        self.retry_for = retry_for
         self.judge_name = name
         self.judge: LocalJudge | EndpointJudge | None = None
         self.label_ids: list[int] = []
@@ -154,7 +159,7 @@ class JudgeReward(RewardSource):
     def setup(self, base: SharedBase, tokenizer: PreTrainedTokenizerBase) -> None:
         if self.base_url is not None:
             self.judge = EndpointJudge(self.base_url, self.model, self.api_key_env, self.max_new_tokens, self.seed,
-                                       self.batch_size, self.timeout, self.retries, self.backoff)
+                                       self.batch_size, self.timeout, self.retries, self.backoff, self.retry_for)
             return
         role = None
         if self.model is not None:

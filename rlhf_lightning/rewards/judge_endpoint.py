@@ -38,14 +38,14 @@ class EndpointJudge:
         max_new_tokens: ``max_tokens`` of an answer.
         seed: the ``seed`` of each request.
         batch_size: prompts per ``/completions`` request.
-        timeout, retries, backoff: of each request (see :func:`~rlhf_lightning.rewards.http.post_json`).
+        timeout, retries, backoff, retry_for: of each request (see :func:`~rlhf_lightning.rewards.http.post_json`).
     """
 
     def __init__(self, base_url: str, model: str, api_key_env: str | None, max_new_tokens: int, seed: int,
-                 batch_size: int, timeout: float, retries: int, backoff: float) -> None:
+                 batch_size: int, timeout: float, retries: int, backoff: float, retry_for: float = 0.0) -> None:
         self.base_url = base_url.rstrip("/")
         self.model, self.max_new_tokens, self.seed, self.batch_size = model, max_new_tokens, seed, batch_size
-        self.timeout, self.retries, self.backoff = timeout, retries, backoff
+        self.timeout, self.retries, self.backoff, self.retry_for = timeout, retries, backoff, retry_for
         self.headers = {}
         if api_key_env is not None:
             key = os.environ.get(api_key_env, "")
@@ -63,7 +63,7 @@ class EndpointJudge:
         return post_json(f"{self.base_url}{path}", {"model": self.model, "temperature": 0, "seed": self.seed,
                                                     **payload},
                          timeout=self.timeout, retries=self.retries, backoff=self.backoff, headers=self.headers,
-                         what=self.label, client=self.client)
+                         what=self.label, client=self.client, retry_for=self.retry_for)
 
     def _wrong_schema(self, path: str, expected: str, answer: Any) -> EndpointError:
         return EndpointError(f"{self.label} {self.base_url}{path}: the answer does not follow the OpenAI schema "

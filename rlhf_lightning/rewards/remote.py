@@ -40,7 +40,10 @@ class RemoteReward(RewardSource):
     Args:
         url: the server's address, e.g. ``http://127.0.0.1:8000``.
         timeout: seconds one request may take before it is tried again.
-        retries: tries after the first, for a server that does not answer, times out or answers 408/429/5xx.
+        retries: tries after the first, for a server that does not answer, times out or answers 408/429/5xx (at
+            setup, only these: a wrong url fails at once).
+        retry_for: during the run, go on trying for this many seconds after a scoring request first failed (a
+            server restarting is waited for, not a lost run); 0 = ``retries`` alone.
         backoff: seconds before the first retry, doubled before each next one.
         batch_size: rows per request at most.
         name: the label of the source's metrics (``objective/score/<name>``); null = the served source's name.
@@ -49,15 +52,18 @@ class RemoteReward(RewardSource):
     """
 
     def __init__(self, url: str, timeout: float = 60.0, retries: int = 3, backoff: float = 1.0,
-                 batch_size: int = 256, name: str | None = None, token_variable: str = TOKEN_VARIABLE) -> None:
+                 batch_size: int = 256, name: str | None = None, token_variable: str = TOKEN_VARIABLE,
+                 retry_for: float = 180.0) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"RemoteReward url {url!r}: expected http://HOST:PORT (the address serve-reward printed)")
         checks.positive("RemoteReward timeout", timeout)
         checks.at_least("RemoteReward retries", retries, minimum=0)
         checks.non_negative("RemoteReward backoff", backoff)
+        checks.non_negative("RemoteReward retry_for", retry_for)
         checks.at_least("RemoteReward batch_size", batch_size)
         self.url = url.rstrip("/")
         self.timeout, self.retries, self.backoff, self.batch_size = timeout, retries, backoff, batch_size
+        self.retry_for = retry_for
         self._name, self.token_variable = name, token_variable
         self.may_abstain = False  # until the server says what its source does
         self.client: httpx.Client | None = None
@@ -76,9 +82,9 @@ class RemoteReward(RewardSource):
         token = os.environ.get(self.token_variable)  # read at each request: a token rotated mid-run is picked up
         options = {"timeout": self.timeout, "retries": self.retries, "backoff": self.backoff, "what": "RemoteReward",
                    "client": self.client, "headers": {"Authorization": f"Bearer {token}"} if token else None}
-        if payload is None:
+        if payload is None:  # /info, at setup: a wrong url or a server not started fails at once
             return get_json(f"{self.url}{path}", **options)
-        return post_json(f"{self.url}{path}", payload, **options)
+        return post_json(f"{self.url}{path}", payload, **options, retry_for=self.retry_for)
 
     def setup(self, base: SharedBase | None, tokenizer: PreTrainedTokenizerBase) -> None:
         """Read the server's ``/info``: its source's name, whether it may abstain and its statistics; refuse a

@@ -334,7 +334,7 @@ def test_endpoint_failures_are_one_line_naming_the_endpoint(server, policy_base,
         closed = probe.getsockname()[1]
     base_url = {"down": f"http://127.0.0.1:{closed}/v1", "http-500": f"{url}/broken/v1",
                 "wrong-schema": f"{url}/legacy/v1"}[case]
-    judge = JudgeReward(TEMPLATE, model="tiny", base_url=base_url, retries=2, backoff=0.01, timeout=5)
+    judge = JudgeReward(TEMPLATE, model="tiny", base_url=base_url, retries=2, backoff=0.01, timeout=5, retry_for=0)
     judge.setup(*policy_base)
     calls = app.state.broken_calls
     with pytest.raises(EndpointError) as error:
