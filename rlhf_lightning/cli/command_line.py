@@ -19,6 +19,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from rlhf_lightning.callbacks.checkpoint import Checkpoint
+from rlhf_lightning.callbacks.crash import CrashCheckpoint, resume_hint
 from rlhf_lightning.callbacks.learning_check import LearningCheck
 from rlhf_lightning.callbacks.preemption import Preemption
 from rlhf_lightning.callbacks.progress import default_progress_bar
@@ -213,6 +214,8 @@ class RLHFCLI(LightningCLI):
                 callbacks = [*callbacks, ProgressLines()]
         if missing(Preemption):  # a signal ends the fit with a checkpoint
             callbacks = [*callbacks, Preemption()]
+        if missing(CrashCheckpoint):  # so does an error in an iteration's rollout
+            callbacks = [*callbacks, CrashCheckpoint()]
         if missing(RunReport):  # printed by _run_subcommand, after the loggers' own last words
             callbacks = [*callbacks, RunReport(print_at_fit_end=False)]
         trainer = super()._instantiate_trainer(config, callbacks)
@@ -275,9 +278,12 @@ def main(args: Sequence[str] | None = None) -> None:
         sys.exit(128 + signal.SIGTERM)
     except Exception as error:
         ours = None if want_traceback() else user_error(error)
+        hint = resume_hint(error)
         if ours is None:
+            if hint:  # before the traceback: what was saved of the run
+                print_error(f"error: {hint}")
             raise
-        print_error(one_line(ours))
+        print_error(one_line(ours) + (f" ({hint})" if hint else ""))
         sys.exit(1)
 
 

@@ -3,6 +3,7 @@ the server tests start it: from a config file as a user writes one, stopped with
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import pytest
 import yaml
 
@@ -31,10 +33,9 @@ class Started:
     stderr: str = ""
 
 
-@contextmanager
-def reward_server(folder: Path, model_dir: Path, reward_dir: Path, **settings: Any) -> Iterator[Started]:
+def start(folder: Path, model_dir: Path, reward_dir: Path, **settings: Any) -> tuple[subprocess.Popen, Started]:
     """The server of :data:`SERVED_CLASS` on ``model_dir`` and ``reward_dir`` with ``settings`` (serve-reward's
-    arguments; ``env`` is the process's extra environment); its output is read once it stopped (SIGTERM)."""
+    arguments; ``env`` is the process's extra environment), once it printed its ready line."""
     env = settings.pop("env", {})
     config = folder / "serve.yaml"
     config.write_text(yaml.safe_dump({
@@ -48,7 +49,14 @@ def reward_server(folder: Path, model_dir: Path, reward_dir: Path, **settings: A
     if not ready.startswith(f"serving {LABEL} at http://127.0.0.1:"):
         process.kill()
         pytest.fail(f"no ready line: {ready!r}\n{process.communicate()[1][-3000:]}")
-    started = Started(ready.split(" at ", 1)[1].split()[0], ready.strip())
+    return process, Started(ready.split(" at ", 1)[1].split()[0], ready.strip())
+
+
+@contextmanager
+def reward_server(folder: Path, model_dir: Path, reward_dir: Path, **settings: Any) -> Iterator[Started]:
+    """:func:`start`'s server for the block; its output is read once it stopped (SIGTERM), which must end it
+    cleanly."""
+    process, started = start(folder, model_dir, reward_dir, **settings)
     try:
         yield started
     finally:
@@ -56,3 +64,21 @@ def reward_server(folder: Path, model_dir: Path, reward_dir: Path, **settings: A
         started.stdout, started.stderr = process.communicate(timeout=60)
         assert process.returncode == 0, started.stderr[-3000:]
         assert started.stdout.startswith(f"stopped serving {LABEL} (SIGTERM; served "), started.stdout
+
+
+class StopServerAt(L.Callback):
+    """Kills the process ``pid`` (a reward server) with SIGKILL at the end of training iteration ``iteration``, as
+    a crashed or stopped server would go away mid-run.
+
+    Args:
+        pid: the server's process id.
+        iteration: the iteration (1-based) after which it goes away.
+    """
+
+    def __init__(self, pid: int, iteration: int) -> None:
+        self.pid, self.iteration = pid, iteration
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.fit_loop.epoch_loop.total_batch_idx + 1 == self.iteration:
+            os.kill(self.pid, signal.SIGKILL)
