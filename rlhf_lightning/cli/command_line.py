@@ -50,7 +50,12 @@ from rlhf_lightning.runs.resume import (
     load_for_comparison,
     saved_class_of,
 )
-from rlhf_lightning.runs.run_folder import export_path, refuse_overwrite, refuse_unwritable
+from rlhf_lightning.runs.run_folder import (
+    export_path,
+    refuse_overwrite,
+    refuse_resume_without_checkpoint,
+    refuse_unwritable,
+)
 from rlhf_lightning.utils.atomic_io import CheckpointError
 
 # `ckpt_path` values that Lightning resolves itself rather than naming a file.
@@ -163,6 +168,9 @@ class RLHFCLI(LightningCLI):
                 TrainerFn(subcommand), "last", model_provided=True, model_connected=False)
             if resolved:
                 self.check_checkpoint_against_config(subcommand, str(resolved))
+            elif subcommand == "fit":
+                refuse_resume_without_checkpoint(self.trainer, export_path(self.trainer, getattr(
+                    self.model, "hparams", {}).get("export_dir")))
             self.config_init[subcommand]["ckpt_path"] = ckpt_path = resolved  # resolved once: one warning, one file
         if subcommand == "fit" and not ckpt_path:
             # Before the model is built: a fresh run must not write over another run's exports or checkpoints.

@@ -49,6 +49,27 @@ def another_runs_files(trainer: Any, export: Path | None) -> list[str]:
     return found
 
 
+def earlier_run(trainer: Any, export: Path | None) -> list[str]:
+    """What shows that a run already ran in the run folder: exports, W&B runs."""
+    found = [f"{export} (exports)"] if export is not None and export.is_dir() and any(export.iterdir()) else []
+    runs = sorted(Path(trainer.default_root_dir).glob("wandb/*run-*/run-*.wandb"))
+    if runs:
+        found.append(f"{Path(trainer.default_root_dir) / 'wandb'} ({len(runs)} W&B run{'s' if len(runs) > 1 else ''})")
+    return found
+
+
+def refuse_resume_without_checkpoint(trainer: Any, export: Path | None) -> None:
+    """Stop ``--ckpt_path last`` that found no checkpoint in a run folder that holds a run: continuing it is
+    impossible, and starting from zero behind its back would mix two runs. An empty folder starts afresh (a job's
+    first start under SLURM, whose requeued starts continue)."""
+    found = earlier_run(trainer, export)
+    if found:
+        raise FileNotFoundError(
+            f"--ckpt_path last: run folder {trainer.default_root_dir} holds a run ({', '.join(found)}) but no "
+            "checkpoint to continue it from (it stopped before its first); start afresh in another folder with "
+            "--trainer.default_root_dir=DIR, or remove those files to start afresh there")
+
+
 def refuse_overwrite(trainer: Any, export: Path | None) -> None:
     """Stop a fresh fit (no ``--ckpt_path``) whose run folder already holds another run's files."""
     found = another_runs_files(trainer, export)

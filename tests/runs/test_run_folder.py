@@ -15,6 +15,7 @@ import lightning as L
 import pytest
 
 from rlhf_lightning import SFT, SFTDataModule
+from rlhf_lightning.cli import main
 from rlhf_lightning.cli.errors import TRACEBACK_ENV
 from rlhf_lightning.models.spec import BaseModelSpec
 from tests.helpers.cli import error_lines, one_line
@@ -84,3 +85,20 @@ def test_from_python_the_export_folder_is_checked_at_setup_before_the_model_is_b
     with pytest.raises(NotADirectoryError, match=f"^export folder {tmp_path / 'export'} is a file, not a folder: "):
         trainer.fit(module, datamodule=SFTDataModule(synthetic_rows=40, batch_size=4))
     assert module.model is None  # refused before configure_model read a weight
+
+
+def test_resuming_a_run_folder_that_holds_a_run_but_no_checkpoint_is_refused(tiny_model_dir, capsys):
+    """``--ckpt_path last`` where a run ran but wrote no checkpoint (it stopped before its first) would start from
+    zero behind the user's back, mixing two runs in one folder: refused. An empty folder starts afresh (the
+    requeue pattern of docs/checkpoints.md: a job's first start has nothing to continue)."""
+    run_folder = Path("outputs/sft")
+    earlier = run_folder / "wandb" / "offline-run-20261127_070000-abc123" / "run-abc123.wandb"
+    earlier.parent.mkdir(parents=True)
+    earlier.write_bytes(b"")
+    assert one_line(capsys, *sft_arguments(tiny_model_dir, "--ckpt_path=last")) == (
+        f"error: --ckpt_path last: run folder {run_folder} holds a run ({run_folder / 'wandb'} (1 W&B run)) but no "
+        "checkpoint to continue it from (it stopped before its first); start afresh in another folder with "
+        "--trainer.default_root_dir=DIR, or remove those files to start afresh there")
+    assert not (run_folder / "checkpoints").exists()
+    main(sft_arguments(tiny_model_dir, "--ckpt_path=last", "--trainer.default_root_dir=outputs/fresh"))
+    assert sorted(path.name for path in Path("outputs/fresh/checkpoints").iterdir()) == ["last.ckpt"]
