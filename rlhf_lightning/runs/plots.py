@@ -5,15 +5,24 @@ of every ``fit`` (``<run folder>/plots/<stage>.png``). They are read back from t
 (offline runs, and the local copy of online ones). A run and the runs it resumed are one curve, so that a resumed
 run's curves continue its first part's; a folder shared by several fresh runs (a sweep's trials) draws each as its
 own curve, in its own colour, the latest marked.
+
+The panels (at most :data:`MAX_PANELS`): each held-out metric beside its training twin (pass@k and maj@k in one
+panel, the gold per task in one), gold against KL (over-optimisation at a glance), then the training-only curves
+a researcher reads first where they are logged: PPO's ``policy/approx_kl``, ``policy/clipfrac``, ``loss/value``
+and ``value/explained_variance``, GRPO's ``objective/frac_zero_std``, the loss and the gradient norm. A series
+identical to one already drawn (an arithmetic task's score, which is its gold) is drawn once; shares (``*_frac``,
+``frac_*``, ``clipfrac``, accuracies, pass@k) get a 0-1 y-axis.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import sys
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 from rlhf_lightning.runs.wandb_offline import has_history, read_config, read_history
 
@@ -21,8 +30,31 @@ from rlhf_lightning.runs.wandb_offline import has_history, read_config, read_his
 PREFERRED = ("gold", "score", "kl", "loss", "accuracy", "gold_accuracy", "perplexity", "length", "eos_frac",
              "margin", "reverse_kl")
 TRAINING_PLACES = ("", "objective/", "response/", "teacher/", "rewards/")  # where a validation name's twin lives
-TRAINING_ONLY = ("objective/score", "objective/gold", "objective/kl", "loss", "loss/total", "accuracy", "grad_norm")
-MAX_PANELS = 9
+# The training-only curves a researcher reads first, in this order, where logged: the update's size and clipping
+# (PPO and the policy-gradient family), the critic (PPO), the groups that carry no signal (GRPO, RLOO), the loss.
+TRAINING_ONLY = ("objective/score", "objective/gold", "objective/kl", "policy/approx_kl", "policy/clipfrac",
+                 "loss/value", "value/explained_variance", "objective/frac_zero_std", "loss", "loss/total",
+                 "accuracy", "grad_norm")
+PASS_AT_K = re.compile(r"(pass|maj)@(\d+)")
+GROUPS = ("pass@k", "gold per task")  # the panels that hold several held-out metrics
+MAX_PANELS = 12
+FRACTION_LIMITS = (-0.02, 1.02)  # a 0-1 axis, with a margin so that points at 0 and 1 show whole
+
+
+class Panel(NamedTuple):
+    """One panel: ``metrics`` against the stage's x-axis, or, with ``against``, each metric against the metric at
+    the same place of ``against`` (gold against KL), point by point in the order of the x-axis."""
+
+    title: str
+    metrics: list[str]
+    against: list[str] | None = None
+
+
+def is_fraction(key: str) -> bool:
+    """Whether the metric is a share in 0-1: ``*_frac``, ``frac_*``, ``clipfrac*``, ``*accuracy``, pass@k, maj@k."""
+    name = key.rsplit("/", 1)[-1]
+    return (name.endswith("_frac") or name.startswith(("frac_", "clipfrac")) or name.endswith("accuracy")
+            or PASS_AT_K.fullmatch(name) is not None)
 
 
 def resumed(run_file: Path) -> bool:
@@ -71,23 +103,78 @@ def stage_prefixes(rows: Sequence[dict[str, float]]) -> list[str]:
     return list(prefixes)
 
 
-def panels(prefix: str, keys: set[str]) -> list[tuple[str, list[str]]]:
-    """``(title, [metric keys])`` per panel: each validation metric with its training twin, then the main
-    training-only curves; at most ``MAX_PANELS``."""
-    validation = sorted((key.split("/val/", 1)[1] for key in keys if key.startswith(f"{prefix}/val/")),
-                        key=lambda name: (PREFERRED.index(name) if name in PREFERRED else len(PREFERRED), name))
-    chosen: list[tuple[str, list[str]]] = []
+def validation_panels(prefix: str, keys: set[str]) -> tuple[list[Panel], set[str]]:
+    """Each validation metric with its training twin (pass@k and maj@k together, the gold per task together), and
+    the training keys they show."""
+    names = sorted((key.split("/val/", 1)[1] for key in keys if key.startswith(f"{prefix}/val/")),
+                   key=lambda name: (PREFERRED.index(name) if name in PREFERRED else len(PREFERRED), name))
+    chosen: list[Panel] = []
     shown: set[str] = set()
-    for name in validation:
+    grouped: dict[str, list[str]] = {}
+    for name in names:
+        match = PASS_AT_K.fullmatch(name)
+        if match or name.startswith("gold/"):  # one panel each: the ks beside each other, the tasks beside each other
+            group = GROUPS[0] if match else GROUPS[1]
+            if group not in grouped:
+                grouped[group] = []
+                chosen.append(Panel(group, grouped[group]))
+            grouped[group].append(f"{prefix}/val/{name}")
+            continue
         twins = [f"{prefix}/{place}{name}" for place in TRAINING_PLACES if f"{prefix}/{place}{name}" in keys][:1]
-        chosen.append((name, [*twins, f"{prefix}/val/{name}"]))
+        chosen.append(Panel(name, [*twins, f"{prefix}/val/{name}"]))
         shown.update(twins)
+    if GROUPS[0] in grouped:  # pass@1 2 4 ... then maj@2 4 ...
+        grouped[GROUPS[0]].sort(key=lambda key: (key.rsplit("/", 1)[1][:3] == "maj", int(key.rsplit("@", 1)[1])))
+    return chosen, shown
+
+
+def gold_against_kl(prefix: str, keys: set[str]) -> Panel | None:
+    """Gold against KL (training and validation, where logged): over-optimisation shows as a curve that bends
+    down while the KL grows."""
+    pairs = [(f"{prefix}/{place}gold", f"{prefix}/{place}kl") for place in ("objective/", "val/")
+             if {f"{prefix}/{place}gold", f"{prefix}/{place}kl"} <= keys]
+    return Panel("gold against kl", [gold for gold, _ in pairs], [kl for _, kl in pairs]) if pairs else None
+
+
+def panels(prefix: str, keys: set[str], runs: Sequence[Sequence[dict[str, float]]] = ()) -> list[Panel]:
+    """The panels of a stage: each validation metric with its training twin, gold against KL, then the main
+    training-only curves; with the ``runs``' rows, a series identical to one shown before (an arithmetic task's
+    score, which is its gold) is left out; at most ``MAX_PANELS``."""
+    chosen, shown = validation_panels(prefix, keys)
+    versus = gold_against_kl(prefix, keys)
+    if versus is not None:  # beside the KL's own panel, else after the held-out ones
+        titles = [panel.title for panel in chosen]
+        chosen.insert(titles.index("kl") + 1 if "kl" in titles else len(chosen), versus)
     for name in TRAINING_ONLY:
         key = f"{prefix}/{name}"
         if key in keys and key not in shown:
-            chosen.append((name, [key]))
+            chosen.append(Panel(name, [key]))
             shown.add(key)
+    if runs:
+        chosen = without_duplicates(chosen, runs, x_axis(prefix, keys))
     return chosen[:MAX_PANELS]
+
+
+def without_duplicates(chosen: list[Panel], runs: Sequence[Sequence[dict[str, float]]], x: str) -> list[Panel]:
+    """``chosen`` without the series that repeat one drawn in an earlier panel (to 6 significant digits, in every
+    run), and without the panels left empty."""
+    seen: set[tuple] = set()
+    kept = []
+    for panel in chosen:
+        if panel.against is None and panel.title not in GROUPS:  # a group's curves are read together: all kept
+            metrics = []
+            for key in panel.metrics:
+                drawn = tuple(tuple((x_value, float(f"{y:.6g}")) for x_value, y in zip(*series(rows, x, key),
+                                                                                      strict=True))
+                              for rows in runs)
+                if any(drawn) and drawn in seen:
+                    continue
+                seen.add(drawn)
+                metrics.append(key)
+            panel = panel._replace(metrics=metrics)
+        if panel.metrics:
+            kept.append(panel)
+    return kept
 
 
 def x_axis(prefix: str, keys: set[str]) -> str:
@@ -102,6 +189,13 @@ def series(rows: Sequence[dict[str, float]], x: str, key: str) -> tuple[list[flo
     return xs, [points[value] for value in xs]
 
 
+def paired(rows: Sequence[dict[str, float]], x: str, against: str, key: str) -> tuple[list[float], list[float]]:
+    """``key`` against the metric ``against``, one point per value of ``x`` that logged both, in the order of ``x``."""
+    first, second = dict(zip(*series(rows, x, against), strict=True)), dict(zip(*series(rows, x, key), strict=True))
+    steps = sorted(first.keys() & second.keys())
+    return [first[step] for step in steps], [second[step] for step in steps]
+
+
 def plot_run(folder: str | Path) -> list[Path]:
     """Draw ``<folder>/plots/<prefix>.png`` for every stage logged in ``folder``'s W&B runs; returns the files.
     Each run of the folder is its own curve (:func:`runs_of`). Raises ``FileNotFoundError`` when the folder holds
@@ -113,14 +207,21 @@ def plot_run(folder: str | Path) -> list[Path]:
     keys = {key for rows in runs for row in rows for key in row}
     written = []
     for prefix in stage_prefixes([row for rows in runs for row in rows]):
-        chosen = panels(prefix, keys)
+        chosen = panels(prefix, keys, runs)
         if chosen:
             written.append(draw(folder, prefix, chosen, x_axis(prefix, keys), runs))
     return written
 
 
-def draw(folder: Path, prefix: str, chosen: list[tuple[str, list[str]]], x: str,
-         runs: list[list[dict[str, float]]]) -> Path:
+def curve_label(panel: Panel, key: str) -> str:
+    """A curve's name in its panel's legend: ``training`` or ``validation`` beside a twin, else the metric's name
+    (pass@1, pass@4 ...; a task's gold)."""
+    if all("/val/" in metric for metric in panel.metrics) and len(panel.metrics) > 1:
+        return key.split("/val/", 1)[1]
+    return "validation" if "/val/" in key else "training"
+
+
+def draw(folder: Path, prefix: str, chosen: list[Panel], x: str, runs: list[list[dict[str, float]]]) -> Path:
     """One stage's figure: a panel per entry of ``chosen``, every run's curves in each (training, validation)."""
     from matplotlib.figure import Figure  # no pyplot: no global backend, nothing opened on screen
 
@@ -129,16 +230,17 @@ def draw(folder: Path, prefix: str, chosen: list[tuple[str, list[str]]], x: str,
     figure = Figure(figsize=(4.2 * columns, 3.2 * lines), layout="constrained")
     axes = figure.subplots(lines, columns, squeeze=False).flatten()
     several = len(runs) > 1
-    for ax, (title, metrics) in zip(axes, chosen, strict=False):
+    for ax, panel in zip(axes, chosen, strict=False):
         for number, rows in enumerate(runs, 1):
             latest = number == len(runs)
-            for key in metrics:
-                xs, ys = series(rows, x, key)
+            for index, key in enumerate(panel.metrics):
+                xs, ys = (series(rows, x, key) if panel.against is None
+                          else paired(rows, x, panel.against[index], key))
                 if not xs:
                     continue
                 validation = "/val/" in key
                 sparse = validation or len(xs) <= 20  # a marker on each point a reader should see
-                part = "validation" if validation else "training"
+                part = curve_label(panel, key)
                 style = {"marker": "o" if sparse else None, "markersize": 4 if validation else 2.5,
                          "label": part}
                 if several:  # a colour per run; validation dashed beside its training twin
@@ -146,10 +248,15 @@ def draw(folder: Path, prefix: str, chosen: list[tuple[str, list[str]]], x: str,
                                  linewidth=1.8 if latest else 1.0, alpha=1.0 if latest else 0.6,
                                  label=f"run {number}{' (latest)' if latest else ''} {part}")
                 ax.plot(xs, ys, **style)
-        ax.set_title(f"{prefix}/{title}", fontsize=10)
-        ax.set_xlabel(x.split("/", 1)[1] if x.startswith(f"{prefix}/") else "optimizer step")
+        ax.set_title(f"{prefix}/{panel.title}", fontsize=10)
+        if panel.against is not None:
+            ax.set_xlabel("kl (nats)" if panel.title == "gold against kl" else panel.against[0])
+        else:
+            ax.set_xlabel(x.split("/", 1)[1] if x.startswith(f"{prefix}/") else "optimizer step")
+        if all(is_fraction(key) for key in panel.metrics):
+            ax.set_ylim(*FRACTION_LIMITS)
         ax.grid(alpha=0.3)
-        if (len(metrics) > 1 and not several) or (several and ax is axes[0]):
+        if (len(panel.metrics) > 1 and not several) or (several and ax is axes[0]):
             ax.legend(fontsize=7 if several else 8)
     for ax in axes[len(chosen):]:
         ax.set_visible(False)

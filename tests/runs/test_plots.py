@@ -11,27 +11,110 @@ from matplotlib.image import imread
 
 from rlhf_lightning.cli import main
 from rlhf_lightning.cli.loggers import WandbLogger
-from rlhf_lightning.runs.plots import panels, series, x_axis
+from rlhf_lightning.runs.plots import (
+    FRACTION_LIMITS,
+    MAX_PANELS,
+    Panel,
+    draw,
+    is_fraction,
+    panels,
+    series,
+    x_axis,
+)
 
 PPO_KEYS = {"ppo/iteration", "ppo/objective/score", "ppo/objective/gold", "ppo/objective/kl", "ppo/loss/total",
             "ppo/grad_norm", "ppo/response/length", "ppo/response/eos_frac", "ppo/val/gold", "ppo/val/kl",
-            "ppo/val/score", "ppo/val/length", "ppo/val/eos_frac", "ppo/lr/policy", "trainer/global_step"}
+            "ppo/val/score", "ppo/val/length", "ppo/val/eos_frac", "ppo/lr/policy", "trainer/global_step",
+            "ppo/policy/approx_kl", "ppo/policy/clipfrac", "ppo/loss/value", "ppo/value/explained_variance",
+            "ppo/loss/policy", "ppo/value/clipfrac", "ppo/time/iteration"}
 
 
-def test_each_validation_metric_shares_a_panel_with_its_training_twin():
+def test_each_validation_metric_shares_a_panel_with_its_training_twin_and_ppo_shows_its_update():
     assert panels("ppo", PPO_KEYS) == [
-        ("gold", ["ppo/objective/gold", "ppo/val/gold"]),
-        ("score", ["ppo/objective/score", "ppo/val/score"]),
-        ("kl", ["ppo/objective/kl", "ppo/val/kl"]),
-        ("length", ["ppo/response/length", "ppo/val/length"]),
-        ("eos_frac", ["ppo/response/eos_frac", "ppo/val/eos_frac"]),
-        ("loss/total", ["ppo/loss/total"]),
-        ("grad_norm", ["ppo/grad_norm"]),
+        Panel("gold", ["ppo/objective/gold", "ppo/val/gold"]),
+        Panel("score", ["ppo/objective/score", "ppo/val/score"]),
+        Panel("kl", ["ppo/objective/kl", "ppo/val/kl"]),
+        Panel("gold against kl", ["ppo/objective/gold", "ppo/val/gold"], ["ppo/objective/kl", "ppo/val/kl"]),
+        Panel("length", ["ppo/response/length", "ppo/val/length"]),
+        Panel("eos_frac", ["ppo/response/eos_frac", "ppo/val/eos_frac"]),
+        Panel("policy/approx_kl", ["ppo/policy/approx_kl"]),
+        Panel("policy/clipfrac", ["ppo/policy/clipfrac"]),
+        Panel("loss/value", ["ppo/loss/value"]),
+        Panel("value/explained_variance", ["ppo/value/explained_variance"]),
+        Panel("loss/total", ["ppo/loss/total"]),
+        Panel("grad_norm", ["ppo/grad_norm"]),
     ]
+    assert len(panels("ppo", PPO_KEYS | {"ppo/val/pass@1", "ppo/objective/frac_zero_std"})) == MAX_PANELS == 12
     assert x_axis("ppo", PPO_KEYS) == "ppo/iteration"
     assert x_axis("sft", {"sft/loss", "sft/val/loss", "trainer/global_step"}) == "trainer/global_step"
     assert panels("sft", {"sft/loss", "sft/val/loss", "sft/val/perplexity"}) == [
-        ("loss", ["sft/loss", "sft/val/loss"]), ("perplexity", ["sft/val/perplexity"])]
+        ("loss", ["sft/loss", "sft/val/loss"], None), ("perplexity", ["sft/val/perplexity"], None)]
+    assert panels("grpo", {"grpo/val/gold", "grpo/val/gold/sums", "grpo/val/gold/products"}) == [
+        Panel("gold", ["grpo/val/gold"]), Panel("gold per task", ["grpo/val/gold/products", "grpo/val/gold/sums"])]
+    # Training alone (no validation ran): gold against KL from the rollouts' own values.
+    assert panels("ppo", {"ppo/objective/gold", "ppo/objective/kl"}) == [
+        Panel("gold against kl", ["ppo/objective/gold"], ["ppo/objective/kl"]),
+        Panel("objective/gold", ["ppo/objective/gold"]), Panel("objective/kl", ["ppo/objective/kl"])]
+
+
+def arithmetic_grpo_rows() -> list[dict[str, float]]:
+    """What an arithmetic GRPO run logs: the reward is the task's checker, so score and gold are the same numbers
+    (to float rounding); pass@k and maj@k on the held-out problems; the share of groups that all scored alike."""
+    rows = []
+    for i in range(1, 9):
+        solved = 0.1 + 0.05 * i
+        rows.append({"grpo/iteration": i, "grpo/objective/gold": solved, "grpo/objective/score": solved + 1e-9,
+                     "grpo/objective/kl": 0.1 * i, "grpo/objective/frac_zero_std": 0.9 - 0.05 * i,
+                     "grpo/policy/approx_kl": 0.01, "grpo/policy/clipfrac": 0.02, "grpo/loss/total": -0.1,
+                     "grpo/grad_norm": 1.0})
+        if i % 4 == 0:
+            rows.append({"grpo/iteration": i, "grpo/val/gold": solved, "grpo/val/score": solved,
+                         "grpo/val/kl": 0.1 * i, "grpo/val/pass@1": solved, "grpo/val/pass@4": 2 * solved,
+                         "grpo/val/maj@4": 1.5 * solved, "grpo/val/pass@2": 1.5 * solved,
+                         "grpo/val/eos_frac": 1.0})
+    return rows
+
+
+def test_grpo_draws_gold_once_the_passes_together_and_its_zero_std_groups():
+    rows = arithmetic_grpo_rows()
+    keys = {key for row in rows for key in row}
+    chosen = panels("grpo", keys, [rows])  # pass@1 repeats val/gold here, maj@4 pass@2: a group keeps them all
+    assert [panel.title for panel in chosen] == [
+        "gold", "kl", "gold against kl", "eos_frac", "pass@k", "policy/approx_kl", "policy/clipfrac",
+        "objective/frac_zero_std", "loss/total", "grad_norm"]  # no "score": the same curves as gold
+    assert chosen[4].metrics == ["grpo/val/pass@1", "grpo/val/pass@2", "grpo/val/pass@4", "grpo/val/maj@4"]
+    # Without the rows (keys alone) nothing can be known to repeat: score keeps its panel.
+    assert "score" in [panel.title for panel in panels("grpo", keys)]
+    # A score that differs from the gold (a learned reward model) keeps its panel.
+    learned = [{**row, "grpo/objective/score": row["grpo/objective/score"] * 3} if "grpo/objective/score" in row
+               else row for row in rows]
+    assert [panel.title for panel in panels("grpo", keys, [learned])][:2] == ["gold", "score"]
+
+
+def test_shares_are_drawn_on_a_zero_to_one_axis_and_gold_against_kl(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    assert [is_fraction(name) for name in ("grpo/objective/frac_zero_std", "ppo/response/eos_frac",
+                                           "ppo/policy/clipfrac", "rm/val/gold_accuracy", "grpo/val/pass@4",
+                                           "grpo/val/maj@2", "ppo/objective/kl", "ppo/policy/approx_kl")] == [
+        True, True, True, True, True, True, False, False]
+    drawn = []
+    monkeypatch.setattr(Figure, "savefig", lambda figure, *args, **kwargs: drawn.append(figure))
+    rows = arithmetic_grpo_rows()
+    chosen = panels("grpo", {key for row in rows for key in row}, [rows])
+    draw(tmp_path, "grpo", chosen, "grpo/iteration", [rows])
+    axes = {ax.get_title(): ax for ax in drawn[0].axes if ax.get_visible()}
+    assert [title for title, ax in axes.items() if ax.get_ylim() == FRACTION_LIMITS] == [
+        "grpo/eos_frac", "grpo/pass@k", "grpo/policy/clipfrac", "grpo/objective/frac_zero_std"]
+    assert [line.get_label() for line in axes["grpo/pass@k"].get_lines()] == ["pass@1", "pass@2", "pass@4",
+                                                                              "maj@4"]
+    versus = axes["grpo/gold against kl"]
+    assert versus.get_xlabel() == "kl (nats)"
+    training, validation = versus.get_lines()
+    assert list(training.get_xdata()) == pytest.approx([0.1 * i for i in range(1, 9)])
+    assert list(training.get_ydata()) == pytest.approx([0.1 + 0.05 * i for i in range(1, 9)])
+    assert list(validation.get_xdata()) == pytest.approx([0.4, 0.8])
+    assert (training.get_label(), validation.get_label()) == ("training", "validation")
 
 
 def test_a_resumed_run_continues_the_curve():
