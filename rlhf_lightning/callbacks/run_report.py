@@ -1,27 +1,33 @@
 """What a fit says at its start and its end: a warning when it would never validate, and a summary that leads
-with the held-out metrics."""
+with the held-out metrics, gives gold its scale and pass@k its standard error, and repeats the KL spikes."""
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from rlhf_lightning.callbacks.learning_check import LearningCheck
 from rlhf_lightning.callbacks.progress_lines import (
     HIDDEN,
-    ProgressLines,
     duration,
     held_out,
     metric_text,
     unit,
 )
 from rlhf_lightning.callbacks.run_shape import batches_done, validation_problem
+from rlhf_lightning.callbacks.spikes import Spike, SpikeCheck
+
+PASS_AT_K = re.compile(r"/val/(pass|maj)@\d+$")
 
 
 def shown_path(path: str | os.PathLike) -> str:
@@ -34,7 +40,60 @@ def shown_path(path: str | os.PathLike) -> str:
 
 
 def plural(noun: str, count: int) -> str:
+    """``noun`` for one, its plural otherwise."""
     return noun if count == 1 else noun + ("es" if noun.endswith("ch") else "s")
+
+
+def run_name(pl_module: L.LightningModule) -> str:
+    """The name a summary starts with: the module's metric prefix (``ppo``), but the class name for a subclass
+    that inherits its parent's prefix (a researcher's ``MyGRPO`` logging under ``grpo/``), so that its summary is
+    not taken for the parent's; the class name for a module without a prefix."""
+    cls = type(pl_module)
+    prefix = getattr(pl_module, "metric_prefix", None)
+    own = any("metric_prefix" in vars(klass) for klass in cls.__mro__
+              if klass is cls or klass.__module__.split(".")[0] != "rlhf_lightning")
+    return prefix if prefix and (own or cls.__module__.startswith("rlhf_lightning.")) else cls.__name__
+
+
+def gold_scale(at_start: Mapping[str, float], last: Mapping[str, float], responses: int | None) -> str:
+    """``gold scale: ...``: the gold's change measured in standard deviations of the starting policy's held-out
+    gold (``<prefix>/val/gold_std``) when validation logs it, else what is known: the change in the gold
+    reward's own units. Empty without a held-out gold."""
+    gold = next((name for name in last if name.endswith("/val/gold")), None)
+    if gold is None:
+        return ""
+    counted = f"{responses} held-out {plural('response', responses)}" if responses else "the held-out responses"
+    if gold not in at_start:
+        return (f"gold scale: unknown (the starting policy was not validated, so neither its gold over {counted} "
+                "nor the change is known)")
+    change = last[gold] - at_start[gold]
+    spread = at_start.get(f"{gold}_std")
+    if spread is not None and spread > 0:
+        return (f"gold scale: SD {spread:.4g} over the starting policy's {counted} ({gold}_std); the change "
+                f"{change:+.4g} is {change / spread:+.3g} SD")
+    return (f"gold scale: the spread of the gold over {counted} is not logged; the change {change:+.4g} is in the "
+            "gold reward's own units")
+
+
+def pass_at_k_text(last: Mapping[str, float], problems: int | None) -> str:
+    """``pass@k (± binomial standard error over 64 held-out problems): pass@1 0.41 ± 0.061 · ...``: each pass@k
+    and maj@k with ``sqrt(p (1 - p) / n)`` over the ``n`` held-out problems. Empty without pass@k or without the
+    count."""
+    values = {name: value for name, value in last.items() if PASS_AT_K.search(name)}
+    if not values or not problems:
+        return ""
+    errors = " · ".join(f"{name.rsplit('/', 1)[1]} {p:.4g} ± {math.sqrt(max(p * (1 - p), 0.0) / problems):.2g}"
+                        for name, p in values.items())
+    return f"pass@k (± binomial standard error over {problems} held-out {plural('problem', problems)}): {errors}"
+
+
+def spikes_text(name: str, unit_name: str, spikes: Sequence[Spike]) -> str:
+    """``[ppo] KL spikes: iteration 15: ppo/objective/kl 24 against 1.9 ± 0.75 · ...; iteration 40: ...``."""
+    at: dict[int, list[Spike]] = {}
+    for spike in spikes:
+        at.setdefault(spike.at, []).append(spike)
+    return f"[{name}] KL spikes: " + "; ".join(f"{unit_name} {batch}: " + " · ".join(s.text() for s in found)
+                                               for batch, found in at.items())
 
 
 class RunReport(Callback):
@@ -46,13 +105,20 @@ class RunReport(Callback):
         [ppo] fit ended: 96 iterations, 384 optimizer steps, 27m12s
           held-out (validation after iteration 96): ppo/val/gold 1.967 · ppo/val/kl 7.84 · ppo/val/score 2.1 · ...
           change (iteration 0 → 96): ppo/val/gold -0.08 → 1.967 · ppo/val/kl 0 → 7.84 · ...
+          gold scale: SD 0.81 over the starting policy's 64 held-out responses (ppo/val/gold_std); the change ...
+          pass@k (± binomial standard error over 64 held-out problems): pass@1 0.41 ± 0.061 · ...   (with pass@k)
           [ppo] not learning: ...   (only when LearningCheck saw a stall)
+          [ppo] KL spikes: iteration 15: ppo/objective/kl 24 against 1.9 ± 0.75 · ...   (when SpikeCheck saw one)
           training (last iteration): gold 2.14 · kl 8.01 · reward 3.2
           run folder: outputs/ppo · checkpoints: outputs/ppo/checkpoints · exports: outputs/ppo/export
 
     The change line compares with the validation before the first update (see
     :class:`~rlhf_lightning.callbacks.ValidateAtStart`); its values are kept in checkpoints, so a resumed fit
-    prints it too. Paths are relative to the working directory when they lie under it.
+    prints it too. The gold's change is measured in standard deviations of the starting policy's held-out gold
+    when validation logs ``<prefix>/val/gold_std``, in the gold's own units otherwise; pass@k and maj@k get the
+    binomial standard error ``sqrt(p (1 - p) / n)`` over the ``n`` held-out problems. A subclass that keeps its
+    parent's metric prefix is named by its class (``[MyGRPO] fit ended``). Paths are relative to the working
+    directory when they lie under it.
 
     The CLI adds it to every fit and prints the summary once the loggers have finished (W&B prints its own
     summary then), so that it is the last thing a run says.
@@ -69,10 +135,13 @@ class RunReport(Callback):
         self._held_out: dict[str, float] = {}
         self._validated_after: int | None = None
         self.at_start: dict[str, float] = {}  # the held-out metrics of the starting policy (kept in checkpoints)
+        self.fit_seconds: float | None = None  # the fit's wall time, once it ended (the model card reads it)
+        self.held_out_prompts: int | None = None  # the prompts (problems) the last validation sampled, all ranks
+        self._prompts = 0
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._started = time.monotonic()
-        self._held_out, self._validated_after = {}, None
+        self._held_out, self._validated_after, self.fit_seconds = {}, None, None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self.at_start = {}  # before a checkpoint's state is loaded: a resumed fit then takes its checkpoint's
@@ -88,15 +157,28 @@ class RunReport(Callback):
         if problem:
             rank_zero_warn(problem)
 
+    def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._prompts = 0
+
+    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        # The on-policy modules' held-out batches are prompt batches: one problem per prompt for pass@k.
+        if isinstance(batch, Mapping) and isinstance(batch.get("prompt"), list | tuple):
+            self._prompts += len(batch["prompt"])
+
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking or trainer.state.fn != "fit":
             return
+        # Every rank counted its share (a collective: every rank is here).
+        self.held_out_prompts = int(trainer.strategy.reduce(
+            torch.tensor(float(self._prompts), device=pl_module.device), reduce_op="sum"))
         self._held_out = held_out(trainer.callback_metrics)
         self._validated_after = batches_done(trainer)
         if self._validated_after == 0:
             self.at_start = dict(self._held_out)
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.fit_seconds = time.monotonic() - self._started
         if not trainer.is_global_zero:
             return
         self.summary_text = self.summary(trainer, pl_module)
@@ -107,14 +189,18 @@ class RunReport(Callback):
         """The end-of-fit summary (see the class)."""
         name = unit(pl_module)
         done = batches_done(trainer)
-        lines = [f"[{ProgressLines.prefix(pl_module)}] fit ended: {done} {plural(name, done)}, "
-                 f"{trainer.global_step} optimizer steps, {duration(time.monotonic() - self._started)}"]
+        seconds = self.fit_seconds if self.fit_seconds is not None else time.monotonic() - self._started
+        lines = [f"[{run_name(pl_module)}] fit ended: {done} {plural(name, done)}, "
+                 f"{trainer.global_step} optimizer steps, {duration(seconds)}"]
         if self._held_out:
             lines.append(f"  held-out (validation after {name} {self._validated_after}): "
                          f"{metric_text(self._held_out)}")
             change = self.change_text()
             if change:
                 lines.append(f"  change ({name} 0 → {self._validated_after}): {change}")
+            scale = gold_scale(self.at_start, self._held_out, self.held_out_prompts)
+            errors = pass_at_k_text(self._held_out, self.held_out_prompts)
+            lines += [f"  {text}" for text in (scale, errors) if text]
         else:
             reason = validation_problem(trainer) or ("trainer.limit_val_batches=0 or no validation data"
                                                      if not trainer.enable_validation
@@ -123,6 +209,8 @@ class RunReport(Callback):
         for check in trainer.callbacks:
             if isinstance(check, LearningCheck):
                 lines += [f"  {check.message(pl_module, stall)}" for stall in check.stalls]
+            if isinstance(check, SpikeCheck) and check.spikes:
+                lines.append(f"  {spikes_text(run_name(pl_module), name, check.spikes)}")
         training = {key: value for key, value in trainer.progress_bar_metrics.items()
                     if key not in HIDDEN and "/val/" not in key}
         if training:

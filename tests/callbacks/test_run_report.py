@@ -315,3 +315,101 @@ def test_under_gradient_accumulation_the_stall_spans_the_batches_it_took(tmp_pat
     restored = LearningCheck()
     restored.load_state_dict(check.state_dict())  # what a checkpoint keeps
     assert restored.stalls == check.stalls
+
+
+class Solver(L.LightningModule):
+    """A module whose held-out batches are prompt batches, as the on-policy modules': its validation after the
+    k-th training batch logs the gold ``GOLD[k]`` (with ``toy/val/gold_std`` when ``spread``), pass@1, pass@4 and
+    maj@4; training batches are iterations (manual optimization)."""
+
+    metric_prefix = "toy"
+    GOLD = [0.2, 0.5, 0.8]
+
+    def __init__(self, spread: bool = True, problems: int = 40) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.layer = torch.nn.Linear(1, 1)
+        self.spread, self.problems = spread, problems
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        self.manual_backward(self.layer(batch).sum())
+        optimizer.step()
+
+    def validation_step(self, batch, batch_idx):
+        pass
+
+    def on_validation_epoch_end(self) -> None:
+        gold = self.GOLD[self.trainer.fit_loop.epoch_loop.batch_progress.total.processed]
+        self.log_dict({"toy/val/gold": gold, "toy/val/pass@1": 0.5 * gold, "toy/val/pass@4": gold,
+                       "toy/val/maj@4": 0.9 * gold, **({"toy/val/gold_std": 0.5} if self.spread else {})})
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.ones(2, 1), batch_size=1)
+
+    def val_dataloader(self):
+        prompts = [f"problem {i}" for i in range(self.problems)]
+        return torch.utils.data.DataLoader(prompts, batch_size=16, collate_fn=lambda rows: {"prompt": rows})
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def solver_summary(module: L.LightningModule, tmp_path) -> list[str]:
+    from rlhf_lightning.callbacks import ValidateAtStart
+
+    report = RunReport(print_at_fit_end=False)
+    trainer = L.Trainer(max_steps=2, val_check_interval=2, check_val_every_n_epoch=None, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        default_root_dir=tmp_path, callbacks=[ValidateAtStart(), report])
+    trainer.fit(module)
+    assert report.held_out_prompts == module.problems and report.fit_seconds is not None
+    return report.summary_text.splitlines()
+
+
+def test_the_summary_gives_gold_its_scale_and_pass_at_k_its_standard_error(tmp_path):
+    lines = solver_summary(Solver(), tmp_path)
+    assert lines[0].startswith("[toy] fit ended: 2 iterations, 2 optimizer steps, ")
+    assert lines[3] == ("  gold scale: SD 0.5 over the starting policy's 40 held-out responses (toy/val/gold_std); "
+                        "the change +0.6 is +1.2 SD")
+    # sqrt(p (1 - p) / 40): maj@4 0.72 -> 0.071, pass@1 0.4 -> 0.077, pass@4 0.8 -> 0.063
+    assert lines[4] == ("  pass@k (± binomial standard error over 40 held-out problems): maj@4 0.72 ± 0.071 · "
+                        "pass@1 0.4 ± 0.077 · pass@4 0.8 ± 0.063")
+
+
+def test_without_the_gold_spread_the_summary_says_what_is_known(tmp_path):
+    lines = solver_summary(Solver(spread=False, problems=1), tmp_path)
+    assert lines[3] == ("  gold scale: the spread of the gold over 1 held-out response is not logged; the change "
+                        "+0.6 is in the gold reward's own units")
+    assert lines[4].startswith("  pass@k (± binomial standard error over 1 held-out problem): maj@4 0.72 ± 0.45 · ")
+
+
+def test_a_subclass_is_named_by_its_own_prefix_or_else_its_class():
+    from rlhf_lightning.callbacks.run_report import run_name
+
+    class MyGRPO(GRPO):  # a researcher's variant that keeps GRPO's metric names
+        pass
+
+    class TheirGRPO(GRPO):
+        metric_prefix = "their_grpo"
+
+    class Deeper(TheirGRPO):
+        pass
+
+    make = object.__new__  # the name reads the class only: no model is built
+    assert [run_name(make(cls)) for cls in (GRPO, MyGRPO, TheirGRPO, Deeper, ZeroGradient)] == [
+        "grpo", "MyGRPO", "their_grpo", "their_grpo", "ZeroGradient"]
+
+
+def test_the_summary_repeats_the_kl_spikes(tmp_path):
+    from rlhf_lightning.callbacks import SpikeCheck
+    from tests.callbacks.test_spikes import APPROX_KL, KL, Iterations
+
+    check, report = SpikeCheck(), RunReport(print_at_fit_end=False)
+    trainer = L.Trainer(max_steps=len(KL), logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False, default_root_dir=tmp_path, callbacks=[check, report])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(Iterations(KL, APPROX_KL))
+    assert "  [toy] KL spikes: iteration 15: toy/objective/kl 24 against 1.9 ± 0.75 · toy/policy/approx_kl 0.48 " \
+           "against 0.02 ± 0.001\n" in report.summary_text
