@@ -1,21 +1,38 @@
-"""``python -m rlhf_lightning merge``: fold a LoRA adapter into its base and write a standalone model."""
+"""``python -m rlhf_lightning merge``: fold a LoRA adapter into its base and write a standalone model, with a model
+card that says what was merged."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from rlhf_lightning.cli.model_card import CARD, merge_card
 from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer, looks_local
 from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.models.spec import BaseModelSpec
 
 
-def merge_adapter(adapter: str | Path, out: str | Path, base: str | None = None) -> Path:
-    """Write ``base`` with the adapter in ``adapter`` merged in, plus the tokenizer, as a transformers folder.
+def readable_as_umask_allows(folder: str | Path) -> None:
+    """Give the files under ``folder`` the permissions a new file gets (``0o666`` less the umask, as ``open``
+    gives): safetensors writes its files ``0o600``, which another user of a shared machine (a serving account)
+    cannot read."""
+    mask = os.umask(0)
+    os.umask(mask)  # read without changing it: umask can only be read by setting it
+    for path in Path(folder).rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            path.chmod(0o666 & ~mask)
 
-    ``base`` defaults to the base model recorded in the adapter's ``adapter_config.json``.
+
+def merge_adapter(adapter: str | Path, out: str | Path, base: str | None = None,
+                  argv: Sequence[str] | None = None) -> Path:
+    """Write ``base`` with the adapter in ``adapter`` merged in, plus the tokenizer and a model card, as a
+    transformers folder; returns it.
+
+    ``base`` defaults to the base model recorded in the adapter's ``adapter_config.json``; ``argv``: the command's
+    arguments for the card (default: ``merge --adapter ADAPTER --out OUT``, with ``--base`` when given).
     """
     adapter = Path(adapter)
     config_path = adapter / "adapter_config.json"
@@ -31,17 +48,23 @@ def merge_adapter(adapter: str | Path, out: str | Path, base: str | None = None)
                 f"the adapter {adapter} records its base as {recorded} ({where}not a folder from here): give the "
                 "base with --base PATH (the model the adapter was trained on, e.g. the SFT stage's export)")
         base = recorded
+    if argv is None:
+        argv = ["merge", "--adapter", str(adapter), "--out", str(out), *(["--base", base] if base != recorded else [])]
     spec = BaseModelSpec(name_or_path=base)
     tokenizer = load_tokenizer(spec)
     shared = SharedBase(load_causal_lm(spec, tokenizer))
     shared.load_adapter(adapter, "merged")
-    return shared.save_merged("merged", out, tokenizer)
+    folder = shared.save_merged("merged", out, tokenizer)
+    (folder / CARD).write_text(merge_card(adapter, base, argv))
+    readable_as_umask_allows(folder)
+    return folder
 
 
 def main(args: Sequence[str]) -> None:
+    """``python -m rlhf_lightning merge --adapter ADAPTER --out OUT [--base BASE]``: print the merged folder."""
     parser = argparse.ArgumentParser(prog="python -m rlhf_lightning merge", description=__doc__)
     parser.add_argument("--adapter", required=True, help="peft adapter folder, e.g. outputs/ppo/adapters/policy")
     parser.add_argument("--out", required=True, help="folder for the merged transformers model")
     parser.add_argument("--base", default=None, help="base model (default: the adapter's recorded base)")
     options = parser.parse_args(list(args))
-    print(merge_adapter(options.adapter, options.out, options.base))
+    print(merge_adapter(options.adapter, options.out, options.base, ["merge", *args]))

@@ -90,7 +90,8 @@ def test_tiny_sft_then_reward_run_end_to_end_with_wandb_logs(tmp_path, capsys):
     assert "adapters here: `reward/`" in card and "- **Data**: `rlhf_lightning.PreferenceDataModule` (" in card
     assert f"- **Command**: `python -m rlhf_lightning fit --config {REPO / 'configs/reward.yaml'} " in card
     assert re.search(r"- \*\*Result\*\* \(the last validation\): rm/val/accuracy [\d.]+ · ", card)
-    assert re.search(r"- \*\*Change from the starting policy\*\*: rm/val/accuracy [\d.]+ → [\d.]+ · ", card)
+    assert re.search(r"- \*\*Change from the untrained head \(its validation before the first step\)\*\*: "
+                     r"rm/val/accuracy [\d.]+ → [\d.]+ · ", card)  # a reward model has no starting policy
     assert "- **Stage**: `rlhf_lightning.SFT`, 6 batches" in (tmp_path / "outputs/sft/model/README.md").read_text()
     config = read_config(find_run_file(tmp_path / "outputs/reward"))["cli"]
     assert config["model"]["class_path"] == "rlhf_lightning.RewardModel"
