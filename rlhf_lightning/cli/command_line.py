@@ -45,6 +45,7 @@ from rlhf_lightning.runs.plots import plot_run
 from rlhf_lightning.runs.resume import (
     class_mismatch,
     differences_warning,
+    finished_run,
     hparam_differences,
     import_class,
     load_for_comparison,
@@ -142,8 +143,9 @@ class RLHFCLI(LightningCLI):
         if ckpt_path and str(ckpt_path) not in SPECIAL_CKPT_PATHS:
             self.check_checkpoint_against_config(subcommand, ckpt_path)
 
-    def check_checkpoint_against_config(self, subcommand: str, ckpt_path: str) -> None:
-        """Refuse a checkpoint of another module class; warn with the list of model arguments that differ."""
+    def check_checkpoint_against_config(self, subcommand: str, ckpt_path: str) -> dict[str, Any]:
+        """Refuse a checkpoint of another module class; warn with the list of model arguments that differ; the
+        checkpoint (memory-mapped)."""
         model = self.resolved_config(subcommand).get("model") or {}
         model_class = import_class(model.get("class_path", ""))
         checkpoint = load_for_comparison(ckpt_path)
@@ -155,6 +157,7 @@ class RLHFCLI(LightningCLI):
         message = differences_warning(ckpt_path, hparam_differences(saved, model.get("init_args") or {}))
         if message:
             rank_zero_warn(message)
+        return checkpoint
 
     def resolved_config(self, subcommand: str) -> dict[str, Any]:
         """The subcommand's config as the run saves it (every default filled in), as plain YAML data."""
@@ -163,15 +166,23 @@ class RLHFCLI(LightningCLI):
     def _run_subcommand(self, subcommand: str) -> None:
         check_parallel_sizes(self.trainer)  # before Lightning starts the other processes
         ckpt_path = self.config_init[subcommand].get("ckpt_path")
+        checkpoint = None
         if ckpt_path == "last":
             resolved = self.trainer._checkpoint_connector._parse_ckpt_path(
                 TrainerFn(subcommand), "last", model_provided=True, model_connected=False)
             if resolved:
-                self.check_checkpoint_against_config(subcommand, str(resolved))
+                checkpoint = self.check_checkpoint_against_config(subcommand, str(resolved))
             elif subcommand == "fit":
                 refuse_resume_without_checkpoint(self.trainer, export_path(self.trainer, getattr(
                     self.model, "hparams", {}).get("export_dir")))
             self.config_init[subcommand]["ckpt_path"] = ckpt_path = resolved  # resolved once: one warning, one file
+        if subcommand == "fit" and ckpt_path and str(ckpt_path) not in SPECIAL_CKPT_PATHS:
+            checkpoint = checkpoint or load_for_comparison(ckpt_path)
+            done = finished_run(checkpoint, self.trainer.max_epochs, self.trainer.max_steps)
+            if done:  # a fit would re-export, rewrite the model card without its results and start an empty run
+                print(f"nothing to train: checkpoint {shown_path(Path(ckpt_path))} is of a finished run ({done}); raise "
+                      "trainer.max_epochs or trainer.max_steps to train further", flush=True)
+                return
         if subcommand == "fit" and not ckpt_path:
             # Before the model is built: a fresh run must not write over another run's exports or checkpoints.
             refuse_overwrite(self.trainer, export_path(self.trainer, getattr(self.model, "hparams", {}).get(

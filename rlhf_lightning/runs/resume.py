@@ -114,3 +114,16 @@ def differences_warning(ckpt_path: str | Path, lines: list[str]) -> str:
         return ""
     return (f"checkpoint {ckpt_path} was saved with other model arguments than the config; the config's are used "
             f"(outputs go where the config says):\n  " + "\n  ".join(lines))
+
+
+def finished_run(checkpoint: dict[str, Any], max_epochs: int | None, max_steps: int) -> str | None:
+    """Why the run saved in ``checkpoint`` has nothing left to train under these bounds (Lightning's: either one
+    stops a fit), as a short text; None when a fit from it would train."""
+    steps = int(checkpoint.get("global_step", 0))
+    fit_loop = (checkpoint.get("loops") or {}).get("fit_loop") or {}
+    epochs = int(((fit_loop.get("epoch_progress") or {}).get("total") or {}).get("completed", 0))
+    if max_steps is not None and max_steps >= 0 and steps >= max_steps:
+        return f"trainer.max_steps={max_steps} reached after {steps} optimizer step{'s' if steps != 1 else ''}"
+    if max_epochs is not None and max_epochs >= 0 and epochs >= max_epochs:
+        return f"trainer.max_epochs={max_epochs} reached after {epochs} epoch{'s' if epochs != 1 else ''}"
+    return None

@@ -102,3 +102,21 @@ def test_resuming_a_run_folder_that_holds_a_run_but_no_checkpoint_is_refused(tin
     assert not (run_folder / "checkpoints").exists()
     main(sft_arguments(tiny_model_dir, "--ckpt_path=last", "--trainer.default_root_dir=outputs/fresh"))
     assert sorted(path.name for path in Path("outputs/fresh/checkpoints").iterdir()) == ["last.ckpt"]
+
+
+def test_resuming_a_finished_run_trains_nothing_and_leaves_its_files_alone(tiny_model_dir, capsys):
+    """``--ckpt_path last`` on a run that reached its bounds (what the 'already holds a run' error recommends):
+    one line, no fit, the exports and their model card as they were, no new W&B run."""
+    arguments = sft_arguments(tiny_model_dir, "--trainer.logger=rlhf_lightning.cli.loggers.WandbLogger",
+                              "--trainer.logger.init_args.offline=true")
+    main(arguments)
+    run_folder = Path("outputs/sft")
+    card = (run_folder / "model" / "README.md").read_text()
+    before = {path: path.stat().st_mtime_ns for path in run_folder.rglob("*") if path.is_file()}
+    capsys.readouterr()
+    main([*arguments, "--ckpt_path=last"])
+    assert capsys.readouterr().out == (
+        f"nothing to train: checkpoint {run_folder / 'checkpoints' / 'last.ckpt'} is of a finished run "
+        "(trainer.max_steps=1 reached after 1 optimizer step); raise trainer.max_epochs or trainer.max_steps to train further\n")
+    assert {path: path.stat().st_mtime_ns for path in run_folder.rglob("*") if path.is_file()} == before
+    assert (run_folder / "model" / "README.md").read_text() == card
