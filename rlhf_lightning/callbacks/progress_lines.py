@@ -53,11 +53,14 @@ class ProgressLines(Callback):
     """Progress as plain lines on standard output, at most one every ``every_seconds`` (the first and the last
     training batch always), and one after each validation with its held-out metrics::
 
-        [ppo] iteration 12/96 · epoch 1/3 · step 48 · 3m05s · 15.4 s/iteration · 21m33s left · reward 1.23 · kl 4.51
+        [ppo] iteration 1/96 · epoch 1/3 · step 4 · 41s · 07:02:11 · first iteration 41s (warm-up) · reward ...
+        [ppo] iteration 12/96 · epoch 1/3 · step 48 · 3m05s · 07:04:35 · 13.0 s/iteration · 18m12s left · reward ...
         [ppo] validation after iteration 16: ppo/val/eos_frac 1 · ppo/val/gold 1.31 · ppo/val/kl 8.68 · ...
 
-    The time per iteration (or batch) is that of the last ``window`` ones, so a slowdown shows at once; the time
-    left is the work left at that rate (validations not included), when the run's length is known. The metrics
+    Each progress line says the time of day it was printed. The time per iteration (or batch) is that of the last
+    ``window`` ones, so a slowdown shows at once, and never counts this process's first one, whose warm-up (loading,
+    compiling, caches) would inflate the time left several-fold; the time left is the work left at that rate
+    (validations not included), when the run's length is known. The metrics
     are those a progress bar would show (the main ones: reward, KL and gold for the on-policy algorithms, loss and
     accuracy for the offline stages). Printed by rank 0 only.
 
@@ -80,8 +83,7 @@ class ProgressLines(Callback):
         self._started = time.monotonic()
         self._last_line = -math.inf
         self._first_batch = batches_done(trainer)  # resumed runs: the rate counts this process's batches
-        self._recent.clear()
-        self._recent.append((self._started, self._first_batch, trainer.global_step))
+        self._recent.clear()  # from the end of the first batch on: the steady state
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -111,8 +113,11 @@ class ProgressLines(Callback):
             parts.append(f"epoch {trainer.current_epoch + 1}/{trainer.max_epochs}")
         parts.append(f"step {trainer.global_step}" + (f"/{trainer.max_steps}" if step_bounded(trainer) else ""))
         parts.append(duration(now - self._started))
+        parts.append(time.strftime("%H:%M:%S"))
         (then, batches_then, steps_then), (_, _, steps_now) = self._recent[0], self._recent[-1]
-        if done > batches_then:
+        if done == self._first_batch + 1:
+            parts.append(f"first {name} {duration(now - self._started)} (warm-up)")
+        elif done > batches_then:
             per_batch = (now - then) / (done - batches_then)
             parts.append(f"{per_batch:.3g} s/{name}")
             if total is not None:

@@ -58,6 +58,7 @@ from rlhf_lightning.runs.run_folder import (
     refuse_unwritable,
 )
 from rlhf_lightning.utils.atomic_io import CheckpointError
+from rlhf_lightning.utils.machine import busy_machine_warning
 
 # `ckpt_path` values that Lightning resolves itself rather than naming a file.
 SPECIAL_CKPT_PATHS = ("last", "best", "hpc")
@@ -165,6 +166,9 @@ class RLHFCLI(LightningCLI):
 
     def _run_subcommand(self, subcommand: str) -> None:
         check_parallel_sizes(self.trainer)  # before Lightning starts the other processes
+        busy = busy_machine_warning() if subcommand == "fit" else None
+        if busy:
+            rank_zero_warn(busy)
         ckpt_path = self.config_init[subcommand].get("ckpt_path")
         checkpoint = None
         if ckpt_path == "last":

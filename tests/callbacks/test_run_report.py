@@ -51,7 +51,9 @@ def test_a_cli_fit_prints_progress_lines_and_a_summary_led_by_held_out_metrics(c
     progress = [line for line in lines if line.startswith("[sft] batch ")]
     # every_seconds 60: the first and the last batch (this run takes a few seconds)
     assert [line.split(" · ")[0] for line in progress] == ["[sft] batch 1", "[sft] batch 6"]
-    assert re.search(r" · step 6/6 · \d+s · [\d.]+ s/batch · 0s left · sft/loss [\d.]+$", progress[-1]), progress[-1]
+    assert re.search(r" · step 6/6 · \d+s · \d\d:\d\d:\d\d · [\d.]+ s/batch · 0s left · sft/loss [\d.]+$",
+                     progress[-1]), progress[-1]
+    assert re.search(r" · step 1/6 · \d+s · \d\d:\d\d:\d\d · first batch \d+s \(warm-up\) · sft/loss", progress[0])
     validations = [line for line in lines if line.startswith("[sft] validation after batch ")]
     # the starting policy's validation first (ValidateAtStart), then every 3 batches
     assert [line.split(":")[0] for line in validations] == ["[sft] validation after batch 0",
@@ -159,8 +161,10 @@ def test_progress_lines_time_the_recent_batches_and_say_the_time_left(tmp_path, 
                         callbacks=[SlowLater(), ProgressLines(every_seconds=0, window=2)])
     trainer.fit(BoringModel())
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[BoringModel] batch ")]
+    assert "(warm-up)" in lines[0] and " left" not in lines[0]  # the first batch: no rate yet
+    lines = lines[1:]
     rates = [float(re.search(r" ([\d.e-]+) s/batch", line).group(1)) for line in lines]
-    assert max(rates[:5]) < 0.1 and min(rates[-2:]) >= 0.2  # the slowdown shows at once, not diluted by the start
+    assert max(rates[:4]) < 0.1 and min(rates[-2:]) >= 0.2  # the slowdown shows at once, not diluted by the start
     left = [re.search(r" · (\w+) left", line).group(1) for line in lines]
     assert left[-1] == "0s" and left[-3] in ("0s", "1s")  # batch 6: two batches left at ~0.2 s each
 
