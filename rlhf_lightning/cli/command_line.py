@@ -25,6 +25,7 @@ from rlhf_lightning.callbacks.preemption import Preemption
 from rlhf_lightning.callbacks.progress import default_progress_bar
 from rlhf_lightning.callbacks.progress_lines import ProgressLines
 from rlhf_lightning.callbacks.run_report import RunReport, shown_path
+from rlhf_lightning.callbacks.spikes import SpikeCheck
 from rlhf_lightning.callbacks.validate_at_start import ValidateAtStart
 from rlhf_lightning.cli.errors import (
     condense_parser_error,
@@ -135,6 +136,7 @@ class RLHFCLI(LightningCLI):
         # Callbacks every fit gets, set from the top level (``--validate_at_start.enabled false``).
         parser.add_lightning_class_args(ValidateAtStart, "validate_at_start")
         parser.add_lightning_class_args(LearningCheck, "not_learning")
+        parser.add_lightning_class_args(SpikeCheck, "spikes")
 
     def _parse_ckpt_path(self) -> None:
         # LightningCLI would load the checkpoint's hyper-parameters into the config here. The config wins;
@@ -202,7 +204,8 @@ class RLHFCLI(LightningCLI):
             if export is not None and Path(export).is_dir():
                 problem = after_the_fit(lambda: write_model_card(
                     self.trainer, self.model, self.argv, reports[0].change_text() if reports else "",
-                    (self.resolved_config(subcommand).get("data") or {}).get("init_args")))
+                    (self.resolved_config(subcommand).get("data") or {}).get("init_args"),
+                    (self.resolved_config(subcommand).get("model") or {}).get("init_args")))
                 if problem:
                     print(f"  model card: not written ({problem})", flush=True)
             paths: list[Path] = []
@@ -211,7 +214,7 @@ class RLHFCLI(LightningCLI):
             print(f"  plots: {f'none ({problem})' if problem else drawn}", flush=True)
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> L.Trainer:
-        # A callback of the top-level groups (validate_at_start, not_learning) that the config also lists in
+        # A callback of the top-level groups (validate_at_start, not_learning, spikes) that the config also lists in
         # trainer.callbacks is the config's: once.
         configured = list(config.get("callbacks") or [])
         if config.get("enable_checkpointing") is False:  # Lightning would refuse the config's checkpoint callbacks
@@ -221,7 +224,7 @@ class RLHFCLI(LightningCLI):
                 warnings.warn(f"trainer.enable_checkpointing=false: the config's checkpoint callbacks "
                               f"({', '.join(left_out)}) are left out; this run writes no checkpoint", UserWarning,
                               stacklevel=1)
-        callbacks = [c for c in callbacks if not (isinstance(c, ValidateAtStart | LearningCheck)
+        callbacks = [c for c in callbacks if not (isinstance(c, ValidateAtStart | LearningCheck | SpikeCheck)
                                                   and any(isinstance(o, type(c)) for o in configured))]
         listed = configured + list(callbacks)
 
