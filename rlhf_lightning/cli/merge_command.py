@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -13,17 +12,7 @@ from rlhf_lightning.cli.model_card import CARD, merge_card
 from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer, looks_local
 from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.models.spec import BaseModelSpec
-
-
-def readable_as_umask_allows(folder: str | Path) -> None:
-    """Give the files under ``folder`` the permissions a new file gets (``0o666`` less the umask, as ``open``
-    gives): safetensors writes its files ``0o600``, which another user of a shared machine (a serving account)
-    cannot read."""
-    mask = os.umask(0)
-    os.umask(mask)  # read without changing it: umask can only be read by setting it
-    for path in Path(folder).rglob("*"):
-        if path.is_file() and not path.is_symlink():
-            path.chmod(0o666 & ~mask)
+from rlhf_lightning.utils.file_modes import readable_as_umask_allows
 
 
 def merge_adapter(adapter: str | Path, out: str | Path, base: str | None = None,

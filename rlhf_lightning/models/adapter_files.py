@@ -13,6 +13,7 @@ from rlhf_lightning.models.fingerprint import write_base_record
 from rlhf_lightning.models.heads import ScalarHead
 from rlhf_lightning.models.merging import adapter_of, merged_state_dict
 from rlhf_lightning.models.sharding import full_tensor
+from rlhf_lightning.utils.file_modes import readable_as_umask_allows
 from rlhf_lightning.utils.nonfinite import check_finite_weights
 
 
@@ -71,6 +72,7 @@ class AdapterFiles:
             ScalarHead.save_state(adapter_dir, head, self.heads[name].hidden_size)
         if self.base_fingerprint is not None:
             write_base_record(adapter_dir, self.hf_model.config.name_or_path, self.base_fingerprint)
+        readable_as_umask_allows(adapter_dir)
         return adapter_dir
 
     def save_merged(self, adapter: str | None, directory: str | Path, tokenizer=None, write: bool = True) -> Path:
@@ -86,4 +88,5 @@ class AdapterFiles:
         self.hf_model.save_pretrained(directory, state_dict=state)
         if tokenizer is not None:
             tokenizer.save_pretrained(directory)
+        readable_as_umask_allows(directory)
         return directory

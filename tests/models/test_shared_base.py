@@ -204,3 +204,20 @@ def test_copy_adapter_copies_weights_and_head(shared):
     ids, mask = _inputs()
     last = torch.full((3,), 7)
     assert torch.equal(shared.score("critic", ids, mask, last), shared.score("reward", ids, mask, last))
+
+
+def test_exported_files_are_readable_as_the_umask_allows(shared, tmp_path):
+    """safetensors writes 0o600; a colleague on a shared cluster must be able to read an export (0o644 under the
+    usual umask 022, 0o640 under 027)."""
+    import os
+
+    for mask, mode in ((0o022, 0o644), (0o027, 0o640)):
+        previous = os.umask(mask)
+        try:
+            adapter = shared.save_adapter("critic", tmp_path / f"adapter-{mask:o}")
+            merged = shared.save_merged("critic", tmp_path / f"merged-{mask:o}")
+        finally:
+            os.umask(previous)
+        files = [path for folder in (adapter, merged) for path in folder.rglob("*") if path.is_file()]
+        assert {path.suffix for path in files} >= {".safetensors", ".json"}
+        assert {path.name: path.stat().st_mode & 0o777 for path in files} == {path.name: mode for path in files}
