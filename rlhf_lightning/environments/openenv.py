@@ -24,10 +24,9 @@ import functools
 import json
 import urllib.request
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlhf_lightning.environments.environment import Environment, Message, Step
-from rlhf_lightning.environments.openenv_server import StartedServer, started_server
 from rlhf_lightning.environments.openenv_sessions import LocalSession, RemoteSession, Result
 from rlhf_lightning.environments.openenv_support import (
     OpenEnvError,
@@ -45,6 +44,9 @@ from rlhf_lightning.environments.openenv_support import (
     validation_text,
 )
 
+if TYPE_CHECKING:
+    from rlhf_lightning.environments.openenv_server import StartedServer
+
 
 class _Source:
     """Where an adapter's sessions come from, resolved once per configuration (episodes make the adapter anew each
@@ -55,6 +57,9 @@ class _Source:
                  mcp_tools: bool, timeout: float) -> None:
         require_openenv("OpenEnvEnvironment")
         from openenv.core.generic_client import GenericEnvClient
+
+        # imported here: `python -m rlhf_lightning.environments.openenv_server` imports this package first
+        from rlhf_lightning.environments.openenv_server import started_server
 
         self.timeout, self.mcp_tools, self.env_args = timeout, mcp_tools, env_args
         self.env_class = import_object(env, "OpenEnvEnvironment env") if env is not None else None

@@ -147,7 +147,9 @@ class StartedServer:
 
     def explain(self, error: OpenEnvError) -> OpenEnvError:
         """``error``, with the server's exit and log when it is no longer running."""
-        if self.process.poll() is None:
+        try:  # a server that crashed closes its sockets a moment before its exit can be seen
+            self.process.wait(1.0)
+        except subprocess.TimeoutExpired:
             return error
         return OpenEnvError(f"{error}; {self.exited()}")
 

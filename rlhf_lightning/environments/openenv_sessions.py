@@ -69,7 +69,7 @@ def _checked_observation(observation: Any, what: str) -> Result:
     try:
         type(observation).model_validate(observation.model_dump())
     except ValidationError as error:
-        raise OpenEnvError(f"{what} returned a {type(observation).__name__} that does not validate: "
+        raise OpenEnvError(f"{what} returned an observation ({type(observation).__name__}) that does not validate: "
                            f"{validation_text(error)}") from None
     return Result(as_dict(observation, what), observation.reward, observation.done)
 
@@ -173,7 +173,7 @@ class RemoteSession:
             found = _SERVER_ERROR.match(str(error))
             if found is None:
                 raise OpenEnvError(f"{where}: {what} failed: {error}") from None
-            message, code = found.group(1).replace("\n", " "), found.group(2)
+            message, code = found.group(1).replace("\n", " ").rstrip(". "), found.group(2)
             raise _ServerRefusal(code, f"{where} refused {what} ({code}): {message}") from None
 
     def reset(self, seed: int) -> Result:

@@ -122,7 +122,7 @@ def test_faults_in_the_process_are_one_line():
     assert time.monotonic() - start < 5
     bad = OpenEnvEnvironment(env=ECHO)
     bad.reset({"prompt": "p"})
-    raises_one_line(lambda: bad.step(turn("invalid")), "returned a EchoObservation that does not validate", "message")
+    raises_one_line(lambda: bad.step(turn("invalid")), "returned an observation (EchoObservation) that does not validate", "message")
     pair = OpenEnvEnvironment(env=ECHO, action="tests.environments.openenv_envs.PairAction", text_field="message")
     pair.reset({"prompt": "p"})
     raises_one_line(lambda: pair.step(turn("hi")), "the action PairAction does not validate", "volume")
