@@ -27,12 +27,14 @@ from rlhf_lightning.callbacks.progress_lines import ProgressLines
 from rlhf_lightning.callbacks.run_report import RunReport, shown_path
 from rlhf_lightning.callbacks.spikes import SpikeCheck
 from rlhf_lightning.callbacks.validate_at_start import ValidateAtStart
+from rlhf_lightning.cli.config_keys import not_accepted_line
 from rlhf_lightning.cli.errors import (
     condense_parser_error,
     config_file_problem,
     config_files,
     error_message,
     one_line,
+    suggestion,
     user_error,
     want_traceback,
 )
@@ -92,10 +94,13 @@ class OneLineArgumentParser(LightningArgumentParser):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
+    config_files: list[str] = []  # the command's --config files (set by main): where a refused key sits
+
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         if not self.exit_on_error or want_traceback():
             super().error(message, ex)
-        print_error(f"error: {condense_parser_error(message, self.option_names())}")
+        line = not_accepted_line(message, self.option_names(), self.config_files, suggestion)
+        print_error(f"error: {line or condense_parser_error(message, self.option_names())}")
         sys.exit(2)
 
     def option_names(self) -> list[str]:
@@ -278,6 +283,7 @@ def main(args: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if args is None else args)
     if args is None:  # this process is ours (not a caller's, such as a test runner's): quiet the libraries
         quiet_libraries()
+    OneLineArgumentParser.config_files = config_files(argv)
     for path in config_files(argv):
         problem = config_file_problem(path)
         if problem:

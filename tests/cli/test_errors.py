@@ -50,6 +50,16 @@ def test_a_bad_value_is_one_line_not_the_usage_and_the_union_report(capsys, argu
     assert error_lines(capsys.readouterr().err) == [expected]
 
 
+def test_a_misspelled_key_in_a_config_file_names_the_file_line_and_the_close_ones(tmp_path, capsys):
+    (tmp_path / "mine.yaml").write_text("seed_everything: 1\ntrainer:\n  devices: 1\n  max_epoch: 2\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(REPO / "configs" / "sft.yaml"), "--config", "mine.yaml"])
+    assert exit_info.value.code == 2
+    assert error_lines(capsys.readouterr().err) == [
+        "error: mine.yaml:4: trainer.max_epoch: no such option of fit (did you mean trainer.max_epochs, "
+        "trainer.min_epochs or trainer.max_steps?)"]
+
+
 def test_the_full_traceback_on_request(monkeypatch, capsys):
     monkeypatch.setenv(TRACEBACK_ENV, "1")
     with pytest.raises(ValueError, match="beta must be > 0") as error:
