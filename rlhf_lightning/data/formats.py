@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -236,11 +237,20 @@ def _present(record: Record) -> dict[str, Any]:
     return {name: value for name, value in record.fields.items() if value is not None}
 
 
+def _shown(name: str) -> str:
+    """A column's name as the error shows it: quoted when it holds what the eye would miss (spaces, nothing)."""
+    return name if name.isidentifier() else repr(name)
+
+
 def _missing_columns(record: Record, forms: str) -> DataFormatError:
-    found = ", ".join(sorted(_present(record))) or "none"
+    found = ", ".join(_shown(name) for name in sorted(_present(record))) or "none"
     nulls = sorted(name for name, value in record.fields.items() if value is None)
-    null_note = f" (null: {', '.join(nulls)})" if nulls else ""
-    return _error(record, f"missing columns: expected {forms}; found columns: {found}{null_note}")
+    null_note = f" (null: {', '.join(_shown(name) for name in nulls)})" if nulls else ""
+    expected = set(re.findall(r"\w+", forms))
+    spaced = [name for name in record.fields if name != name.strip() and name.strip() in expected]
+    space_note = "".join(f"; column {name!r} has spaces around its name (it should read {name.strip()!r})"
+                         for name in spaced)
+    return _error(record, f"missing columns: expected {forms}; found columns: {found}{null_note}{space_note}")
 
 
 def _text(record: Record, column: str, value: Any) -> Text:

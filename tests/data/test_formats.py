@@ -397,6 +397,11 @@ BAD_ROWS = [
     pytest.param(
         parse_prompt, {"text": "Q"}, ["missing columns", "found columns: text"], id="prompt-missing"
     ),
+    pytest.param(  # a JSONL key with a trailing space: the name is quoted, and the space said
+        parse_prompt, {"prompt ": "Q"},
+        ["missing columns: expected prompt; found columns: 'prompt '; column 'prompt ' has spaces around its name "
+         "(it should read 'prompt')"], id="prompt-with-a-trailing-space"
+    ),
     pytest.param(
         parse_preference,
         {"prompt": "Q", "chosen": 3, "rejected": "b"},
