@@ -17,6 +17,16 @@ from rlhf_lightning.utils.file_modes import readable_as_umask_allows
 from rlhf_lightning.utils.nonfinite import check_finite_weights
 
 
+def adapters_below(folder: str | Path, marker: str = "adapter_config.json", depth: int = 3) -> list[Path]:
+    """The folders under ``folder`` (itself excluded, ``depth`` levels at most) that hold ``marker``: where an
+    adapter is when a path names the folder above it (``outputs/reward`` for ``outputs/reward/adapters/reward``)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    found = [path.parent for level in range(2, depth + 2)
+             for path in folder.glob("/".join(["*"] * (level - 1) + [marker]))]
+    return sorted(found)
+
 class AdapterFiles:
     """The file methods of :class:`~rlhf_lightning.models.shared_base.SharedBase`, which derives from this class:
     they read and write its ``model``, ``heads``, ``trainable_adapters`` and ``base_fingerprint``."""

@@ -23,6 +23,7 @@ from transformers import PreTrainedTokenizerBase
 
 from rlhf_lightning.data.collate import pad
 from rlhf_lightning.data.tokenize import separator_token_id
+from rlhf_lightning.models.adapter_files import adapters_below
 from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.rewards.inputs import RewardInputs
 from rlhf_lightning.rewards.sources import RewardSource
@@ -105,6 +106,10 @@ class ProcessReward(RewardSource):
 
     def setup(self, base: SharedBase, tokenizer: PreTrainedTokenizerBase) -> None:
         config_path = self.path / PRM_CONFIG
+        below = [] if config_path.exists() else adapters_below(self.path, PRM_CONFIG)
+        if below:  # the path names a folder above the adapter
+            raise FileNotFoundError(f"process reward: {config_path} not found, but {', '.join(map(str, below))} "
+                                    f"hold{'s' if len(below) == 1 else ''} one: set reward.init_args.path to it")
         if not config_path.exists():
             raise FileNotFoundError(
                 f"process reward: {config_path} not found; run the PRM stage first (python -m rlhf_lightning fit "

@@ -22,6 +22,7 @@ from transformers import PreTrainedTokenizerBase
 from rlhf_lightning.data.collate import pad
 from rlhf_lightning.data.sources import DataFormatError
 from rlhf_lightning.data.tokenize import encode_completion, encode_prompt
+from rlhf_lightning.models.adapter_files import adapters_below
 from rlhf_lightning.models.heads import ScalarHead
 from rlhf_lightning.models.shared_base import SharedBase, position_ids_from_mask
 from rlhf_lightning.rewards.inputs import RewardInputs
@@ -94,6 +95,11 @@ class AdapterReward(RewardSource):
     def setup(self, base: SharedBase, tokenizer: PreTrainedTokenizerBase) -> None:
         config_path = self.path / "adapter_config.json"
         if not config_path.exists():
+            below = adapters_below(self.path)
+            if below:  # the path names a folder above the adapter
+                raise FileNotFoundError(
+                    f"reward adapter: {config_path} not found, but {', '.join(map(str, below))} "
+                    f"hold{'s' if len(below) == 1 else ''} one: set reward.init_args.path to it")
             raise FileNotFoundError(
                 f"reward adapter: {config_path} not found; run the reward stage first "
                 "(python -m rlhf_lightning fit --config configs/reward.yaml) or set reward.init_args.path"

@@ -131,3 +131,17 @@ def test_reward_functions_receive_the_original_messages_and_columns(policy_base)
     inputs.columns["answer"] = ["five", "yes"]
     assert FunctionReward(reward).score(inputs).tolist() == [1.0, 0.0]
     assert seen["prompts"] == CONVERSATIONS and seen["answer"] == ["five", "yes"]
+
+
+def test_an_adapter_path_one_folder_too_high_names_the_adapter_below(policy_base, reward_dir):
+    """``outputs/reward`` for ``outputs/reward/adapters/reward``: the reward stage was run, so the line must not say
+    to run it, but where the adapter is."""
+    from rlhf_lightning.rewards import AdapterReward
+
+    above = reward_dir.parent
+    with pytest.raises(FileNotFoundError) as error:
+        AdapterReward(str(above)).setup(*policy_base)
+    assert str(error.value) == (f"reward adapter: {above}/adapter_config.json not found, but {reward_dir} holds one: "
+                                "set reward.init_args.path to it")
+    with pytest.raises(FileNotFoundError, match="run the reward stage first"):
+        AdapterReward(str(above / "nothing-here")).setup(*policy_base)
