@@ -8,7 +8,7 @@ had started, and the training loader's position (the failed iteration's prompts 
 The random streams are seeded per iteration, so the resumed run draws what the uninterrupted one would have: a
 fit resumed after the cause is fixed continues as if nothing had happened. Not saved (the line says why): a
 failure after the update began (the weights are half-way), under several ranks (the others are not at a boundary
-to save with), under gradient accumulation, or with no checkpoint callback.
+to save with), or under gradient accumulation; a run without checkpoints says nothing more.
 """
 
 from __future__ import annotations
@@ -83,9 +83,12 @@ class CrashCheckpoint(L.Callback):
         unit = "batch" if pl_module.automatic_optimization else "iteration"
         done = batches_done(trainer)
         failed = f"{unit} {done + 1} failed"
+        if not any(isinstance(callback, ModelCheckpoint) for callback in trainer.checkpoint_callbacks):
+            return  # a run without checkpoints: nothing to resume from, nothing to say
         why_not = self.why_not(trainer, pl_module)
         if why_not is not None:
-            hint = f"{failed}; no checkpoint of it was written ({why_not}): resume from the run's last checkpoint"
+            hint = (f"{failed}; the run as it was then is not saved ({why_not}): --ckpt_path last resumes from its "
+                    "last checkpoint")
         else:
             paths = self.save(trainer)
             hint = (f"{failed}; the run up to {unit} {done} is saved in {paths[0]}: fix the cause, then run the same "
@@ -98,8 +101,6 @@ class CrashCheckpoint(L.Callback):
     def why_not(self, trainer: L.Trainer, pl_module: L.LightningModule) -> str | None:
         """Why the last completed iteration cannot be saved now, or None when it can."""
         progress = trainer.fit_loop.epoch_loop.batch_progress.total
-        if not any(isinstance(callback, ModelCheckpoint) for callback in trainer.checkpoint_callbacks):
-            return "no checkpoint callback is configured"
         if trainer.world_size > 1:
             return f"{trainer.world_size} ranks: the others are not at a step boundary to save with"
         if trainer.global_step != self._steps_before:

@@ -56,9 +56,11 @@ from rlhf_lightning.runs.resume import (
 )
 from rlhf_lightning.runs.run_folder import (
     export_path,
+    holds_files,
     refuse_overwrite,
     refuse_resume_without_checkpoint,
     refuse_unwritable,
+    remove_if_empty,
 )
 from rlhf_lightning.utils.atomic_io import CheckpointError
 from rlhf_lightning.utils.machine import busy_machine_warning
@@ -198,8 +200,15 @@ class RLHFCLI(LightningCLI):
             # Before the model is built: a fresh run must not write over another run's exports or checkpoints.
             refuse_overwrite(self.trainer, export_path(self.trainer, getattr(self.model, "hparams", {}).get(
                 "export_dir")))
-        with rank_failures_reported(self.trainer):  # one line on every rank when one fails or disappears
-            super()._run_subcommand(subcommand)
+        run_folder = Path(self.trainer.default_root_dir)
+        had_files = holds_files(run_folder)
+        try:
+            with rank_failures_reported(self.trainer):  # one line on every rank when one fails or disappears
+                super()._run_subcommand(subcommand)
+        except BaseException:
+            if subcommand == "fit" and not had_files and self.trainer.is_global_zero:
+                remove_if_empty(run_folder)  # a fit that failed before writing anything leaves no empty folder
+            raise
         reports = [callback for callback in self.trainer.callbacks if isinstance(callback, RunReport)]
         for report in reports:
             if not report.print_at_fit_end and report.summary_text:

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import socket
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 from safetensors import SafetensorError
@@ -60,6 +64,43 @@ def check_local_folder(name_or_path: str, role: str = "model") -> None:
     raise FileNotFoundError(f"{role} folder {name_or_path} does not exist{hint}")
 
 
+def hub_unreachable(timeout: float = 3.0) -> str | None:
+    """Why the Hugging Face hub cannot be reached from here (a connection to its host within ``timeout``), or None
+    when it can, when ``HF_HUB_OFFLINE`` is set (nothing will be fetched), or behind a proxy (not probed)."""
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes") or any(
+            os.environ.get(name) for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    from huggingface_hub import constants
+
+    endpoint = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=timeout).close()
+    except OSError as error:
+        return f"{endpoint.hostname}: {error.strerror or type(error).__name__}"
+    return None
+
+
+def check_hub_name(name: str, role: str = "model") -> None:
+    """Before transformers tries a hub id: when the hub cannot be reached, one line at once instead of about a
+    minute of huggingface_hub's retries (a name not in the local cache), or a warning saying how to skip them (a
+    cached one)."""
+    if looks_local(name) or Path(name).expanduser().exists():
+        return
+    reason = hub_unreachable()
+    if reason is None:
+        return
+    from huggingface_hub import try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        warnings.warn(f"{role} {name!r}: the Hugging Face hub cannot be reached ({reason}); it is in the local "
+                      "cache, loaded from there after huggingface_hub's retries: set HF_HUB_OFFLINE=1 to skip them",
+                      UserWarning, stacklevel=2)
+        return
+    raise ValueError(f"{role} {name!r} is not a local folder, not in the Hugging Face cache, and the hub cannot be "
+                     f"reached from this machine ({reason}): give the folder it is saved in, or download it where "
+                     "the hub is reachable (huggingface-cli download) and set HF_HUB_OFFLINE=1 here")
+
+
 @contextlib.contextmanager
 def hub_errors(name: str, role: str = "model") -> Iterator[None]:
     """Turn transformers' ``OSError`` for a name that is neither a local folder nor reachable on the hub (a typo,
@@ -91,6 +132,7 @@ def load_tokenizer(spec: BaseModelSpec) -> PreTrainedTokenizerBase:
                 f"{folder} holds no tokenizer (none of {', '.join(TOKENIZER_FILES[:3])}...): set base.tokenizer "
                 "to the model's tokenizer (a hub id or folder), or save it there with tokenizer.save_pretrained"
             )
+        check_hub_name(source, "tokenizer" if spec.tokenizer else "model")
         with hub_errors(source, "tokenizer" if spec.tokenizer else "model"):
             tokenizer = AutoTokenizer.from_pretrained(
                 source, revision=spec.revision, trust_remote_code=spec.trust_remote_code
@@ -162,6 +204,8 @@ def load_causal_lm(spec: BaseModelSpec, tokenizer: PreTrainedTokenizerBase, empt
         model = empty_causal_lm(spec, tokenizer, dtype)
     elif spec.name_or_path is not None:
         check_local_folder(spec.name_or_path)
+        if spec.tokenizer:  # the tokenizer came from elsewhere: the model's name was not probed
+            check_hub_name(spec.name_or_path)
         rows = configured_vocab_size(spec)
         if rows is not None:  # before the weights are read: a mismatch fails in a second
             check_tokenizer_fits(tokenizer, rows, spec)
@@ -225,8 +269,11 @@ def position_limit(spec: BaseModelSpec, tokenizer: PreTrainedTokenizerBase) -> t
     positions are learned embeddings (GPT-2, OPT: a longer sequence indexes past the table and fails) rather
     than rotary or ALiBi (a longer sequence runs, beyond what the model was trained on). Reads the config only."""
     if spec.name_or_path is not None:
-        config = AutoConfig.from_pretrained(spec.name_or_path, revision=spec.revision,
-                                            trust_remote_code=spec.trust_remote_code)
+        check_local_folder(spec.name_or_path)
+        check_hub_name(spec.name_or_path)
+        with hub_errors(spec.name_or_path):
+            config = AutoConfig.from_pretrained(spec.name_or_path, revision=spec.revision,
+                                                trust_remote_code=spec.trust_remote_code)
     else:
         config = fresh_config(spec, tokenizer)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config

@@ -70,6 +70,26 @@ def refuse_resume_without_checkpoint(trainer: Any, export: Path | None) -> None:
             "--trainer.default_root_dir=DIR, or remove those files to start afresh there")
 
 
+# What the command line writes into a run folder before anything runs (LightningCLI's saved config).
+SAVED_CONFIG = "config.yaml"
+
+
+def holds_files(folder: Path) -> bool:
+    """Whether ``folder`` (or a folder under it) holds a file besides the saved config."""
+    return folder.is_dir() and any(path.is_file() and path != folder / SAVED_CONFIG for path in folder.rglob("*"))
+
+
+def remove_if_empty(folder: Path) -> None:
+    """Remove ``folder`` when nothing under it is a file but the saved config (a fit that failed before writing
+    anything leaves no run folder behind)."""
+    if folder.is_dir() and not holds_files(folder):
+        (folder / SAVED_CONFIG).unlink(missing_ok=True)
+        for path in sorted(folder.rglob("*"), key=lambda path: len(path.parts), reverse=True):
+            if path.is_dir() and not path.is_symlink():
+                path.rmdir()
+        folder.rmdir()
+
+
 def refuse_overwrite(trainer: Any, export: Path | None) -> None:
     """Stop a fresh fit (no ``--ckpt_path``) whose run folder already holds another run's files."""
     found = another_runs_files(trainer, export)

@@ -141,12 +141,29 @@ def test_a_reward_adapter_whose_base_was_retrained_in_place_is_one_line(capsys, 
         f"file format changed, delete {BASE_RECORD} there to compare paths only)")
 
 
-def test_a_hub_name_that_is_not_on_disk_is_one_line(capsys):
+def test_a_hub_name_that_is_not_on_disk_is_one_line(capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the hub is not tried: transformers' own refusal, named
     line = one_line(capsys, "fit", "--config", str(REPO / "configs" / "dpo.yaml"),
                     "--model.init_args.base.name_or_path=no-such-org/no-such-model", "--trainer.logger=false")
     assert line.startswith("error: model 'no-such-org/no-such-model' is not a local folder and could not be fetched "
                            "from the Hugging Face hub (")
     assert line.endswith("): check the name, or give the folder it is saved in")
+
+
+def test_a_hub_name_without_the_hub_is_one_line_at_once_and_leaves_no_run_folder(capsys, monkeypatch):
+    """No network (this machine, CI): one line before any of huggingface_hub's retries (about a minute of them
+    otherwise), saying what to do, and no empty run folder left behind."""
+    from rlhf_lightning.models import loading
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(loading, "hub_unreachable", lambda: "huggingface.co: Network is unreachable")
+    line = one_line(capsys, "fit", "--config", str(REPO / "configs" / "sft.yaml"),
+                    "--model.init_args.base.name_or_path=gpt2", "--trainer.default_root_dir=outputs/sft-hub")
+    assert line == ("error: model 'gpt2' is not a local folder, not in the Hugging Face cache, and the hub cannot be "
+                    "reached from this machine (huggingface.co: Network is unreachable): give the folder it is saved "
+                    "in, or download it where the hub is reachable (huggingface-cli download) and set "
+                    "HF_HUB_OFFLINE=1 here")
+    assert not Path("outputs/sft-hub").exists()
 
 
 def test_merge_of_an_adapter_whose_recorded_base_is_relative_names_base(capsys, tmp_path, reward_dir):
