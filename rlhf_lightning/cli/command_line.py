@@ -27,7 +27,7 @@ from rlhf_lightning.callbacks.progress_lines import ProgressLines
 from rlhf_lightning.callbacks.run_report import RunReport, shown_path
 from rlhf_lightning.callbacks.spikes import SpikeCheck
 from rlhf_lightning.callbacks.validate_at_start import ValidateAtStart
-from rlhf_lightning.cli.config_keys import not_accepted_line
+from rlhf_lightning.cli.config_keys import dropped_model_arguments, not_accepted_line
 from rlhf_lightning.cli.errors import (
     condense_parser_error,
     config_file_problem,
@@ -138,6 +138,16 @@ class RLHFCLI(LightningCLI):
             args=args,
             run=run,
         )
+
+    def before_instantiate_classes(self) -> None:
+        # A model class switched on the command line keeps only the config's arguments it takes: say which went.
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        model = config.get("model")
+        if model is not None and model.get("class_path"):
+            dropped = dropped_model_arguments(OneLineArgumentParser.config_files, model["class_path"],
+                                              list((model.get("init_args") or {}).keys()))
+            if dropped:
+                rank_zero_warn(dropped)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # Callbacks every fit gets, set from the top level (``--validate_at_start.enabled false``).

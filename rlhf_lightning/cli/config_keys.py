@@ -1,5 +1,6 @@
-"""Where a key of the config sits: the file and line of a dotted key (``trainer.max_epoch``) among the ``--config``
-files, for an error that names a key the parser refused."""
+"""What the ``--config`` files say, for the lines about them: where a key sits (file and line of a dotted key such
+as ``trainer.max_epoch`` that the parser refused), and which model arguments a class switched on the command line
+dropped."""
 
 from __future__ import annotations
 
@@ -49,3 +50,35 @@ def not_accepted_line(message: str, options: list[str], files: list[str], sugges
     accepted = list(dict.fromkeys(option.removeprefix("--") for option in options if option.startswith("--")))
     return (f"{where + ': ' if where else ''}{key}: no such option of {match.group(1)}"
             f"{suggest(key, accepted)}")
+
+
+def merged_model_section(files: list[str]) -> tuple[str | None, dict[str, object]]:
+    """The ``model`` section the ``--config`` files give, later files over earlier ones: its ``class_path`` and
+    ``init_args`` (a class path given without ``init_args`` keeps the earlier arguments, as jsonargparse does)."""
+    class_path, init_args = None, {}
+    for path in files:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            continue
+        model = data.get("model") if isinstance(data, dict) else None
+        if isinstance(model, dict):
+            class_path = model.get("class_path", class_path)
+            init_args = {**init_args, **(model.get("init_args") or {})}
+    return class_path, init_args
+
+
+def dropped_model_arguments(files: list[str], class_path: str, init_args: list[str]) -> str | None:
+    """A warning when the model's class was switched away from the config file's (``--model OtherClass``) and
+    arguments the file gives are not the new class's (``init_args``: the names it kept, dotted for nested ones):
+    jsonargparse drops them without a word."""
+    file_class, file_args = merged_model_section(files)
+    if file_class is None or file_class == class_path:
+        return None
+    kept = {str(name).split(".")[0] for name in init_args}
+    dropped = sorted(name for name in file_args if name not in kept)
+    if not dropped:
+        return None
+    return (f"model.class_path {class_path} replaces the config's {file_class}: its init_args "
+            f"{', '.join(dropped)} {'are not arguments' if len(dropped) > 1 else 'is not an argument'} of "
+            f"{class_path.rsplit('.', 1)[-1]} and {'were' if len(dropped) > 1 else 'was'} dropped")

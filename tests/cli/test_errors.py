@@ -4,6 +4,7 @@ checkpoint that does not belong to the config refused or its differences listed,
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -137,3 +138,19 @@ def test_a_step_bounded_run_shows_steps_of_max_steps():
     bar = StepTQDMProgressBar()
     boring_fit(bar, max_steps=5)
     assert (bar.train_progress_bar.desc, bar.train_progress_bar.n, bar.train_progress_bar.total) == ("Steps: ", 5, 5)
+
+
+def test_a_model_class_switched_on_the_command_line_says_which_arguments_it_dropped(capsys):
+    from rlhf_lightning.cli.command_line import RLHFCLI, OneLineArgumentParser
+
+    OneLineArgumentParser.config_files = [str(REPO / "configs" / "grpo.yaml")]
+    with pytest.warns(UserWarning) as caught:
+        RLHFCLI(args=["--config", str(REPO / "configs" / "grpo.yaml"), "--model", "rlhf_lightning.PPO",
+                      "--trainer.logger=false"], run=False)
+    said = [str(w.message) for w in caught if "replaces" in str(w.message)]
+    assert said == ["model.class_path rlhf_lightning.PPO replaces the config's rlhf_lightning.GRPO: its init_args "
+                    "scale_rewards is not an argument of PPO and was dropped"]
+    with warnings.catch_warnings(record=True) as caught:  # the same class: nothing dropped, nothing said
+        warnings.simplefilter("always")
+        RLHFCLI(args=["--config", str(REPO / "configs" / "grpo.yaml"), "--trainer.logger=false"], run=False)
+    assert not [w for w in caught if "replaces" in str(w.message)]
