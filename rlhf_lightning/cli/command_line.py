@@ -126,6 +126,7 @@ class RLHFCLI(LightningCLI):
 
     def __init__(self, args: Sequence[str] | None = None, run: bool = True) -> None:
         self.argv = list(sys.argv[1:] if args is None else args)  # for the exports' model card
+        OneLineArgumentParser.config_files = config_files(self.argv)
         super().__init__(
             model_class=L.LightningModule,
             datamodule_class=L.LightningDataModule,

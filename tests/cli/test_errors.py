@@ -141,9 +141,8 @@ def test_a_step_bounded_run_shows_steps_of_max_steps():
 
 
 def test_a_model_class_switched_on_the_command_line_says_which_arguments_it_dropped(capsys):
-    from rlhf_lightning.cli.command_line import RLHFCLI, OneLineArgumentParser
+    from rlhf_lightning.cli.command_line import RLHFCLI
 
-    OneLineArgumentParser.config_files = [str(REPO / "configs" / "grpo.yaml")]
     with pytest.warns(UserWarning) as caught:
         RLHFCLI(args=["--config", str(REPO / "configs" / "grpo.yaml"), "--model", "rlhf_lightning.PPO",
                       "--trainer.logger=false"], run=False)
