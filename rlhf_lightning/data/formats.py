@@ -12,17 +12,23 @@ from __future__ import annotations
 
 import math
 import numbers
-import re
 from dataclasses import dataclass
 from typing import Any
 
-from rlhf_lightning.data.sources import DataFormatError, Record
+from rlhf_lightning.data.format_errors import (
+    _PREVIEW_CHARS,
+    _error,
+    _found,
+    _missing_columns,
+    _present,
+    _preview,
+)
+from rlhf_lightning.data.sources import Record
 
 Message = dict[str, Any]  # role and content (and tool_calls, name where a template renders them)
 Text = str | list[Message]
 
 _ROLES = ("system", "user", "assistant", "tool")
-_PREVIEW_CHARS = 80
 _PREFERENCE_FORMS = (
     "prompt+chosen+rejected, or chosen+rejected (each a full transcript whose shared start is the prompt)"
 )
@@ -218,39 +224,6 @@ def parse_stepwise(record: Record, separator: str) -> StepwiseExample:
             raise _error(record, f"column 'labels' label {index}: expected true (a right step) or false, "
                                  f"found {_found(label)}")
     return StepwiseExample(prompt=prompt, steps=list(steps), labels=list(labels))
-
-
-def _error(record: Record, problem: str) -> DataFormatError:
-    return DataFormatError(f"{record.where}: {problem}")
-
-
-def _preview(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= _PREVIEW_CHARS else text[:_PREVIEW_CHARS] + "..."
-
-
-def _found(value: Any) -> str:
-    return f"{type(value).__name__} {_preview(value)}"
-
-
-def _present(record: Record) -> dict[str, Any]:
-    return {name: value for name, value in record.fields.items() if value is not None}
-
-
-def _shown(name: str) -> str:
-    """A column's name as the error shows it: quoted when it holds what the eye would miss (spaces, nothing)."""
-    return name if name.isidentifier() else repr(name)
-
-
-def _missing_columns(record: Record, forms: str) -> DataFormatError:
-    found = ", ".join(_shown(name) for name in sorted(_present(record))) or "none"
-    nulls = sorted(name for name, value in record.fields.items() if value is None)
-    null_note = f" (null: {', '.join(_shown(name) for name in nulls)})" if nulls else ""
-    expected = set(re.findall(r"\w+", forms))
-    spaced = [name for name in record.fields if name != name.strip() and name.strip() in expected]
-    space_note = "".join(f"; column {name!r} has spaces around its name (it should read {name.strip()!r})"
-                         for name in spaced)
-    return _error(record, f"missing columns: expected {forms}; found columns: {found}{null_note}{space_note}")
 
 
 def _text(record: Record, column: str, value: Any) -> Text:
