@@ -42,7 +42,7 @@ from rlhf_lightning.cli.loggers import WandbLogger
 from rlhf_lightning.cli.model_card import write_model_card
 from rlhf_lightning.cli.quiet import quiet_libraries
 from rlhf_lightning.cli.rank_failures import rank_failures_reported
-from rlhf_lightning.core.distributed import check_parallel_sizes
+from rlhf_lightning.core.distributed import check_parallel_sizes, fill_sharding_defaults
 from rlhf_lightning.runs.plots import main as plot_main
 from rlhf_lightning.runs.plots import plot_run
 from rlhf_lightning.runs.resume import (
@@ -269,7 +269,11 @@ class RLHFCLI(LightningCLI):
             callbacks = [*callbacks, CrashCheckpoint()]
         if missing(RunReport):  # printed by _run_subcommand, after the loggers' own last words
             callbacks = [*callbacks, RunReport(print_at_fit_end=False)]
+        config["strategy"] = strategy_instance(config.get("strategy"))
         trainer = super()._instantiate_trainer(config, callbacks)
+        fill_sharding_defaults(trainer, " ".join([*self.argv, *(Path(path).read_text(errors="replace") for path in
+                                                                 OneLineArgumentParser.config_files
+                                                                 if Path(path).is_file())]))
         if self.subcommand == "fit":  # before the loggers make the run folder: one line instead of mkdir's traceback
             refuse_unwritable(trainer, export_path(trainer, getattr(self.model, "hparams", {}).get("export_dir")))
         # The run folder: loggers and checkpoint callbacks given no folder of their own write under it.
@@ -280,6 +284,19 @@ class RLHFCLI(LightningCLI):
             if isinstance(callback, Checkpoint):
                 callback.use_run_folder(trainer)
         return trainer
+
+
+def strategy_instance(strategy: Any) -> Any:
+    """A strategy given as the import path of its class alone (``lightning.pytorch.strategies.
+    ModelParallelStrategy``), which jsonargparse passes on as a string Lightning does not know, as an instance of
+    that class; anything else as it is."""
+    from lightning.pytorch.strategies import Strategy
+
+    if isinstance(strategy, str) and "." in strategy:
+        cls = import_class(strategy)
+        if isinstance(cls, type) and issubclass(cls, Strategy):
+            return cls()
+    return strategy
 
 
 def after_the_fit(action: Callable[[], Any]) -> str | None:

@@ -52,6 +52,23 @@ def sharding_mesh(trainer: L.Trainer | None) -> Any | None:
     return mesh["data_parallel"]
 
 
+def fill_sharding_defaults(trainer: L.Trainer, given: str) -> None:
+    """A ``ModelParallelStrategy`` named alone runs as our modules support it: both sizes ``auto`` (Lightning's
+    defaults, which mean tensor parallelism over a node's devices) become ``data_parallel_size`` = the world and
+    ``tensor_parallel_size`` = 1, and ``save_distributed_checkpoint`` becomes false unless ``given`` (the command
+    and its config files, as text) sets it. Values a user set are left to the refusals."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    strategy = trainer.strategy
+    if not isinstance(strategy, ModelParallelStrategy):
+        return
+    if strategy._data_parallel_size == "auto" and strategy._tensor_parallel_size == "auto":
+        strategy._data_parallel_size = strategy.num_processes * strategy.num_nodes
+        strategy._tensor_parallel_size = 1
+    if "save_distributed_checkpoint" not in given:
+        strategy._save_distributed_checkpoint = False
+
+
 def check_parallel_sizes(trainer: L.Trainer) -> None:
     """Refuse a ``ModelParallelStrategy`` whose ``data_parallel_size`` x ``tensor_parallel_size`` is not the number
     of processes, before any process starts (Lightning finds it once every rank has started, and each prints its
