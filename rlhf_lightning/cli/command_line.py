@@ -65,6 +65,24 @@ from rlhf_lightning.runs.run_folder import (
 from rlhf_lightning.utils.atomic_io import CheckpointError
 from rlhf_lightning.utils.machine import busy_machine_warning
 
+HELP = """\
+rlhf_lightning: RLHF research on PyTorch Lightning (SFT, reward models, PPO, GRPO and its family, DPO, KTO, online
+DPO, distillation) with one frozen base shared by every role through LoRA adapters.
+
+usage: python -m rlhf_lightning SUBCOMMAND [options]
+
+subcommands:
+  fit            train a stage: python -m rlhf_lightning fit --config configs/ppo.yaml
+  validate       evaluate a model on the validation data (validate --config ... --ckpt_path ...)
+  test           run a stage's test loop
+  predict        run a stage's predict loop
+  merge          fold an adapter into its base as a standalone model (merge --adapter DIR --out DIR)
+  plot           draw a run folder's curves as PNG (plot RUN_FOLDER [RUN_FOLDER ...])
+  serve-reward   serve a reward source over HTTP (serve-reward --base DIR --reward ...)
+
+python -m rlhf_lightning SUBCOMMAND --help lists a subcommand's options; fit --config FILE --help shows them with
+that config's values; --model.help CLASS lists a model class's arguments. Guides: docs/ (README.md's table)."""
+
 # `ckpt_path` values that Lightning resolves itself rather than naming a file.
 SPECIAL_CKPT_PATHS = ("last", "best", "hpc")
 
@@ -136,6 +154,7 @@ class RLHFCLI(LightningCLI):
             save_config_kwargs={"overwrite": True},
             trainer_defaults={"logger": {"class_path": "rlhf_lightning.cli.loggers.WandbLogger"}},
             parser_class=OneLineArgumentParser,
+            parser_kwargs={"prog": "python -m rlhf_lightning", "description": HELP.split("\n\n")[0]},
             args=args,
             run=run,
         )
@@ -318,6 +337,9 @@ def main(args: Sequence[str] | None = None) -> None:
     status 1 (2 for an unreadable config file); ``RLHF_LIGHTNING_TRACEBACK=1`` shows the full traceback instead.
     """
     argv = list(sys.argv[1:] if args is None else args)
+    if argv in ([], ["-h"], ["--help"]):
+        print(HELP)
+        return
     if args is None:  # this process is ours (not a caller's, such as a test runner's): quiet the libraries
         quiet_libraries()
     OneLineArgumentParser.config_files = config_files(argv)

@@ -109,3 +109,17 @@ def test_checkpointing_off_leaves_the_configs_checkpoint_callbacks_out_with_a_wa
                                          r"\(IterationCheckpoint\) are left out; this run writes no checkpoint$"):
         main(arguments)
     assert (tmp_path / "config.yaml").is_file() and not (tmp_path / "checkpoints").exists()
+
+
+def test_the_top_level_help_lists_every_subcommand_under_the_projects_name(capsys):
+    from rlhf_lightning.cli import main
+
+    main(["--help"])
+    text = capsys.readouterr().out
+    assert text.startswith("rlhf_lightning: RLHF research on PyTorch Lightning")
+    assert "usage: python -m rlhf_lightning SUBCOMMAND [options]" in text
+    listed = [line.split()[0] for line in text.split("subcommands:\n", 1)[1].split("\n\n")[0].splitlines()]
+    assert listed == ["fit", "validate", "test", "predict", "merge", "plot", "serve-reward"]
+    with pytest.raises(SystemExit):
+        main(["fit", "--help"])
+    assert capsys.readouterr().out.startswith("usage: python -m rlhf_lightning [options] fit ")
