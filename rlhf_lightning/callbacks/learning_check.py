@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from rlhf_lightning.callbacks.run_shape import batches_done
+from rlhf_lightning.callbacks.run_shape import batches_done, run_name
 from rlhf_lightning.models.sharding import full_tensor
 
 Action = Literal["warn", "raise"]
@@ -178,5 +178,4 @@ class LearningCheck(Callback):
     def message(pl_module: L.LightningModule, stall: Stall) -> str:
         unit = "batches" if pl_module.automatic_optimization else "iterations"
         span = f"{stall.first}-{stall.last}" if stall.last > stall.first else str(stall.first)
-        prefix = getattr(pl_module, "metric_prefix", type(pl_module).__name__)
-        return f"[{prefix}] not learning: {stall.what} in {unit} {span}: {stall.cause}"
+        return f"[{run_name(pl_module)}] not learning: {stall.what} in {unit} {span}: {stall.cause}"

@@ -15,7 +15,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 
-from rlhf_lightning.callbacks.run_shape import batches_done, step_bounded, training_batches
+from rlhf_lightning.callbacks.run_shape import batches_done, run_name, step_bounded, training_batches
 
 HIDDEN = ("v_num", "iteration")  # the line says these itself
 
@@ -133,7 +133,7 @@ class ProgressLines(Callback):
 
     @staticmethod
     def prefix(pl_module: L.LightningModule) -> str:
-        return getattr(pl_module, "metric_prefix", type(pl_module).__name__)
+        return run_name(pl_module)
 
     @staticmethod
     def emit(trainer: L.Trainer, line: str) -> None:

@@ -24,7 +24,7 @@ from rlhf_lightning.callbacks.progress_lines import (
     metric_text,
     unit,
 )
-from rlhf_lightning.callbacks.run_shape import batches_done, validation_problem
+from rlhf_lightning.callbacks.run_shape import batches_done, run_name, validation_problem
 from rlhf_lightning.callbacks.spikes import Spike, SpikeCheck
 
 PASS_AT_K = re.compile(r"/val/(pass|maj)@\d+$")
@@ -42,17 +42,6 @@ def shown_path(path: str | os.PathLike) -> str:
 def plural(noun: str, count: int) -> str:
     """``noun`` for one, its plural otherwise."""
     return noun if count == 1 else noun + ("es" if noun.endswith("ch") else "s")
-
-
-def run_name(pl_module: L.LightningModule) -> str:
-    """The name a summary starts with: the module's metric prefix (``ppo``), but the class name for a subclass
-    that inherits its parent's prefix (a researcher's ``MyGRPO`` logging under ``grpo/``), so that its summary is
-    not taken for the parent's; the class name for a module without a prefix."""
-    cls = type(pl_module)
-    prefix = getattr(pl_module, "metric_prefix", None)
-    own = any("metric_prefix" in vars(klass) for klass in cls.__mro__
-              if klass is cls or klass.__module__.split(".")[0] != "rlhf_lightning")
-    return prefix if prefix and (own or cls.__module__.startswith("rlhf_lightning.")) else cls.__name__
 
 
 def gold_scale(at_start: Mapping[str, float], last: Mapping[str, float], responses: int | None) -> str:

@@ -1,4 +1,5 @@
-"""What bounds a fit, read from the Trainer: its length in training batches and when it validates."""
+"""What bounds a fit, read from the Trainer: its length in training batches and when it validates; and the name
+a run's lines start with (:func:`run_name`)."""
 
 from __future__ import annotations
 
@@ -49,3 +50,14 @@ def validation_problem(trainer: L.Trainer) -> str | None:
         return (f"trainer.check_val_every_n_epoch={every} is more than the run's max_epochs={trainer.max_epochs}: "
                 "no validation will run; lower it or set trainer.limit_val_batches=0 to run without validation")
     return None
+
+
+def run_name(pl_module: L.LightningModule) -> str:
+    """The name a summary starts with: the module's metric prefix (``ppo``), but the class name for a subclass
+    that inherits its parent's prefix (a researcher's ``MyGRPO`` logging under ``grpo/``), so that its summary is
+    not taken for the parent's; the class name for a module without a prefix."""
+    cls = type(pl_module)
+    prefix = getattr(pl_module, "metric_prefix", None)
+    own = any("metric_prefix" in vars(klass) for klass in cls.__mro__
+              if klass is cls or klass.__module__.split(".")[0] != "rlhf_lightning")
+    return prefix if prefix and (own or cls.__module__.startswith("rlhf_lightning.")) else cls.__name__

@@ -13,7 +13,7 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from rlhf_lightning.callbacks.run_shape import batches_done
+from rlhf_lightning.callbacks.run_shape import batches_done, run_name
 
 WATCHED = ("objective/kl", "policy/approx_kl")  # after the module's metric prefix (docs/logging.md)
 HINT = ("one update moved the policy far: lower policy_lr or the clip range, or set target_kl to stop an "
@@ -126,7 +126,6 @@ class SpikeCheck(Callback):
     def message(pl_module: L.LightningModule, spikes: Sequence[Spike]) -> str:
         """The warning's line for the spikes of one training batch."""
         name = "batch" if pl_module.automatic_optimization else "iteration"
-        prefix = getattr(pl_module, "metric_prefix", type(pl_module).__name__)
         first, at = min(spike.since for spike in spikes), spikes[0].at
-        return (f"[{prefix}] KL spike at {name} {at}: " + " · ".join(spike.text() for spike in spikes)
+        return (f"[{run_name(pl_module)}] KL spike at {name} {at}: " + " · ".join(spike.text() for spike in spikes)
                 + f" (median ± median absolute deviation of {name}s {first}-{at - 1}): {HINT}")

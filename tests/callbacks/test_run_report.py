@@ -15,6 +15,7 @@ import torch
 
 from rlhf_lightning import GRPO, FunctionReward
 from rlhf_lightning.callbacks import LearningCheck, NotLearningError, ProgressLines, RunReport
+from rlhf_lightning.callbacks.learning_check import Stall
 from rlhf_lightning.callbacks.progress_lines import duration, metric_text
 from rlhf_lightning.cli import RLHFCLI, main
 from tests.helpers.models import built
@@ -403,6 +404,11 @@ def test_a_subclass_is_named_by_its_own_prefix_or_else_its_class():
     make = object.__new__  # the name reads the class only: no model is built
     assert [run_name(make(cls)) for cls in (GRPO, MyGRPO, TheirGRPO, Deeper, ZeroGradient)] == [
         "grpo", "MyGRPO", "their_grpo", "their_grpo", "ZeroGradient"]
+    # The progress lines and the not-learning warning say the same name as the summary.
+    mine = make(MyGRPO)
+    mine.automatic_optimization = False
+    assert ProgressLines.prefix(mine) == "MyGRPO"
+    assert LearningCheck.message(mine, Stall(1, 3, "why")).startswith("[MyGRPO] not learning: ")
 
 
 def test_the_summary_repeats_the_kl_spikes(tmp_path):
