@@ -18,14 +18,16 @@ def usable_cores() -> int:
 
 
 def busy_machine_warning() -> str | None:
-    """One line when the machine's load over the last minute exceeds its cores while torch uses more than one
-    thread; None otherwise (or where the load cannot be read)."""
+    """One line when the machine's load over the last minute exceeds its cores (by half of them, at least one)
+    while torch uses more than one thread; None otherwise (or where the load cannot be read)."""
     try:
         load = os.getloadavg()[0]
     except (AttributeError, OSError):
         return None
     cores, threads = usable_cores(), torch.get_num_threads()
-    if load <= cores or threads <= 1:
+    # Beyond the cores by a margin: the previous stage of a pipeline keeps the one-minute load near the cores
+    # for a while after it ends, and that is no other job.
+    if load <= cores + max(1.0, cores / 2) or threads <= 1:
         return None
     return (f"this machine is busy (load {load:.1f} over the last minute, {cores} cores): torch's {threads} threads "
             "per process compete with the other jobs, which can make a run several times slower; start it with "
