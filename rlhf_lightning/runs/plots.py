@@ -221,6 +221,9 @@ def curve_label(panel: Panel, key: str) -> str:
     return "validation" if "/val/" in key else "training"
 
 
+EXPLAINED_VARIANCE_FLOOR = -1.05
+
+
 def draw(folder: Path, prefix: str, chosen: list[Panel], x: str, runs: list[list[dict[str, float]]]) -> Path:
     """One stage's figure: a panel per entry of ``chosen``, every run's curves in each (training, validation)."""
     from matplotlib.figure import Figure  # no pyplot: no global backend, nothing opened on screen
@@ -247,6 +250,9 @@ def draw(folder: Path, prefix: str, chosen: list[Panel], x: str, runs: list[list
                     style.update(color=f"C{(number - 1) % 10}", linestyle="--" if validation else "-",
                                  linewidth=1.8 if latest else 1.0, alpha=1.0 if latest else 0.6,
                                  label=f"run {number}{' (latest)' if latest else ''} {part}")
+                if panel.against is not None and not validation:
+                    # Noisy training points joined in iteration order are a tangle: points, faint.
+                    style.update(linestyle="none", marker=".", markersize=3, alpha=0.4)
                 ax.plot(xs, ys, **style)
         ax.set_title(f"{prefix}/{panel.title}", fontsize=10)
         if panel.against is not None:
@@ -255,6 +261,10 @@ def draw(folder: Path, prefix: str, chosen: list[Panel], x: str, runs: list[list
             ax.set_xlabel(x.split("/", 1)[1] if x.startswith(f"{prefix}/") else "optimizer step")
         if all(is_fraction(key) for key in panel.metrics):
             ax.set_ylim(*FRACTION_LIMITS)
+        elif all(key.endswith("explained_variance") for key in panel.metrics):
+            # At most 1; the fresh critic's first values (-24) would flatten the rest: below -1 is "no better
+            # than the mean", shown at the edge.
+            ax.set_ylim(max(ax.get_ylim()[0], EXPLAINED_VARIANCE_FLOOR), 1.05)
         ax.grid(alpha=0.3)
         if (len(panel.metrics) > 1 and not several) or (several and ax is axes[0]):
             ax.legend(fontsize=7 if several else 8)

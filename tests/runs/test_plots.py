@@ -115,6 +115,22 @@ def test_shares_are_drawn_on_a_zero_to_one_axis_and_gold_against_kl(tmp_path, mo
     assert list(training.get_ydata()) == pytest.approx([0.1 + 0.05 * i for i in range(1, 9)])
     assert list(validation.get_xdata()) == pytest.approx([0.4, 0.8])
     assert (training.get_label(), validation.get_label()) == ("training", "validation")
+    # Noisy training points are points (joined in iteration order they were a tangle); validation a line.
+    assert (training.get_linestyle(), training.get_marker()) == ("None", ".")
+    assert validation.get_linestyle() == "-"
+
+
+def test_explained_variance_is_drawn_from_minus_one_to_one(tmp_path, monkeypatch):
+    """A fresh critic's first explained variance (-24 in the quick start) would flatten the curve that matters."""
+    from matplotlib.figure import Figure
+
+    drawn = []
+    monkeypatch.setattr(Figure, "savefig", lambda figure, *args, **kwargs: drawn.append(figure))
+    rows = [{"ppo/iteration": float(i), "ppo/value/explained_variance": value}
+            for i, value in enumerate([-24.0, -3.0, 0.1, 0.4, 0.5], 1)]
+    draw(tmp_path, "ppo", panels("ppo", {key for row in rows for key in row}, [rows]), "ppo/iteration", [rows])
+    (ax,) = [ax for ax in drawn[0].axes if ax.get_visible()]
+    assert ax.get_title() == "ppo/value/explained_variance" and ax.get_ylim() == (-1.05, 1.05)
 
 
 def test_a_resumed_run_continues_the_curve():
