@@ -97,7 +97,9 @@ class PolicyModule(HeldOutSamples, StageModule):
             per layer per rollout); ``per_layer`` gathers a layer for each forward pass and frees it after (the
             memory of one layer, but one all-gather per layer per decoded token). Ignored without sharding.
         gold_reward: ``fn(prompts, responses) -> scores`` of the true reward when known (the synthetic task's
-            ``gold_rewards``), measured on samples and logged; never used for training.
+            ``gold_rewards``), measured on samples and logged; never used for training. One with ``**kwargs`` also
+            gets the prompt data's other columns (a checker that reads each row's reference); with a ``task`` column
+            the held-out gold is also logged per task (``val/gold/<task>``).
         pass_at_k: pass@k and maj@k of several responses per held-out prompt, judged by ``gold_reward`` (a verifier,
             e.g. ``rlhf_lightning.tasks.arithmetic.exact_match``), logged as ``val/pass@k`` and ``val/maj@k``;
             ``samples: 1`` = off.
