@@ -118,6 +118,9 @@ class HeldOutSamples:
         for name, value in values.items():
             if value.numel():
                 self.val_metrics[name].update(value.to(self.device))
+        gold, spread = values.get("gold"), getattr(self, "val_gold_spread", None)
+        if gold is not None and gold.numel() and spread is not None:
+            spread.update(gold.to(self.device))
 
     # ---- the gold reward per task ----------------------------------------------------------------------
 
@@ -154,6 +157,12 @@ class HeldOutSamples:
             if metric.update_count:
                 self.log(f"{self.metric_prefix}/val/{name}", metric.compute(), sync_dist=True)
         reset_metrics(*self.val_metrics.values())
+        spread = getattr(self, "val_gold_spread", None)
+        if spread is not None and (spread.update_count or self.is_distributed):  # a collective under several ranks
+            with warnings.catch_warnings():  # a rank that saw no sample still takes part in the sum
+                warnings.filterwarnings("ignore", message=".*compute.*before.*update.*")
+                self.log(f"{self.metric_prefix}/val/gold_std", spread.compute()[1], sync_dist=True)
+            reset_metrics(spread)
         self.log_groups()
         super().on_validation_epoch_end()
 

@@ -34,6 +34,7 @@ from rlhf_lightning.rollout.seeds import Seeds
 from rlhf_lightning.rollout.settings import SamplingSettings, stop_token_ids
 from rlhf_lightning.utils import checks
 from rlhf_lightning.utils.checks import check_sampling
+from rlhf_lightning.utils.metrics import MeanStd
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +158,8 @@ class PolicyModule(HeldOutSamples, StageModule):
         if pass_at_k.enabled:
             names += pass_at_k.metric_names(with_majority=answer_reader(gold_reward) is not None)
         self.val_metrics = torch.nn.ModuleDict({name: MeanMetric() for name in names})
+        # The gold's spread over the held-out responses: the scale the summary measures the gold's change in.
+        self.val_gold_spread = MeanStd() if gold_reward is not None else None
         self._sampler: Sampler | None = None
         self._rollouts: Rollouts | None = None
 

@@ -37,6 +37,8 @@ TRAINING_ONLY = ("objective/score", "objective/gold", "objective/kl", "policy/ap
                  "accuracy", "grad_norm")
 PASS_AT_K = re.compile(r"(pass|maj)@(\d+)")
 GROUPS = ("pass@k", "gold per task")  # the panels that hold several held-out metrics
+# Validation values that are the scale of another, read in the summary rather than drawn (the gold's spread).
+NOT_DRAWN = ("gold_std",)
 MAX_PANELS = 12
 FRACTION_LIMITS = (-0.02, 1.02)  # a 0-1 axis, with a margin so that points at 0 and 1 show whole
 
@@ -106,7 +108,8 @@ def stage_prefixes(rows: Sequence[dict[str, float]]) -> list[str]:
 def validation_panels(prefix: str, keys: set[str]) -> tuple[list[Panel], set[str]]:
     """Each validation metric with its training twin (pass@k and maj@k together, the gold per task together), and
     the training keys they show."""
-    names = sorted((key.split("/val/", 1)[1] for key in keys if key.startswith(f"{prefix}/val/")),
+    names = sorted((key.split("/val/", 1)[1] for key in keys if key.startswith(f"{prefix}/val/")
+                    and key.split("/val/", 1)[1] not in NOT_DRAWN),
                    key=lambda name: (PREFERRED.index(name) if name in PREFERRED else len(PREFERRED), name))
     chosen: list[Panel] = []
     shown: set[str] = set()

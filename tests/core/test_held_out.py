@@ -35,3 +35,28 @@ def test_group_means_add_up_per_group():
     means.update(torch.tensor([0.5]), torch.tensor([2]))
     values, counts = means.compute()
     assert values.tolist() == [0.5, 0.0, 0.75] and counts.tolist() == [2.0, 0.0, 2.0]
+
+
+def response_length(prompts, completions):
+    """A gold that differs between responses: their length in characters."""
+    return [float(len(completion)) for completion in completions]
+
+
+def test_validation_logs_the_golds_spread_over_the_held_out_responses(tiny_model_dir, reward_dir, tmp_path):
+    """``<prefix>/val/gold_std``: the scale the summary measures the gold's change in; 0 for a gold that never
+    varies, above 0 for one that does."""
+    import lightning as L
+
+    from rlhf_lightning import GRPO
+    from tests.helpers.online import make_online, prompts
+
+    logged = {}
+    for name, gold in (("constant", lambda prompts, completions: [1.0] * len(completions)),
+                       ("length", response_length)):
+        module = make_online(GRPO, tiny_model_dir, reward_dir, gold_reward=gold)
+        trainer = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False,
+                            default_root_dir=tmp_path, limit_val_batches=1)
+        trainer.validate(module, datamodule=prompts(module, n=16, batch_size=4, val_fraction=0.5))
+        logged[name] = {key: float(value) for key, value in trainer.callback_metrics.items()}
+    assert logged["constant"]["grpo/val/gold"] == 1.0 and logged["constant"]["grpo/val/gold_std"] == 0.0
+    assert logged["length"]["grpo/val/gold_std"] > 0
