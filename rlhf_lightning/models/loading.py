@@ -8,6 +8,7 @@ loading, the tokenizer must fit the model (:func:`check_tokenizer_fits`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -73,10 +74,17 @@ def hub_unreachable(timeout: float = 3.0) -> str | None:
     from huggingface_hub import constants
 
     endpoint = urlparse(constants.ENDPOINT)
+    return connection_refused(endpoint.hostname, endpoint.port or 443, timeout)
+
+
+@functools.cache
+def connection_refused(host: str, port: int, timeout: float) -> str | None:
+    """Why ``host:port`` takes no connection within ``timeout``, or None. Probed once per process: the tokenizer,
+    the model and the positions check of one fit ask the same question."""
     try:
-        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=timeout).close()
+        socket.create_connection((host, port), timeout=timeout).close()
     except OSError as error:
-        return f"{endpoint.hostname}: {error.strerror or type(error).__name__}"
+        return f"{host}: {error.strerror or type(error).__name__}"
     return None
 
 

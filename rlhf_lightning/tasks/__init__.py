@@ -2,7 +2,8 @@
 reward; its parts in ``synthetic_grammar``, ``synthetic_gold`` and ``synthetic_data``), ``arithmetic`` (additions
 with a checkable answer), ``calculator`` (large additions with a tool), ``arithmetic_judge`` (verdicts on
 arithmetic answers, to train a judge) and ``guess_number`` (an OpenEnv game, whose module is
-``rlhf_lightning.environments.guess_number``); the exact checker of the addition tasks is ``checking``.
+``rlhf_lightning.environments.guess_number``); the exact checker of the addition tasks is ``checking``, and the
+word-level chat tokenizer that ``calculator`` and ``reasoning_gym`` build is ``chat_tokenizer``.
 ``dataset: <name>`` in a data module generates the task's rows and ``tokenizer: <name>`` in a base model builds its
 tokenizer. reasoning-gym's procedural tasks (an optional package) are rows made from task names, their settings, a
 size and a seed (``reasoning_gym``, whose data modules are ``rlhf_lightning.data.reasoning_gym``), scored by each

@@ -24,6 +24,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from rlhf_lightning.tasks.chat_tokenizer import word_level_chat_tokenizer
 from rlhf_lightning.tasks.checking import WHOLE_NUMBER_PATTERN, check_sums, reads_answer_column
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
@@ -164,18 +165,5 @@ class CalculatorTask:
 def build_tokenizer():
     """The task's tokenizer: digits and punctuation one token each, JSON keys and words whole, the template's
     markers special, left padding, and decoding that joins tokens as they were written."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocabulary = list(dict.fromkeys(SPECIAL_TOKENS + WORDS + CHARACTERS))
-    backend = Tokenizer(models.WordLevel({token: i for i, token in enumerate(vocabulary)}, unk_token=UNK))
-    pieces = "|".join(re.escape(word) for word in sorted(WORDS, key=len, reverse=True))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex(f"{pieces}|."), behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    backend.add_special_tokens(list(SPECIAL_TOKENS))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=PAD, eos_token=EOS, unk_token=UNK,
-                                        additional_special_tokens=list(SPECIAL_TOKENS[3:]), padding_side="left",
-                                        model_max_length=160, clean_up_tokenization_spaces=False)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
+    return word_level_chat_tokenizer(SPECIAL_TOKENS, WORDS, CHARACTERS, CHAT_TEMPLATE, model_max_length=160)
 

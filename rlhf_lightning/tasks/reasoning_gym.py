@@ -21,10 +21,11 @@ import dataclasses
 import difflib
 import importlib
 import random
-import re
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
+
+from rlhf_lightning.tasks.chat_tokenizer import word_level_chat_tokenizer
 
 EXTRA_HINT = "pip install -e '.[reasoning-gym]'"
 HELD_OUT_SEED_OFFSET = 2**31  # the held-out generators' seed is the training seed plus this
@@ -187,17 +188,5 @@ def build_tokenizer():
     """A character-level tokenizer of printable ASCII (the text of reasoning-gym's arithmetic and counting tasks),
     the answer and think tags and the chat roles as single tokens, a ChatML-style chat template (``<|im_end|>``
     ends a turn), left padding. Built locally, no download: ``tokenizer: reasoning_gym`` in a base model."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocabulary = list(dict.fromkeys(SPECIAL_TOKENS + WORDS + CHARACTERS))
-    backend = Tokenizer(models.WordLevel({token: i for i, token in enumerate(vocabulary)}, unk_token=UNK))
-    pieces = "|".join(re.escape(word) for word in sorted(WORDS, key=len, reverse=True))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex(f"{pieces}|[\\s\\S]"), behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    backend.add_special_tokens(list(SPECIAL_TOKENS))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=PAD, eos_token=EOS, unk_token=UNK,
-                                        additional_special_tokens=list(SPECIAL_TOKENS[3:]), padding_side="left",
-                                        model_max_length=1024, clean_up_tokenization_spaces=False)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
+    return word_level_chat_tokenizer(SPECIAL_TOKENS, WORDS, CHARACTERS, CHAT_TEMPLATE, model_max_length=1024,
+                                     other=r"[\s\S]")  # newlines too: the tasks' questions hold them

@@ -52,28 +52,32 @@ def ours(current, proximal, behaviour, advantages, mask, mode):
     return per_token, per_token.sum() / mask.sum()
 
 
-def test_the_issues_formula_is_clip_with_the_truncated_correction():
-    current, proximal, behaviour, advantages, mask = tensors()
-    assert (torch.exp(proximal - behaviour)[mask] > CAP).any()  # the cap is reached
-    want_tokens, want = reference_decoupled(current, proximal, behaviour, advantages, mask, CAP, False)
+def matching_gradient(inputs: tuple[torch.Tensor, ...], mode: str, filter_above_cap: bool) -> torch.Tensor:
+    """Our per-token loss and its gradient equal the reference's (float64, to 1e-15); the gradient."""
+    current = inputs[0]
+    want_tokens, want = reference_decoupled(*inputs, CAP, filter_above_cap)
     (want_gradient,) = torch.autograd.grad(want, current)
-    got_tokens, got = ours(current, proximal, behaviour, advantages, mask, "token_truncate")
+    got_tokens, got = ours(*inputs, mode)
     (got_gradient,) = torch.autograd.grad(got, current)
     torch.testing.assert_close(got_tokens, want_tokens, rtol=0, atol=1e-15)
     torch.testing.assert_close(got_gradient, want_gradient, rtol=0, atol=1e-15)
+    return got_gradient
+
+
+def test_the_issues_formula_is_clip_with_the_truncated_correction():
+    inputs = tensors()
+    _, proximal, behaviour, _, mask = inputs
+    assert (torch.exp(proximal - behaviour)[mask] > CAP).any()  # the cap is reached
+    matching_gradient(inputs, "token_truncate", filter_above_cap=False)
 
 
 def test_areals_behav_imp_weight_cap_is_clip_with_the_masked_correction():
-    current, proximal, behaviour, advantages, mask = tensors(seed=1)
+    inputs = tensors(seed=1)
+    _, proximal, behaviour, _, mask = inputs
     over = (torch.exp(proximal - behaviour) > CAP) & mask
     assert over.any() and not over[mask].all()  # some tokens filtered, some kept
-    want_tokens, want = reference_decoupled(current, proximal, behaviour, advantages, mask, CAP, True)
-    (want_gradient,) = torch.autograd.grad(want, current)
-    got_tokens, got = ours(current, proximal, behaviour, advantages, mask, "token_mask")
-    (got_gradient,) = torch.autograd.grad(got, current)
-    torch.testing.assert_close(got_tokens, want_tokens, rtol=0, atol=1e-15)
-    torch.testing.assert_close(got_gradient, want_gradient, rtol=0, atol=1e-15)
-    assert (got_gradient[over] == 0).all()  # a filtered token teaches nothing
+    gradient = matching_gradient(inputs, "token_mask", filter_above_cap=True)
+    assert (gradient[over] == 0).all()  # a filtered token teaches nothing
 
 
 def test_on_policy_samples_make_it_plain_ppo():
