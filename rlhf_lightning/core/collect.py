@@ -18,6 +18,7 @@ from torch import Tensor
 
 from rlhf_lightning.core.experience import Experience, FirstPass, Samples, sampling_statistics
 from rlhf_lightning.core.held_out import gold_scores
+from rlhf_lightning.core.overlap import OverlapHooks
 from rlhf_lightning.core.pass_plan import PassPlan, PassSettings, plan_passes
 from rlhf_lightning.core.policy import POLICY, PolicyModule
 from rlhf_lightning.environments.environment import Environment
@@ -39,7 +40,7 @@ class SkipIteration(Exception):
     """Raised by collection under ``nonfinite: skip`` when the iteration must not be trained on."""
 
 
-class ExperienceCollector(PolicyModule):
+class ExperienceCollector(OverlapHooks, PolicyModule):
     """The policy module that samples and scores: prompts in, :class:`Experience` out (:meth:`collect`).
 
     Args:
@@ -64,6 +65,10 @@ class ExperienceCollector(PolicyModule):
         share_prompt: encode a group's prompt once in every pass after sampling (log-probs, reference, values,
             reward adapter, the update's forward) and reuse its keys/values for its responses: the same numbers up to
             rounding; rows with equal prompt tokens are found in each batch, so nothing changes where none share.
+        max_staleness: asynchronous training: the rollouts of the next ``max_staleness`` iterations are drawn while
+            the policy trains (iteration n on the policy iteration n - max_staleness started from), on an engine
+            that overlaps (``VLLMServer``); 0 = synchronous. See ``docs/async.md``.
+        rollout_timeout: seconds an iteration waits for its rollout drawn ahead before the fit stops.
     """
 
     # Whether a reward source that scores steps (ProcessReward) gives each step's score at its step's last token
@@ -87,9 +92,13 @@ class ExperienceCollector(PolicyModule):
         max_turns: int = 4,
         max_episode_tokens: int | None = None,
         share_prompt: bool = True,
+        max_staleness: int = 0,
+        rollout_timeout: float = 1800.0,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        checks.non_negative("max_staleness", max_staleness)
+        checks.positive("rollout_timeout", rollout_timeout)
         checks.at_least("samples_per_prompt", samples_per_prompt)
         checks.at_least("max_turns", max_turns)
         checks.non_negative("missing_eos_penalty", missing_eos_penalty, optional=True)
@@ -217,8 +226,7 @@ class ExperienceCollector(PolicyModule):
         them made once (those the loop's :attr:`pass_plan` names), and what they show. Run without gradients inside
         the sharded base's gathered scope (``sampler.gathered_base``)."""
         group = self.hparams.samples_per_prompt
-        with phase("rollout/generate"):
-            rollout = self.rollouts.run(self.model, POLICY, prompts, group, f"train {self.iteration}")
+        rollout, overlap_stats = self.training_rollout(prompts, group)
         ids, attention, mask = rollout.input_ids, rollout.attention_mask, rollout.response_mask
         logprobs = entropy = ref_logprobs = None
         plan = self.pass_plan
@@ -249,7 +257,7 @@ class ExperienceCollector(PolicyModule):
         experience = Experience(ids, attention, mask, scores, rollout.is_stopped, rollout.sampler_logprobs, logprobs,
                                 ref_logprobs, rollout.turn_rewards, group_size=group, step_rewards=step_rewards,
                                 entropy=entropy)
-        stats = self.sample_statistics(rollout, source_scores, raw_scores)
+        stats = self.sample_statistics(rollout, source_scores, raw_scores) | overlap_stats
         gold = None
         if self.gold_reward is not None:
             gold = gold_scores(self.gold_reward, prompts["prompt"], completions, prompts.get("columns"), repeat=group)

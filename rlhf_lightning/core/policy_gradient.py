@@ -82,6 +82,9 @@ class PolicyGradient(OnlineRL):
         rollout_correction_min: lower bound of the correction's weight; null = none. It must be below
             ``rollout_correction_max``.
         rollout_correction_max: upper bound of the correction's weight (TRL's 3.0); null = none.
+        clip_against: the policy loss's ratio's denominator: ``proximal``, the trainer's log-probs at the start of
+            the update (with ``rollout_correction`` this is AReaL's decoupled objective for stale rollouts:
+            ``max_staleness``), or ``sampler``, the engine's (naive PPO-clip against the behaviour policy).
     """
 
     def __init__(
@@ -102,6 +105,7 @@ class PolicyGradient(OnlineRL):
         rollout_correction: RolloutCorrection = "none",
         rollout_correction_min: float | None = None,
         rollout_correction_max: float | None = 3.0,
+        clip_against: Literal["proximal", "sampler"] = "proximal",
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -120,6 +124,10 @@ class PolicyGradient(OnlineRL):
         checks.one_of("kl_estimator", kl_estimator, get_args(KLEstimator))
         checks.one_of("kl_in", kl_in, ("reward", "loss"))
         checks.one_of("rollout_correction", rollout_correction, CORRECTIONS)
+        checks.one_of("clip_against", clip_against, ("proximal", "sampler"))
+        if clip_against == "sampler" and rollout_correction != "none":
+            raise ValueError(f"clip_against: sampler with rollout_correction: {rollout_correction}: the ratio is "
+                             "already against the sampler, so the correction would weigh it twice; set one of them")
         checks.non_negative("rollout_correction_min", rollout_correction_min, optional=True)
         checks.positive("rollout_correction_max", rollout_correction_max, optional=True)
         bounds = (rollout_correction_min, rollout_correction_max)
@@ -228,13 +236,14 @@ class PolicyGradient(OnlineRL):
                     with_entropy=bool(hp.ent_coef) or own_pass, entropy_grad=bool(hp.ent_coef))
         # One optimizer step per rollout: the policy has not moved since sampling, so its own pass, detached,
         # gives the old log-probs (ratio 1 in value, the policy gradient in gradient).
-        old_logprobs = logprobs.detach() if own_pass else micro.logprobs
+        proximal = logprobs.detach() if own_pass else micro.logprobs
+        old_logprobs = micro.sampler_logprobs if hp.clip_against == "sampler" else proximal
         per_token, statistics = self.policy_loss(logprobs, old_logprobs, micro.advantages, mask)
-        # the trainer's log-probs at sampling time against the sampler's
-        mismatch = mismatch_statistics(old_logprobs, micro.sampler_logprobs, mask)
+        # the trainer's log-probs at the update's start against the sampler's (another engine, or a stale policy)
+        mismatch = mismatch_statistics(proximal, micro.sampler_logprobs, mask)
         terms: Stats = {f"rollout/mismatch_{name}": value for name, value in mismatch.items()}
         if hp.rollout_correction != "none":
-            weights = correction_weights(old_logprobs, micro.sampler_logprobs, mask, hp.rollout_correction,
+            weights = correction_weights(proximal, micro.sampler_logprobs, mask, hp.rollout_correction,
                                          hp.rollout_correction_min, hp.rollout_correction_max)
             per_token = per_token * weights
             terms["rollout/correction_weight"] = masked_mean(weights, mask)

@@ -118,6 +118,28 @@ class ResumableLoader:
                 self.epoch, self.batches_done = self.epoch + 1, 0
             yield batch
 
+    def ahead(self, count: int) -> Any:
+        """The batch ``count`` places after the last one handed out (1: the next), collated, without moving: into the
+        next epoch when this one ends first (an asynchronous run draws rollouts of iterations ahead of the one that
+        trains). An epoch's batches are a function of ``(seed, epoch)``, so this is the batch ``iter()`` will hand
+        out then."""
+        if count < 1:
+            raise ValueError(f"ahead({count}): count the batches after the last one handed out, from 1")
+        epoch, index = self.epoch, self.batches_done + count - 1
+        batches = self._batches_of(epoch)
+        while index >= len(batches):
+            index -= len(batches)
+            epoch += 1
+            batches = self._batches_of(epoch)
+        return self.collate_fn([self.dataset[row] for row in batches[index]])
+
+    def _batches_of(self, epoch: int) -> list[list[int]]:
+        current, self.epoch = self.epoch, epoch
+        try:
+            return self._epoch_batches()
+        finally:
+            self.epoch = current
+
     @property
     def sampler(self) -> ResumableLoader:
         """Itself: Lightning calls ``sampler.set_epoch`` on every training loader when an epoch starts."""

@@ -112,14 +112,19 @@ class Rollouts:
         return opening + started + min(self.sampler.settings.max_new_tokens, self.max_tokens)
 
     @torch.no_grad()
-    def run(self, model: SharedBase, role: str | None, prompts: dict[str, Any], group: int, purpose: str) -> Rollout:
+    def run(self, model: SharedBase, role: str | None, prompts: dict[str, Any], group: int, purpose: str,
+            first_turn_seeds: list[int] | None = None) -> Rollout:
         """``group`` responses (or episodes) to each prompt of a data module's batch (``input_ids``,
         ``attention_mask``, ``prompt``, ``raw_prompt``, ``columns``, ``index``), sampled from ``role``; ``purpose``
-        names the random streams of ``seed_scope: prompt``."""
-        seeds = self.sampler.seeds.rows(purpose, prompts.get("index"), group)
+        names the random streams of ``seed_scope: prompt``. ``first_turn_seeds``: the seed of each response (its
+        episode's first turn) given as it is, the later turns' derived from it: a producer thread's, which must not
+        draw from the global stream (:meth:`~rlhf_lightning.rollout.seeds.Seeds.ahead`); None = as ``seed_scope``
+        says."""
+        given = first_turn_seeds is not None
+        seeds = first_turn_seeds if given else self.sampler.seeds.rows(purpose, prompts.get("index"), group)
         if self.environment is None:
             drawn = self.sampler.draw(model, role, prompts["input_ids"], prompts["attention_mask"], group,
-                                      Seeds.turn(seeds, 1))
+                                      seeds if given else Seeds.turn(seeds, 1))
             return Rollout(drawn.sequences, drawn.attention_mask, drawn.mask, drawn.mask, drawn.logprobs,
                            stopped(drawn.tokens, drawn.mask, self.sampler.settings.stop_token_ids))
         if model.is_sharded and self.sampler.sharded_rollout == "per_layer":
@@ -134,7 +139,8 @@ class Rollouts:
                 if not running:
                     break
                 group_of_turn = group if turn == 1 and _openings_agree(running, group) else 1
-                self.take_turn(running, self.draw_turn(model, role, running, group_of_turn, turn, seeds, device),
+                self.take_turn(running, self.draw_turn(model, role, running, group_of_turn, turn, seeds, device,
+                                                              given and turn == 1),
                                turn)
         finally:  # every episode has ended, however: its environment releases what it held (an OpenEnv session)
             for episode in episodes:
@@ -170,14 +176,15 @@ class Rollouts:
         return episodes
 
     def draw_turn(self, model: SharedBase, role: str | None, running: Sequence[Episode], group: int, turn: int,
-                  seeds: list[int] | None, device: torch.device) -> Drawn:
+                  seeds: list[int] | None, device: torch.device, as_given: bool = False) -> Drawn:
         """Turn ``turn`` of each running episode, each run of ``group`` consecutive episodes sharing its opening: on
         the first turn the episodes of a prompt open alike (their environments' ``reset`` saw the same row, unless
         it draws something), and their opening is encoded once for the group, as a single-turn rollout's."""
         pad_id = self.tokenizer.pad_token_id
         room = max(self.max_tokens - len(episode.tokens) for episode in running)
         max_new_tokens = min(self.sampler.settings.max_new_tokens, room)
-        turn_seeds = Seeds.turn(None if seeds is None else [seeds[e.index] for e in running], turn)
+        chosen = None if seeds is None else [seeds[e.index] for e in running]
+        turn_seeds = chosen if as_given else Seeds.turn(chosen, turn)
         sequences = [episode.opening + episode.tokens for episode in running[::group]]
         input_ids, attention_mask = (t.to(device) for t in pad(sequences, pad_id, "left"))
         return self.sampler.draw(model, role, input_ids, attention_mask, group, turn_seeds, max_new_tokens)

@@ -61,6 +61,19 @@ class Seeds:
         return [derive_seed(self.seed, purpose, int(index), sample)
                 for index in indices.tolist() for sample in range(per_prompt)]
 
+    def ahead(self, iteration: int, rank: int, indices: Tensor | None, prompts: int, per_prompt: int) -> list[int]:
+        """The seed each response of training iteration ``iteration`` on ``rank`` is drawn with (its first turn's)
+        when it is drawn ahead, on a producer thread (which must not read the global stream): the synchronous loop's
+        own, so that an iteration drawn by the same policy draws the same tokens either way. ``seed_scope:
+        prompt``: its row's first turn's (:meth:`rows`, :meth:`turn`); ``rank``: each prompt's responses share the
+        seed the synchronous loop's server engine draws for the prompt's request from the iteration's stream."""
+        rows = self.rows(f"train {iteration}", indices, per_prompt)
+        if rows is not None:
+            return self.turn(rows, 1)
+        stream = torch.Generator().manual_seed(derive_seed(self.seed, "train", iteration, rank))
+        return [int(seed) for seed in torch.randint(0, 2**62, (prompts,), generator=stream).tolist()
+                for _ in range(per_prompt)]
+
     @staticmethod
     def turn(row_seeds: Sequence[int] | None, turn: int) -> list[int] | None:
         """The seeds of turn ``turn`` (1, 2, ...) of the episodes seeded ``row_seeds`` (None stays None)."""

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -88,7 +90,11 @@ class VLLMServer(Engine):
         self.process: ServerProcess | None = None
         self.base_name: str | None = None  # the base as the server names it
         self.max_model_len: int | None = None
-        self.loaded: dict[str, int] = {}  # role -> the version this rank's server holds
+        self.loaded: dict[str, int] = {}  # role -> the version this rank's server holds as the current one
+        self.resident: dict[str, set[int]] = {}  # role -> every version this rank's server holds
+        self.staleness = 0  # the fit's max_staleness: older versions kept loaded while drawn from
+        self._pins: Counter[tuple[str, int]] = Counter()  # versions drawn from by requests in flight
+        self._pins_lock = threading.Lock()
         self.synced: dict[str, tuple[int, tuple]] = {}  # role -> (version, fingerprint) at its last sync
         self.push_seconds = 0.0  # the last sync's write and load
         self.startup_seconds = 0.0  # from starting a server to its first answer (0 for a server given by URL)
@@ -99,6 +105,12 @@ class VLLMServer(Engine):
         refusal = (version_refusal(installed_version(), "the engine VLLMServer (without urls)")
                    if self.urls is None else None)
         return refusal or run_refusal(setup.name_or_path, setup.device_type, False, setup.adapters)
+
+    def overlap_refusal(self, staleness: int) -> str | None:
+        """It overlaps: the server draws on its own devices. A server the fit starts holds ``staleness + 2``
+        adapter versions at least (those still drawn from, the current one and the one replacing it)."""
+        self.staleness = staleness
+        return None
 
     def prepare(self, setup: EngineSetup) -> None:
         """Keep the run folder; a server given by URL is checked now, before the model is built: it answers and
@@ -116,7 +128,8 @@ class VLLMServer(Engine):
         if self.urls is not None:
             self.attach(self.urls[rank() % len(self.urls)], base)
             return
-        self.process = ServerProcess(model, self.adapter_root() / f"server-rank{rank()}.log", self.max_loras,
+        self.process = ServerProcess(model, self.adapter_root() / f"server-rank{rank()}.log",
+                                     max(self.max_loras, self.staleness + 2),
                                      self.kv_cache_gib, self.server_args, self.cpus)
         start = time.perf_counter()
         url = self.process.start(self.startup_timeout)
@@ -153,7 +166,7 @@ class VLLMServer(Engine):
     def close(self) -> None:
         if self.process is not None:
             self.process.stop()
-        self.process, self.url, self.loaded = None, None, {}
+        self.process, self.url, self.loaded, self.resident = None, None, {}, {}
 
     # ---- adapters ------------------------------------------------------------------------------------------
 
@@ -171,7 +184,11 @@ class VLLMServer(Engine):
         run = hashlib.sha1(str(self.adapter_root()).encode()).hexdigest()[:8]
         return f"{role}-v{version}-{run}"
 
-    def push(self, model: SharedBase, role: str, version: int, tensors: dict[str, Tensor]) -> None:
+    def push(self, model: SharedBase, role: str, version: int, tensors: dict[str, Tensor], current: bool = True) -> None:
+        """Write ``tensors`` as ``role``'s ``version`` (rank 0) and load it into this rank's server; with ``current``
+        it is the version draws name from now on, and the versions before it are unloaded unless a request in
+        flight draws from one (:meth:`pin`). ``current=False``: an older version an asynchronous run redraws from
+        after a resume."""
         start = time.perf_counter()
         name, folder = self.adapter_name(role, version), self.adapter_root() / f"{role}-v{version}"
         if not dist.is_initialized() or dist.get_rank() == 0:
@@ -181,8 +198,8 @@ class VLLMServer(Engine):
             model.model.peft_config[role].save_pretrained(str(folder))
         if dist.is_initialized():
             dist.barrier()  # the files are written before any rank's server reads them
-        previous = self.loaded.get(role)
-        if previous != version:
+        resident = self.resident.setdefault(role, set())
+        if version not in resident:
             try:
                 self.call("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
             except ServerError as error:
@@ -192,14 +209,34 @@ class VLLMServer(Engine):
                     raise ServerError(f"the vLLM server at {self.url} does not load adapters at run time ({error}): "
                                       "start it with --enable-lora --max-loras 2 (or more) and the environment "
                                       "variable VLLM_ALLOW_RUNTIME_LORA_UPDATING=True", error.status) from None
+            resident.add(version)
+        if current:
             self.loaded[role] = version
-            if previous is not None:
-                try:
-                    self.call("POST", "/v1/unload_lora_adapter", {"lora_name": self.adapter_name(role, previous)})
-                except ServerError as error:  # another rank sharing this server unloaded it first
-                    if error.status != 404:
-                        raise
+        self.retire(role)
         self.push_seconds = time.perf_counter() - start
+
+    def retire(self, role: str) -> None:
+        """Unload ``role``'s versions that are neither the current one nor drawn from by a request in flight."""
+        with self._pins_lock:
+            retired = {old for old in self.resident.get(role, ()) if old != self.loaded.get(role)
+                       and not self._pins[(role, old)]}
+        for old in sorted(retired):
+            try:
+                self.call("POST", "/v1/unload_lora_adapter", {"lora_name": self.adapter_name(role, old)})
+            except ServerError as error:  # another rank sharing this server unloaded it first
+                if error.status != 404:
+                    raise
+            self.resident[role].discard(old)
+
+    def pin(self, role: str, version: int) -> None:
+        """Keep ``role``'s ``version`` loaded until :meth:`unpin` (requests drawing from it are in flight)."""
+        with self._pins_lock:
+            self._pins[(role, version)] += 1
+
+    def unpin(self, role: str, version: int) -> None:
+        """The requests :meth:`pin` kept ``version`` for are done (it is unloaded at the next push); any thread."""
+        with self._pins_lock:
+            self._pins[(role, version)] -= 1
 
     def requested_model(self, model: SharedBase, role: str | None) -> str:
         """The model name a draw from ``role`` asks for: the base, or the adapter's synced version (loaded now at
@@ -214,6 +251,25 @@ class VLLMServer(Engine):
             self.push(model, role, version, tensors)
         return self.adapter_name(role, version)
 
+    def serve_version(self, model: SharedBase, role: str, version: int, tensors: dict[str, Tensor] | None = None
+                      ) -> str:
+        """The served name of ``role``'s ``version``, loaded and pinned (kept loaded until :meth:`unpin`), for
+        requests a producer thread sends while the trainer updates the adapter: the current adapter (``tensors``
+        None; ``version`` must be its last sync's), or an older version's weights an asynchronous run redraws from
+        after a resume. Connects at first use. Main thread only (FSDP2: every rank, a collective)."""
+        if self.url is None:
+            self.connect(model)
+        self.pin(role, version)
+        if tensors is None:
+            name = self.requested_model(model, role)
+            if self.loaded.get(role) != version:
+                raise RuntimeError(f"{role}'s adapter was last synced as version {self.loaded.get(role)}, not "
+                                   f"{version}: sync it before drawing from it")
+            return name
+        if version not in self.resident.get(role, set()):
+            self.push(model, role, version, tensors, current=False)
+        return self.adapter_name(role, version)
+
     # ---- drawing -------------------------------------------------------------------------------------------
 
     def draw(self, model: SharedBase, role: str | None, input_ids: Tensor, attention_mask: Tensor, group: int,
@@ -221,9 +277,16 @@ class VLLMServer(Engine):
              synced: bool = False) -> tuple[Tensor, Tensor]:
         if self.url is None:
             self.connect(model)
+        return self.request(self.requested_model(model, role), input_ids, attention_mask, group, settings,
+                            pad_token_id, seeds)
+
+    def request(self, name: str, input_ids: Tensor, attention_mask: Tensor, group: int, settings: SamplingSettings,
+                pad_token_id: int, seeds: Sequence[int] | None = None) -> tuple[Tensor, Tensor]:
+        """:meth:`draw` from the served model ``name`` (the base, or an adapter version already loaded), without
+        reading the trainer's model: what a producer thread calls while the trainer updates it. Safe from any
+        thread."""
         check_length(attention_mask, settings.max_new_tokens, self.max_model_len,
                      f"the vLLM server's max_model_len ({self.url}; its --max-model-len)")
-        name = self.requested_model(model, role)
         prompts = [row[mask.bool()].tolist() for row, mask in zip(input_ids.cpu(), attention_mask.cpu(), strict=True)]
         request_seeds = (torch.randint(0, 2**62, (len(prompts),)).tolist() if seeds is None
                          else [int(seed) for seed in list(seeds)[::group]])
@@ -252,3 +315,19 @@ class VLLMServer(Engine):
 
 def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+class ServedVersion(Engine):
+    """Draws from a served model of a :class:`VLLMServer` by name (an adapter version it holds) without reading the
+    trainer's model: the engine of the rollout producer's thread, whose job sets :attr:`name` before drawing."""
+
+    def __init__(self, server: VLLMServer) -> None:
+        self.server = server
+        self.name: str | None = None
+
+    def draw(self, model: SharedBase, role: str | None, input_ids: Tensor, attention_mask: Tensor, group: int,
+             settings: SamplingSettings, pad_token_id: int, seeds: Sequence[int] | None = None,
+             synced: bool = False) -> tuple[Tensor, Tensor]:
+        if self.name is None:
+            raise RuntimeError("ServedVersion.draw: no served model named (a producer job sets it)")
+        return self.server.request(self.name, input_ids, attention_mask, group, settings, pad_token_id, seeds)

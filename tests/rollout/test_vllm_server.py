@@ -1,5 +1,5 @@
 """vLLM's own server as the rollout engine (``engine: VLLMServer``), for real: one server of the tiny Llama started
-on 127.0.0.1 with vLLM's CPU build, shared by the tests of this module (the tests marked ``vllm``, in the README's
+on 127.0.0.1 with vLLM's CPU build (``served``, in ``tests/rollout/conftest.py``), shared by the tests of the session (the tests marked ``vllm``, in the README's
 vLLM environment). Its log-probs agree with the trainer's pass, the adapter goes to it by version after each sync, a
 stale or missing adapter stops the draw in one line, the same seeds redraw the same responses, a GRPO fit trains on
 it, and a server that serves another base, a too short ``max_model_len`` or a server that died are one line. Its
@@ -19,8 +19,6 @@ from rlhf_lightning.models.logprobs import token_logprobs
 from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.rollout.engines import EngineSetup
-from rlhf_lightning.rollout.sampler import Sampler
-from rlhf_lightning.rollout.seeds import Seeds
 from rlhf_lightning.rollout.settings import SamplingSettings
 from rlhf_lightning.rollout.vllm_process import ServerError, request_json
 from rlhf_lightning.rollout.vllm_server import VLLMServer
@@ -63,28 +61,7 @@ def test_a_fit_given_an_unreachable_server_stops_at_setup_in_one_line(tiny_llama
     assert line.startswith("error: cannot reach the vLLM server: GET http://127.0.0.1:9/v1/models: ")
 
 
-# ---- one server for the module ------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def served(tiny_llama_dir, tmp_path_factory):
-    """The tiny Llama with a policy adapter that changes its outputs, and a sampler whose engine started a server of
-    it; the server is stopped at the end."""
-    spec = BaseModelSpec(name_or_path=str(tiny_llama_dir))
-    tokenizer = load_tokenizer(spec)
-    model = SharedBase(load_causal_lm(spec, tokenizer))
-    model.add_adapter(POLICY, LORA)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for name, parameter in model.model.named_parameters():
-            if "lora_B" in name:
-                parameter.normal_(0, 0.5)
-    engine = VLLMServer(kv_cache_gib=0.25, startup_timeout=300, request_timeout=120)
-    engine.prepare(EngineSetup("cpu", run_folder=str(tmp_path_factory.mktemp("server-run"))))
-    settings = SamplingSettings(max_new_tokens=8, temperature=TEMPERATURE, stop_token_ids=(tokenizer.eos_token_id,))
-    sampler = Sampler(settings, Seeds(0), tokenizer.pad_token_id, engine=engine)
-    yield model, sampler, tokenizer, engine
-    sampler.close()
-
+# ---- one server for the session (tests/rollout/conftest.py) ------------------------------------------------------------------------------
 
 def draw(served, texts=("good movie", "the plot was", "i"), group=4, seeds=None, settings=None):
     model, sampler, tokenizer, _ = served

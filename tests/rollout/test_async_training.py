@@ -1,0 +1,213 @@
+"""Asynchronous training (``max_staleness``): the rollouts of later iterations drawn on the vLLM server while the
+policy trains. Everywhere: the refusals, the producer's waits and failures, the seeds and the loader's batches drawn
+ahead. With vLLM (the tests marked ``vllm``, on the session's server of ``tests/rollout/conftest.py``): a fit at
+S = 1 whose first iteration is the synchronous one's bit for bit and whose samples are one iteration old, versions
+kept loaded while drawn from, a stuck server and a failed draw in one line, and the exact resume after kill -9."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from rlhf_lightning.core.policy import POLICY
+from rlhf_lightning.data.loader import ResumableLoader
+from rlhf_lightning.rollout.engines import Auto, EagerDecoder
+from rlhf_lightning.rollout.producer import Job, ProducerError, RolloutProducer
+from rlhf_lightning.rollout.seeds import Seeds, derive_seed
+from rlhf_lightning.rollout.vllm_server import VLLMServer
+
+with_vllm = pytest.mark.vllm
+SERVER = "rlhf_lightning.rollout.vllm_server.VLLMServer"
+
+
+# ---- everywhere ---------------------------------------------------------------------------------------------
+
+def test_only_an_engine_with_its_own_devices_draws_ahead_the_others_refuse_in_one_line(tiny_llama_dir, reward_dir,
+                                                                                       capsys):
+    from tests.helpers.cli import grpo, one_line
+
+    for engine in (Auto(), EagerDecoder()):
+        refusal = engine.overlap_refusal(2)
+        assert refusal.startswith(f"max_staleness=2: the engine {type(engine).__name__} draws in the trainer's own "
+                                  "process") and "VLLMServer" in refusal
+    server = VLLMServer(urls=["http://127.0.0.1:9"])
+    assert server.overlap_refusal(2) is None and server.staleness == 2
+    line = one_line(capsys, *grpo(tiny_llama_dir, reward_dir, "--model.init_args.max_staleness=1"))
+    assert line.startswith("error: max_staleness=1: the engine Auto draws in the trainer's own process")
+
+
+def job(iteration: int) -> Job:
+    return Job(iteration, max(0, iteration - 1), 0, "policy-v0", (iteration,), (1, 1))
+
+
+def test_the_producer_hands_out_jobs_by_iteration_and_a_failed_one_stops_the_fit_with_its_cause():
+    finished: list[int] = []
+
+    def draw(job: Job, prompts: dict) -> str:
+        if prompts["fail"]:
+            raise ConnectionError("the server hung up")
+        return f"rollout {job.iteration}"
+
+    producer = RolloutProducer(draw, lambda job: finished.append(job.iteration), 10.0, lambda: "the server at X")
+    producer.submit(job(0), {"fail": False})
+    producer.submit(job(1), {"fail": False})
+    assert [j.iteration for j in producer.pending] == [0, 1]
+    assert producer.take(1) == (job(1), "rollout 1") and producer.take(0)[1] == "rollout 0"
+    producer.submit(job(2), {"fail": False})
+    with pytest.raises(ProducerError, match="submitted twice"):
+        producer.submit(job(2), {"fail": False})
+    producer.take(2)
+    producer.submit(job(3), {"fail": True})
+    deadline = time.monotonic() + 10
+    while 3 not in finished and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(ProducerError) as failed:
+        producer.check()  # at the next iteration's start, not when iteration 4 comes
+    assert str(failed.value) == ("the rollout producer failed drawing iteration 4's rollout (drawn by the policy of "
+                                 "iteration 3, adapter version 0) from the server at X: ConnectionError: the server "
+                                 "hung up")
+    assert finished == [0, 1, 2, 3]  # every job released its version, the failed one too
+    with pytest.raises(ProducerError, match=r"^no rollout was submitted for iteration 6"):
+        producer.take(5)
+    producer.close()
+
+
+def test_a_wait_for_the_producer_times_out_in_one_line_naming_what_it_waited_for():
+    release = threading.Event()
+    producer = RolloutProducer(lambda job, prompts: release.wait(30), lambda job: None, 0.2, lambda: "the server at X")
+    producer.submit(job(0), {})
+    start = time.monotonic()
+    with pytest.raises(ProducerError) as waited:
+        producer.take(0)
+    assert time.monotonic() - start < 5
+    assert str(waited.value) == ("waited 0.2 s for iteration 1's rollout (drawn by the policy of iteration 1, adapter "
+                                 "version 0) from the server at X, and it is still being drawn: is the server stuck or "
+                                 "overloaded (its log)? rollout_timeout raises the wait")
+    release.set()
+    producer.close()
+
+
+def test_seeds_drawn_ahead_are_the_synchronous_loops_request_seeds():
+    seeds = Seeds(7)
+    torch.manual_seed(derive_seed(7, "train", 5, 1))  # the synchronous loop's start of iteration 5 on rank 1
+    requests = torch.randint(0, 2**62, (3,)).tolist()  # what its server engine draws: one seed per prompt
+    ahead = seeds.ahead(5, 1, torch.tensor([4, 9, 2]), 3, 2)
+    assert ahead[::2] == requests and ahead[1::2] == requests
+    per_prompt = Seeds(7, "prompt")
+    rows = per_prompt.rows("train 5", torch.tensor([4, 9]), 2)
+    assert per_prompt.ahead(5, 1, torch.tensor([4, 9]), 2, 2) == Seeds.turn(rows, 1)  # the first turn's, as drawn
+
+
+def test_the_loader_hands_out_ahead_the_batches_it_will_hand_out_across_epochs():
+    loader = ResumableLoader(list(range(10)), 3, lambda rows: rows, seed=3, limit=2)
+    handed = iter(loader)
+    first = next(handed)
+    ahead = [loader.ahead(count) for count in (1, 2, 3)]  # the epoch's last batch, then the next epoch's two
+    later = [next(handed)]
+    loader.set_epoch(1)
+    later += list(iter(loader))
+    assert ahead == later and first not in ahead[:1]
+    with pytest.raises(ValueError, match="from 1"):
+        loader.ahead(0)
+
+
+# ---- on the session's vLLM server ---------------------------------------------------------------------------
+
+def fit_arguments(tiny_llama_dir, reward, url: str, staleness: int, *extra: str) -> list[str]:
+    from tests.rollout.test_vllm_server import server_fit
+
+    return server_fit(tiny_llama_dir, reward, url, f"--model.init_args.max_staleness={staleness}", *extra)
+
+
+@with_vllm
+def test_versions_drawn_from_stay_loaded_until_released(served, server_url):
+    from tests.rollout.test_vllm_server import served_names
+
+    model, _, _, engine = served
+    current = engine.loaded.get(POLICY, 0)
+    engine.sync(model, POLICY, current)
+    name = engine.serve_version(model, POLICY, current)  # pinned: a producer's job draws from it
+    lora_b = next(p for n, p in model.model.named_parameters() if "lora_B" in n)
+    with torch.no_grad():
+        lora_b.add_(0.1)
+    engine.sync(model, POLICY, current + 1)
+    assert {name, engine.adapter_name(POLICY, current + 1)} <= served_names(engine)
+    engine.unpin(POLICY, current)
+    with torch.no_grad():
+        lora_b.add_(0.1)
+    engine.sync(model, POLICY, current + 2)  # the released version goes at the next push
+    names = served_names(engine)
+    assert name not in names and engine.adapter_name(POLICY, current + 1) not in names
+    assert engine.adapter_name(POLICY, current + 2) in names
+
+
+@with_vllm
+def test_a_stuck_server_and_a_draw_from_a_version_it_does_not_hold_are_one_line(served, server_url):
+    model, sampler, tokenizer, engine = served
+    batch = tokenizer(["good movie"], return_tensors="pt", add_special_tokens=False)
+
+    def draw(job: Job, prompts: dict):
+        return engine.request(job.name, batch["input_ids"], batch["attention_mask"], 2, sampler.settings,
+                              tokenizer.pad_token_id, [1, 1])
+
+    producer = RolloutProducer(draw, lambda job: None, 3.0, lambda: f"the vLLM server at {engine.url}")
+    server = engine.process.process
+    os.kill(server.pid, signal.SIGSTOP)  # a straggler: the server takes the request and never answers meanwhile
+    try:
+        producer.submit(Job(0, 0, 0, engine.base_name, (0,), (1, 1)), {})
+        with pytest.raises(ProducerError, match=r"^waited 3 s for iteration 1's rollout .* from the vLLM server at "
+                                                r"http://127\.0\.0\.1:\d+, and it is still being drawn"):
+            producer.take(0)
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+    producer.close()
+    producer = RolloutProducer(draw, lambda job: None, 60.0, lambda: f"the vLLM server at {engine.url}")
+    producer.submit(Job(1, 0, 7, "policy-v7-nowhere", (0,), (1, 1)), {})
+    with pytest.raises(ProducerError, match=r"^the rollout producer failed drawing iteration 2's rollout .*: "
+                                            r"ServerError: .*404"):
+        producer.take(1)
+    producer.close()
+
+
+@with_vllm
+@pytest.mark.slow
+def test_at_staleness_1_the_first_iteration_is_the_synchronous_one_and_the_others_one_iteration_old(
+        served, server_url, tiny_llama_dir, tmp_path):
+    from tests.helpers.models import save_reward_adapter
+    from tests.helpers.preemption import drive, run
+
+    reward = save_reward_adapter(tiny_llama_dir, tmp_path / "reward")
+    probes = {}
+    for staleness in (0, 1):
+        arguments = fit_arguments(tiny_llama_dir, reward, server_url, staleness, "--trainer.limit_train_batches=3")
+        done = drive(tmp_path, f"s{staleness}", [run(tmp_path, f"s{staleness}", arguments)])
+        assert done.returncode == 0, done.stderr[-4000:]
+        probes[staleness] = torch.load(tmp_path / f"s{staleness}.pt")["metrics"]
+    synchronous, overlapped = probes[0], probes[1]
+    for key in ("grpo/objective/score", "grpo/response/length", "grpo/rollout/mismatch_kl"):
+        assert overlapped[0][key] == synchronous[0][key], key  # the same policy, the same seeds
+    assert [row["grpo/rollout/staleness_mean"] for row in overlapped] == [0.0, 1.0, 1.0]
+    assert [row["grpo/rollout/staleness_steps"] for row in overlapped] == [0.0, 2.0, 2.0]  # 2 steps an iteration
+    assert "grpo/rollout/staleness_mean" not in synchronous[0]
+    assert overlapped[1]["grpo/rollout/mismatch_kl"] > 1e-6  # the sampler's policy is one update behind
+
+
+@with_vllm
+@pytest.mark.slow
+def test_a_run_drawing_two_iterations_ahead_resumes_exactly_after_kill_9(served, server_url, tiny_llama_dir,
+                                                                         tmp_path):
+    from tests.helpers.models import save_reward_adapter
+    from tests.helpers.preemption import kill_and_resume
+
+    reward = save_reward_adapter(tiny_llama_dir, tmp_path / "reward")
+    arguments = fit_arguments(tiny_llama_dir, reward, server_url, 2, "--trainer.limit_train_batches=4",
+                              "--trainer.enable_checkpointing=true")
+    full, resumed = kill_and_resume(tmp_path, arguments)
+    assert [row["grpo/rollout/staleness_mean"] for row in full["metrics"]] == [0.0, 1.0, 2.0, 2.0]
+    print(f"\nmax_staleness 2, killed with SIGKILL in iteration 3 and resumed: "
+          f"{sum(len(row) for row in resumed['metrics'])} logged values equal the uninterrupted run's")
