@@ -99,6 +99,9 @@ class ExperienceCollector(OverlapHooks, PolicyModule):
         super().__init__(*args, **kwargs)
         checks.non_negative("max_staleness", max_staleness)
         checks.positive("rollout_timeout", rollout_timeout)
+        refusal = self.engine.overlap_refusal(max_staleness) if max_staleness else None
+        if refusal is not None:
+            raise ValueError(refusal)
         checks.at_least("samples_per_prompt", samples_per_prompt)
         checks.at_least("max_turns", max_turns)
         checks.non_negative("missing_eos_penalty", missing_eos_penalty, optional=True)

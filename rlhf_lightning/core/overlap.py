@@ -157,18 +157,11 @@ class Overlap:
 
 
 class OverlapHooks:
-    """The module's side of asynchronous training, for :class:`~rlhf_lightning.core.collect.ExperienceCollector`:
-    the engine's refusal of ``max_staleness`` > 0, the :class:`Overlap` made at the first training rollout, its
-    state in checkpoints, and its end with the fit."""
+    """The module's side of asynchronous training, for :class:`~rlhf_lightning.core.collect.ExperienceCollector`
+    (which refuses ``max_staleness`` > 0 where its engine cannot overlap): the :class:`Overlap` made at the first
+    training rollout, its state in checkpoints, and its end with the fit."""
 
     _overlap: Overlap | None = None
-
-    def refuse_engine(self) -> None:
-        super().refuse_engine()
-        staleness = self.hparams.max_staleness
-        refusal = self.engine.overlap_refusal(staleness) if staleness else None
-        if refusal is not None:
-            raise ValueError(refusal)
 
     @property
     def overlap(self) -> Overlap | None:

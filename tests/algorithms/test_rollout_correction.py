@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from rlhf_lightning import GRPO, AdapterReward
+from rlhf_lightning.algorithms.policy_losses import Clip
 from rlhf_lightning.algorithms.rollout_correction import correction_weights, mismatch_statistics
 from rlhf_lightning.models.spec import BaseModelSpec
 from tests.helpers.cli import grpo as grpo_arguments
@@ -125,3 +126,23 @@ def test_the_sampler_log_probs_are_kept_and_the_loss_is_weighted(tiny_model_dir,
     torch.testing.assert_close(terms["loss/policy"], expected)
     torch.testing.assert_close(terms["rollout/correction_weight"], weights[mask].mean())
     torch.testing.assert_close(uncorrected["loss/policy"], per_token[mask].sum() / mask.sum())
+
+
+def test_clip_against_the_sampler_puts_the_samplers_log_probs_in_the_ratio(tiny_model_dir, reward_dir):
+    """``clip_against: sampler`` (naive PPO-clip against the behaviour policy, the ablation of asynchronous runs):
+    the ratio is pi / mu, so the loss is Clip's of the trainer's log-probs against the sampler's, while the mismatch
+    is still the trainer's log-probs at the update's start against the sampler's."""
+    module = grpo(tiny_model_dir, reward_dir, clip_against="sampler", epochs=2)
+    torch.manual_seed(0)
+    experience, _ = module.collect_and_prepare(first_batch(module))
+    mask = experience.response_mask
+    stale = experience.sampler_logprobs + torch.where(mask, torch.linspace(-0.6, 0.6, mask.shape[1]), 0.0)
+    terms = module.losses(dataclasses.replace(experience, sampler_logprobs=stale))
+    trainer, _ = module.response_logprobs("policy", experience.input_ids, experience.attention_mask, mask)
+    per_token, _ = Clip()(trainer.detach(), stale, experience.advantages, mask)
+    torch.testing.assert_close(terms["loss/policy"], per_token[mask].sum() / mask.sum())
+    assert terms["policy/clipfrac"] > 0  # ratios away from 1: the clip acts on them
+    torch.testing.assert_close(terms["rollout/mismatch_kl"],
+                               mismatch_statistics(experience.logprobs, stale, mask)["kl"])
+    with pytest.raises(ValueError, match="^clip_against: sampler with rollout_correction: token_truncate"):
+        grpo(tiny_model_dir, reward_dir, clip_against="sampler", rollout_correction="token_truncate")

@@ -44,6 +44,8 @@ MODULES = ONLINE + OFFLINE
 ELSEWHERE = {
     "sharded_rollout": "only under FSDP2 (ignored without sharding, as documented): tests/contracts/test_distributed_equivalence.py runs "
                        "GRPO with per_layer and checks it equals one process",
+    "rollout_timeout": "only with max_staleness > 0, which needs vLLM's server: tests/rollout/test_async_training.py::"
+                       "test_a_stuck_server_and_a_draw_from_a_version_it_does_not_hold_are_one_line times a wait out",
     "export_format": "only in the files of the export: tests/rewards/test_judge.py::"
                      "test_the_sft_stage_exports_a_judge_adapter_for_the_same_base reads the adapter it writes",
 }
@@ -135,6 +137,8 @@ CASES: dict[str, Case] = {
     "ent_coef": case(0.1),
     "ptx_coef": case(0.5, ptx=True),
     "rollout_correction": case("token_truncate", stale=True),
+    "clip_against": case("sampler", stale=True),  # the ratio against the sampler's log-probs, not the trainer's
+    "max_staleness": case(1, "refused"),  # by the default engine; VLLMServer's runs: tests/rollout/test_async_training.py
     "rollout_correction_min": case(2.0, stale=True, rollout_correction="token_truncate"),
     "rollout_correction_max": case(1.1, stale=True, rollout_correction="token_truncate"),
     # the algorithms' own

@@ -211,3 +211,29 @@ def test_a_run_drawing_two_iterations_ahead_resumes_exactly_after_kill_9(served,
     assert [row["grpo/rollout/staleness_mean"] for row in full["metrics"]] == [0.0, 1.0, 2.0, 2.0]
     print(f"\nmax_staleness 2, killed with SIGKILL in iteration 3 and resumed: "
           f"{sum(len(row) for row in resumed['metrics'])} logged values equal the uninterrupted run's")
+
+
+@with_vllm
+@pytest.mark.slow
+def test_two_ddp_or_fsdp2_ranks_drawing_ahead_train_as_one_process_does(served, server_url, tiny_llama_dir,
+                                                                        tmp_path):
+    """At max_staleness 1, one process on the whole batch, then two CPU ranks (DDP, then FSDP2: the adapters kept
+    for the producer gathered from their shards on every rank) on its halves, each with its own producer sending
+    its prompts to the same server, seeded per prompt."""
+    from tests.helpers.distributed import STRATEGIES, largest_differences
+    from tests.helpers.models import save_reward_adapter
+    from tests.helpers.preemption import drive, run
+
+    reward = save_reward_adapter(tiny_llama_dir, tmp_path / "reward")
+    arguments = fit_arguments(tiny_llama_dir, reward, server_url, 1, "--trainer.limit_train_batches=3",
+                              "--model.init_args.seed_scope=prompt")
+    single = drive(tmp_path, "single", [run(tmp_path, "single", [*arguments, "--data.init_args.batch_size=4"])])
+    assert single.returncode == 0, single.stderr[-4000:]
+    full = torch.load(tmp_path / "single.pt")
+    assert [row["grpo/rollout/staleness_mean"] for row in full["metrics"]] == [0.0, 1.0, 1.0]
+    for layout in ("ddp", "fsdp2"):
+        ranks = drive(tmp_path, layout, [run(tmp_path, layout, [*arguments, "--data.init_args.batch_size=2",
+                                                                 *STRATEGIES[layout]])])
+        assert ranks.returncode == 0, ranks.stderr[-4000:]
+        largest = largest_differences(full, torch.load(tmp_path / f"{layout}.pt"))
+        print(f"\nmax_staleness 1 on two {layout} ranks against one process: largest differences {largest}")
