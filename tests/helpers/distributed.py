@@ -41,7 +41,9 @@ OFFLINE = ["--trainer.max_steps=3", "--trainer.limit_val_batches=0"]
 
 
 PER_RANK = ("policy/approx_kl", "policy/clipfrac", "policy/ratio", "policy/entropy", "value/mean",
-            "value/explained_variance", "value/clipfrac", "loss/kl", "loss/entropy")
+            "value/explained_variance", "value/clipfrac", "loss/kl", "loss/entropy", "rollout/mismatch_kl",
+            "rollout/mismatch_logprob_diff_mean", "rollout/mismatch_logprob_diff_max", "rollout/correction_weight",
+            "rollout/corrected_out")
 
 
 def stages(model_dir: Path, reward_dir: Path) -> dict[str, tuple[str, list[str], int, int | None]]:
