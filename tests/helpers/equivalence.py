@@ -151,6 +151,23 @@ class KillInValidation(L.Callback):
             os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
+class RowsTrained(L.Callback):
+    """Appends the dataset rows of each training batch's prompts to ``out`` (a line per batch), as the batch ends:
+    what a run trained on, counted across a stop and its resume.
+
+    Args:
+        out: the file the lines go to.
+    """
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        with open(self.out, "a") as lines:
+            lines.write(json.dumps(batch["prompts"]["index"].tolist()) + "\n")
+
+
 def main(runs_file: str) -> None:
     from rlhf_lightning.cli import main as cli_main
 

@@ -237,3 +237,42 @@ def test_two_ddp_or_fsdp2_ranks_drawing_ahead_train_as_one_process_does(served, 
         assert ranks.returncode == 0, ranks.stderr[-4000:]
         largest = largest_differences(full, torch.load(tmp_path / f"{layout}.pt"))
         print(f"\nmax_staleness 1 on two {layout} ranks against one process: largest differences {largest}")
+
+
+@with_vllm
+@pytest.mark.slow
+def test_sigterm_while_two_iterations_are_drawn_ahead_skips_no_prompt_and_trains_none_twice(
+        served, server_url, tiny_llama_dir, tmp_path):
+    """SIGTERM in iteration 3 of 5 at max_staleness 2 (iterations 4 and 5 drawn ahead or being drawn): the checkpoint
+    of iteration 3 holds the adapters that drew them, the resumed run redraws them, and the prompts trained before
+    and after the stop are the uninterrupted run's, each once, with the same logged values."""
+    import json
+
+    from tests.helpers.models import save_reward_adapter
+    from tests.helpers.preemption import assert_same_training, drive, run
+
+    reward = save_reward_adapter(tiny_llama_dir, tmp_path / "reward")
+    arguments = fit_arguments(tiny_llama_dir, reward, server_url, 2, "--trainer.limit_train_batches=5")
+    checkpoint = {"class_path": "rlhf_lightning.callbacks.Checkpoint",
+                  "init_args": {"every_n_train_steps": 50, "save_last": True, "enable_version_counter": False}}
+
+    def rows(name: str) -> dict:
+        return {"class_path": "tests.helpers.equivalence.RowsTrained", "init_args": {"out": str(tmp_path / name)}}
+
+    def read(name: str) -> list[list[int]]:
+        return [json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
+
+    full = drive(tmp_path, "full", [run(tmp_path, "full", arguments, checkpoint, rows("full.rows"))])
+    assert full.returncode == 0, full.stderr[-4000:]
+    signalled = drive(tmp_path, "signalled", [run(tmp_path, "signalled", arguments, checkpoint, rows("stopped.rows"),
+                                                  {"class_path": "tests.helpers.equivalence.SignalAt",
+                                                   "init_args": {"batch": 3, "step": 2}})])
+    assert signalled.returncode == 128 + signal.SIGTERM, signalled.stderr[-4000:]
+    resumed = drive(tmp_path, "resumed", [run(tmp_path, "signalled", arguments, checkpoint, rows("resumed.rows"),
+                                              resume=True)])
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    trained = read("stopped.rows") + read("resumed.rows")
+    assert trained == read("full.rows") and len(trained) == 5
+    prompts = [row for batch in trained for row in batch]
+    assert len(prompts) == len(set(prompts)) == 10  # none skipped, none trained twice
+    assert_same_training(torch.load(tmp_path / "full.pt"), torch.load(tmp_path / "signalled.pt"), 4, 2)
