@@ -188,8 +188,9 @@ class OverlapHooks:
         super().on_load_checkpoint(checkpoint)
         if self.overlap is not None:
             if STATE_KEY not in checkpoint:
-                raise CheckpointError(f"{self.trainer.ckpt_path}: written by a synchronous run, which kept no "
-                                      "adapters to redraw rollouts ahead from; resume it with max_staleness: 0")
+                where = self.trainer.ckpt_path if self._trainer is not None else "the checkpoint"
+                raise CheckpointError(f"{where}: written by a synchronous run, which kept no adapters to redraw "
+                                      "the rollouts drawn ahead from; resume it with max_staleness: 0")
             self.overlap.load_state_dict(checkpoint[STATE_KEY])
 
     def teardown(self, stage: str) -> None:

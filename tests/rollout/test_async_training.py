@@ -276,3 +276,22 @@ def test_sigterm_while_two_iterations_are_drawn_ahead_skips_no_prompt_and_trains
     prompts = [row for batch in trained for row in batch]
     assert len(prompts) == len(set(prompts)) == 10  # none skipped, none trained twice
     assert_same_training(torch.load(tmp_path / "full.pt"), torch.load(tmp_path / "signalled.pt"), 4, 2)
+
+
+def test_a_synchronous_runs_checkpoint_cannot_resume_drawing_ahead(tiny_llama_dir):
+    """It kept no adapters to redraw the rollouts drawn ahead from: one line, before anything is drawn."""
+    from rlhf_lightning import GRPO, FunctionReward
+    from rlhf_lightning.models.spec import BaseModelSpec
+    from rlhf_lightning.tasks.arithmetic import exact_match
+    from rlhf_lightning.utils.atomic_io import CheckpointError
+    from tests.helpers.models import LORA, built
+
+    def module(staleness: int) -> GRPO:
+        return built(GRPO(base=BaseModelSpec(name_or_path=str(tiny_llama_dir)), policy_lora=LORA, samples_per_prompt=2,
+                          reward=FunctionReward(exact_match),
+                          engine=VLLMServer(urls=["http://127.0.0.1:9"]), max_staleness=staleness))
+
+    checkpoint = {"state_dict": module(0).state_dict()}
+    module(0).on_save_checkpoint(checkpoint)
+    with pytest.raises(CheckpointError, match="^the checkpoint: written by a synchronous run, which kept no adapters"):
+        module(1).on_load_checkpoint(checkpoint)
