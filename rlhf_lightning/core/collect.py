@@ -99,8 +99,7 @@ class ExperienceCollector(OverlapHooks, PolicyModule):
         super().__init__(*args, **kwargs)
         checks.non_negative("max_staleness", max_staleness)
         checks.positive("rollout_timeout", rollout_timeout)
-        refusal = self.engine.overlap_refusal(max_staleness) if max_staleness else None
-        if refusal is not None:
+        if max_staleness and (refusal := self.engine.overlap_refusal(max_staleness)):
             raise ValueError(refusal)
         checks.at_least("samples_per_prompt", samples_per_prompt)
         checks.at_least("max_turns", max_turns)

@@ -26,12 +26,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from rlhf_lightning.core.policy import POLICY
+from rlhf_lightning.core.policy import POLICY, PolicyModule
 from rlhf_lightning.rollout.producer import Job, RolloutProducer
 from rlhf_lightning.rollout.rollouts import Rollout, Rollouts
 from rlhf_lightning.rollout.sampler import Sampler
@@ -40,9 +40,6 @@ from rlhf_lightning.rollout.vllm_support import adapter_tensors
 from rlhf_lightning.utils.atomic_io import CheckpointError
 from rlhf_lightning.utils.timing import phase
 
-if TYPE_CHECKING:
-    from rlhf_lightning.core.collect import ExperienceCollector
-
 STATE_KEY = "rollouts_ahead"
 
 
@@ -50,13 +47,14 @@ class Overlap:
     """The fixed-lag schedule of one module's training rollouts (see the module docstring).
 
     Args:
-        module: the online module whose rollouts are drawn ahead (its engine must overlap:
+        module: the online module (an :class:`~rlhf_lightning.core.collect.ExperienceCollector`) whose rollouts
+            are drawn ahead (its engine must overlap:
             :meth:`~rlhf_lightning.rollout.engines.Engine.overlap_refusal`).
         staleness: ``max_staleness``, at least 1.
         timeout: seconds the trainer waits for a rollout before the fit stops (``rollout_timeout``).
     """
 
-    def __init__(self, module: ExperienceCollector, staleness: int, timeout: float) -> None:
+    def __init__(self, module: PolicyModule, staleness: int, timeout: float) -> None:
         self.module, self.staleness, self.timeout = module, staleness, timeout
         self.server = module.sampler.engine(module.model)
         self.engine = ServedVersion(self.server)
