@@ -295,3 +295,66 @@ def test_a_synchronous_runs_checkpoint_cannot_resume_drawing_ahead(tiny_llama_di
     module(0).on_save_checkpoint(checkpoint)
     with pytest.raises(CheckpointError, match="^the checkpoint: written by a synchronous run, which kept no adapters"):
         module(1).on_load_checkpoint(checkpoint)
+
+
+ALGORITHMS = {  # the other online algorithms, each on stale samples
+    "ppo": ["--model.init_args.critic_lora={r: 4, alpha: 8}", "--model.init_args.rollout_correction=token_truncate"],
+    "rloo": ["--model.init_args.rollout_correction=token_mask"],
+    "reinforce_pp": ["--model.init_args.rollout_correction=token_truncate"],
+    "online_dpo": ["--model.init_args.epochs=1"],
+    "distill": ["--model.init_args.rollout_correction=token_truncate"],
+}
+
+
+@with_vllm
+@pytest.mark.slow
+def test_every_online_algorithm_trains_on_rollouts_drawn_one_iteration_ahead(served, server_url, tiny_llama_dir,
+                                                                             llama_adapters, tmp_path):
+    from tests.helpers.cli import REPO
+    from tests.helpers.preemption import COMMON, ONLINE, drive, run
+
+    reward, teacher = llama_adapters
+    runs = []
+    for name, extra in ALGORITHMS.items():
+        arguments = ["--config", str(REPO / "configs" / f"{name}.yaml"),
+                     f"--model.init_args.base.name_or_path={tiny_llama_dir}",
+                     f"--model.init_args.reward.init_args.path={reward}", *COMMON, *ONLINE,
+                     f"--model.init_args.engine={{class_path: {SERVER}, init_args: {{urls: [{server_url}]}}}}",
+                     "--model.init_args.export_dir=null", "--trainer.limit_val_batches=0",
+                     "--trainer.limit_train_batches=3", "--model.init_args.max_staleness=1", *extra,
+                     *([f"--model.init_args.teacher={teacher}"] if name == "distill" else [])]
+        runs.append(run(tmp_path, name, arguments))
+    result = drive(tmp_path, "algorithms", runs)
+    assert result.returncode == 0, result.stderr[-4000:]
+    for name in ALGORITHMS:
+        metrics = torch.load(tmp_path / f"{name}.pt")["metrics"]
+        ages = [row[key] for row in metrics for key in row if key.endswith("rollout/staleness_mean")]
+        assert ages == [0.0, 1.0, 1.0], (name, ages)
+        if name != "online_dpo":  # stale samples: the proximal policy has moved away from the sampler's
+            drift = [row[key] for row in metrics for key in row if key.endswith("rollout/mismatch_kl")]
+            assert drift[0] < 1e-6 < drift[1], (name, drift)
+
+
+@with_vllm
+@pytest.mark.slow
+def test_episodes_are_drawn_ahead_turn_by_turn_on_a_server_the_fit_starts(calculator_llama_dir, tmp_path):
+    """Multi-turn episodes with an environment (one that answers every turn), drawn by the producer (its own
+    tokenizer, one version for every turn of an episode) on a server the fit starts (no urls)."""
+    from tests.helpers.cli import REPO
+    from tests.helpers.preemption import COMMON, drive, run
+
+    arguments = ["--config", str(REPO / "configs" / "calculator_grpo.yaml"),
+                 f"--model.init_args.base.name_or_path={calculator_llama_dir}", *COMMON,
+                 "--model.init_args.policy_lora={r: 4, alpha: 8}", "--model.init_args.max_new_tokens=6",
+                 "--model.init_args.max_episode_tokens=40", "--model.init_args.samples_per_prompt=2",
+                 "--model.init_args.num_minibatches=1", "--data.init_args.batch_size=2",
+                 "--data.init_args.synthetic_rows=40", "--trainer.limit_val_batches=0",
+                 "--trainer.limit_train_batches=3", "--model.init_args.export_dir=null",
+                 "--model.init_args.max_staleness=1", "--model.init_args.rollout_correction=token_truncate",
+                 "--model.init_args.environment={class_path: tests.helpers.episodes.Feedback}",
+                 f"--model.init_args.engine={{class_path: {SERVER}, init_args: {{kv_cache_gib: 0.25}}}}"]
+    result = drive(tmp_path, "episodes", [run(tmp_path, "episodes", arguments)])
+    assert result.returncode == 0, result.stderr[-4000:]
+    metrics = torch.load(tmp_path / "episodes.pt")["metrics"]
+    assert [row["grpo/rollout/staleness_mean"] for row in metrics] == [0.0, 1.0, 1.0]
+    assert max(row["grpo/episode/turns"] for row in metrics) > 1.0

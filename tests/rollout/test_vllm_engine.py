@@ -15,7 +15,7 @@ import signal
 import numpy
 import pytest
 import torch
-from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig
 
 from rlhf_lightning import GRPO, FunctionReward
 from rlhf_lightning.core.policy import POLICY, pad_to_sequence
@@ -28,7 +28,7 @@ from rlhf_lightning.rollout.seeds import Seeds
 from rlhf_lightning.rollout.settings import SamplingSettings
 from rlhf_lightning.rollout.vllm_engine import VLLMEngine
 from rlhf_lightning.rollout.vllm_support import installed_version, run_refusal, version_refusal
-from rlhf_lightning.tasks.calculator import build_tokenizer, correct_answer
+from rlhf_lightning.tasks.calculator import correct_answer
 from rlhf_lightning.tasks.synthetic import gold_rewards
 from tests.helpers.models import LORA, TINY_LLAMA, built
 from tests.helpers.preemption import COMMON, ONLINE, drive, kill_and_resume, run
@@ -239,25 +239,6 @@ def test_building_vllm_leaves_the_process_as_it_was(tiny_llama_dir):
 
 # ---- episodes -----------------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def calculator_llama_dir(tmp_path_factory):
-    """A tiny random Llama with the calculator task's tokenizer, its turn-end token made likely so that turns end
-    after a few tokens and episodes take several turns."""
-    directory = tmp_path_factory.mktemp("calculator-llama")
-    tokenizer = build_tokenizer()
-    torch.manual_seed(0)
-    config = LlamaConfig(**{key: value for key, value in TINY_LLAMA.items() if key != "model_type"},
-                         vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        hidden = model.model(torch.randint(0, len(tokenizer), (8, 24))).last_hidden_state.mean((0, 1))
-        model.lm_head.weight[tokenizer.convert_tokens_to_ids("<|im_end|>")] = 6.0 * hidden / hidden.square().sum()
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
-
-
 @with_vllm
 def test_multi_turn_episodes_are_drawn_turn_by_turn_by_vllm(calculator_llama_dir):
     from tests.helpers.episodes import Feedback, calculator_batch
@@ -283,16 +264,6 @@ def test_multi_turn_episodes_are_drawn_turn_by_turn_by_vllm(calculator_llama_dir
 
 
 # ---- fits through the command line --------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def llama_adapters(tiny_llama_dir, tmp_path_factory):
-    """A reward adapter with a head, and a policy adapter to distil from, on the tiny Llama (non-zero updates)."""
-    from tests.helpers.models import save_reward_adapter
-
-    out = tmp_path_factory.mktemp("llama-adapters")
-    return save_reward_adapter(tiny_llama_dir, out / "reward"), save_reward_adapter(tiny_llama_dir, out / "teacher",
-                                                                                      role=POLICY, head=False)
-
 
 def vllm_fit(config: str, llama: str, reward: str, *extra: str) -> list[str]:
     return ["--config", f"configs/{config}.yaml", f"--model.init_args.base.name_or_path={llama}",
