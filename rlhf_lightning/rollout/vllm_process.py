@@ -74,7 +74,9 @@ class ServerProcess:
             "--dtype", str(hf_model.dtype).removeprefix("torch."), "--seed", "0",
             "--enable-lora", "--max-loras", str(max_loras), "--max-lora-rank", str(rank),
             "--logprobs-mode", "processed_logprobs",  # the log-probs of what it sampled, after the temperature
-            *(["--enforce-eager"] if self.on_cpu else []),
+            # vLLM 0.32's CPU build stops its engine ("CPU Generator does not use offset") when a seeded request's
+            # prefill is split over steps (a rollout of more than 2048 prompt tokens): no chunked prefill there.
+            *(["--enforce-eager", "--no-enable-chunked-prefill"] if self.on_cpu else []),
             *([] if kv_bytes is None else ["--kv-cache-memory-bytes", str(kv_bytes)]),
             *server_args]
         self.process: subprocess.Popen | None = None

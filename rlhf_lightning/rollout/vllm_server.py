@@ -173,10 +173,12 @@ class VLLMServer(Engine):
     def sync(self, model: SharedBase, role: str, version: int) -> None:
         """Write ``role``'s adapter as ``version`` (rank 0; every rank takes part in gathering FSDP2's shards) and
         load it into this rank's server; before the first draw only the version is recorded (the first draw loads
-        it)."""
+        it). When rollouts are drawn ahead (``max_staleness``) only the version is recorded too: the producer draws
+        from the version an iteration starts from and loads it then, and a push of every optimizer step's version
+        would load, then unload, versions nothing draws from, on a server busy drawing."""
         tensors = adapter_tensors(model, role)  # FSDP2: each shard gathered, a collective on every rank
         self.synced[role] = (version, fingerprint(tensors))
-        if self.url is not None:
+        if self.url is not None and not self.staleness:
             self.push(model, role, version, tensors)
 
     def adapter_name(self, role: str, version: int) -> str:
