@@ -125,25 +125,38 @@ def fit_arguments(tiny_llama_dir, reward, url: str, staleness: int, *extra: str)
 
 
 @with_vllm
-def test_versions_drawn_from_stay_loaded_until_released(served, server_url):
+def test_versions_drawn_from_stay_loaded_until_released(served, server_url, tmp_path):
+    """An engine of its own on the session's server (its own run folder, so its own adapter names) and a copy of
+    the model, so that the session's engine and model stay as they were."""
+    import copy
+
+    from rlhf_lightning.rollout.engines import EngineSetup
     from tests.rollout.test_vllm_server import served_names
 
-    model, _, _, engine = served
-    current = engine.loaded.get(POLICY, 0)
-    engine.sync(model, POLICY, current)
-    name = engine.serve_version(model, POLICY, current)  # pinned: a producer's job draws from it
+    model = copy.deepcopy(served[0])
+    engine = VLLMServer(urls=[server_url], request_timeout=120)
+    engine.prepare(EngineSetup("cpu", run_folder=str(tmp_path)))
+    engine.overlap_refusal(1)  # drawing ahead: a sync records the version, the producer loads what it draws from
+    engine.connect(model)
+    engine.sync(model, POLICY, 0)
+    assert served_names(engine).isdisjoint({engine.adapter_name(POLICY, 0)})  # not pushed by the sync
+    name = engine.serve_version(model, POLICY, 0)  # loaded and pinned: a producer's job draws from it
     lora_b = next(p for n, p in model.model.named_parameters() if "lora_B" in n)
     with torch.no_grad():
         lora_b.add_(0.1)
-    engine.sync(model, POLICY, current + 1)
-    assert {name, engine.adapter_name(POLICY, current + 1)} <= served_names(engine)
-    engine.unpin(POLICY, current)
+    engine.sync(model, POLICY, 1)
+    newer = engine.serve_version(model, POLICY, 1)
+    assert {name, newer} <= served_names(engine)  # the pinned version stays while the new one is loaded
+    engine.unpin(POLICY, 0)
+    engine.unpin(POLICY, 1)
     with torch.no_grad():
         lora_b.add_(0.1)
-    engine.sync(model, POLICY, current + 2)  # the released version goes at the next push
+    engine.sync(model, POLICY, 2)
+    latest = engine.serve_version(model, POLICY, 2)  # the released versions go when the next one is loaded
     names = served_names(engine)
-    assert name not in names and engine.adapter_name(POLICY, current + 1) not in names
-    assert engine.adapter_name(POLICY, current + 2) in names
+    assert latest in names and name not in names and newer not in names
+    engine.unpin(POLICY, 2)
+    engine.call("POST", "/v1/unload_lora_adapter", {"lora_name": latest})
 
 
 @with_vllm

@@ -7,6 +7,7 @@ argument checks and refusals run everywhere."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -130,6 +131,7 @@ def test_a_stale_or_missing_adapter_stops_the_draw_in_one_line(served, monkeypat
     with pytest.raises(ServerError, match=rf"answered 404 to POST .*/v1/completions: .*policy-v{version + 1}"):
         draw(served)
     engine.loaded.pop(POLICY)  # what the server holds is unknown now: the next draw loads the synced version
+    engine.resident.pop(POLICY)
     assert trainer_gap(model, draw(served)) < 1e-4
 
 
@@ -152,7 +154,7 @@ def test_a_server_of_another_base_and_a_too_short_max_model_len_are_one_line(ser
 
 @with_vllm
 @pytest.mark.slow
-def test_a_grpo_fit_trains_on_a_server_it_is_given(served, tiny_llama_dir, tmp_path):
+def test_a_grpo_fit_trains_on_a_server_it_is_given(served, server_url, tiny_llama_dir, tmp_path):
     from tests.helpers.cli import REPO
 
     _, _, _, engine = served
@@ -161,11 +163,13 @@ def test_a_grpo_fit_trains_on_a_server_it_is_given(served, tiny_llama_dir, tmp_p
     main(["fit", "--config", str(REPO / "configs" / "grpo.yaml"), f"--model.init_args.base.name_or_path={tiny_llama_dir}",
           f"--model.init_args.reward.init_args.path={reward}", *COMMON, *ONLINE,
           "--model.init_args.engine={class_path: rlhf_lightning.rollout.vllm_server.VLLMServer, init_args: {urls: ["
-          f"{engine.url}]}}}}", "--model.init_args.export_dir=null", "--trainer.limit_train_batches=2",
+          f"{server_url}]}}}}", "--model.init_args.export_dir=null", "--trainer.limit_train_batches=2",
           "--trainer.limit_val_batches=0", f"--trainer.default_root_dir={history}"])
     versions = sorted(folder.name for folder in (history / "engine-adapters").iterdir())
     assert versions[-1] == "policy-v4" and len(versions) >= 2  # 2 iterations x 2 epochs x 1 minibatch
-    assert sum(name.startswith("policy-v4-") for name in served_names(engine)) == 1  # the fit's, beside ours
+    run = hashlib.sha1(str((history / "engine-adapters").resolve()).encode()).hexdigest()[:8]
+    fits = {name for name in served_names(engine) if name.endswith(f"-{run}")}
+    assert fits == {f"policy-v4-{run}"}  # the fit's last version, beside ours and other fits' (the session's server)
 
 
 def server_fit(llama, reward, url: str, *extra: str) -> list[str]:
@@ -179,14 +183,14 @@ def server_fit(llama, reward, url: str, *extra: str) -> list[str]:
 
 @with_vllm
 @pytest.mark.slow
-def test_two_ddp_or_fsdp2_ranks_on_one_server_train_as_one_process_does(served, tiny_llama_dir, tmp_path):
+def test_two_ddp_or_fsdp2_ranks_on_one_server_train_as_one_process_does(served, server_url, tiny_llama_dir, tmp_path):
     """One process on the whole batch, then two CPU ranks (DDP, then FSDP2: the adapter gathered from its shards
     and written by rank 0) on its halves, each sending its prompts to the same server, seeded per prompt."""
     from tests.helpers.distributed import STRATEGIES, largest_differences
     from tests.helpers.preemption import drive, run
 
     reward = save_reward_adapter(tiny_llama_dir, tmp_path / "reward")
-    arguments = server_fit(tiny_llama_dir, reward, served[3].url, "--trainer.limit_train_batches=2",
+    arguments = server_fit(tiny_llama_dir, reward, server_url, "--trainer.limit_train_batches=2",
                            "--model.init_args.seed_scope=prompt")
     single = drive(tmp_path, "single", [run(tmp_path, "single", [*arguments, "--data.init_args.batch_size=4"])])
     assert single.returncode == 0, single.stderr[-4000:]
@@ -201,11 +205,11 @@ def test_two_ddp_or_fsdp2_ranks_on_one_server_train_as_one_process_does(served, 
 
 @with_vllm
 @pytest.mark.slow
-def test_a_grpo_run_on_the_server_resumes_exactly_after_kill_9(served, tiny_llama_dir, tmp_path):
+def test_a_grpo_run_on_the_server_resumes_exactly_after_kill_9(served, server_url, tiny_llama_dir, tmp_path):
     from tests.helpers.preemption import kill_and_resume
 
     reward = save_reward_adapter(tiny_llama_dir, tmp_path / "reward")
-    arguments = server_fit(tiny_llama_dir, reward, served[3].url, "--trainer.limit_train_batches=4",
+    arguments = server_fit(tiny_llama_dir, reward, server_url, "--trainer.limit_train_batches=4",
                            "--trainer.enable_checkpointing=true")
     _, resumed_probe = kill_and_resume(tmp_path, arguments)
     print(f"\nthe vLLM server engine, GRPO killed with SIGKILL in iteration 3 and resumed: "
