@@ -105,11 +105,12 @@ class Overlap:
         drawn_by = max(0, iteration - self.staleness)
         if drawn_by == n:
             version = module.trainer.global_step
-            self.snapshots[n] = (version, adapter_tensors(module.model, POLICY))  # FSDP2: gathered on every rank
-            name = self.server.serve_version(module.model, POLICY, version)
+            tensors = adapter_tensors(module.model, POLICY)  # FSDP2: gathered on every rank
+            self.snapshots[n] = (version, tensors)
+            name = self.server.serve_version(module.model, POLICY, version, tensors)
         elif drawn_by in self.snapshots:
             version, tensors = self.snapshots[drawn_by]
-            name = self.server.serve_version(module.model, POLICY, version, tensors)
+            name = self.server.serve_version(module.model, POLICY, version, tensors, current=False)
         else:
             raise RuntimeError(f"iteration {iteration + 1} is drawn by the policy of iteration {drawn_by + 1}, which "
                                f"the checkpoint does not hold (it keeps iterations {sorted(self.snapshots)}): resume "

@@ -240,12 +240,14 @@ class VLLMServer(Engine):
         with self._pins_lock:
             self._pins[(role, version)] -= 1
 
-    def requested_model(self, model: SharedBase, role: str | None) -> str:
+    def requested_model(self, model: SharedBase, role: str | None, tensors: dict[str, Tensor] | None = None) -> str:
         """The model name a draw from ``role`` asks for: the base, or the adapter's synced version (loaded now at
-        the first draw); refused where the adapter changed since its last sync."""
+        the first draw); refused where the adapter changed since its last sync. ``tensors``: the adapter's, when
+        the caller has gathered them already."""
         if role is None:
             return self.base_name
-        tensors = adapter_tensors(model, role)  # FSDP2: gathered, a collective (every rank draws)
+        if tensors is None:
+            tensors = adapter_tensors(model, role)  # FSDP2: gathered, a collective (every rank draws)
         version, synced = self.synced.get(role, (0, None))
         if synced is not None and synced != fingerprint(tensors):
             raise stale_adapter_error(role, version)
@@ -253,17 +255,18 @@ class VLLMServer(Engine):
             self.push(model, role, version, tensors)
         return self.adapter_name(role, version)
 
-    def serve_version(self, model: SharedBase, role: str, version: int, tensors: dict[str, Tensor] | None = None
-                      ) -> str:
+    def serve_version(self, model: SharedBase, role: str, version: int, tensors: dict[str, Tensor] | None = None,
+                      current: bool = True) -> str:
         """The served name of ``role``'s ``version``, loaded and pinned (kept loaded until :meth:`unpin`), for
-        requests a producer thread sends while the trainer updates the adapter: the current adapter (``tensors``
-        None; ``version`` must be its last sync's), or an older version's weights an asynchronous run redraws from
-        after a resume. Connects at first use. Main thread only (FSDP2: every rank, a collective)."""
+        requests a producer thread sends while the trainer updates the adapter: the current adapter (``current``;
+        ``version`` must be its last sync's; ``tensors`` its weights when gathered already), or the weights
+        ``tensors`` of an older version an asynchronous run redraws from after a resume. Connects at first use.
+        Main thread only (FSDP2: every rank, a collective)."""
         if self.url is None:
             self.connect(model)
         self.pin(role, version)
-        if tensors is None:
-            name = self.requested_model(model, role)
+        if current:
+            name = self.requested_model(model, role, tensors)
             if self.loaded.get(role) != version:
                 raise RuntimeError(f"{role}'s adapter was last synced as version {self.loaded.get(role)}, not "
                                    f"{version}: sync it before drawing from it")

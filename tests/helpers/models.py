@@ -56,6 +56,21 @@ def save_tiny_llama(directory: Path, tokenizer: str = "synthetic") -> Path:
     return directory
 
 
+def with_moved_policy(model_dir: Path) -> tuple[SharedBase, object]:
+    """``(model, tokenizer)``: the model of ``model_dir`` with a policy adapter whose ``lora_B`` weights are drawn at
+    random (seed 1), so that the adapter changes its outputs."""
+    spec = BaseModelSpec(name_or_path=str(model_dir))
+    tokenizer = load_tokenizer(spec)
+    model = SharedBase(load_causal_lm(spec, tokenizer))
+    model.add_adapter("policy", LORA)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, parameter in model.model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.5)
+    return model, tokenizer
+
+
 def save_reward_adapter(model_dir: Path, directory: Path, role: str = "reward", head: bool = True) -> Path:
     """An adapter ``role`` with a random (non-zero) update, and a head with ``head``, on the base in ``model_dir``,
     saved as the reward stage saves (with its normalisation statistics for a head); returns its folder."""

@@ -8,16 +8,13 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from rlhf_lightning.core.policy import POLICY
-from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer
-from rlhf_lightning.models.shared_base import SharedBase
-from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.rollout.engines import EngineSetup
 from rlhf_lightning.rollout.sampler import Sampler
 from rlhf_lightning.rollout.seeds import Seeds
 from rlhf_lightning.rollout.settings import SamplingSettings
 from rlhf_lightning.rollout.vllm_server import VLLMServer
 from rlhf_lightning.tasks.calculator import build_tokenizer
-from tests.helpers.models import LORA, TINY_LLAMA
+from tests.helpers.models import TINY_LLAMA, with_moved_policy
 
 TEMPERATURE = 0.7
 
@@ -26,15 +23,7 @@ TEMPERATURE = 0.7
 def served(tiny_llama_dir, tmp_path_factory):
     """The tiny Llama with a policy adapter that changes its outputs, and a sampler whose engine started a server of
     it; the server is stopped at the end."""
-    spec = BaseModelSpec(name_or_path=str(tiny_llama_dir))
-    tokenizer = load_tokenizer(spec)
-    model = SharedBase(load_causal_lm(spec, tokenizer))
-    model.add_adapter(POLICY, LORA)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for name, parameter in model.model.named_parameters():
-            if "lora_B" in name:
-                parameter.normal_(0, 0.5)
+    model, tokenizer = with_moved_policy(tiny_llama_dir)
     engine = VLLMServer(kv_cache_gib=0.25, startup_timeout=300, request_timeout=120)
     engine.prepare(EngineSetup("cpu", run_folder=str(tmp_path_factory.mktemp("server-run"))))
     settings = SamplingSettings(max_new_tokens=8, temperature=TEMPERATURE, stop_token_ids=(tokenizer.eos_token_id,))
