@@ -1,5 +1,6 @@
 """rlhf_lightning: RLHF on PyTorch Lightning with one frozen base model shared by every role."""
 
+from rlhf_lightning.algorithms.kl import KLPenalty
 from rlhf_lightning.data.modules import (
     PreferenceDataModule,
     PromptDataModule,
@@ -11,6 +12,7 @@ from rlhf_lightning.rewards.judge import JudgeReward
 from rlhf_lightning.rewards.process_reward import ProcessReward
 from rlhf_lightning.rewards.remote import RemoteReward
 from rlhf_lightning.rewards.sources import AdapterReward, FunctionReward, ModelReward, RewardSource
+from rlhf_lightning.rollout.settings import Sampling
 from rlhf_lightning.stages.distill import OnPolicyDistillation
 from rlhf_lightning.stages.dpo import DPO
 from rlhf_lightning.stages.grpo import GRPO
@@ -23,6 +25,7 @@ from rlhf_lightning.stages.reward_model import RewardModel
 from rlhf_lightning.stages.rloo import RLOO
 from rlhf_lightning.stages.sft import SFT
 from rlhf_lightning.utils.moved_modules import install_old_names
+from rlhf_lightning.utils.optim import OptimizerSettings
 
 __all__ = [
     "DPO",
@@ -36,7 +39,9 @@ __all__ = [
     "AdapterReward",
     "FunctionReward",
     "JudgeReward",
+    "KLPenalty",
     "ModelReward",
+    "OptimizerSettings",
     "PreferenceDataModule",
     "ProcessReward",
     "ProcessRewardModel",
@@ -45,6 +50,7 @@ __all__ = [
     "RemoteReward",
     "RewardModel",
     "RewardSource",
+    "Sampling",
     "SFTDataModule",
     "StepwiseDataModule",
     "UnpairedPreferenceDataModule",

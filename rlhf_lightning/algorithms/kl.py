@@ -1,14 +1,17 @@
-"""Per-token KL penalty between the policy and the frozen reference model, and its coefficient controllers."""
+"""Per-token KL penalty between the policy and the frozen reference model, its coefficient controllers, and its
+settings (one group of arguments)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
 from torch import Tensor
 
 from rlhf_lightning.algorithms.masked import last_marked_index
+from rlhf_lightning.utils import checks
 
 KLEstimator = Literal["k1", "k2", "k3"]
 _ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
@@ -35,6 +38,55 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator = 
     else:
         raise ValueError(f"Unknown KL estimator {estimator!r}; expected one of {', '.join(_ESTIMATORS)}.")
     return kl if clamp is None else kl.clamp(min=-clamp, max=clamp)
+
+
+@dataclass(frozen=True)
+class KLPenalty:
+    """The KL penalty to the reference (the base, adapters disabled): the ``kl`` argument of the policy-gradient
+    algorithms. Each algorithm has its own defaults (its ``default_kl``; GRPO's: coefficient 0, k3, in the loss):
+    a config that sets some fields keeps the algorithm's others, and so does a dict of fields from Python
+    (``GRPO(kl={"coef": 0.04}, ...)``); a ``KLPenalty`` given whole replaces them all.
+
+    Args:
+        coef: coefficient of the penalty (the initial one when ``target`` is set); 0 with no ``target`` = no
+            reference pass at all.
+        estimator: per-token KL estimator: ``k1`` (log-ratio), ``k2`` or ``k3`` (Schulman).
+        clamp: clamp every per-token KL estimate to [-clamp, clamp], as OpenRLHF does with 10 (it biases the
+            estimate where the policy has moved far from the reference); null = off.
+        added_to: where the penalty goes: ``reward`` (shaped into the rewards before the advantages: per token,
+            or summed over the response for the group baselines) or ``loss`` (a term of the loss, GRPO's way).
+        ratio_weighting: with ``added_to: loss``, weight each token's KL term by the policy loss's importance ratio
+            (TRL 1.16's bias correction: the tokens were sampled from the old policy).
+        target: target KL per sequence (nats) of the adaptive controller; null = a fixed ``coef``.
+        horizon: horizon of the adaptive controller, in samples (with ``target``).
+    """
+
+    coef: float = 0.05
+    estimator: KLEstimator = "k1"
+    clamp: float | None = None
+    added_to: Literal["reward", "loss"] = "reward"
+    ratio_weighting: bool = True
+    target: float | None = None
+    horizon: int = 10_000
+
+    def check(self, name: str = "kl") -> KLPenalty:
+        """Raise a one-line error naming ``name.field`` for a value out of range."""
+        checks.non_negative(f"{name}.coef", self.coef)
+        checks.positive(f"{name}.clamp", self.clamp, optional=True)
+        checks.positive(f"{name}.target", self.target, optional=True)
+        checks.at_least(f"{name}.horizon", self.horizon)
+        checks.one_of(f"{name}.estimator", self.estimator, _ESTIMATORS)
+        checks.one_of(f"{name}.added_to", self.added_to, ("reward", "loss"))
+        if self.target is not None and self.coef == 0:
+            raise ValueError(f"{name}.target={self.target} with {name}.coef=0: the adaptive controller multiplies the "
+                             f"coefficient, so it would stay 0; start it from a {name}.coef > 0 (e.g. 0.05)")
+        return self
+
+    def controller(self) -> FixedKLController | AdaptiveKLController:
+        """The coefficient's controller: fixed, or adaptive towards ``target``."""
+        if self.target is None:
+            return FixedKLController(self.coef)
+        return AdaptiveKLController(self.coef, self.target, self.horizon)
 
 
 def _check_coef(coef: float) -> float:

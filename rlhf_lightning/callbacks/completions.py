@@ -95,7 +95,7 @@ class CompletionsTable(L.Callback):
 
             texts = [transcript_text(pl_module.tokenizer, episode) for episode in rollout.episodes]
         gold, scores = values.get("gold"), values["score"].tolist()
-        if len(scores) != len(texts):  # rows with a non-finite score left out (nonfinite: skip): none is shown
+        if len(scores) != len(texts):  # rows with a non-finite score left out (optimizer.nonfinite: skip): none is shown
             scores = [float("nan")] * len(texts)
         return Samples(iteration, list(prompts["prompt"]), texts, scores, values["kl"].tolist(),
                        None if gold is None else gold.tolist())

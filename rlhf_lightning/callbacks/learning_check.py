@@ -44,7 +44,7 @@ CAUSES = (
           "the two responses of every pair scored alike, so no pair was ordered (check the reward source)",
           no_signal=True),
     Cause("response/eos_frac", lambda value: value <= 0.0,
-          "no response stopped: with mask_truncated_completions every response is masked (raise max_new_tokens)",
+          "no response stopped: with mask_truncated_completions every response is masked (raise sampling.max_new_tokens)",
           setting="mask_truncated_completions"),
 )
 

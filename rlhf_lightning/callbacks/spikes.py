@@ -16,7 +16,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from rlhf_lightning.callbacks.run_shape import batches_done, run_name
 
 WATCHED = ("objective/kl", "policy/approx_kl")  # after the module's metric prefix (docs/logging.md)
-HINT = ("one update moved the policy far: lower policy_lr or the clip range, or set target_kl to stop an "
+HINT = ("one update moved the policy far: lower optimizer.lr or the clip range, or set target_kl to stop an "
         "iteration's epochs early")
 
 

@@ -21,6 +21,7 @@ from types import TracebackType
 
 import yaml
 
+from rlhf_lightning.utils.checks import MOVED_ARGUMENTS
 from rlhf_lightning.utils.moved_modules import moved_module
 
 TRACEBACK_ENV = "RLHF_LIGHTNING_TRACEBACK"
@@ -117,10 +118,10 @@ CLASS_PATH = re.compile(r"Problem with given class_path '([^']+)'")
 UNKNOWN_OPTION = re.compile(r"Option '([^']+)' is not accepted")
 # What TRL calls our arguments: a name taken from a TRL config gets its name here.
 TRL_NAMES = {
-    "beta": "kl_coef",
+    "beta": "kl.coef",
     "num_generations": "samples_per_prompt",
-    "learning_rate": "policy_lr (lr in SFT, the reward model and DPO)",
-    "max_completion_length": "max_new_tokens",
+    "learning_rate": "optimizer.lr",
+    "max_completion_length": "sampling.max_new_tokens",
     "max_prompt_length": "data.init_args.max_length",
     "epsilon": "policy_loss.clip_range",
     "cliprange": "policy_loss.clip_range",
@@ -147,6 +148,7 @@ MOVED = {
                            "rlhf_lightning.rollout.vllm_engine.VLLMEngine"),
     "vllm": ("engine", "engine: {class_path: rlhf_lightning.rollout.vllm_engine.VLLMEngine, init_args: "
                        "{kv_cache_gib: ...}}, the same options"),
+    **{name: (place.split(".")[0], place) for name, place in MOVED_ARGUMENTS.items()},
 }
 
 

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 
 class SkipIteration(Exception):
-    """Raised by collection under ``nonfinite: skip`` when the iteration must not be trained on."""
+    """Raised by collection under ``optimizer.nonfinite: skip`` when the iteration must not be trained on."""
 
 
 class ExperienceCollector(OverlapHooks, PolicyModule):
@@ -56,11 +56,11 @@ class ExperienceCollector(OverlapHooks, PolicyModule):
         environment: multi-turn episodes instead of one response per prompt: the episode's environment
             (``class_path`` + ``init_args``, made anew for every episode), e.g.
             ``rlhf_lightning.environments.ToolEnvironment`` with ``tools: [my_tools.search]``. Each assistant turn
-            (up to ``max_new_tokens``) ends at the turn-end token; the environment answers; its tokens are
+            (up to ``sampling.max_new_tokens``) ends at the turn-end token; the environment answers; its tokens are
             context only. Reward sources score the whole transcript; null = single-turn.
         max_turns: assistant turns per episode at most.
         max_episode_tokens: tokens per episode after its opening (the policy's and the environment's) at most;
-            null = ``max_turns`` x ``max_new_tokens``. A turn can decode ``max_new_tokens`` after ``max_episode_tokens
+            null = ``max_turns`` x ``sampling.max_new_tokens``. A turn can decode ``sampling.max_new_tokens`` after ``max_episode_tokens
             - 1`` of them, so the longest opening plus both must fit the model's positions (checked at setup).
         share_prompt: encode a group's prompt once in every pass after sampling (log-probs, reference, values,
             reward adapter, the update's forward) and reuse its keys/values for its responses: the same numbers up to
@@ -149,14 +149,14 @@ class ExperienceCollector(OverlapHooks, PolicyModule):
     def check_lengths(self, datamodule: Any) -> None:
         """With an environment, every position a turn can reach must be within the model's: the longest prompt's
         opening (the chat template's markers and the tools' schemas included) and the episode, whose last turn can
-        start one token before the budget and decode ``max_new_tokens`` (see :meth:`Rollouts.positions`)."""
+        start one token before the budget and decode ``sampling.max_new_tokens`` (see :meth:`Rollouts.positions`)."""
         if self.environment is None:
             return super().check_lengths(datamodule)
-        rollouts, hp = self.rollouts, self.hparams
+        rollouts = self.rollouts
         examples = [*(datamodule.train_set or []), *datamodule.val_set]
         longest = max(examples, key=datamodule.length)
         opening = rollouts.default_opening_length(longest.raw if longest.raw is not None else longest.text)
-        budget, turn = rollouts.max_tokens, min(hp.max_new_tokens, rollouts.max_tokens)
+        budget, turn = rollouts.max_tokens, min(self.sampling.max_new_tokens, rollouts.max_tokens)
         what = (f"the longest prompt's opening ({opening} tokens) and an episode of {budget} tokens (a turn can "
                 f"start after {budget - 1} of them and decode {turn} more: max_new_tokens)"
                 if rollouts.max_turns > 1 else
@@ -291,7 +291,7 @@ class ExperienceCollector(OverlapHooks, PolicyModule):
 
     def guard_scores(self, problems: list[str]) -> None:
         """Stop on non-finite scores (``problems``, one line each, possibly from another rank): raise
-        :class:`NonFiniteError`, or under ``nonfinite: skip`` raise :class:`SkipIteration`."""
+        :class:`NonFiniteError`, or under ``optimizer.nonfinite: skip`` raise :class:`SkipIteration`."""
         found = torch.tensor(float(bool(problems)), device=self.device)
         found = self.sum_over_ranks(found)  # every rank takes the same decision
         if not bool(found > 0):

@@ -133,8 +133,8 @@ class ShapedRewards:
     """A rollout's rewards with the KL penalty to the reference, made once per iteration (the loop's step 2) for the
     algorithm's hook.
 
-    ``kl`` is the rollout's per-token KL estimate (``kl_estimator`` of the log-probs at sampling time against the
-    reference's, ``kl_clamp``-ed, 0 off the policy's tokens), computed once; ``kl_coef`` its coefficient in the
+    ``kl`` is the rollout's per-token KL estimate (``kl.estimator`` of the log-probs at sampling time against the
+    reference's, ``kl.clamp``-ed, 0 off the policy's tokens), computed once; ``kl_coef`` its coefficient in the
     rewards (0 when the KL goes into the loss, or when nothing penalises it). ``dense`` holds rewards placed at
     single tokens: an episode's environment rewards at the ends of its turns, and whatever a subclass adds
     (:meth:`with_dense`).

@@ -7,7 +7,7 @@ A subclass defines :meth:`OfflinePreference.batch_losses`: the loss of a batch a
 
 from __future__ import annotations
 
-from typing import Any, get_args
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -15,8 +15,7 @@ from torch import Tensor
 from rlhf_lightning.core.policy import POLICY, PolicyModule
 from rlhf_lightning.models.shared_base import REFERENCE
 from rlhf_lightning.utils import checks
-from rlhf_lightning.utils.nonfinite import NonFinite
-from rlhf_lightning.utils.optim import Schedule
+from rlhf_lightning.utils.optim import OptimizerSettings
 from rlhf_lightning.utils.timing import phase
 
 
@@ -26,32 +25,21 @@ class OfflinePreference(PolicyModule):
     Args:
         sample_eval_batches: sample responses on the prompts of the first N validation batches; null = all, 0 = no
             sampling (the method's own metrics only).
-        lr: peak learning rate of the policy adapter.
-        weight_decay: AdamW weight decay (not applied to biases and norms).
-        warmup_steps: optimizer steps of linear warm-up.
-        lr_schedule: decay after warm-up: ``constant``, ``linear`` or ``cosine``.
-        adam_eps: Adam's epsilon.
-        nonfinite: what a NaN or infinite loss or gradient does: ``raise`` stops the run naming the step and the
-            loss term or parameters; ``skip`` skips that optimizer step and counts it in ``<prefix>/skipped_steps``.
+        optimizer: AdamW and its schedule for the policy adapter (``lr``, ``weight_decay``, ``warmup`` in optimizer
+            steps, ``schedule``, ``adam_eps``, ``nonfinite``: see :class:`~rlhf_lightning.utils.optim.OptimizerSettings`).
     """
 
     def __init__(
         self,
         *args: Any,
         sample_eval_batches: int | None = None,
-        lr: float = 1e-4,
-        weight_decay: float = 0.0,
-        warmup_steps: int = 0,
-        lr_schedule: Schedule = "constant",
-        adam_eps: float = 1e-8,
-        nonfinite: NonFinite = "raise",
+        optimizer: OptimizerSettings = PolicyModule.default_optimizer,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         checks.at_least("sample_eval_batches", sample_eval_batches, minimum=0, optional=True)
-        checks.check_optimizer("lr", lr, weight_decay, warmup_steps, lr_schedule)
-        checks.positive("adam_eps", adam_eps)
-        checks.one_of("nonfinite", nonfinite, get_args(NonFinite))
+        self.optimizer_settings = self.keep_group("optimizer", checks.group_settings("optimizer", optimizer,
+                                                                                      self.default_optimizer))
 
     @property
     def needs_reference(self) -> bool:
@@ -129,6 +117,6 @@ class OfflinePreference(PolicyModule):
                                    "prompt": self.decode(prompt_ids, prompt_mask), "index": batch["index"]}, batch_idx)
 
     def configure_optimizers(self):
-        hp = self.hparams
-        return self.configure_adamw([{"name": POLICY, "params": self.adapter_parameters(POLICY), "lr": hp.lr}],
-                                    hp.weight_decay, hp.warmup_steps, hp.lr_schedule, eps=hp.adam_eps)
+        settings = self.optimizer_settings
+        return self.configure_adamw([{"name": POLICY, "params": self.adapter_parameters(POLICY), "lr": settings.lr}],
+                                    settings)

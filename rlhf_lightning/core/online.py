@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any, get_args
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -45,11 +45,10 @@ from rlhf_lightning.core.collect import ExperienceCollector, SkipIteration, Stat
 from rlhf_lightning.core.experience import Experience, FirstPass, ShapedRewards
 from rlhf_lightning.core.micro_batches import Extent, check_split, micro_batch_parts, minibatch_sizes
 from rlhf_lightning.core.pass_plan import PassSettings
-from rlhf_lightning.core.policy import POLICY
+from rlhf_lightning.core.policy import POLICY, PolicyModule
 from rlhf_lightning.core.update_statistics import UpdateStatistics, gradient_norm, shuffled_minibatches
 from rlhf_lightning.utils import checks
-from rlhf_lightning.utils.nonfinite import NonFinite
-from rlhf_lightning.utils.optim import Schedule
+from rlhf_lightning.utils.optim import OptimizerSettings
 from rlhf_lightning.utils.timing import Stopwatch, phase
 
 log = logging.getLogger(__name__)
@@ -81,15 +80,9 @@ class OnlineRL(ExperienceCollector):
         target_kl: stop an iteration's epochs once a minibatch's approximate KL to the sampling policy exceeds
             this; null = never.
         max_grad_norm: clip the gradient norm to this; null = off.
-        policy_lr: learning rate of the policy adapter.
-        adam_eps: Adam's epsilon (lm-human-preferences used 1e-5).
-        weight_decay: AdamW weight decay.
-        warmup_iterations: iterations of linear learning-rate warm-up.
-        lr_schedule: decay after warm-up over the run's iterations: ``constant``, ``linear`` or ``cosine``.
-        nonfinite: what a NaN or infinite reward score, loss or gradient does: ``raise`` stops the run with a
-            message naming the iteration and the reward source and rows, the loss term or the parameters;
-            ``skip`` skips the optimizer step (all of the iteration's steps for a bad score) and counts it in
-            ``<prefix>/skipped_steps``. Either way nothing non-finite is trained on or written.
+        optimizer: AdamW and its schedule for the policy adapter (``lr``, ``weight_decay``, ``warmup`` in
+            iterations, ``schedule`` over the run's iterations, ``adam_eps``, ``nonfinite``: see
+            :class:`~rlhf_lightning.utils.optim.OptimizerSettings`).
     """
 
     metric_prefix = "online"
@@ -107,28 +100,21 @@ class OnlineRL(ExperienceCollector):
         micro_batch_tokens: int | None = None,
         target_kl: float | None = None,
         max_grad_norm: float | None = 1.0,
-        policy_lr: float = 1e-4,
-        adam_eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        warmup_iterations: int = 0,
-        lr_schedule: Schedule = "constant",
-        nonfinite: NonFinite = "raise",
+        optimizer: OptimizerSettings = PolicyModule.default_optimizer,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        hp = self.hparams
-        if hp.top_k or hp.top_p < 1.0:
+        if self.sampling.top_k or self.sampling.top_p < 1.0:
             raise ValueError(
-                "top_k/top_p: the losses and the KL use log-probs of the full distribution (at the temperature), "
-                "so sampling from a truncated one would make every ratio and KL wrong; set top_k: 0, top_p: 1.0"
+                "sampling.top_k/top_p: the losses and the KL use log-probs of the full distribution (at the "
+                "temperature), so sampling from a truncated one would make every ratio and KL wrong; set "
+                "sampling.top_k: 0, sampling.top_p: 1.0"
             )
         check_split(epochs, num_minibatches, gradient_accumulation, micro_batch_tokens)
-        checks.check_optimizer("policy_lr", policy_lr, weight_decay, warmup_iterations, lr_schedule,
-                               warmup_name="warmup_iterations")
+        self.optimizer_settings = self.keep_group("optimizer", checks.group_settings("optimizer", optimizer,
+                                                                                      self.default_optimizer))
         for name, value in {"target_kl": target_kl, "max_grad_norm": max_grad_norm}.items():
             checks.positive(name, value, optional=True)
-        checks.positive("adam_eps", adam_eps)
-        checks.one_of("nonfinite", nonfinite, get_args(NonFinite))
         self.automatic_optimization = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -164,7 +150,7 @@ class OnlineRL(ExperienceCollector):
 
     def pass_settings(self) -> PassSettings:
         """What decides which passes an iteration runs (:func:`~rlhf_lightning.core.pass_plan.plan_passes`): the
-        update's shape here; an algorithm adds its KL (``kl_in``, whether it is charged or measured)."""
+        update's shape here; an algorithm adds its KL (``kl.added_to``, whether it is charged or measured)."""
         hp = self.hparams
         return PassSettings(self.steps_per_rollout, whole_first_step=hp.num_minibatches == 1
                             and hp.gradient_accumulation == 1 and hp.micro_batch_tokens is None)
@@ -216,9 +202,9 @@ class OnlineRL(ExperienceCollector):
         raise NotImplementedError
 
     def skip_iteration(self, message: str) -> None:
-        """Bookkeeping of an iteration not trained on (``nonfinite: skip``): its optimizer steps counted as skipped,
+        """Bookkeeping of an iteration not trained on (``optimizer.nonfinite: skip``): its optimizer steps counted as skipped,
         the learning-rate schedule advanced as after any iteration, the count logged."""
-        log.warning("%s; the iteration's %d optimizer steps are skipped (nonfinite: skip)", message,
+        log.warning("%s; the iteration's %d optimizer steps are skipped (optimizer.nonfinite: skip)", message,
                     self.steps_per_rollout)
         self.skip_step(self.steps_per_rollout)
         scheduler = self.lr_schedulers()
@@ -353,10 +339,8 @@ class OnlineRL(ExperienceCollector):
 
     def parameter_groups(self) -> list[dict[str, Any]]:
         """Optimizer parameter groups, each with a ``name`` (its learning rate is logged as ``lr/<name>``)."""
-        return [{"name": POLICY, "params": self.adapter_parameters(POLICY), "lr": self.hparams.policy_lr}]
+        return [{"name": POLICY, "params": self.adapter_parameters(POLICY), "lr": self.optimizer_settings.lr}]
 
     def configure_optimizers(self):
-        hp = self.hparams
         # The schedule's total is the Trainer's estimate: training batches = iterations when max_steps is unset.
-        return self.configure_adamw(self.parameter_groups(), hp.weight_decay, hp.warmup_iterations,
-                                    hp.lr_schedule, eps=hp.adam_eps)
+        return self.configure_adamw(self.parameter_groups(), self.optimizer_settings)

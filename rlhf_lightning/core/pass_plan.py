@@ -36,15 +36,15 @@ class PassSettings:
     ``gradient_accumulation`` 1, no ``micro_batch_tokens``)."""
 
     kl_in: Literal["reward", "loss"] | None = None
-    """Where a KL penalty to the reference goes (``kl_in``): ``reward``, shaped into the rewards before the
+    """Where a KL penalty to the reference goes (``kl.added_to``): ``reward``, shaped into the rewards before the
     advantages, or ``loss``, a term of the loss; None for an algorithm without one (online DPO)."""
 
     kl_penalised: bool = False
-    """A KL penalty is charged: ``kl_coef`` > 0 (an adaptive ``kl_target`` starts from one too)."""
+    """A KL penalty is charged: ``kl.coef`` > 0 (an adaptive ``kl.target`` starts from one too)."""
 
     measure_kl: bool = False
     """The reference pass runs whatever the penalty, and the rollout's KL is measured: PPO logs ``objective/kl``
-    and ``objective/kl_penalty`` at every ``kl_coef``, 0 included; online DPO's loss reads the reference."""
+    and ``objective/kl_penalty`` at every ``kl.coef``, 0 included; online DPO's loss reads the reference."""
 
     reusable_first_pass: bool = False
     """The algorithm's loss can take its first optimizer step's policy pass made before the rewards
@@ -68,7 +68,7 @@ class PassPlan:
 
     reward_kl: bool
     """Step 2 (shaping the rewards) computes the rollout's per-token KL to the reference (``ShapedRewards.kl``):
-    the rewards charge it (``kl_in: reward`` with a coefficient), or the algorithm measures it before the update
+    the rewards charge it (``kl.added_to: reward`` with a coefficient), or the algorithm measures it before the update
     (PPO's ``objective/kl_penalty``)."""
 
     @property

@@ -31,9 +31,8 @@ from rlhf_lightning.rollout.engines import Auto, Engine, EngineSetup
 from rlhf_lightning.rollout.rollouts import Rollouts
 from rlhf_lightning.rollout.sampler import Sampler
 from rlhf_lightning.rollout.seeds import Seeds
-from rlhf_lightning.rollout.settings import SamplingSettings, stop_token_ids
+from rlhf_lightning.rollout.settings import Sampling
 from rlhf_lightning.utils import checks
-from rlhf_lightning.utils.checks import check_sampling
 from rlhf_lightning.utils.metrics import MeanStd
 
 log = logging.getLogger(__name__)
@@ -63,14 +62,8 @@ class PolicyModule(HeldOutSamples, StageModule):
     Args:
         base: the SFT model: frozen base of every role, and the reference policy.
         policy_lora: the policy adapter (its dropout is forced to 0).
-        max_new_tokens: longest sampled response, in tokens.
-        temperature: sampling temperature; log-probs are computed from logits divided by it too.
-        top_k: sample among the k most likely tokens; 0 = off. Refused by the online algorithms, whose ratios
-            and KL would come from another distribution than the one sampled.
-        top_p: nucleus-sampling threshold; 1.0 = off (refused by the online algorithms, as ``top_k``).
-        kv_cache: KV cache of generation: ``static`` allocates it once for prompt + ``max_new_tokens`` (faster,
-            notably on CPU); ``dynamic`` grows it token by token (for models without static-cache support; only
-            the engine ``Generate``, which ``Auto`` picks then).
+        sampling: how responses are drawn (``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``kv_cache``,
+            ``stop_token``; see :class:`~rlhf_lightning.rollout.settings.Sampling`).
         engine: what draws the responses (``rlhf_lightning.rollout.engines``; its options are its own init args):
             ``Auto`` = ``CompiledDecoder`` on CUDA, ``EagerDecoder`` elsewhere and under FSDP2, ``Generate`` with a
             dynamic cache. ``EagerDecoder`` = our loop over a static KV cache, each prompt encoded once for its
@@ -81,9 +74,6 @@ class PolicyModule(HeldOutSamples, StageModule):
             = vLLM in this process (one per DDP rank; Llama-, Qwen2-shaped models...), with its own copy of the base
             and the sampled adapter pushed after every update: other tokens than ours, its log-probs logged against
             the trainer's. Or an engine of your own (a subclass of ``Engine``).
-        stop_token: what ends a response: ``auto`` = EOS and the token the chat template ends an assistant turn
-            with (ChatML's ``<|im_end|>``, Gemma's ``<end_of_turn>``), ``eos`` = the tokenizer's EOS alone,
-            another single token, or null (never stop).
         logprob_chunk: compute log-probs over this many positions at a time, recomputing each chunk's logits in
             the backward pass instead of keeping them (less peak memory for large vocabularies, one more LM-head
             pass); null = all at once.
@@ -109,6 +99,7 @@ class PolicyModule(HeldOutSamples, StageModule):
     """
 
     metric_prefix = "policy"  # namespace of the logged metrics (``ppo``, ``grpo``, ``dpo``...)
+    default_sampling = Sampling()  # the ``sampling`` a dict of some of its fields is taken over
     exported_roles: tuple[str, ...] = (POLICY,)  # adapters written by :meth:`export`
     sampled_roles: tuple[str, ...] = (POLICY,)  # adapters the engine samples from: synced after each optimizer step
     validation_metrics: tuple[str, ...] = ("kl", "length", "eos_frac", "gold")  # per-sample, averaged
@@ -117,13 +108,8 @@ class PolicyModule(HeldOutSamples, StageModule):
         self,
         base: BaseModelSpec,
         policy_lora: LoraSpec = LoraSpec(),  # noqa: B008 (never mutated; the CLI shows it as the default)
-        max_new_tokens: int = 64,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        kv_cache: Literal["static", "dynamic"] = "static",
+        sampling: Sampling = default_sampling,
         engine: Engine = Auto(),  # noqa: B008 (stateless until its first draw; the CLI shows it as the default)
-        stop_token: str | None = "auto",
         logprob_chunk: int | None = None,
         seed: int = 0,
         seed_scope: Literal["rank", "prompt"] = "rank",
@@ -132,7 +118,8 @@ class PolicyModule(HeldOutSamples, StageModule):
         pass_at_k: PassAtK = PassAtK(),  # noqa: B008 (never mutated; the CLI shows it as the default)
         export_dir: str | None = None,
     ) -> None:
-        check_sampling(max_new_tokens, temperature, top_k, top_p, kv_cache, logprob_chunk)
+        sampling = checks.group_settings("sampling", sampling, type(self).default_sampling)
+        checks.at_least("logprob_chunk", logprob_chunk, optional=True)
         if not isinstance(engine, Engine):
             raise TypeError(f"engine must be an Engine (rlhf_lightning.rollout.engines: Auto, EagerDecoder, "
                             f"CompiledDecoder, Generate; rlhf_lightning.rollout.vllm_engine.VLLMEngine; or a "
@@ -147,6 +134,7 @@ class PolicyModule(HeldOutSamples, StageModule):
             self.hparams.update({name: value for name, value in level.items()
                                  if name not in self.hparams
                                  and name not in ("reward", "gold_reward", "environment", "engine")})
+        self.sampling = self.keep_group("sampling", sampling)
         self.policy_lora = without_dropout(policy_lora.check("policy_lora"), POLICY)
         self.gold_reward = gold_reward
         self.engine = engine
@@ -174,10 +162,8 @@ class PolicyModule(HeldOutSamples, StageModule):
         engine and the sharded base's gathering."""
         if self._sampler is None:
             hp = self.hparams
-            settings = SamplingSettings(hp.max_new_tokens, hp.temperature, hp.top_k, hp.top_p, hp.kv_cache,
-                                        stop_token_ids(self.tokenizer, hp.stop_token))
-            self._sampler = Sampler(settings, Seeds(hp.seed, hp.seed_scope), self.tokenizer.pad_token_id,
-                                    hp.sharded_rollout, self.engine)
+            self._sampler = Sampler(self.sampling.settings(self.tokenizer), Seeds(hp.seed, hp.seed_scope),
+                                    self.tokenizer.pad_token_id,                                    hp.sharded_rollout, self.engine)
         return self._sampler
 
     @property
@@ -203,7 +189,7 @@ class PolicyModule(HeldOutSamples, StageModule):
         engine keeps what it needs of the setup (:meth:`Engine.prepare`)."""
         trainer = self._trainer
         setup = EngineSetup(device_type=trainer.strategy.root_device.type if trainer is not None else "cpu",
-                            sharded=sharding_mesh(trainer) is not None, kv_cache=self.hparams.kv_cache,
+                            sharded=sharding_mesh(trainer) is not None, kv_cache=self.sampling.kv_cache,
                             name_or_path=self.base_spec.name_or_path, adapters={POLICY: self.policy_lora},
                             run_folder=None if trainer is None else str(trainer.default_root_dir))
         refusal = self.engine.refusal(setup)
@@ -218,10 +204,11 @@ class PolicyModule(HeldOutSamples, StageModule):
             super().check_lengths(datamodule)
         if not self.samples_responses:
             return
-        max_new_tokens = self.hparams.max_new_tokens
+        max_new_tokens = self.sampling.max_new_tokens
         self.check_positions(longest_prompt + max_new_tokens,
-                             f"the longest prompt ({longest_prompt} tokens) and max_new_tokens={max_new_tokens}",
-                             "lower max_new_tokens or data.init_args.max_length (longer prompts are then skipped)")
+                             f"the longest prompt ({longest_prompt} tokens) and sampling.max_new_tokens="
+                             f"{max_new_tokens}", "lower sampling.max_new_tokens or data.init_args.max_length (longer "
+                             "prompts are then skipped)")
 
     @property
     def samples_responses(self) -> bool:
@@ -240,7 +227,7 @@ class PolicyModule(HeldOutSamples, StageModule):
         """``(log-probs [B, T], entropy [B, T] or None)`` of the tokens of ``input_ids`` under ``role`` at the
         sampling temperature, on the positions ``response_mask`` ``[B, T]`` marks, ``logprob_chunk`` positions at a
         time (see :func:`~rlhf_lightning.models.logprobs.token_logprobs`)."""
-        return token_logprobs(self.model, role, input_ids, attention_mask, response_mask, self.hparams.temperature,
+        return token_logprobs(self.model, role, input_ids, attention_mask, response_mask, self.sampling.temperature,
                               self.hparams.logprob_chunk, with_entropy=with_entropy, entropy_grad=entropy_grad)
 
     def response_logprobs(self, role: str | None, input_ids: Tensor, attention_mask: Tensor,

@@ -3,7 +3,7 @@ entropy bonus and PPO-ptx.
 
 The loss of a micro-batch is built around the registered loss (:mod:`rlhf_lightning.algorithms.policy_losses`),
 each piece applied once: the policy's log-probs, the loss's per-token terms, the importance-sampling correction
-of the sampler's log-probs, ``+ kl_coef x`` the per-token KL (in the loss, GRPO's way; or shaped into the rewards
+of the sampler's log-probs, ``+ kl.coef x`` the per-token KL (in the loss, GRPO's way; or shaped into the rewards
 before the advantages, PPO's), ``- ent_coef x`` the entropy, aggregated over the optimizer step
 (``loss_aggregation``), ``+ ptx_coef x`` the pretraining loss.
 """
@@ -19,12 +19,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rlhf_lightning.algorithms import (
-    AdaptiveKLController,
-    FixedKLController,
-    KLEstimator,
     kl_penalty,
     masked_mean,
 )
+from rlhf_lightning.algorithms.kl import KLPenalty
 from rlhf_lightning.algorithms.policy_losses import Clip, PolicyLoss
 from rlhf_lightning.algorithms.rollout_correction import (
     CORRECTIONS,
@@ -58,20 +56,12 @@ class PolicyGradient(OnlineRL):
             import path.
         loss_aggregation: ``token_mean`` over every token of the optimizer step (DAPO, verl, OpenRLHF);
             ``sequence_mean`` of per-response token means (the original GRPO); ``constant``: token sum divided
-            by responses x ``max_new_tokens`` (Dr. GRPO).
+            by responses x ``sampling.max_new_tokens`` (Dr. GRPO).
         mask_truncated_completions: responses that never stop carry no loss (DAPO): a cut-off answer is no
             evidence for or against its tokens.
-        kl_coef: coefficient of the KL penalty to the reference (the initial one when ``kl_target`` is set);
-            0 with no ``kl_target`` = no reference pass at all.
-        kl_estimator: per-token KL estimator: ``k1`` (log-ratio), ``k2`` or ``k3`` (Schulman).
-        kl_clamp: clamp every per-token KL estimate to [-kl_clamp, kl_clamp], as OpenRLHF does with 10 (it biases
-            the estimate where the policy has moved far from the reference); null = off.
-        kl_in: where the KL penalty goes: ``reward`` (shaped into the rewards before the advantages) or
-            ``loss`` (a per-token term of the loss, GRPO's way).
-        kl_ratio_weighting: with ``kl_in: loss``, weight each token's KL term by the policy loss's importance ratio
-            (TRL 1.16's bias correction: the tokens were sampled from the old policy).
-        kl_target: target KL per sequence (nats) of the adaptive controller; null = fixed ``kl_coef``.
-        kl_horizon: horizon of the adaptive controller, in samples (with ``kl_target``).
+        kl: the KL penalty to the reference (``coef``, ``estimator``, ``clamp``, ``added_to``, ``ratio_weighting``,
+            ``target``, ``horizon``: see :class:`~rlhf_lightning.algorithms.kl.KLPenalty`); each algorithm has its
+            own defaults (``default_kl``), which a config's fields override one by one.
         ent_coef: weight of the entropy bonus.
         ptx_coef: weight of the pretraining loss (PPO-ptx) on the data module's ``ptx`` batches; 0 = off.
         rollout_correction: importance-sampling correction of the sampler's log-probs against the trainer's (another
@@ -87,19 +77,15 @@ class PolicyGradient(OnlineRL):
             ``max_staleness``), or ``sampler``, the engine's (naive PPO-clip against the behaviour policy).
     """
 
+    default_kl = KLPenalty()  # the k1 estimate shaped into the rewards with coefficient 0.05
+
     def __init__(
         self,
         *args: Any,
         policy_loss: PolicyLoss = Clip(),  # noqa: B008 (never mutated; the CLI shows it as the default)
         loss_aggregation: LossAggregation = "token_mean",
         mask_truncated_completions: bool = False,
-        kl_coef: float = 0.05,
-        kl_estimator: KLEstimator = "k1",
-        kl_clamp: float | None = None,
-        kl_in: Literal["reward", "loss"] = "reward",
-        kl_ratio_weighting: bool = True,
-        kl_target: float | None = None,
-        kl_horizon: int = 10_000,
+        kl: KLPenalty = default_kl,
         ent_coef: float = 0.0,
         ptx_coef: float = 0.0,
         rollout_correction: RolloutCorrection = "none",
@@ -113,16 +99,9 @@ class PolicyGradient(OnlineRL):
             raise TypeError(f"policy_loss must be a PolicyLoss (one of {', '.join(PolicyLoss.registry)}, or a "
                             f"subclass of your own), got {policy_loss!r}")
         checks.one_of("loss_aggregation", loss_aggregation, get_args(LossAggregation))
-        for name, value in {"kl_coef": kl_coef, "ent_coef": ent_coef, "ptx_coef": ptx_coef}.items():
+        self.kl: KLPenalty = self.keep_group("kl", checks.group_settings("kl", kl, self.default_kl))
+        for name, value in {"ent_coef": ent_coef, "ptx_coef": ptx_coef}.items():
             checks.non_negative(name, value)
-        for name, value in {"kl_clamp": kl_clamp, "kl_target": kl_target}.items():
-            checks.positive(name, value, optional=True)
-        checks.at_least("kl_horizon", kl_horizon)
-        if kl_target is not None and kl_coef == 0:
-            raise ValueError(f"kl_target={kl_target} with kl_coef=0: the adaptive controller multiplies the coefficient, "
-                             "so it would stay 0; start it from a kl_coef > 0 (e.g. 0.05)")
-        checks.one_of("kl_estimator", kl_estimator, get_args(KLEstimator))
-        checks.one_of("kl_in", kl_in, ("reward", "loss"))
         checks.one_of("rollout_correction", rollout_correction, CORRECTIONS)
         checks.one_of("clip_against", clip_against, ("proximal", "sampler"))
         if clip_against == "sampler" and rollout_correction != "none":
@@ -138,12 +117,11 @@ class PolicyGradient(OnlineRL):
                              f"{rollout_correction_max}: the correction keeps weights inside [min, max], so every "
                              "token would be masked out or get the same weight; set the minimum below the maximum "
                              "(TRL's bounds: none and 3.0)")
-        if mask_truncated_completions and checks.optional_str(self.hparams.stop_token) is None:
-            raise ValueError("mask_truncated_completions needs a stop_token: without one no response ever stops, "
+        if mask_truncated_completions and checks.optional_str(self.sampling.stop_token) is None:
+            raise ValueError("mask_truncated_completions needs a sampling.stop_token: without one no response ever stops, "
                              "so every response would be masked and nothing would train")
         self.policy_loss = policy_loss
-        self.kl_controller = (FixedKLController(kl_coef) if kl_target is None
-                              else AdaptiveKLController(kl_coef, kl_target, kl_horizon))
+        self.kl_controller = self.kl.controller()
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
@@ -158,15 +136,14 @@ class PolicyGradient(OnlineRL):
         return self.hparams.ptx_coef
 
     def pass_settings(self) -> PassSettings:
-        """The loop's, with the KL penalty (``kl_in``; charged when the coefficient is > 0, or adaptive) and a loss
+        """The loop's, with the KL penalty (``kl.added_to``; charged when the coefficient is > 0, or adaptive) and a loss
         that takes the first update pass made before the rewards."""
-        hp = self.hparams
-        return dataclasses.replace(super().pass_settings(), kl_in=hp.kl_in, reusable_first_pass=True,
-                                   kl_penalised=self.kl_controller.value > 0 or hp.kl_target is not None)
+        return dataclasses.replace(super().pass_settings(), kl_in=self.kl.added_to, reusable_first_pass=True,
+                                   kl_penalised=self.kl_controller.value > 0 or self.kl.target is not None)
 
     def kl_coef_in(self, place: Literal["reward", "loss"]) -> float:
-        """The current KL coefficient if the KL penalty goes into ``place`` (``kl_in``), else 0."""
-        return self.kl_controller.value if self.hparams.kl_in == place else 0.0
+        """The current KL coefficient if the KL penalty goes into ``place`` (``kl.added_to``), else 0."""
+        return self.kl_controller.value if self.kl.added_to == place else 0.0
 
     def first_update_pass(self, experience: Experience) -> FirstPass:
         """The policy's forward pass of the first optimizer step on the whole rollout, with gradients (with the
@@ -180,15 +157,14 @@ class PolicyGradient(OnlineRL):
     # ---- 2. rewards, 3. advantages -------------------------------------------------------------------------
 
     def shape_rewards(self, experience: Experience) -> tuple[ShapedRewards, Stats]:
-        """The loop's rewards with the per-token KL of the rollout (``kl_estimator``, ``kl_clamp``) and this
+        """The loop's rewards with the per-token KL of the rollout (``kl.estimator``, ``kl.clamp``) and this
         iteration's coefficient of it in the rewards. The KL is computed as the plan says (``PassPlan.reward_kl``):
         when the rewards charge it, or the algorithm measures it (PPO logs it as ``objective/kl_penalty``)."""
         rewards, stats = super().shape_rewards(experience)
         kl = None
         if self.pass_plan.reward_kl:
-            hp = self.hparams
             kl = torch.where(experience.response_mask, kl_penalty(experience.logprobs, experience.ref_logprobs,
-                                                                  hp.kl_estimator, hp.kl_clamp), 0.0)
+                                                                  self.kl.estimator, self.kl.clamp), 0.0)
         stats["objective/kl_coef"] = torch.tensor(self.kl_controller.value)
         return dataclasses.replace(rewards, kl=kl, kl_coef=self.kl_coef_in("reward")), stats
 
@@ -212,7 +188,7 @@ class PolicyGradient(OnlineRL):
     def step_normalisers(self, micros: Sequence[Experience]) -> dict[str, Tensor]:
         """The policy loss's denominator over the step (``loss_aggregation`` of the tokens that carry loss)."""
         hp = self.hparams
-        policy = sum(loss_normaliser(self.loss_mask(m), hp.loss_aggregation, hp.max_new_tokens) for m in micros)
+        policy = sum(loss_normaliser(self.loss_mask(m), hp.loss_aggregation, self.sampling.max_new_tokens) for m in micros)
         return {"policy": self.mean_over_ranks(policy.float()).clamp(min=1e-8)}
 
     def loss(self, micro: Experience, normalisers: dict[str, Tensor],
@@ -258,9 +234,9 @@ class PolicyGradient(OnlineRL):
         if kl_coef > 0:
             # Padding gets the reference's own log-prob (KL 0 there): garbage could overflow k3's exp and turn
             # the masked-out zero gradient into NaN.
-            kl = kl_penalty(torch.where(mask, logprobs, micro.ref_logprobs), micro.ref_logprobs, hp.kl_estimator,
-                            hp.kl_clamp)
-            if hp.kl_ratio_weighting:  # by the loss's own ratio: per token, or per response (GSPO)
+            kl = kl_penalty(torch.where(mask, logprobs, micro.ref_logprobs), micro.ref_logprobs, self.kl.estimator,
+                            self.kl.clamp)
+            if self.kl.ratio_weighting:  # by the loss's own ratio: per token, or per response (GSPO)
                 kl = kl * torch.exp(log_importance_ratio(logprobs, old_logprobs, mask, self.policy_loss.ratio_level))
             per_token = per_token + kl_coef * kl
             terms["loss/kl"] = masked_mean(kl.detach(), mask)

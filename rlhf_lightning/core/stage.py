@@ -4,6 +4,7 @@ and checkpoints."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -21,6 +22,7 @@ from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.runs.resume import CLASS_KEY, class_mismatch, class_path, saved_state_keys
 from rlhf_lightning.runs.run_folder import export_path, refuse_overwrite, refuse_unwritable
+from rlhf_lightning.utils import checks
 from rlhf_lightning.utils.atomic_io import CheckpointError
 from rlhf_lightning.utils.nonfinite import (
     SKIP_HINT,
@@ -30,7 +32,7 @@ from rlhf_lightning.utils.nonfinite import (
     listing,
     nonfinite_names,
 )
-from rlhf_lightning.utils.optim import Schedule, adamw, lr_lambda
+from rlhf_lightning.utils.optim import OptimizerSettings, adamw, lr_lambda
 from rlhf_lightning.utils.timing import phase
 
 log = logging.getLogger(__name__)
@@ -52,12 +54,17 @@ class StageModule(OverRanks, L.LightningModule):
 
     Non-finite values: the loss (:meth:`guard_losses`) and the gradients are checked before every optimizer
     step. A non-finite one stops the run with a :class:`~rlhf_lightning.utils.nonfinite.NonFiniteError` naming the
-    step, the loss term or the parameters; with the hyper-parameter ``nonfinite: skip`` the step is skipped
+    step, the loss term or the parameters; with ``optimizer.nonfinite: skip`` the step is skipped
     instead (no update, optimizer state untouched) and counted in ``<metric_prefix>/skipped_steps``. A
     checkpoint with non-finite weights is never written.
     """
 
     metric_prefix = "stage"  # namespace of the logged metrics
+    default_optimizer = OptimizerSettings()  # the ``optimizer`` a dict of some of its fields is taken over
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> StageModule:
+        checks.moved_arguments(cls.__name__, kwargs)  # before __init__'s own TypeError, which names no new key
+        return super().__new__(cls)
 
     def __init__(self, base: BaseModelSpec) -> None:
         super().__init__()
@@ -66,7 +73,7 @@ class StageModule(OverRanks, L.LightningModule):
         self._tokenizer = None
         # Frozen base weights are not in the checkpoint; `on_load_checkpoint` checks for what must be.
         self.strict_loading = False
-        self.skipped_steps = 0  # optimizer steps skipped for non-finite values (nonfinite: skip)
+        self.skipped_steps = 0  # optimizer steps skipped for non-finite values (optimizer.nonfinite: skip)
         # The coming optimizer step's loss terms, with where they came from, checked by `guard_step`.
         self._step_losses: list[tuple[str, dict[str, Tensor]]] = []
 
@@ -171,19 +178,24 @@ class StageModule(OverRanks, L.LightningModule):
             del state[key]
         return state
 
-    def configure_adamw(
-        self, parameter_groups: list[dict], weight_decay: float, warmup_steps: int, schedule: Schedule,
-        total_steps: int | None = None, eps: float = 1e-8,
-    ) -> dict[str, Any]:
-        """AdamW with a warm-up/decay schedule; ``total_steps`` defaults to the Trainer's estimate."""
-        optimizer = adamw(parameter_groups, weight_decay, eps=eps)
+    def keep_group(self, name: str, settings: Any) -> Any:
+        """A resolved group argument (``sampling``, ``kl``, ``optimizer``), returned to be kept typed on the module
+        and saved plain in the hyper-parameters (a dict, as a config gives it), which checkpoints and loggers read."""
+        self.hparams[name] = dataclasses.asdict(settings)
+        return settings
+
+    def configure_adamw(self, parameter_groups: list[dict], settings: OptimizerSettings,
+                        total_steps: int | None = None) -> dict[str, Any]:
+        """AdamW over ``parameter_groups`` (each with its ``lr``) with ``settings``' weight decay, epsilon and
+        warm-up/decay schedule; ``total_steps`` defaults to the Trainer's estimate."""
+        optimizer = adamw(parameter_groups, settings.weight_decay, eps=settings.adam_eps)
 
         # Asked lazily: reading `estimated_stepping_batches` here would build the train loader before a
         # checkpoint's loader state is restored, and the resumed run would replay the epoch from its start.
         def total() -> int:
             return total_steps if total_steps is not None else int(self.trainer.estimated_stepping_batches)
 
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(schedule, warmup_steps, total))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(settings.schedule, settings.warmup, total))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # ---- non-finite values ---------------------------------------------------------------------------------
@@ -191,7 +203,8 @@ class StageModule(OverRanks, L.LightningModule):
     @property
     def nonfinite_policy(self) -> str:
         """``raise`` (the default) or ``skip``: what a non-finite loss, gradient or reward does."""
-        return self.hparams.get("nonfinite", "raise")
+        settings = getattr(self, "optimizer_settings", None)
+        return "raise" if settings is None else settings.nonfinite
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         # Every training row names its step too, so that the logged names are the same on every row, resumed or
@@ -249,7 +262,7 @@ class StageModule(OverRanks, L.LightningModule):
     def guard_step(self, where: str | None = None) -> bool:
         """Before an optimizer step: True if it may be taken. Otherwise (a non-finite loss kept by
         :meth:`guard_losses`, or a non-finite gradient, on any rank) raise :class:`NonFiniteError`, or under
-        ``nonfinite: skip`` drop the gradients, count the skipped step and return False."""
+        ``optimizer.nonfinite: skip`` drop the gradients, count the skipped step and return False."""
         step_losses, self._step_losses = self._step_losses, []
         losses = [value for _, terms in step_losses for value in terms.values()]
         # Sharded gradients are checked shard by shard: the ranks decide together below.
@@ -268,7 +281,7 @@ class StageModule(OverRanks, L.LightningModule):
         problem = problem or f"{where or self.training_position()}: a non-finite value on another rank"
         if self.nonfinite_policy != "skip":
             raise NonFiniteError(f"{problem}; {SKIP_HINT}")
-        log.warning("%s; optimizer step skipped (nonfinite: skip)", problem)
+        log.warning("%s; optimizer step skipped (optimizer.nonfinite: skip)", problem)
         self.skip_step()
         return False
 
@@ -327,13 +340,12 @@ class StageModule(OverRanks, L.LightningModule):
 
 class SupervisedStage(StageModule):
     """A stage trained by automatic optimization on a fixed dataset (SFT, the reward model, the PRM): one AdamW
-    over the model's trainable weights from the hyper-parameters ``lr``, ``weight_decay``, ``warmup_steps`` and
-    ``lr_schedule``, and :meth:`export` to ``export_folder`` when the fit ends."""
+    over the model's trainable weights from the hyper-parameter ``optimizer``, and :meth:`export` to
+    ``export_folder`` when the fit ends."""
 
     def configure_optimizers(self):
-        hp = self.hparams
-        return self.configure_adamw([{"params": self.model, "lr": hp.lr}], hp.weight_decay, hp.warmup_steps,
-                                    hp.lr_schedule)
+        settings = self.optimizer_settings
+        return self.configure_adamw([{"params": self.model, "lr": settings.lr}], settings)
 
     def on_fit_end(self) -> None:
         if self.export_folder is not None:

@@ -59,7 +59,7 @@ def close_responses(input_ids: Tensor, attention_mask: Tensor, end_token_id: int
     token), appended where the response ends with neither it nor another stop token.
 
     A reward model is trained on sequences that end with that token and reads its score there; read at the last
-    word of a response cut off by ``max_new_tokens`` its output is meaningless, and a policy learns to exploit
+    word of a response cut off by ``sampling.max_new_tokens`` its output is meaningless, and a policy learns to exploit
     that. ``end_token_id`` is one id or one per row ``[B]``. Returns ``(input_ids, attention_mask, last_index)``
     one column wider than the inputs.
     """

@@ -28,8 +28,8 @@ class VLLMSettings:
 
 @dataclass(frozen=True)
 class SamplingSettings:
-    """How responses are sampled (see the modules' arguments of the same names); which engine draws them is the
-    modules' ``engine``."""
+    """How responses are sampled, as the engines read it: a module's :class:`Sampling` with its stop token
+    resolved to ids (:meth:`Sampling.settings`)."""
 
     max_new_tokens: int = 64
     temperature: float = 1.0
@@ -39,7 +39,44 @@ class SamplingSettings:
     stop_token_ids: tuple[int, ...] = ()  # any of them ends a response; empty = never stop
 
     def __post_init__(self) -> None:
-        check_sampling(self.max_new_tokens, self.temperature, self.top_k, self.top_p, self.kv_cache, None)
+        check_sampling(self.max_new_tokens, self.temperature, self.top_k, self.top_p, self.kv_cache)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the policy's responses are drawn: the ``sampling`` argument of every module that samples (which engine
+    draws them is the module's ``engine``).
+
+    Args:
+        max_new_tokens: longest sampled response, in tokens (of one turn, in episodes).
+        temperature: sampling temperature; log-probs are computed from logits divided by it too.
+        top_k: sample among the k most likely tokens; 0 = off. Refused by the online algorithms, whose ratios
+            and KL would come from another distribution than the one sampled.
+        top_p: nucleus-sampling threshold; 1.0 = off (refused by the online algorithms, as ``top_k``).
+        kv_cache: KV cache of generation: ``static`` allocates it once for prompt + ``max_new_tokens`` (faster,
+            notably on CPU); ``dynamic`` grows it token by token (for models without static-cache support; only
+            the engine ``Generate``, which ``Auto`` picks then).
+        stop_token: what ends a response: ``auto`` = EOS and the token the chat template ends an assistant turn
+            with (ChatML's ``<|im_end|>``, Gemma's ``<end_of_turn>``), ``eos`` = the tokenizer's EOS alone,
+            another single token, or null (never stop).
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    kv_cache: Literal["static", "dynamic"] = "static"
+    stop_token: str | None = "auto"
+
+    def check(self, name: str = "sampling") -> Sampling:
+        """Raise a one-line error naming ``name.field`` for a value out of range."""
+        check_sampling(self.max_new_tokens, self.temperature, self.top_k, self.top_p, self.kv_cache, f"{name}.")
+        return self
+
+    def settings(self, tokenizer: PreTrainedTokenizerBase) -> SamplingSettings:
+        """What the engines read: these settings with ``stop_token`` resolved to ids of ``tokenizer``."""
+        return SamplingSettings(self.max_new_tokens, self.temperature, self.top_k, self.top_p, self.kv_cache,
+                                stop_token_ids(tokenizer, self.stop_token))
 
 
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase, stop_token: str | None) -> tuple[int, ...]:
@@ -54,7 +91,7 @@ def stop_token_ids(tokenizer: PreTrainedTokenizerBase, stop_token: str | None) -
         return (tokenizer.eos_token_id,)
     token_id = tokenizer.convert_tokens_to_ids(stop_token)
     if token_id is None or token_id == tokenizer.unk_token_id:
-        raise ValueError(f"stop_token {stop_token!r} is not a single token of the tokenizer")
+        raise ValueError(f"sampling.stop_token {stop_token!r} is not a single token of the tokenizer")
     return (token_id,)
 
 

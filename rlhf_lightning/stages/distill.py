@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rlhf_lightning.algorithms.kl import KLPenalty
 from rlhf_lightning.algorithms.losses import logprobs_from_logits
 from rlhf_lightning.algorithms.masked import masked_mean
 from rlhf_lightning.core.collect import Stats
@@ -49,15 +50,16 @@ class OnPolicyDistillation(PolicyGradient):
         teacher_dtype: dtype of the teacher's weights (a separate model only).
         reward_coef: weight of the reward sources' score added to every token's advantage (0 = pure
             distillation; the scores are logged either way).
-        kl_coef: KL to the reference; 0 by default (the teacher anchors the policy).
+        kl: the KL penalty to the reference (``default_kl``: coefficient 0, the teacher anchors the policy).
         samples_per_prompt: responses per prompt (1 is enough: no group baseline).
     """
 
     metric_prefix = "distill"
+    default_kl = KLPenalty(coef=0.0)
 
     def __init__(self, *args: Any, teacher: str, teacher_dtype: str = "float32", reward_coef: float = 0.0,
-                 kl_coef: float = 0.0, samples_per_prompt: int = 1, **kwargs: Any) -> None:
-        super().__init__(*args, kl_coef=kl_coef, samples_per_prompt=samples_per_prompt, **kwargs)
+                 kl: KLPenalty = default_kl, samples_per_prompt: int = 1, **kwargs: Any) -> None:
+        super().__init__(*args, kl=kl, samples_per_prompt=samples_per_prompt, **kwargs)
         if not hasattr(torch, teacher_dtype) or not isinstance(getattr(torch, teacher_dtype), torch.dtype):
             raise ValueError(f"teacher_dtype {teacher_dtype!r} is not a torch dtype (float32, bfloat16, float16)")
         self._teacher: list[torch.nn.Module] = []  # not a submodule: not checkpointed, not trained, not moved
@@ -116,7 +118,7 @@ class OnPolicyDistillation(PolicyGradient):
         # Only the positions that predict response tokens: never the whole [B, T, V] logits.
         logits = teacher(input_ids=input_ids, attention_mask=attention_mask,
                          position_ids=position_ids_from_mask(attention_mask), logits_to_keep=width + 1).logits
-        logits = logits[:, :-1, : len(self.tokenizer)].float() / self.hparams.temperature
+        logits = logits[:, :-1, : len(self.tokenizer)].float() / self.sampling.temperature
         return torch.where(response_mask, logprobs_from_logits(logits, input_ids[:, -width:]), 0.0)
 
     @torch.no_grad()
@@ -134,7 +136,7 @@ class OnPolicyDistillation(PolicyGradient):
         mask = experience.response_mask
         reward = torch.where(mask, experience.teacher_logprobs - experience.sampler_logprobs, 0.0)
         advantages = reward + self.hparams.reward_coef * rewards.total_scores[:, None]
-        if rewards.kl_coef:  # the KL to the reference in the rewards, per token (kl_in: reward)
+        if rewards.kl_coef:  # the KL to the reference in the rewards, per token (kl.added_to: reward)
             advantages = advantages - rewards.kl_coef * rewards.kl
         advantages = torch.where(mask, advantages, 0.0)
         reverse_kl = -reward.sum(-1)

@@ -71,9 +71,9 @@ class DPO(OfflinePreference):
         check_dpo_arguments(beta, loss_type, label_smoothing)
         checks.non_negative("rpo_alpha", rpo_alpha)
         checks.non_negative("simpo_gamma", simpo_gamma)
-        if self.hparams.temperature != 1.0:
-            log.warning("temperature %s divides the logits of the DPO log-probs too, not only of the samples",
-                        self.hparams.temperature)
+        if self.sampling.temperature != 1.0:
+            log.warning("sampling.temperature %s divides the logits of the DPO log-probs too, not only of the samples",
+                        self.sampling.temperature)
         # split -> (fingerprint of the pairs, summed reference log-probs [2, N]: chosen row, rejected row)
         self.reference_tables: dict[str, tuple[str, Tensor]] = {}
         # The splits whose table was computed, or checked against this run's pairs, in this fit: only those are

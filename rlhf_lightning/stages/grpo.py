@@ -6,7 +6,7 @@ the reference goes into the loss (k3), with coefficient 0 by default, which skip
 
 | variant | options |
 |---|---|
-| GRPO (DeepSeekMath) | ``scale_rewards: group``, ``loss_aggregation: sequence_mean``, ``kl_coef: 0.04`` |
+| GRPO (DeepSeekMath) | ``scale_rewards: group``, ``loss_aggregation: sequence_mean``, ``kl.coef: 0.04`` |
 | Dr. GRPO | ``scale_rewards: none``, ``loss_aggregation: constant`` |
 | DAPO | ``policy_loss.clip_range_high: 0.28``, ``loss_aggregation: token_mean``, ``mask_truncated_completions: true`` |
 | GSPO | ``policy_loss.ratio_level: sequence`` (with its small clip ranges, e.g. 3e-4 / 4e-4) |
@@ -16,7 +16,7 @@ the reference goes into the loss (k3), with coefficient 0 by default, which skip
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Any
 
 from rlhf_lightning.algorithms.group import (
     ScaleRewards,
@@ -24,7 +24,7 @@ from rlhf_lightning.algorithms.group import (
     group_advantages,
     zero_std_fraction,
 )
-from rlhf_lightning.algorithms.kl import KLEstimator
+from rlhf_lightning.algorithms.kl import KLPenalty
 from rlhf_lightning.algorithms.surrogate import LossAggregation
 from rlhf_lightning.core.collect import Stats
 from rlhf_lightning.core.experience import Experience, ShapedRewards
@@ -40,14 +40,14 @@ class GRPO(PolicyGradient):
         scale_rewards: divide each advantage by the ``group``'s reward std (GRPO), the whole ``batch``'s, or
             ``none`` (Dr. GRPO: the std division favours prompts that are too easy or too hard).
         std_eps: added to the std before dividing (TRL's 1e-4).
-        kl_coef: beta of the KL term; 0 (TRL's default) = no reference pass at all.
-        kl_estimator: per-token KL estimator (``k3``, as GRPO).
-        kl_in: ``loss`` (GRPO) or ``reward`` (subtracted from each response's reward as its sequence KL).
+        kl: the KL penalty (``default_kl``: beta 0 as TRL's default = no reference pass at all, the k3 estimator
+            as GRPO, in the ``loss``; ``added_to: reward`` subtracts each response's sequence KL from its reward).
         loss_aggregation: ``token_mean`` (DAPO, TRL's default), ``sequence_mean`` (original GRPO) or
             ``constant`` (Dr. GRPO).
     """
 
     metric_prefix = "grpo"
+    default_kl = KLPenalty(coef=0.0, estimator="k3", added_to="loss")
 
     def __init__(
         self,
@@ -55,14 +55,12 @@ class GRPO(PolicyGradient):
         samples_per_prompt: int = 8,
         scale_rewards: ScaleRewards = "group",
         std_eps: float = 1e-4,
-        kl_coef: float = 0.0,
-        kl_estimator: KLEstimator = "k3",
-        kl_in: Literal["reward", "loss"] = "loss",
+        kl: KLPenalty = default_kl,
         loss_aggregation: LossAggregation = "token_mean",
         **kwargs: Any,
     ) -> None:
-        super().__init__(*args, samples_per_prompt=samples_per_prompt, kl_coef=kl_coef, kl_estimator=kl_estimator,
-                         kl_in=kl_in, loss_aggregation=loss_aggregation, **kwargs)
+        super().__init__(*args, samples_per_prompt=samples_per_prompt, kl=kl, loss_aggregation=loss_aggregation,
+                         **kwargs)
         checks.one_of("scale_rewards", scale_rewards, ("group", "batch", "none"))
         checks.non_negative("std_eps", std_eps)
         if samples_per_prompt < 2:
@@ -71,7 +69,7 @@ class GRPO(PolicyGradient):
 
     def estimate_advantages(self, experience: Experience, rewards: ShapedRewards) -> tuple[Experience, Stats]:
         """``(r - mean_group r) / (std + eps)`` (or unscaled), broadcast over each response's tokens; with the KL in
-        the reward, ``r = score - kl_coef * KL(sequence)``."""
+        the reward, ``r = score - kl.coef * KL(sequence)``."""
         hp = self.hparams
         sequence_rewards = rewards.sequence_rewards()
         advantages = group_advantages(sequence_rewards, experience.group_size, hp.scale_rewards, hp.std_eps,

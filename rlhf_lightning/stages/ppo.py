@@ -51,7 +51,7 @@ class PPO(PolicyGradient):
 
     The policy and the critic are LoRA adapters on the base (the SFT model); the reference is the same base
     with adapters disabled; the reward model is by default the reward stage's adapter on it too. Each response
-    token gets ``-kl_coef * KL_t``, its last token the score; GAE turns these into advantages, whitened over the
+    token gets ``-kl.coef * KL_t``, its last token the score; GAE turns these into advantages, whitened over the
     rollout; ``epochs`` passes of clipped policy and value losses follow.
 
     Args:
@@ -111,7 +111,7 @@ class PPO(PolicyGradient):
         return model
 
     def pass_settings(self) -> PassSettings:
-        """The reference pass at every ``kl_coef``, 0 included: ``ppo/objective/kl`` and ``objective/kl_penalty``
+        """The reference pass at every ``kl.coef``, 0 included: ``ppo/objective/kl`` and ``objective/kl_penalty``
         are logged whatever the coefficient (the over-optimisation study's β = 0 runs)."""
         return dataclasses.replace(super().pass_settings(), measure_kl=True)
 
@@ -182,7 +182,7 @@ class PPO(PolicyGradient):
 
     def estimate_advantages(self, experience: CriticExperience, rewards: ShapedRewards
                             ) -> tuple[Experience, Stats]:
-        """GAE advantages and returns ``[B, R]`` of the per-token rewards (``-kl_coef * KL_t`` on every token, the
+        """GAE advantages and returns ``[B, R]`` of the per-token rewards (``-kl.coef * KL_t`` on every token, the
         score on the last, an episode's turn rewards at the ends of their turns); advantages whitened over the
         batch's valid tokens."""
         hp = self.hparams

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import get_args
 
 import torch
 import torch.nn.functional as F
@@ -25,8 +24,7 @@ from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
 from rlhf_lightning.rewards.process_reward import PRM_CONFIG, PRM_ROLE
 from rlhf_lightning.utils import checks
 from rlhf_lightning.utils.metrics import MeanStd, reset_metrics
-from rlhf_lightning.utils.nonfinite import NonFinite
-from rlhf_lightning.utils.optim import Schedule
+from rlhf_lightning.utils.optim import OptimizerSettings
 
 
 class ProcessRewardModel(SupervisedStage):
@@ -42,37 +40,30 @@ class ProcessRewardModel(SupervisedStage):
         lora: the ``prm`` adapter.
         separator: the text that ends every step, one token of the tokenizer (TRL's default ``"\\n"``; ``","`` for
             the arithmetic task, whose steps are joined by ``" , "``).
-        lr: peak learning rate.
-        weight_decay: AdamW weight decay (not applied to biases and norms).
-        warmup_steps: optimizer steps of linear warm-up.
-        lr_schedule: decay after warm-up: ``constant``, ``linear`` or ``cosine``.
+        optimizer: AdamW and its schedule (``lr``, ``weight_decay``, ``warmup`` in optimizer steps, ``schedule``,
+            ``adam_eps``, ``nonfinite``: see :class:`~rlhf_lightning.utils.optim.OptimizerSettings`).
         export_dir: folder for the trained PRM, under the run folder (``trainer.default_root_dir``) unless
             absolute; null = do not export.
-        nonfinite: what a NaN or infinite loss or gradient does: ``raise`` stops the run naming the step;
-            ``skip`` skips that optimizer step and counts it in ``prm/skipped_steps``.
     """
 
     metric_prefix = "prm"
+    default_optimizer = OptimizerSettings(schedule="linear")
 
     def __init__(
         self,
         base: BaseModelSpec,
         lora: LoraSpec = LoraSpec(),  # noqa: B008 (never mutated; the CLI shows it as the default)
         separator: str = "\n",
-        lr: float = 1e-4,
-        weight_decay: float = 0.0,
-        warmup_steps: int = 0,
-        lr_schedule: Schedule = "linear",
+        optimizer: OptimizerSettings = default_optimizer,
         export_dir: str | None = None,
-        nonfinite: NonFinite = "raise",
     ) -> None:
-        checks.check_optimizer("lr", lr, weight_decay, warmup_steps, lr_schedule)
-        checks.one_of("nonfinite", nonfinite, get_args(NonFinite))
+        optimizer = checks.group_settings("optimizer", optimizer, type(self).default_optimizer)
         if not isinstance(separator, str) or not separator:
             raise ValueError(f"separator: expected the non-empty text that ends each step, got {separator!r}")
         export_dir = checks.optional_str(export_dir)
         super().__init__(base)
         self.save_hyperparameters()
+        self.optimizer_settings = self.keep_group("optimizer", optimizer)
         self.lora = lora.check("lora")
         self.separator = separator
         self.val_loss = MeanStd()

@@ -7,7 +7,7 @@ of the prompt's group.
 
 The whitening is OpenRLHF's, number for number: (A - mean) / sqrt(max(var, 1e-8)) with the biased variance over
 every valid token of the batch (every rank's). OpenRLHF also clamps each per-token KL estimate to [-10, 10]; here
-that is ``kl_clamp: 10``, off by default (the unclamped estimator is the unbiased one).
+that is ``kl.clamp: 10``, off by default (the unclamped estimator is the unbiased one).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from rlhf_lightning.algorithms import masked_whiten
 from rlhf_lightning.algorithms.group import group_advantages, returns_to_go
+from rlhf_lightning.algorithms.kl import KLPenalty
 from rlhf_lightning.core.collect import Stats
 from rlhf_lightning.core.experience import Experience, ShapedRewards
 from rlhf_lightning.core.policy_gradient import PolicyGradient
@@ -30,21 +31,22 @@ class REINFORCEPlusPlus(PolicyGradient):
         baseline: ``none`` (REINFORCE++) or ``group`` (REINFORCE++-baseline: score minus the group's mean score;
             needs ``samples_per_prompt`` >= 2).
         gamma: discount of the return-to-go.
-        kl_coef: coefficient of the per-token KL penalty in the reward.
+        kl: the KL penalty (``default_kl``: k1, per token in the reward, coefficient 0.01).
     """
 
     metric_prefix = "reinforce_pp"
+    default_kl = KLPenalty(coef=0.01)
 
     def __init__(self, *args: Any, baseline: Literal["none", "group"] = "none", gamma: float = 1.0,
-                 kl_coef: float = 0.01, **kwargs: Any) -> None:
-        super().__init__(*args, kl_coef=kl_coef, **kwargs)
+                 kl: KLPenalty = default_kl, **kwargs: Any) -> None:
+        super().__init__(*args, kl=kl, **kwargs)
         checks.one_of("baseline", baseline, ("none", "group"))
         checks.in_range("gamma", gamma, 0.0, 1.0)
         if baseline == "group" and self.hparams.samples_per_prompt < 2:
             raise ValueError(f"baseline: group needs samples_per_prompt >= 2, got {self.hparams.samples_per_prompt}")
 
     def estimate_advantages(self, experience: Experience, rewards: ShapedRewards) -> tuple[Experience, Stats]:
-        """Whitened return-to-go of ``-kl_coef * KL_t`` on every token plus the (baselined) score on the last (and
+        """Whitened return-to-go of ``-kl.coef * KL_t`` on every token plus the (baselined) score on the last (and
         an episode's turn rewards at the ends of their turns)."""
         mask = experience.response_mask
         scores = rewards.scores

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import get_args
 
 import torch
 from torch import Tensor
@@ -17,8 +16,8 @@ from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
 from rlhf_lightning.utils import checks
 from rlhf_lightning.utils.metrics import MeanStd, PairwiseAccuracy, reset_metrics
-from rlhf_lightning.utils.nonfinite import NonFinite, check_finite_weights
-from rlhf_lightning.utils.optim import Schedule
+from rlhf_lightning.utils.nonfinite import check_finite_weights
+from rlhf_lightning.utils.optim import OptimizerSettings
 
 REWARD_ROLE = "reward"
 REWARD_STATS = "reward_stats.json"
@@ -36,36 +35,29 @@ class RewardModel(SupervisedStage):
         base: the frozen base, normally the SFT model.
         lora: the ``reward`` adapter; null = full fine-tuning of the base (then the export is a whole model).
         center_coef: weight of the reward-centering term ``mean((r_chosen + r_rejected)^2)``; 0 = off.
-        lr: peak learning rate.
-        weight_decay: AdamW weight decay (not applied to biases and norms).
-        warmup_steps: optimizer steps of linear warm-up.
-        lr_schedule: decay after warm-up: ``constant``, ``linear`` or ``cosine``.
+        optimizer: AdamW and its schedule (``lr``, ``weight_decay``, ``warmup`` in optimizer steps, ``schedule``,
+            ``adam_eps``, ``nonfinite``: see :class:`~rlhf_lightning.utils.optim.OptimizerSettings`).
         export_dir: folder for the trained reward model, under the run folder (``trainer.default_root_dir``)
             unless absolute; null = do not export.
-        nonfinite: what a NaN or infinite loss or gradient does: ``raise`` stops the run naming the step and the
-            loss term or parameters; ``skip`` skips that optimizer step and counts it in ``rm/skipped_steps``.
     """
 
     metric_prefix = "rm"
+    default_optimizer = OptimizerSettings(schedule="linear")
 
     def __init__(
         self,
         base: BaseModelSpec,
         lora: LoraSpec | None = LoraSpec(),  # noqa: B008 (never mutated; the CLI shows it as the default)
         center_coef: float = 0.0,
-        lr: float = 1e-4,
-        weight_decay: float = 0.0,
-        warmup_steps: int = 0,
-        lr_schedule: Schedule = "linear",
+        optimizer: OptimizerSettings = default_optimizer,
         export_dir: str | None = None,
-        nonfinite: NonFinite = "raise",
     ) -> None:
         checks.non_negative("center_coef", center_coef)
-        checks.check_optimizer("lr", lr, weight_decay, warmup_steps, lr_schedule)
-        checks.one_of("nonfinite", nonfinite, get_args(NonFinite))
+        optimizer = checks.group_settings("optimizer", optimizer, type(self).default_optimizer)
         export_dir = checks.optional_str(export_dir)
         super().__init__(base)
         self.save_hyperparameters()
+        self.optimizer_settings = self.keep_group("optimizer", optimizer)
         self.lora = lora.check("lora") if lora is not None else None
         self.adapter = REWARD_ROLE if lora is not None else None
         self.val_accuracy = PairwiseAccuracy()

@@ -1,7 +1,7 @@
 """RLOO: REINFORCE with a leave-one-out baseline (Kool et al. 2019; Ahmadian et al. 2024), TRL's RLOOTrainer's
 advantages.
 
-Each response's reward is its score minus ``kl_coef`` times its sequence KL to the reference (k1); its advantage
+Each response's reward is its score minus ``kl.coef`` times its sequence KL to the reference (k1); its advantage
 is that reward minus the mean reward of the other responses to the same prompt; ``whiten_advantages`` is TRL's
 ``normalize_advantages``, (A - mean) / (std + 1e-4) over the batch's responses.
 
@@ -24,6 +24,7 @@ from rlhf_lightning.algorithms.group import (
     rloo_advantages,
     zero_std_fraction,
 )
+from rlhf_lightning.algorithms.kl import KLPenalty
 from rlhf_lightning.core.collect import Stats
 from rlhf_lightning.core.experience import Experience, ShapedRewards
 from rlhf_lightning.core.policy_gradient import PolicyGradient
@@ -34,23 +35,24 @@ class RLOO(PolicyGradient):
 
     Args:
         samples_per_prompt: responses per prompt (at least 2: the baseline leaves one out).
-        kl_coef: coefficient of the sequence KL (``kl_estimator`` summed over the response; k1 as TRL) subtracted
-            from each reward.
+        kl: the KL penalty (``default_kl``: coefficient 0.05 of the sequence KL, the k1 estimate summed over the
+            response as TRL, subtracted from each reward).
         whiten_advantages: standardise the advantages over the batch's responses as TRL's
             ``normalize_advantages``: (A - mean) / (std + 1e-4), Bessel's std.
     """
 
     metric_prefix = "rloo"
+    default_kl = KLPenalty(coef=0.05)
 
-    def __init__(self, *args: Any, samples_per_prompt: int = 4, kl_coef: float = 0.05,
+    def __init__(self, *args: Any, samples_per_prompt: int = 4, kl: KLPenalty = default_kl,
                  whiten_advantages: bool = False, **kwargs: Any) -> None:
-        super().__init__(*args, samples_per_prompt=samples_per_prompt, kl_coef=kl_coef, **kwargs)
+        super().__init__(*args, samples_per_prompt=samples_per_prompt, kl=kl, **kwargs)
         if samples_per_prompt < 2:
             raise ValueError(f"RLOO needs samples_per_prompt >= 2 (the baseline leaves one out), got "
                              f"{samples_per_prompt}")
 
     def estimate_advantages(self, experience: Experience, rewards: ShapedRewards) -> tuple[Experience, Stats]:
-        """``r_i - mean_{j != i} r_j`` with ``r = score - kl_coef * KL(sequence)``, over each response's tokens."""
+        """``r_i - mean_{j != i} r_j`` with ``r = score - kl.coef * KL(sequence)``, over each response's tokens."""
         sequence_rewards = rewards.sequence_rewards()
         stats: Stats = {}
         if rewards.kl_coef:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -16,8 +16,7 @@ from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
 from rlhf_lightning.utils import checks
 from rlhf_lightning.utils.metrics import reset_metrics
-from rlhf_lightning.utils.nonfinite import NonFinite
-from rlhf_lightning.utils.optim import Schedule
+from rlhf_lightning.utils.optim import OptimizerSettings
 
 SFT_ADAPTER = "sft"
 
@@ -31,17 +30,13 @@ class SFT(SupervisedStage):
     Args:
         base: the model to fine-tune (a fresh one from ``architecture`` pretrains from scratch).
         lora: train a LoRA adapter instead of all weights; null = full fine-tuning.
-        lr: peak learning rate.
-        weight_decay: AdamW weight decay (not applied to biases and norms).
-        warmup_steps: optimizer steps of linear warm-up.
-        lr_schedule: decay after warm-up: ``constant``, ``linear`` or ``cosine`` (to 0 at the last step).
+        optimizer: AdamW and its schedule (``lr``, ``weight_decay``, ``warmup`` in optimizer steps, ``schedule``,
+            ``adam_eps``, ``nonfinite``: see :class:`~rlhf_lightning.utils.optim.OptimizerSettings`).
         export_dir: folder for the final model and tokenizer, under the run folder (``trainer.default_root_dir``)
             unless absolute; null = do not export.
         export_format: ``merged``: a plain transformers model with the LoRA adapter merged in; ``adapter``: the LoRA
             adapter alone, in peft format, in ``<export_dir>/sft`` (needs ``lora``), to be loaded onto this same
             base, e.g. as a judge (``JudgeReward`` ``adapter``).
-        nonfinite: what a NaN or infinite loss or gradient does: ``raise`` stops the run naming the step and the
-            loss term or parameters; ``skip`` skips that optimizer step and counts it in ``sft/skipped_steps``.
     """
 
     metric_prefix = "sft"
@@ -50,22 +45,18 @@ class SFT(SupervisedStage):
         self,
         base: BaseModelSpec,
         lora: LoraSpec | None = None,
-        lr: float = 1e-4,
-        weight_decay: float = 0.0,
-        warmup_steps: int = 0,
-        lr_schedule: Schedule = "constant",
+        optimizer: OptimizerSettings = SupervisedStage.default_optimizer,
         export_dir: str | None = None,
-        nonfinite: NonFinite = "raise",
         export_format: Literal["merged", "adapter"] = "merged",
     ) -> None:
-        checks.check_optimizer("lr", lr, weight_decay, warmup_steps, lr_schedule)
+        optimizer = checks.group_settings("optimizer", optimizer, type(self).default_optimizer)
         checks.one_of("export_format", export_format, ("merged", "adapter"))
         if export_format == "adapter" and lora is None:
             raise ValueError("export_format: adapter exports the LoRA adapter; set lora (or export_format: merged)")
-        checks.one_of("nonfinite", nonfinite, get_args(NonFinite))
         export_dir = checks.optional_str(export_dir)
         super().__init__(base)
         self.save_hyperparameters()
+        self.optimizer_settings = self.keep_group("optimizer", optimizer)
         self.lora = lora.check("lora") if lora is not None else None
         self.adapter = SFT_ADAPTER if lora is not None else None
         self.val_loss = MeanMetric()

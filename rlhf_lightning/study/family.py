@@ -96,7 +96,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="extra CLI argument for every run (repeatable)")
     parser.add_argument("--method-override", action="append", default=[], metavar="METHOD=ARGUMENT",
                         help="extra CLI argument for one method's runs (repeatable), e.g. "
-                             "grpo=--model.init_args.policy_lr=5e-4")
+                             "grpo=--model.init_args.optimizer.lr=5e-4")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     defaults = QUICK if args.quick else FULL

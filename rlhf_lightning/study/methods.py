@@ -47,25 +47,25 @@ class Method:
 
 
 METHODS: dict[str, Method] = {method.name: method for method in (
-    Method("ppo", "PPO", "ppo.yaml", "kl_coef", (0.02, 0.07, 0.2), steps=96, every=16,
-           overrides=("--model.init_args.kl_target=null",)),
-    Method("grpo", "GRPO", "grpo.yaml", "kl_coef", (0.03, 0.1, 0.3), steps=128, every=16),
-    Method("dr_grpo", "Dr. GRPO", "grpo.yaml", "kl_coef", (0.03, 0.1, 0.3), steps=128, every=16,
+    Method("ppo", "PPO", "ppo.yaml", "kl.coef", (0.02, 0.07, 0.2), steps=96, every=16,
+           overrides=("--model.init_args.kl.target=null",)),
+    Method("grpo", "GRPO", "grpo.yaml", "kl.coef", (0.03, 0.1, 0.3), steps=128, every=16),
+    Method("dr_grpo", "Dr. GRPO", "grpo.yaml", "kl.coef", (0.03, 0.1, 0.3), steps=128, every=16,
            overrides=("--model.init_args.scale_rewards=none", "--model.init_args.loss_aggregation=constant")),
-    Method("cispo", "GRPO with CISPO", "grpo.yaml", "kl_coef", (0.03, 0.1, 0.3), steps=128, every=16,
+    Method("cispo", "GRPO with CISPO", "grpo.yaml", "kl.coef", (0.03, 0.1, 0.3), steps=128, every=16,
            overrides=("--model.init_args.policy_loss=CISPO",)),
     # The sampler's log-probs against the trainer's, truncated at 3 (TIS): on CPU in fp32 they agree to ~1e-13 nats of
     # KL per token (largest difference ~1e-5), so this row shows what the correction costs and changes without a
     # mismatch to correct.
-    Method("tis", "GRPO with truncated IS", "grpo.yaml", "kl_coef", (0.03, 0.1, 0.3), steps=128, every=16,
+    Method("tis", "GRPO with truncated IS", "grpo.yaml", "kl.coef", (0.03, 0.1, 0.3), steps=128, every=16,
            overrides=("--model.init_args.rollout_correction=token_truncate",)),
-    Method("rloo", "RLOO", "rloo.yaml", "kl_coef", (0.02, 0.05, 0.15), steps=128, every=16),
-    Method("reinforce_pp", "REINFORCE++-baseline", "reinforce_pp.yaml", "kl_coef", (0.02, 0.05, 0.15),
+    Method("rloo", "RLOO", "rloo.yaml", "kl.coef", (0.02, 0.05, 0.15), steps=128, every=16),
+    Method("reinforce_pp", "REINFORCE++-baseline", "reinforce_pp.yaml", "kl.coef", (0.02, 0.05, 0.15),
            steps=128, every=16),
     Method("online_dpo", "online DPO", "online_dpo.yaml", "beta", (0.1, 0.3, 1.0), steps=128, every=16),
     # The teacher is the seed's GRPO policy at its shipped strength (an adapter on the same base). What holds the
     # student near the SFT policy is its learning rate (no KL term), so that is the strength here.
-    Method("distill", "on-policy distillation (GRPO teacher)", "distill.yaml", "policy_lr", (3.0e-3, 1.0e-3, 3.0e-4),
+    Method("distill", "on-policy distillation (GRPO teacher)", "distill.yaml", "optimizer.lr", (3.0e-3, 1.0e-3, 3.0e-4),
            steps=128, every=16, teacher="grpo"),
     Method("dpo", "DPO", "dpo.yaml", "beta", (0.03, 0.1, 0.3), steps=300, every=50, uses_reward_model=False,
            offline=True),
@@ -75,7 +75,7 @@ METHODS: dict[str, Method] = {method.name: method for method in (
            offline=True),
     # SimPO has no reference: its beta scales the margin, not a KL term. What holds it near the SFT policy is
     # the learning rate (README: 1e-3 collapses, 1e-4 is stable), so that is its strength here.
-    Method("simpo", "SimPO", "dpo.yaml", "lr", (3.0e-4, 1.0e-4, 3.0e-5), steps=300, every=50,
+    Method("simpo", "SimPO", "dpo.yaml", "optimizer.lr", (3.0e-4, 1.0e-4, 3.0e-5), steps=300, every=50,
            overrides=("--model.init_args.loss_type=simpo", "--model.init_args.beta=2.0",
                       "--model.init_args.simpo_gamma=0.5"), uses_reward_model=False, offline=True),
 )}

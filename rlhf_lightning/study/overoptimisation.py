@@ -8,7 +8,7 @@ run) and a JSON summary, which it also prints.
 
 Every PPO run goes through the framework's CLI with ``configs/ppo.yaml`` (or ``--config``) and logs to W&B
 in one group (offline unless an API key is configured). ``--override`` passes any further CLI argument to
-every run, e.g. ``--override=--model.init_args.policy_lr=5e-4``.
+every run, e.g. ``--override=--model.init_args.optimizer.lr=5e-4``.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="log the completions table every this many iterations")
     parser.add_argument("--override", action="append", default=[],
                         help="extra CLI argument for every PPO run (repeatable), e.g. "
-                             "--override=--model.init_args.policy_lr=5e-4")
+                             "--override=--model.init_args.optimizer.lr=5e-4")
     parser.add_argument("--no-train-missing", dest="train_missing", action="store_false",
                         help="fail instead of training the default SFT model / reward adapter when missing")
     args = parser.parse_args(argv)

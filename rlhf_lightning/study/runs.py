@@ -1,7 +1,7 @@
 """PPO runs of the study: the framework's own CLI and Trainer, one run per KL coefficient, and what they
 measured.
 
-Each run is ``python -m rlhf_lightning fit --config <ppo config> --model.init_args.kl_coef=<c> ...`` in this
+Each run is ``python -m rlhf_lightning fit --config <ppo config> --model.init_args.kl.coef=<c> ...`` in this
 process (the same parser, config and W&B logger a user gets), with a callback that records, at every
 iteration, the mean gold reward, proxy score and KL of the rollout the policy was trained on, and at every
 evaluation the same on the held-out prompts.
@@ -108,8 +108,8 @@ def ppo_arguments(config: str | Path, sft_model: str | Path, reward_adapter: str
         "fit", "--config", str(config),
         f"--model.init_args.base.name_or_path={sft_model}",
         f"--model.init_args.reward.init_args.path={reward_adapter}",
-        f"--model.init_args.kl_coef={kl_coef}",
-        "--model.init_args.kl_target=null",  # the coefficient under study stays fixed
+        f"--model.init_args.kl.coef={kl_coef}",
+        "--model.init_args.kl.target=null",  # the coefficient under study stays fixed
         f"--model.init_args.export_dir={(directory / 'adapters').absolute()}",
         f"--trainer.default_root_dir={directory}",
         f"--trainer.logger.init_args.save_dir={directory}",

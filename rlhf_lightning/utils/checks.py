@@ -4,8 +4,9 @@ than after minutes of loading."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 # What the command line's parser hands over for `--...=null` inside a nested dataclass (e.g. BaseModelSpec):
@@ -79,14 +80,13 @@ def one_of(name: str, value: Any, choices: Iterable[Any]) -> None:
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float, kv_cache: str,
-                   logprob_chunk: int | None) -> None:
-    """The sampling arguments every policy stage shares (``PolicyModule``)."""
-    at_least("max_new_tokens", max_new_tokens)
-    positive("temperature", temperature)
-    at_least("top_k", top_k, minimum=0)
-    in_range("top_p", top_p, 0.0, 1.0, low_open=True)
-    one_of("kv_cache", kv_cache, ("static", "dynamic"))
-    at_least("logprob_chunk", logprob_chunk, optional=True)
+                   prefix: str = "") -> None:
+    """The sampling settings (``prefix``: how their names are spelt before them, e.g. ``sampling.``)."""
+    at_least(f"{prefix}max_new_tokens", max_new_tokens)
+    positive(f"{prefix}temperature", temperature)
+    at_least(f"{prefix}top_k", top_k, minimum=0)
+    in_range(f"{prefix}top_p", top_p, 0.0, 1.0, low_open=True)
+    one_of(f"{prefix}kv_cache", kv_cache, ("static", "dynamic"))
 
 
 def check_vllm(kv_cache_gib: float | None, gpu_memory_utilization: float, max_model_len: int | None) -> None:
@@ -96,13 +96,47 @@ def check_vllm(kv_cache_gib: float | None, gpu_memory_utilization: float, max_mo
     at_least("engine.init_args.max_model_len", max_model_len, optional=True)
 
 
-def check_optimizer(lr_name: str, lr: float, weight_decay: float, warmup_steps: int, schedule: str,
-                    warmup_name: str = "warmup_steps") -> None:
-    """A learning rate, weight decay, warm-up length and schedule name."""
-    positive(lr_name, lr)
-    non_negative("weight_decay", weight_decay)
-    at_least(warmup_name, warmup_steps, minimum=0)
-    one_of("lr_schedule", schedule, ("constant", "linear", "cosine"))
+# Module arguments that became fields of a typed group (``sampling``, ``kl``, ``optimizer``): the old flat names are
+# refused in one line naming the new key, in a config file, on the command line and by the constructors.
+MOVED_ARGUMENTS = {
+    **{name: f"sampling.{name}" for name in ("max_new_tokens", "temperature", "top_k", "top_p", "kv_cache",
+                                            "stop_token")},
+    **{f"kl_{name}": f"kl.{name}" for name in ("coef", "estimator", "clamp", "ratio_weighting", "target",
+                                              "horizon")},
+    "kl_in": "kl.added_to",
+    "policy_lr": "optimizer.lr", "lr": "optimizer.lr", "warmup_steps": "optimizer.warmup",
+    "warmup_iterations": "optimizer.warmup", "lr_schedule": "optimizer.schedule",
+    **{name: f"optimizer.{name}" for name in ("weight_decay", "adam_eps", "nonfinite")},
+}
+
+
+GROUP_CLASSES = {"sampling": "Sampling", "kl": "KLPenalty", "optimizer": "OptimizerSettings"}
+
+
+def group_settings(name: str, value: Any, default: Any) -> Any:
+    """A group argument (``sampling``, ``kl``, ``optimizer``): an instance of ``default``'s dataclass as it is, or a
+    mapping of some of its fields taken over ``default`` (the module's own defaults), as a config's are."""
+    cls = type(default)
+    if isinstance(value, cls):
+        return value.check(name)
+    if isinstance(value, Mapping):
+        fields = [field.name for field in dataclasses.fields(cls)]
+        unknown = [key for key in value if key not in fields]
+        if unknown:
+            raise ValueError(f"{name}.{unknown[0]}: {cls.__name__} has no such field (its fields: {', '.join(fields)})")
+        return dataclasses.replace(default, **value).check(name)
+    raise TypeError(f"{name} must be a {cls.__name__} (rlhf_lightning.{cls.__name__}) or a dict of some of its "
+                    f"fields, got {value!r}")
+
+
+def moved_arguments(owner: str, given: Iterable[str]) -> None:
+    """Refuse, in one line, module arguments ``given`` to ``owner`` (a class name) under their old flat names."""
+    for name in given:
+        if name in MOVED_ARGUMENTS:
+            group, field = MOVED_ARGUMENTS[name].split(".")
+            raise TypeError(f"{owner}({name}=...): {name} is now {group}.{field}; pass {group}={{'{field}': ...}} (its "
+                            f"other fields keep the module's defaults) or a {GROUP_CLASSES[group]}, or write "
+                            f"{group}: {{{field}: ...}} in a config")
 
 
 def no_renamed_members(cls: type, renamed: dict[str, str]) -> None:

@@ -3,7 +3,7 @@
 A single non-finite reward turns every advantage of a whitened batch into NaN, one optimizer step turns the
 adapters into NaN, and the checkpoint and the export then carry them silently. Each check here names where the
 value came from (which reward source and rows, which loss term, which parameters), so that the run stops with
-one line that says what to look at; ``nonfinite: skip`` skips the optimizer step instead and counts it.
+one line that says what to look at; ``optimizer.nonfinite: skip`` skips the optimizer step instead and counts it.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 NonFinite = Literal["raise", "skip"]
-SKIP_HINT = "set nonfinite: skip to skip such optimizer steps instead"
+SKIP_HINT = "set optimizer.nonfinite: skip to skip such optimizer steps instead"
 
 
 class NonFiniteError(FloatingPointError):

@@ -1,15 +1,54 @@
-"""The optimizer and learning-rate schedule shared by the stages."""
+"""The optimizer and learning-rate schedule shared by the stages, and their settings (one group of arguments)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Literal
+from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 from torch import nn
 
+from rlhf_lightning.utils import checks
+from rlhf_lightning.utils.nonfinite import NonFinite
+
 Schedule = Literal["constant", "linear", "cosine"]
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """AdamW and its learning-rate schedule: the ``optimizer`` argument of every module.
+
+    Args:
+        lr: learning rate (of the policy adapter in the online algorithms; PPO's critic has ``critic_lr``).
+        weight_decay: AdamW's decoupled weight decay (never applied to biases and norms).
+        warmup: length of the linear warm-up: iterations in the online algorithms, optimizer steps in SFT, the
+            reward models, DPO and KTO.
+        schedule: decay after warm-up, to 0 at the run's end: ``constant`` (none), ``linear`` or ``cosine``.
+        adam_eps: Adam's epsilon (lm-human-preferences used 1e-5).
+        nonfinite: what a NaN or infinite reward score, loss or gradient does: ``raise`` stops the run with a
+            message naming the step and the reward source and rows, the loss term or the parameters; ``skip``
+            skips the optimizer step (all of an iteration's steps for a bad score) and counts it in
+            ``<prefix>/skipped_steps``. Either way nothing non-finite is trained on or written.
+    """
+
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    warmup: int = 0
+    schedule: Schedule = "constant"
+    adam_eps: float = 1e-8
+    nonfinite: NonFinite = "raise"
+
+    def check(self, name: str = "optimizer") -> OptimizerSettings:
+        """Raise a one-line error naming ``name.field`` for a value out of range."""
+        checks.positive(f"{name}.lr", self.lr)
+        checks.non_negative(f"{name}.weight_decay", self.weight_decay)
+        checks.at_least(f"{name}.warmup", self.warmup, minimum=0)
+        checks.one_of(f"{name}.schedule", self.schedule, get_args(Schedule))
+        checks.positive(f"{name}.adam_eps", self.adam_eps)
+        checks.one_of(f"{name}.nonfinite", self.nonfinite, get_args(NonFinite))
+        return self
 
 
 def adamw(
