@@ -74,7 +74,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def stopping_model_dir(tmp_path_factory) -> Path:
     """The tiny GPT-2 of :func:`tiny_model_dir` with its EOS made likely: responses stop at lengths from 1 to beyond
-    ``max_new_tokens``."""
+    ``sampling.max_new_tokens``."""
     directory = tmp_path_factory.mktemp("stopping-gpt2")
     torch.manual_seed(0)
     spec = tiny_spec()

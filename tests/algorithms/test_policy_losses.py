@@ -110,7 +110,7 @@ def test_a_config_names_the_loss_and_a_step_trains_with_it(sapo, tiny_model_dir,
     main(["fit", "--config", str(REPO / "configs" / "grpo.yaml"), "--config", str(config),
           f"--model.init_args.base.name_or_path={tiny_model_dir}",
           f"--model.init_args.reward.init_args.path={reward_dir}", "--model.init_args.policy_lora={r: 4, alpha: 8}",
-          "--model.init_args.max_new_tokens=4", "--data.init_args.synthetic_rows=24", "--data.init_args.batch_size=2",
+          "--model.init_args.sampling.max_new_tokens=4", "--data.init_args.synthetic_rows=24", "--data.init_args.batch_size=2",
           "--trainer.limit_train_batches=1", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
           "--trainer.default_root_dir=sapo"])
     expected = {"grpo/policy/gate", "grpo/loss/policy", "grpo/grad_norm"}

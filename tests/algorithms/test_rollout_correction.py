@@ -98,8 +98,9 @@ def test_the_mismatch_is_a_kl_and_trls_logprob_difference():
 
 
 def grpo(tiny_model_dir, reward_dir, **kwargs):
-    return built(GRPO(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), policy_lora=LORA, max_new_tokens=6,
-                      samples_per_prompt=2, reward=AdapterReward(str(reward_dir)), **kwargs))
+    return built(GRPO(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), policy_lora=LORA,
+                      sampling={"max_new_tokens": 6}, samples_per_prompt=2, reward=AdapterReward(str(reward_dir)),
+                      **kwargs))
 
 
 def test_the_sampler_log_probs_are_kept_and_the_loss_is_weighted(tiny_model_dir, reward_dir):

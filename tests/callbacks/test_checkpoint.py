@@ -49,7 +49,7 @@ class TornWriteIO(AtomicCheckpointIO):
 
 def fit_ppo(tiny_model_dir, reward_dir, directory: Path, ckpt_path: str | None = None, plugins=()):
     """``ITERATIONS`` tiny PPO iterations, a checkpoint after each (every one kept, and last.ckpt)."""
-    module = make_ppo(tiny_model_dir, reward_dir, kl_target=0.5)
+    module = make_ppo(tiny_model_dir, reward_dir, kl={"target": 0.5})
     recorder = Recorder()
     trainer = L.Trainer(
         max_epochs=1, limit_train_batches=ITERATIONS, limit_val_batches=0, logger=False, enable_progress_bar=False,

@@ -114,7 +114,7 @@ def test_the_validation_warning_knows_the_run_length(settings, warned, tmp_path)
 
 @pytest.mark.slow
 def test_an_online_fit_counts_iterations_and_reports_gold_and_kl(tiny_model_dir, reward_dir, tmp_path, capsys):
-    module = make_online(GRPO, tiny_model_dir, reward_dir, epochs=1, num_minibatches=1, kl_coef=0.05)
+    module = make_online(GRPO, tiny_model_dir, reward_dir, epochs=1, num_minibatches=1, kl={"coef": 0.05})
     recorder = Recorder("grpo/")
     data = prompts(module, n=24, batch_size=4, val_fraction=0.25)
     trainer = L.Trainer(max_epochs=2, limit_train_batches=3, limit_val_batches=1, val_check_interval=2,
@@ -225,7 +225,7 @@ def test_a_run_whose_groups_all_score_alike_is_told_it_is_not_learning(tiny_mode
     flat = FunctionReward(constant_reward)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        grpo_fit(tiny_model_dir, reward_dir, tmp_path, LearningCheck(patience=2), reward=flat, kl_coef=0.0)
+        grpo_fit(tiny_model_dir, reward_dir, tmp_path, LearningCheck(patience=2), reward=flat, kl={"coef": 0.0})
     said = [str(w.message) for w in caught if "not learning" in str(w.message)]
     cause = ("every group's responses scored alike, so every advantage was 0 (raise samples_per_prompt or the "
              "reward's resolution, or start from a policy that solves some prompts) (grpo/objective/frac_zero_std 1)")
@@ -235,7 +235,7 @@ def test_a_run_whose_groups_all_score_alike_is_told_it_is_not_learning(tiny_mode
     with pytest.raises(NotLearningError, match=r"^\[grpo\] not learning: .* in iterations 1-2: every group's .*"
                                                r"\(LearningCheck action: raise\)$"):
         grpo_fit(tiny_model_dir, reward_dir, tmp_path, LearningCheck(patience=2, action="raise"), reward=flat,
-                 kl_coef=0.0)
+                 kl={"coef": 0.0})
 
 
 @pytest.mark.slow
@@ -247,7 +247,7 @@ def test_tied_groups_with_a_kl_gradient_are_still_not_learning(tiny_model_dir, r
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer = grpo_fit(tiny_model_dir, reward_dir, tmp_path, check, reward=flat, callbacks=[MovedPolicy()],
-                           kl_coef=0.04, kl_in="loss")
+                           kl={"coef": 0.04, "added_to": "loss"})
     assert float(trainer.callback_metrics["grpo/grad_norm"]) > 0  # the KL term's gradient did reach the weights
     said = [str(w.message) for w in caught if "not learning" in str(w.message)]
     assert said == ["[grpo] not learning: the reward gave no signal in iterations 1-2: every group's responses scored "

@@ -19,7 +19,7 @@ APPROX_KL = [0.018, 0.021, 0.019, 0.022, 0.020, 0.023, 0.019, 0.021, 0.020, 0.02
              0.48, 0.05, 0.03, 0.02]
 SPIKE = ("[toy] KL spike at iteration 15: toy/objective/kl 24 against 1.9 ± 0.75 · toy/policy/approx_kl 0.48 against "
          "0.02 ± 0.001 (median ± median absolute deviation of iterations 1-14): one update moved the policy far: "
-         "lower policy_lr or the clip range, or set target_kl to stop an iteration's epochs early")
+         "lower optimizer.lr or the clip range, or set target_kl to stop an iteration's epochs early")
 
 
 class Iterations(L.LightningModule):

@@ -41,7 +41,7 @@ def counting(cls: type, reuse: bool) -> type:
 
 @pytest.mark.parametrize("cls, options", [
     (PPO, {"ent_coef": 0.01}),  # the KL penalty in the rewards reads the old log-probs before the advantages
-    (GRPO, {"kl_coef": 0.1, "kl_in": "loss"}),
+    (GRPO, {"kl": {"coef": 0.1, "added_to": "loss"}}),
 ], ids=["PPO", "GRPO"])
 def test_the_first_update_pass_gives_the_old_logprobs_with_one_policy_pass_fewer(cls, options, stopping_model_dir,
                                                                                  tmp_path):
@@ -70,7 +70,7 @@ def test_the_first_update_pass_gives_the_old_logprobs_with_one_policy_pass_fewer
     ({"epochs": 2, "gradient_accumulation": 2}, False, True),  # the first step is two micro-batches
     ({"epochs": 2, "micro_batch_tokens": 1000}, False, True),
     ({"epochs": 2, "num_minibatches": 2}, False, True),
-    ({"epochs": 1, "kl_in": "loss"}, False, False),  # one step, nothing read before it: its own pass gives them
+    ({"epochs": 1, "kl": {"added_to": "loss"}}, False, False),  # one step, nothing read before it: its own pass gives them
     ({"epochs": 1}, True, False),  # one step, but the KL penalty in the rewards reads them first
 ])
 def test_which_updates_reuse_their_first_pass(options, reuses, rollout_pass, stopping_model_dir):

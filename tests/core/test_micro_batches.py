@@ -73,9 +73,9 @@ def test_the_rollout_is_as_narrow_as_its_rows(stopping_model_dir):
 
 
 @pytest.mark.parametrize("cls, options", [
-    (GRPO, {"loss_aggregation": "token_mean", "kl_coef": 0.1, "ent_coef": 0.01}),
-    (GRPO, {"loss_aggregation": "sequence_mean", "kl_coef": 0.1}),
-    (GRPO, {"loss_aggregation": "constant", "kl_coef": 0.1}),
+    (GRPO, {"loss_aggregation": "token_mean", "kl": {"coef": 0.1}, "ent_coef": 0.01}),
+    (GRPO, {"loss_aggregation": "sequence_mean", "kl": {"coef": 0.1}}),
+    (GRPO, {"loss_aggregation": "constant", "kl": {"coef": 0.1}}),
     (PPO, {"ent_coef": 0.01}),
 ], ids=["token_mean", "sequence_mean", "constant", "PPO"])
 def test_a_micro_batch_cut_to_its_rows_gives_the_same_losses_and_gradients(cls, options, stopping_model_dir):
@@ -104,7 +104,7 @@ def test_a_micro_batch_cut_to_its_rows_gives_the_same_losses_and_gradients(cls, 
 def test_a_cut_episode_micro_batch_gives_the_same_losses_and_gradients(calculator_model_dir):  # noqa: F811
     """Episodes: the environment's tokens between the policy's turns are context (real tokens, no loss) and stay;
     only the padding after each micro-batch's longest episode goes."""
-    module = episodic(GRPO, calculator_model_dir, kl_coef=0.1, samples_per_prompt=4)
+    module = episodic(GRPO, calculator_model_dir, kl={"coef": 0.1}, samples_per_prompt=4)
     perturb(module, "policy")
     experience, _ = module.collect_and_prepare(calculator_batch(module))
     openings, responses = experience.row_extents()
@@ -132,9 +132,9 @@ PER_MICRO_BATCH = ("approx_kl", "clipfrac", "ratio", "entropy", "mismatch", "los
 
 
 @pytest.mark.parametrize("cls, options", [
-    (GRPO, {"loss_aggregation": "token_mean", "kl_coef": 0.1, "ent_coef": 0.01}),
-    (GRPO, {"loss_aggregation": "sequence_mean", "kl_coef": 0.1}),
-    (GRPO, {"loss_aggregation": "constant", "kl_coef": 0.1}),
+    (GRPO, {"loss_aggregation": "token_mean", "kl": {"coef": 0.1}, "ent_coef": 0.01}),
+    (GRPO, {"loss_aggregation": "sequence_mean", "kl": {"coef": 0.1}}),
+    (GRPO, {"loss_aggregation": "constant", "kl": {"coef": 0.1}}),
     (PPO, {"ent_coef": 0.01}),
     (OnlineDPO, {}),
 ], ids=["token_mean", "sequence_mean", "constant", "PPO", "OnlineDPO"])

@@ -68,13 +68,13 @@ def test_the_plan_is_what_the_five_properties_decided(steps, whole, kl_in, penal
     # PPO with one minibatch: the first step is the whole rollout, its pass made early gives the log-probs
     (PassSettings(4, True, "reward", True, measure_kl=True, reusable_first_pass=True),
      PassPlan("first_update_pass", True, True)),
-    # PPO at kl_coef 0: the KL is still measured (objective/kl_penalty), before the update
+    # PPO at kl.coef 0: the KL is still measured (objective/kl_penalty), before the update
     (PassSettings(1, True, "reward", False, measure_kl=True, reusable_first_pass=True),
      PassPlan("first_update_pass", True, True)),
     # PPO with the KL in the loss and one step: the step's own pass gives the log-probs, nothing is shaped
     (PassSettings(1, True, "loss", True, measure_kl=True, reusable_first_pass=True),
      PassPlan("update", True, False)),
-    # GRPO's default: kl_coef 0, no reference pass at all
+    # GRPO's default: kl.coef 0, no reference pass at all
     (PassSettings(2, False, "loss", False, reusable_first_pass=True), PassPlan("rollout", False, False)),
     # GRPO with a KL in the loss and one step
     (PassSettings(1, True, "loss", True, reusable_first_pass=True), PassPlan("update", True, False)),
@@ -95,9 +95,9 @@ def test_the_plans_that_matter(settings, expected):
 @pytest.mark.parametrize("cls, kwargs, expected", [
     (PPO, {}, PassPlan("first_update_pass", True, True)),  # 4 epochs of one minibatch
     (PPO, {"num_minibatches": 2}, PassPlan("rollout", True, True)),  # configs/ppo.yaml's shape
-    (PPO, {"num_minibatches": 1, "epochs": 1, "kl_in": "loss"}, PassPlan("update", True, False)),
-    (GRPO, {}, PassPlan("update", False, False)),  # 1 epoch, 1 minibatch, kl_coef 0
-    (GRPO, {"kl_coef": 0.04, "epochs": 2}, PassPlan("first_update_pass", True, False)),
+    (PPO, {"num_minibatches": 1, "epochs": 1, "kl": {"added_to": "loss"}}, PassPlan("update", True, False)),
+    (GRPO, {}, PassPlan("update", False, False)),  # 1 epoch, 1 minibatch, kl.coef 0
+    (GRPO, {"kl": {"coef": 0.04}, "epochs": 2}, PassPlan("first_update_pass", True, False)),
     (RLOO, {}, PassPlan("first_update_pass", True, True)),
     (REINFORCEPlusPlus, {"gradient_accumulation": 2}, PassPlan("rollout", True, True)),
     (OnlineDPO, {}, PassPlan("rollout", True, False)),
@@ -121,7 +121,7 @@ def test_the_plan_is_made_at_setup_from_the_final_settings():
 
 
 def test_the_first_update_pass_is_handed_along_not_kept(stopping_model_dir):
-    grpo = make_stopping(GRPO, stopping_model_dir, epochs=2, kl_coef=0.1)
+    grpo = make_stopping(GRPO, stopping_model_dir, epochs=2, kl={"coef": 0.1})
     assert grpo.pass_plan.reuse_first_pass
     experience, first_pass = grpo.early_first_pass(grpo.collect_experience(prompt_batch(grpo))[0])
     assert isinstance(first_pass, FirstPass) and first_pass.logprobs.grad_fn is not None
@@ -149,7 +149,7 @@ def test_the_first_update_pass_counts_in_time_update(slow_step, counted_in, stop
         return original(self, *args)
 
     setattr(Slow, slow_step, slowed)
-    grpo = make_stopping(Slow, stopping_model_dir, epochs=2, kl_coef=0.1)
+    grpo = make_stopping(Slow, stopping_model_dir, epochs=2, kl={"coef": 0.1})
     assert grpo.pass_plan.reuse_first_pass
     trainer = L.Trainer(max_epochs=1, limit_train_batches=1, limit_val_batches=0, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,

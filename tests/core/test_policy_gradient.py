@@ -17,7 +17,7 @@ CRITIC_FREE = [GRPO, RLOO, REINFORCEPlusPlus]
 
 @pytest.mark.parametrize("cls", CRITIC_FREE, ids=lambda cls: cls.__name__)
 def test_rollout_advantages_are_the_pure_functions_on_the_experience(cls, tiny_model_dir, reward_dir):
-    module = make_online(cls, tiny_model_dir, reward_dir, kl_coef=0.1, kl_in="reward")
+    module = make_online(cls, tiny_model_dir, reward_dir, kl={"coef": 0.1, "added_to": "reward"})
     perturb(module, "policy")  # a policy away from the reference, so the KL terms are not zero
     experience, stats = module.collect_and_prepare(prompt_batch(module))
     assert experience.group_size == 4 and experience.response_mask.shape[0] == 16
@@ -25,7 +25,7 @@ def test_rollout_advantages_are_the_pure_functions_on_the_experience(cls, tiny_m
                        experience.input_ids[3, :experience.prompt_length])  # a group shares its prompt
     mask = experience.response_mask
     kl = sequence_kl(experience.logprobs, experience.ref_logprobs, mask)
-    if cls is GRPO:  # its kl_estimator (k3) summed over each response
+    if cls is GRPO:  # its kl.estimator (k3) summed over each response
         k3 = kl_penalty(experience.logprobs, experience.ref_logprobs, "k3").where(mask, 0.0).sum(-1)
         expected = group_advantages(experience.scores - 0.1 * k3, 4, "group", 1e-4)[:, None].expand_as(mask)
     elif cls is RLOO:
@@ -44,7 +44,7 @@ def test_rollout_advantages_are_the_pure_functions_on_the_experience(cls, tiny_m
 
 @pytest.mark.parametrize("cls", [*CRITIC_FREE, PPO], ids=lambda cls: cls.__name__)
 def test_gradients_reach_exactly_the_policy_adapter(cls, tiny_model_dir, reward_dir):
-    kwargs = {} if cls is PPO else {"kl_coef": 0.1}
+    kwargs = {} if cls is PPO else {"kl": {"coef": 0.1}}
     module = make_online(cls, tiny_model_dir, reward_dir, ent_coef=0.01, **kwargs)
     perturb(module, "policy", "critic")
     experience, _ = module.collect_and_prepare(prompt_batch(module))

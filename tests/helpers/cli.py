@@ -56,7 +56,7 @@ def one_line(capsys, *arguments: str, code: int = 1) -> str:
 def grpo(tiny_model_dir, reward_dir, *overrides: str) -> list[str]:
     return ["fit", "--config", str(REPO / "configs" / "grpo.yaml"), f"--model.init_args.base.name_or_path={tiny_model_dir}",
             f"--model.init_args.reward.init_args.path={reward_dir}", "--model.init_args.policy_lora={r: 4, alpha: 8}",
-            "--data.init_args.synthetic_rows=40", "--data.init_args.batch_size=2", "--model.init_args.max_new_tokens=4",
+            "--data.init_args.synthetic_rows=40", "--data.init_args.batch_size=2", "--model.init_args.sampling.max_new_tokens=4",
             "--trainer.limit_train_batches=1", "--trainer.limit_val_batches=0", "--trainer.callbacks=[]",
             "--trainer.enable_checkpointing=false", "--trainer.logger=false", "--trainer.enable_progress_bar=false",
             *overrides]

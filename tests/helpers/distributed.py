@@ -31,7 +31,7 @@ COMMON = ["--trainer.accelerator=cpu", "--trainer.logger=false", "--trainer.enab
           "--trainer.num_sanity_val_steps=0", "--data.init_args.synthetic_rows=48", "--data.init_args.val_fraction=0.25"]
 
 
-ONLINE = ["--model.init_args.policy_lora={r: 4, alpha: 8}", "--model.init_args.max_new_tokens=6",
+ONLINE = ["--model.init_args.policy_lora={r: 4, alpha: 8}", "--model.init_args.sampling.max_new_tokens=6",
           "--model.init_args.seed_scope=prompt", "--model.init_args.num_minibatches=1", "--model.init_args.epochs=2",
           "--model.init_args.target_kl=null", "--trainer.limit_train_batches=2", "--trainer.val_check_interval=2",
           "--trainer.limit_val_batches=1"]

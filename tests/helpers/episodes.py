@@ -11,6 +11,7 @@ from rlhf_lightning.environments import Environment, Step
 from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.tasks.calculator import build_tokenizer, correct_answer
 from tests.helpers.models import LORA, built, make_likely
+from tests.helpers.modules import merged
 from tests.helpers.online import prompts
 
 
@@ -38,9 +39,9 @@ def calculator_model_dir(tmp_path_factory):
 
 
 def episodic(algorithm, directory, environment=Feedback, **kwargs):
-    settings = {**dict(base=BaseModelSpec(name_or_path=str(directory)), policy_lora=LORA, max_new_tokens=6,
-                       reward=FunctionReward(correct_answer), environment=environment, max_turns=3,
-                       max_episode_tokens=40, samples_per_prompt=2), **kwargs}
+    settings = merged(dict(base=BaseModelSpec(name_or_path=str(directory)), policy_lora=LORA,
+                           sampling={"max_new_tokens": 6}, reward=FunctionReward(correct_answer),
+                           environment=environment, max_turns=3, max_episode_tokens=40, samples_per_prompt=2), kwargs)
     if algorithm is PPO:
         settings.update(critic_lora=LORA)
     module = built(algorithm(**settings))

@@ -24,7 +24,7 @@ WEIGHT_TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 def make_stopping(cls: type[OnlineRL], model_dir, **arguments) -> OnlineRL:
     """``cls`` on the tiny base whose responses stop at varied lengths, scored by the synthetic task's gold reward
     (4 responses per prompt; online DPO's pair)."""
-    return make(cls, model_dir, FunctionReward(gold_rewards), dict(max_new_tokens=12, samples_per_prompt=4),
+    return make(cls, model_dir, FunctionReward(gold_rewards), dict(sampling={"max_new_tokens": 12}, samples_per_prompt=4),
                 **arguments)
 
 

@@ -11,7 +11,7 @@ from rlhf_lightning.models.shared_base import adapter_of
 from rlhf_lightning.tasks.synthetic import gold_rewards
 from tests.helpers.modules import make
 
-make_dpo = functools.partial(make, DPO, defaults=dict(max_new_tokens=4, gold_reward=gold_rewards))
+make_dpo = functools.partial(make, DPO, defaults=dict(sampling={"max_new_tokens": 4}, gold_reward=gold_rewards))
 
 
 def pairs(module: DPO, n: int = 16, batch_size: int = 8, val_fraction: float = 0.25) -> PreferenceDataModule:

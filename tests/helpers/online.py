@@ -15,10 +15,10 @@ from rlhf_lightning.models.shared_base import adapter_of
 from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.tasks.synthetic import gold_rewards
 from tests.helpers.models import LORA, built
-from tests.helpers.modules import make
+from tests.helpers.modules import make, merged
 
 # PPO of the stage tests: 6 new tokens, two epochs of two minibatches, the gold reward logged.
-PPO_SETTINGS = dict(max_new_tokens=6, epochs=2, num_minibatches=2, critic_lr=1e-2, gold_reward=gold_rewards)
+PPO_SETTINGS = dict(sampling={"max_new_tokens": 6}, epochs=2, num_minibatches=2, critic_lr=1e-2, gold_reward=gold_rewards)
 make_ppo = functools.partial(make, PPO, defaults=PPO_SETTINGS)
 
 
@@ -80,7 +80,7 @@ def fit_iterations(module, data, tmp_path, iterations, ckpt_path=None, prefix="p
 
 
 # The on-policy family's tests: PPO's settings without its critic's rate, 4 responses per prompt.
-ONLINE_SETTINGS = dict(max_new_tokens=6, samples_per_prompt=4, epochs=2, num_minibatches=2, gold_reward=gold_rewards)
+ONLINE_SETTINGS = dict(sampling={"max_new_tokens": 6}, samples_per_prompt=4, epochs=2, num_minibatches=2, gold_reward=gold_rewards)
 make_online = functools.partial(make, defaults=ONLINE_SETTINGS)
 
 
@@ -90,6 +90,7 @@ def prompt_batch(module: OnlineRL, n: int = 4) -> dict:
 
 def student(tiny_model_dir, reward_dir, teacher, **kwargs):
     """On-policy distillation from ``teacher`` (a model folder or an adapter) on the tiny base."""
-    return built(OnPolicyDistillation(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), policy_lora=LORA,
-                                      max_new_tokens=6, reward=AdapterReward(str(reward_dir)), teacher=str(teacher),
-                                      **kwargs))
+    return built(OnPolicyDistillation(**merged(dict(base=BaseModelSpec(name_or_path=str(tiny_model_dir)),
+                                                    policy_lora=LORA, sampling={"max_new_tokens": 6},
+                                                    reward=AdapterReward(str(reward_dir)), teacher=str(teacher)),
+                                               kwargs)))

@@ -20,7 +20,7 @@ COMMON = ["--trainer.accelerator=cpu", "--trainer.logger=false", "--trainer.enab
           "--trainer.log_every_n_steps=1"]
 
 
-ONLINE = ["--model.init_args.policy_lora={r: 4, alpha: 8}", "--model.init_args.max_new_tokens=6",
+ONLINE = ["--model.init_args.policy_lora={r: 4, alpha: 8}", "--model.init_args.sampling.max_new_tokens=6",
           "--model.init_args.num_minibatches=1", "--model.init_args.epochs=2", "--data.init_args.batch_size=2",
           "--data.init_args.synthetic_rows=64", "--data.init_args.val_fraction=0.25", "--data.init_args.val_batch_size=4"]
 
@@ -39,7 +39,7 @@ def stage(kind: str, model_dir: Path, reward_dir: Path) -> tuple[list[str], int]
                 *OFFLINE], 1
     if kind == "dpo":
         return ["--config", str(REPO / "configs" / "dpo.yaml"), base, "--model.init_args.policy_lora={r: 4, alpha: 8}",
-                "--model.init_args.max_new_tokens=6", "--model.init_args.sample_eval_batches=1", *OFFLINE], 1
+                "--model.init_args.sampling.max_new_tokens=6", "--model.init_args.sample_eval_batches=1", *OFFLINE], 1
     return ["--config", str(REPO / "configs" / "grpo.yaml"), base, f"--model.init_args.reward.init_args.path={reward_dir}",
             *ONLINE], 2
 

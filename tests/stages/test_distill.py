@@ -100,7 +100,7 @@ def test_a_teacher_adapter_whose_base_was_retrained_in_place_is_refused_by_its_f
                                                                                            caplog):
     def distill(base, teacher):
         return built(OnPolicyDistillation(base=BaseModelSpec(name_or_path=str(base)), policy_lora=LORA,
-                                          max_new_tokens=6, reward=FunctionReward(gold_rewards), teacher=str(teacher)))
+                                          sampling={"max_new_tokens": 6}, reward=FunctionReward(gold_rewards), teacher=str(teacher)))
 
     trained = distill(tiny_model_dir, teacher=tiny_model_dir)
     perturb(trained, "policy")

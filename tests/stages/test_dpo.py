@@ -35,8 +35,8 @@ def first_batch(module: DPO) -> dict:
     (dict(label_smoothing=0.5), r"label_smoothing must lie in \[0, 0.5\)"),
     (dict(loss_type="ipo", label_smoothing=0.1), "label_smoothing applies only"),
     (dict(rpo_alpha=-1.0), "rpo_alpha must be >= 0"),
-    (dict(lr=0.0), "lr must be > 0, got 0.0"),
-    (dict(adam_eps=-1e-8), "adam_eps must be > 0, got -1e-08"),
+    (dict(optimizer={"lr": 0.0}), "optimizer.lr must be > 0, got 0.0"),
+    (dict(optimizer={"adam_eps": -1e-8}), "optimizer.adam_eps must be > 0, got -1e-08"),
 ])
 def test_bad_arguments_fail_before_the_model_is_loaded(bad, message):
     with pytest.raises(ValueError, match=message):  # the base path does not exist: no model was loaded
@@ -177,7 +177,7 @@ def test_precomputed_and_on_the_fly_reference_give_the_same_losses(tiny_model_di
 
 
 def test_resume_reproduces_the_next_steps_exactly_without_recomputing_the_reference(tiny_model_dir, tmp_path):
-    options = dict(precompute_reference=True, warmup_steps=1, lr_schedule="linear", rpo_alpha=0.1)
+    options = dict(precompute_reference=True, optimizer={"warmup": 1, "schedule": "linear"}, rpo_alpha=0.1)
     module = make_dpo(tiny_model_dir, **options)
     uninterrupted = fit(module, pairs(module, n=48), tmp_path / "full", steps=4).rows
     checkpoint = tmp_path / "full" / "epoch=0-step=2.ckpt"
@@ -216,7 +216,7 @@ def test_config_runs_from_the_cli_logs_every_metric_and_exports(tiny_model_dir, 
           "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
           "--trainer.log_every_n_steps=1", "--trainer.max_steps=3", "--trainer.val_check_interval=3",
           f"--model.init_args.base.name_or_path={tiny_model_dir}", "--model.init_args.policy_lora={r: 4, alpha: 8}",
-          "--model.init_args.max_new_tokens=4", "--model.init_args.rpo_alpha=0.5",
+          "--model.init_args.sampling.max_new_tokens=4", "--model.init_args.rpo_alpha=0.5",
           "--data.init_args.synthetic_rows=80", "--data.init_args.val_fraction=0.1",
           "--data.init_args.batch_size=8", "--data.init_args.val_batch_size=8"])
     assert (tmp_path / "outputs/dpo/adapters/policy/adapter_config.json").exists()

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_grpo_single_step_skips_the_old_logprob_pass_and_beta_zero_the_reference(tiny_model_dir, reward_dir):
-    module = make_online(GRPO, tiny_model_dir, reward_dir, epochs=1, num_minibatches=1, kl_coef=0.0)
+    module = make_online(GRPO, tiny_model_dir, reward_dir, epochs=1, num_minibatches=1, kl={"coef": 0.0})
     calls = []
     original = module.response_logprobs
     module.response_logprobs = lambda role, *a, **k: calls.append(role) or original(role, *a, **k)
@@ -30,13 +30,13 @@ def test_grpo_single_step_skips_the_old_logprob_pass_and_beta_zero_the_reference
     assert terms["policy/ratio"].item() == 1.0 and terms["policy/clipfrac"].item() == 0.0
     assert calls == ["policy"]
     # with beta > 0 the reference is scored in the rollout, the policy still only once
-    module = make_online(GRPO, tiny_model_dir, reward_dir, epochs=1, num_minibatches=1, kl_coef=0.1)
+    module = make_online(GRPO, tiny_model_dir, reward_dir, epochs=1, num_minibatches=1, kl={"coef": 0.1})
     experience, _ = module.collect_and_prepare(prompt_batch(module))
     assert experience.logprobs is None and experience.ref_logprobs is not None
 
 
 def test_kl_in_the_loss_is_k3_times_the_ratio(tiny_model_dir, reward_dir):
-    module = make_online(GRPO, tiny_model_dir, reward_dir, kl_coef=0.5)
+    module = make_online(GRPO, tiny_model_dir, reward_dir, kl={"coef": 0.5})
     perturb(module, "policy")
     experience, _ = module.collect_and_prepare(prompt_batch(module))
     with torch.no_grad():
@@ -57,8 +57,8 @@ def test_kl_in_the_loss_is_k3_times_the_ratio(tiny_model_dir, reward_dir):
 @pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean", "constant"])
 def test_the_step_loss_does_not_depend_on_the_micro_batch_split(aggregation, tiny_model_dir, reward_dir):
     """Two micro-batches of unequal token counts accumulate exactly the gradient of the whole batch."""
-    module = make_online(GRPO, tiny_model_dir, reward_dir, loss_aggregation=aggregation, kl_coef=0.1, epochs=1,
-                  num_minibatches=1)
+    module = make_online(GRPO, tiny_model_dir, reward_dir, loss_aggregation=aggregation, kl={"coef": 0.1},
+                         epochs=1, num_minibatches=1)
     perturb(module, "policy")
     experience, _ = module.collect_and_prepare(prompt_batch(module))
     split = [torch.arange(0, 5), torch.arange(5, 16)]  # unequal rows, hence unequal token counts
@@ -72,7 +72,8 @@ def test_the_step_loss_does_not_depend_on_the_micro_batch_split(aggregation, tin
 
 
 def test_truncated_completions_carry_no_loss(tiny_model_dir, reward_dir):
-    module = make_online(GRPO, tiny_model_dir, reward_dir, mask_truncated_completions=True, max_new_tokens=3)
+    module = make_online(GRPO, tiny_model_dir, reward_dir, mask_truncated_completions=True,
+                         sampling={"max_new_tokens": 3})
     experience, stats = module.collect_and_prepare(prompt_batch(module))
     loss_mask = module.loss_mask(experience)
     stopped_rows = loss_mask.any(-1)
@@ -84,8 +85,9 @@ def test_truncated_completions_carry_no_loss(tiny_model_dir, reward_dir):
     assert total.item() == 0.0
     policy = [p for n, p in module.named_parameters() if adapter_of(n) == "policy"]
     assert all(g.abs().sum() == 0 for g in torch.autograd.grad(total, policy, allow_unused=False))
-    with pytest.raises(ValueError, match="mask_truncated_completions needs a stop_token"):
-        make_online(GRPO, tiny_model_dir, reward_dir, mask_truncated_completions=True, stop_token=None)
+    with pytest.raises(ValueError, match="mask_truncated_completions needs a sampling.stop_token"):
+        make_online(GRPO, tiny_model_dir, reward_dir, mask_truncated_completions=True,
+                    sampling={"stop_token": None})
 
 
 def test_lora_dropout_is_forced_to_zero_and_top_k_is_refused(tiny_model_dir, reward_dir):
@@ -94,8 +96,8 @@ def test_lora_dropout_is_forced_to_zero_and_top_k_is_refused(tiny_model_dir, rew
     experience, _ = module.collect_and_prepare(prompt_batch(module))  # old log-probs from the rollout (2 x 2 steps)
     terms = module.losses(experience)
     assert terms["policy/ratio"].item() == pytest.approx(1.0, abs=1e-6)  # no dropout noise between passes
-    with pytest.raises(ValueError, match="top_k/top_p"):
-        make_online(GRPO, tiny_model_dir, reward_dir, top_k=5)
+    with pytest.raises(ValueError, match="sampling.top_k/top_p"):
+        make_online(GRPO, tiny_model_dir, reward_dir, sampling={"top_k": 5})
     with pytest.raises(ValueError, match="samples_per_prompt >= 2"):
         make_online(RLOO, tiny_model_dir, reward_dir, samples_per_prompt=1)
     with pytest.raises(ValueError, match="epochs must be an integer >= 1, got 0"):
@@ -111,9 +113,9 @@ def test_reward_functions_with_trl_signature_columns_weights_and_none(tiny_model
     rows = [{"prompt": "the cat", "topic": "skip"}, {"prompt": "a dog", "topic": "animals"}]
     data_file = tmp_path / "prompts.jsonl"
     data_file.write_text("\n".join(json.dumps(row) for row in rows))
-    module = built(GRPO(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), policy_lora=LORA, max_new_tokens=5,
-                        samples_per_prompt=2, reward=[AdapterReward(str(reward_dir)), FunctionReward(length_bonus)],
-                        reward_weights=[1.0, 2.0]))
+    module = built(GRPO(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), policy_lora=LORA,
+                        sampling={"max_new_tokens": 5}, samples_per_prompt=2,
+                        reward=[AdapterReward(str(reward_dir)), FunctionReward(length_bonus)], reward_weights=[1.0, 2.0]))
     batch = next(iter(prompts(module, dataset=str(data_file), batch_size=2).train_dataloader()["prompts"]))
     assert batch["columns"] == {"topic": ["skip", "animals"]} or batch["columns"] == {"topic": ["animals", "skip"]}
     experience, stats = module.collect_and_prepare(batch)
@@ -148,7 +150,7 @@ def test_a_bad_reward_function_is_named_with_its_row(returned, error, match):
 
 
 def test_grpo_fit_logs_its_terms_and_resumes_exactly(tiny_model_dir, reward_dir, tmp_path):
-    kwargs = dict(kl_coef=0.05, policy_loss=Clip(clip_range_high=0.28), ent_coef=0.01)
+    kwargs = dict(kl={"coef": 0.05}, policy_loss=Clip(clip_range_high=0.28), ent_coef=0.01)
     module = make_online(GRPO, tiny_model_dir, reward_dir, **kwargs)
     trainer, uninterrupted = fit_iterations(module, prompts(module, n=24, batch_size=4), tmp_path / "full", iterations=4,
                                   prefix="grpo/")
@@ -213,7 +215,7 @@ class DrGRPO(GRPO):
               f"--model.init_args.reward.init_args.path={reward_dir}", "--trainer.logger=false"]
     ppo = RLHFCLI(args=["--config", str(REPO / "configs" / "ppo.yaml"), "--model.class_path=fixed_arguments.DiscountedPPO",
                         "--model.init_args.critic_lora={r: 4, alpha: 8}", *common], run=False).model
-    assert ppo.hparams.gamma == 0.99 and ppo.hparams.epochs == 4 and ppo.hparams.temperature == 1.0
+    assert ppo.hparams.gamma == 0.99 and ppo.hparams.epochs == 4 and ppo.hparams.sampling["temperature"] == 1.0
     grpo = RLHFCLI(args=["--config", str(REPO / "configs" / "grpo.yaml"), "--model.class_path=fixed_arguments.DrGRPO",
                          *common], run=False).model
     assert grpo.hparams.scale_rewards == "none" and grpo.hparams.loss_aggregation == "constant"
@@ -232,7 +234,8 @@ def test_pretraining_text_and_its_loss_come_together(tiny_model_dir, reward_dir,
     import lightning as L
 
     module = GRPO(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), reward=AdapterReward(str(reward_dir)),
-                  policy_lora=LORA, samples_per_prompt=2, max_new_tokens=4, ptx_coef=ptx_coef)
+                  policy_lora=LORA, samples_per_prompt=2, sampling={"max_new_tokens": 4},
+                  ptx_coef=ptx_coef)
     data = prompts(module, n=8, batch_size=2, ptx_dataset=ptx_dataset)
     trainer = L.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0)

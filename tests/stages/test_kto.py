@@ -129,7 +129,7 @@ def move_policy(module: KTO, seed: int) -> None:
                 parameter.normal_(0, 0.5)
 
 
-make_kto = functools.partial(make, KTO, defaults=dict(max_new_tokens=4, gold_reward=gold_rewards))
+make_kto = functools.partial(make, KTO, defaults=dict(sampling={"max_new_tokens": 4}, gold_reward=gold_rewards))
 
 
 def examples(module: KTO, n: int = 16, batch_size: int = 8) -> UnpairedPreferenceDataModule:
@@ -201,7 +201,7 @@ def cli_arguments(tiny_model_dir, *extra: str) -> list[str]:
             "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
             "--trainer.log_every_n_steps=1", "--trainer.max_steps=3", "--trainer.val_check_interval=3",
             f"--model.init_args.base.name_or_path={tiny_model_dir}", "--model.init_args.policy_lora={r: 4, alpha: 8}",
-            "--model.init_args.max_new_tokens=4", "--data.init_args.synthetic_rows=80",
+            "--model.init_args.sampling.max_new_tokens=4", "--data.init_args.synthetic_rows=80",
             "--data.init_args.val_fraction=0.1", "--data.init_args.batch_size=8",
             "--data.init_args.val_batch_size=8", *extra]
 

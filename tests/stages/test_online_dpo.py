@@ -25,7 +25,7 @@ from tests.helpers.online import fit_iterations, perturb, prompt_batch, prompts
 REPO = Path(__file__).resolve().parents[2]
 
 
-make_online_dpo = functools.partial(make, OnlineDPO, defaults=dict(max_new_tokens=6, gold_reward=gold_rewards))
+make_online_dpo = functools.partial(make, OnlineDPO, defaults=dict(sampling={"max_new_tokens": 6}, gold_reward=gold_rewards))
 
 
 def sequence_logps(module: OnlineDPO, role, experience) -> torch.Tensor:
@@ -106,7 +106,7 @@ def cli_arguments(tiny_model_dir, reward_dir, *extra: str) -> list[str]:
             "--trainer.max_epochs=1", "--trainer.limit_train_batches=2", "--trainer.val_check_interval=2",
             f"--model.init_args.base.name_or_path={tiny_model_dir}",
             f"--model.init_args.reward.init_args.path={reward_dir}", "--model.init_args.policy_lora={r: 4, alpha: 8}",
-            "--model.init_args.max_new_tokens=4", "--data.init_args.synthetic_rows=40",
+            "--model.init_args.sampling.max_new_tokens=4", "--data.init_args.synthetic_rows=40",
             "--data.init_args.batch_size=4", "--data.init_args.val_batch_size=4", *extra]
 
 

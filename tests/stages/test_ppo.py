@@ -84,7 +84,7 @@ def test_policy_loss_reaches_only_the_policy_and_value_loss_only_the_critic(tiny
 
 
 def test_training_updates_adapters_never_the_base_and_logs_every_term(tiny_model_dir, reward_dir, tmp_path):
-    module = make_ppo(tiny_model_dir, reward_dir, ent_coef=0.01, ptx_coef=0.1, kl_target=1.0)
+    module = make_ppo(tiny_model_dir, reward_dir, ent_coef=0.01, ptx_coef=0.1, kl={"target": 1.0})
     base_before = {n: p.clone() for n, p in module.model.base_parameters()}
     policy_before = {n: p.clone() for n, p in module.model.model.named_parameters() if adapter_of(n) == "policy"}
     data = prompts(module, n=32, ptx_dataset="synthetic", ptx_batch_size=4)
@@ -114,7 +114,7 @@ def test_training_updates_adapters_never_the_base_and_logs_every_term(tiny_model
 
 
 def test_resume_reproduces_the_next_iterations_exactly(tiny_model_dir, reward_dir, tmp_path):
-    kwargs = dict(kl_target=0.5)  # the adaptive controller's state must travel too
+    kwargs = dict(kl={"target": 0.5})  # the adaptive controller's state must travel too
     module = make_ppo(tiny_model_dir, reward_dir, **kwargs)
     _, uninterrupted = fit_iterations(module, prompts(module, n=48), tmp_path / "full", iterations=4)
     checkpoint = tmp_path / "full" / "epoch=0-step=8.ckpt"  # after iteration 2 of 4 (2 epochs x 2 minibatches each)
@@ -156,7 +156,7 @@ def test_scores_are_normalised_penalised_and_clipped(tiny_model_dir, reward_dir)
 def test_function_reward_scores_texts_and_config_errors_are_clear(tiny_model_dir, reward_dir):
     torch.manual_seed(0)
     module = built(PPO(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), reward=FunctionReward(gold_rewards),
-                       policy_lora=LORA, critic_lora=LORA, max_new_tokens=6, gold_reward=gold_rewards))
+                       policy_lora=LORA, critic_lora=LORA, sampling={"max_new_tokens": 6}, gold_reward=gold_rewards))
     rollout, stats = module.collect_and_prepare(first_batch(module))
     torch.testing.assert_close(stats["objective/score"], stats["objective/gold"])  # the same function
     with pytest.raises(ValueError, match="critic_from_reward needs an AdapterReward"):
@@ -181,7 +181,7 @@ def run_under_ddp(config: str, tmp_path: Path, *overrides: str) -> subprocess.Co
     """``fit`` of ``configs/<config>`` on two CPU processes (gloo), tiny and short, from a fresh interpreter."""
     command = [
         sys.executable, "-m", "rlhf_lightning", "fit", "--config", str(REPO / "configs" / config), *overrides,
-        "--model.init_args.max_new_tokens=6", "--model.init_args.target_kl=0.02",  # early stop decided alike on ranks
+        "--model.init_args.sampling.max_new_tokens=6", "--model.init_args.target_kl=0.02",  # early stop decided alike on ranks
         f"--model.init_args.export_dir={tmp_path / 'adapters'}",
         "--data.init_args.synthetic_rows=64", "--data.init_args.val_fraction=0.25", "--data.init_args.val_batch_size=8",
         "--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.strategy=ddp", "--trainer.max_epochs=1",
@@ -201,7 +201,7 @@ def test_ppo_runs_under_ddp_on_two_cpu_processes(tiny_model_dir, reward_dir, tmp
     run_under_ddp("ppo.yaml", tmp_path, f"--model.init_args.base.name_or_path={tiny_model_dir}",
                   f"--model.init_args.reward.init_args.path={reward_dir}",
                   "--model.init_args.policy_lora={r: 4, alpha: 8}", "--model.init_args.critic_lora={r: 4, alpha: 8}",
-                  "--model.init_args.kl_target=1.0", "--data.init_args.batch_size=8")
+                  "--model.init_args.kl.target=1.0", "--data.init_args.batch_size=8")
     assert (tmp_path / "adapters" / "critic" / "head.safetensors").exists()
 
 
@@ -241,7 +241,8 @@ def test_backward_choice(tiny_model_dir, reward_dir):
 
 
 def test_rlhf_reward_is_score_minus_kl_even_with_whitened_rewards_and_adam_eps_is_used(tiny_model_dir, reward_dir):
-    module = make_ppo(tiny_model_dir, reward_dir, whiten_rewards=True, kl_coef=0.5, adam_eps=1e-5)
+    module = make_ppo(tiny_model_dir, reward_dir, whiten_rewards=True, kl={"coef": 0.5},
+                      optimizer={"adam_eps": 1e-5})
     perturb(module, "policy")
     experience, stats = module.collect_and_prepare(first_batch(module))
     kl = (experience.logprobs - experience.ref_logprobs).where(experience.response_mask, 0.0).sum(-1)  # k1

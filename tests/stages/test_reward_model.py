@@ -87,7 +87,7 @@ def _trainer(tmp_path, max_steps, **kwargs):
 
 
 def test_training_leaves_the_base_unchanged_and_export_reloads_identically(tiny_model_dir, data, tmp_path):
-    module = _reward_model(tiny_model_dir, lr=1e-2, export_dir=str(tmp_path / "export"))
+    module = _reward_model(tiny_model_dir, optimizer={"lr": 1e-2}, export_dir=str(tmp_path / "export"))
     base_before = {n: p.clone() for n, p in module.model.base_parameters()}
     head_before = module.model.heads["reward"].linear.weight.clone()
     _trainer(tmp_path, 5).fit(module, datamodule=data)
@@ -111,18 +111,18 @@ def test_training_leaves_the_base_unchanged_and_export_reloads_identically(tiny_
 
 def test_checkpoint_holds_only_what_trains_and_resumes(tiny_model_dir, data, tmp_path):
     # A constant schedule: a decaying one depends on max_steps, which differs between the two legs here.
-    module = _reward_model(tiny_model_dir, lr=1e-2, lr_schedule="constant")
+    module = _reward_model(tiny_model_dir, optimizer={"lr": 1e-2, "schedule": "constant"})
     _trainer(tmp_path, 3).fit(module, datamodule=data)
     checkpoint = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
     keys = checkpoint["state_dict"].keys()
     assert keys and all("lora_" in key or key.startswith("model.heads.reward") for key in keys)
     assert keys == module.checkpointed_keys()
 
-    resumed = _reward_model(tiny_model_dir, lr=1e-2, lr_schedule="constant")
+    resumed = _reward_model(tiny_model_dir, optimizer={"lr": 1e-2, "schedule": "constant"})
     trainer = _trainer(tmp_path, 5)
     trainer.fit(resumed, datamodule=data, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
     assert trainer.global_step == 5
-    uninterrupted = _reward_model(tiny_model_dir, lr=1e-2, lr_schedule="constant")
+    uninterrupted = _reward_model(tiny_model_dir, optimizer={"lr": 1e-2, "schedule": "constant"})
     _trainer(tmp_path / "other", 5).fit(uninterrupted, datamodule=data)
     for (name, a), (_, b) in zip(resumed.named_parameters(), uninterrupted.named_parameters(), strict=True):
         torch.testing.assert_close(a, b, msg=name)

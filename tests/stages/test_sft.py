@@ -50,7 +50,7 @@ def test_changing_a_prompt_token_target_does_not_change_the_loss():
 
 def test_lora_sft_trains_only_the_adapter_and_exports_a_merged_model(tmp_path):
     torch.manual_seed(0)
-    module = built(SFT(base=tiny_spec(), lora=LoraSpec(r=4, alpha=8), lr=1e-2, export_dir=str(tmp_path / "model")))
+    module = built(SFT(base=tiny_spec(), lora=LoraSpec(r=4, alpha=8), optimizer={"lr": 1e-2}, export_dir=str(tmp_path / "model")))
     base_before = {n: p.clone() for n, p in module.model.base_parameters()}
     data = SFTDataModule(dataset="synthetic", synthetic_rows=64, batch_size=8, val_fraction=0.25, max_length=64)
     trainer = L.Trainer(max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -71,7 +71,7 @@ def test_lora_sft_trains_only_the_adapter_and_exports_a_merged_model(tmp_path):
 
 def test_full_fine_tuning_lowers_the_validation_loss():
     torch.manual_seed(0)
-    module = SFT(base=tiny_spec(), lr=3e-3)
+    module = SFT(base=tiny_spec(), optimizer={"lr": 3e-3})
     data = SFTDataModule(dataset="synthetic", synthetic_rows=400, batch_size=32, val_fraction=0.2)
     trainer = L.Trainer(max_steps=30, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, val_check_interval=10,

@@ -1,5 +1,6 @@
 """The learning-rate schedule: its decays are transformers' number for number, its warm-up is the one its
-docstring says, and a lazy total is read only when a decay needs it."""
+docstring says, and a lazy total is read only when a decay needs it. The ``optimizer`` group's checks name the
+dotted key."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
 
-from rlhf_lightning.utils.optim import lr_lambda
+from rlhf_lightning.utils.optim import OptimizerSettings, lr_lambda
 
 
 def transformers_multipliers(factory, warmup: int, total: int) -> list[float]:
@@ -47,3 +48,22 @@ def test_a_lazy_total_is_read_once_and_only_by_a_decay():
     assert [linear(step) for step in range(3)] == pytest.approx([1 / 3, 2 / 3, 1.0]) and asked == []
     assert [linear(step) for step in (3, 6, 10)] == pytest.approx([1 - 1 / 8, 1 - 4 / 8, 0.0])
     assert asked == [1]
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(lr=0), "optimizer.lr must be > 0, got 0"),
+    (dict(weight_decay=-0.1), "optimizer.weight_decay must be >= 0, got -0.1"),
+    (dict(warmup=-1), "optimizer.warmup must be an integer >= 0, got -1"),
+    (dict(schedule="step"), "optimizer.schedule must be one of constant, linear, cosine, got 'step'"),
+    (dict(adam_eps=0.0), "optimizer.adam_eps must be > 0, got 0.0"),
+    (dict(nonfinite="ignore"), "optimizer.nonfinite must be one of raise, skip, got 'ignore'"),
+])
+def test_the_optimizer_settings_checks_name_the_dotted_key(bad, message):
+    settings = OptimizerSettings(**bad)
+    with pytest.raises(ValueError) as error:
+        settings.check()
+    assert str(error.value) == message
+    with pytest.raises(ValueError) as error:  # the name given to check prefixes the field
+        settings.check("settings")
+    assert str(error.value) == message.replace("optimizer.", "settings.", 1)
+    assert OptimizerSettings().check() == OptimizerSettings()  # the defaults pass, and check returns the settings
