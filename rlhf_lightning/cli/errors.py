@@ -116,6 +116,7 @@ def config_file_problem(path: str) -> str | None:
 PARSER_KEY = re.compile(r'^(\s*)Parser key "([^"]+)":\s*$')
 CLASS_PATH = re.compile(r"Problem with given class_path '([^']+)'")
 UNKNOWN_OPTION = re.compile(r"Option '([^']+)' is not accepted")
+UNKNOWN_NESTED = re.compile(r"^unrecognized arguments: --([\w.]+)")  # a group's field on a class without the group
 # What TRL calls our arguments: a name taken from a TRL config gets its name here.
 TRL_NAMES = {
     "beta": "kl.coef",
@@ -276,12 +277,13 @@ def class_problem(lines: list[str], path: list[str]) -> str | None:
         class_name = found.group(1)
         problem = next((rest.strip() for rest in lines[index + 1:] if rest.strip()), "")
         key = ".".join(path)
-        unknown = UNKNOWN_OPTION.search(problem)
+        unknown = UNKNOWN_OPTION.search(problem) or UNKNOWN_NESTED.search(problem)
         if unknown:
             name = unknown.group(1)
             accepted = accepted_arguments(class_name)
             group, place = MOVED.get(name, MOVED.get(name.split(".")[0], (None, None)))  # vllm.kv_cache_gib: vllm
-            hint = f" (it moved: {place})" if group in accepted else suggestion(name, accepted)
+            fields = [new for new in MOVED_ARGUMENTS.values() if new.split(".")[0] in accepted]  # kl.coef...
+            hint = f" (it moved: {place})" if group in accepted else suggestion(name, [*accepted, *fields])
             return (f"{key}.init_args.{name}: {class_name} takes no argument {name!r}{hint}; --{key}.help "
                     f"{class_name} lists them all")
         module, _, attribute = class_name.rpartition(".")
@@ -328,7 +330,7 @@ def module_names(module: str) -> list[str]:
 
 
 def suggestion(name: str, accepted: list[str]) -> str:
-    """`` (did you mean kl_coef?)`` for a misspelled name, TRL's equivalent for a TRL name, or ``""``."""
+    """`` (did you mean kl.coef?)`` for a misspelled name, TRL's equivalent for a TRL name, or ``""``."""
     if name in TRL_NAMES:
         return f" (TRL's {name} is {TRL_NAMES[name]} here)"
     close = difflib.get_close_matches(name, accepted, n=3, cutoff=0.6)

@@ -7,7 +7,8 @@ bounds) and what shows the change: the rollout and its loss terms (``rollout``),
 and, for the offline stages, one validation batch with its samples (``fit``: the trained weights, the logged
 metrics, the KL coefficient, the files written, the phases run), or a named observation for
 the settings that by design change no number (which engine samples, how many micro-batches, how many backward
-passes). A module argument without a row fails the test: a new argument must say how it takes effect.
+passes). A module argument without a row fails the test: a new argument must say how it takes effect. A typed
+group (``sampling``, ``kl``, ``optimizer``) has a row per field, each set alone (``kl.coef``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import pytest
 import torch
 
 import rlhf_lightning as rl
+from rlhf_lightning.algorithms.kl import KLPenalty
 from rlhf_lightning.algorithms.policy_losses import CISPO, Clip
 from rlhf_lightning.cli.errors import accepted_arguments
 from rlhf_lightning.core.held_out_pass_at_k import PassAtK
@@ -32,10 +34,13 @@ from rlhf_lightning.environments import Environment, Step, ToolEnvironment
 from rlhf_lightning.models.fingerprint import BASE_RECORD
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
 from rlhf_lightning.rollout.engines import Generate
+from rlhf_lightning.rollout.settings import Sampling
 from rlhf_lightning.tasks.calculator import correct_answer
 from rlhf_lightning.tasks.synthetic import gold_rewards
+from rlhf_lightning.utils.optim import OptimizerSettings
 from rlhf_lightning.utils.timing import record_phases
 from tests.helpers.models import LORA, built, make_likely
+from tests.helpers.modules import GROUPS, merged
 
 ONLINE = [rl.GRPO, rl.RLOO, rl.REINFORCEPlusPlus, rl.PPO, rl.OnPolicyDistillation, rl.OnlineDPO]
 OFFLINE = [rl.DPO, rl.KTO, rl.SFT, rl.RewardModel, rl.ProcessRewardModel]
@@ -74,20 +79,20 @@ class Feedback(Environment):
         return Step([{"role": "user", "content": "try again"}], reward=0.25)
 
 
-KL = {"kl_coef": 0.5, "perturb": True}
+KL = {"kl": {"coef": 0.5}, "perturb": True}
 MOVED = {"moved": True, "perturb": True, "epochs": 2}  # the update's policy is not the sampler's: ratios away from 1
 EPISODES = {"calculator": True, "environment": Feedback}
 CASES: dict[str, Case] = {
     # the policy, its sampling and its base
     "base": case("other base"),
     "policy_lora": case(LoraSpec(r=2, alpha=8), "fit"),
-    "max_new_tokens": case(3),
-    "temperature": case(0.7),
-    "top_k": case(5, "refused"),
-    "top_p": case(0.9, "refused"),
-    "kv_cache": case("dynamic", "engine"),
+    "sampling.max_new_tokens": case(3),
+    "sampling.temperature": case(0.7),
+    "sampling.top_k": case(5, "refused"),
+    "sampling.top_p": case(0.9, "refused"),
+    "sampling.kv_cache": case("dynamic", "engine"),
     "engine": case(Generate(), "engine"),
-    "stop_token": case(None),
+    "sampling.stop_token": case(None),
     "logprob_chunk": case(2, "saved_for_backward"),
     "seed": case(1, "fit"),
     "seed_scope": case("prompt"),
@@ -112,12 +117,12 @@ CASES: dict[str, Case] = {
     "micro_batch_tokens": case(8, "micro_batches"),  # every row (or pair) is longer: a micro-batch each
     "target_kl": case(1e-9, "fit", epochs=2),
     "max_grad_norm": case(1e-4, "fit"),
-    "policy_lr": case(1e-2, "fit"),
-    "adam_eps": case(0.1, "fit"),
-    "weight_decay": case(0.5, "fit"),
-    "warmup_iterations": case(1, "fit"),
-    "lr_schedule": case("linear", "fit"),
-    "nonfinite": case("skip", "nonfinite"),
+    "optimizer.lr": case(1e-2, "fit"),
+    "optimizer.adam_eps": case(0.1, "fit"),
+    "optimizer.weight_decay": case(0.5, "fit"),
+    "optimizer.warmup": case(1, "fit"),
+    "optimizer.schedule": case("linear", "fit"),
+    "optimizer.nonfinite": case("skip", "nonfinite"),
     # the policy-gradient loss, its KL penalty and corrections
     "policy_loss": case(CISPO(max_weight=1.01), **MOVED),
     "policy_loss.clip_range": case(Clip(clip_range=0.01), **MOVED),
@@ -127,13 +132,13 @@ CASES: dict[str, Case] = {
     "policy_loss.min_weight": case(CISPO(min_weight=0.99), **MOVED, policy_loss=CISPO()),
     "loss_aggregation": case("sequence_mean"),
     "mask_truncated_completions": case(True),
-    "kl_coef": case(0.5, perturb=True),
-    "kl_estimator": case("k2", **KL),
-    "kl_clamp": case(1e-3, **KL),
-    "kl_in": case("swap", **KL),
-    "kl_ratio_weighting": case(False, kl_in="loss", **{**KL, **MOVED}),
-    "kl_target": case(1.0, "fit", kl_coef=0.1, perturb=True),
-    "kl_horizon": case(100, "fit", kl_coef=0.1, kl_target=1.0, perturb=True),
+    "kl.coef": case(0.5, perturb=True),
+    "kl.estimator": case("k2", **KL),
+    "kl.clamp": case(1e-3, **KL),
+    "kl.added_to": case("swap", **KL),
+    "kl.ratio_weighting": case(False, **{**KL, **MOVED, "kl": {"coef": 0.5, "added_to": "loss"}}),
+    "kl.target": case(1.0, "fit", kl={"coef": 0.1}, perturb=True),
+    "kl.horizon": case(100, "fit", kl={"coef": 0.1, "target": 1.0}, perturb=True),
     "ent_coef": case(0.1),
     "ptx_coef": case(0.5, ptx=True),
     "rollout_correction": case("token_truncate", stale=True),
@@ -169,17 +174,17 @@ CASES: dict[str, Case] = {
 # every other argument in a training step.
 OFFLINE_CASES: dict[str, Case] = {
     **{name: dataclasses.replace(CASES[name], shows="fit") for name in (
-        "max_new_tokens", "temperature", "stop_token", "seed", "seed_scope", "gold_reward", "base", "policy_lora",
-        "export_dir", "nonfinite", "kv_cache", "engine", "weight_decay", "adam_eps")},
+        "sampling.max_new_tokens", "sampling.temperature", "sampling.stop_token", "seed", "seed_scope", "gold_reward",
+        "base", "policy_lora", "export_dir", "optimizer.weight_decay", "optimizer.adam_eps")},
     "pass_at_k": dataclasses.replace(CASES["pass_at_k"], shows="fit"),
-    "nonfinite": CASES["nonfinite"], "kv_cache": CASES["kv_cache"], "engine": CASES["engine"],
-    "logprob_chunk": CASES["logprob_chunk"],
-    "top_k": case(5, "fit"),
-    "top_p": case(0.5, "fit"),
+    "optimizer.nonfinite": CASES["optimizer.nonfinite"], "sampling.kv_cache": CASES["sampling.kv_cache"],
+    "engine": CASES["engine"], "logprob_chunk": CASES["logprob_chunk"],
+    "sampling.top_k": case(5, "fit"),
+    "sampling.top_p": case(0.5, "fit"),
     "lora": case("swap lora", "fit"),
-    "lr": case(1e-2, "fit"),
-    "warmup_steps": case(1, "fit"),
-    "lr_schedule": case("swap schedule", "fit"),
+    "optimizer.lr": case(1e-2, "fit"),
+    "optimizer.warmup": case(1, "fit"),
+    "optimizer.schedule": case("swap schedule", "fit"),
     "beta": case(0.5, "fit"),
     "loss_type": case("swap loss", "fit", perturb=True),  # KTO's losses part once its reference point is not 0
     "label_smoothing": case(0.2, "fit"),
@@ -260,16 +265,16 @@ def arguments(cls: type, models: dict[str, Path], setting: dict[str, Any]) -> di
     """The module's constructor arguments: small defaults for a fast run, then the ``setting``'s."""
     calculator = setting.get("calculator", False)
     base = "arithmetic" if cls is rl.ProcessRewardModel else "calculator" if calculator else "base"
-    kwargs: dict[str, Any] = {"base": BaseModelSpec(name_or_path=str(models[base]))}
+    kwargs: dict[str, Any] = {"base": BaseModelSpec(name_or_path=str(models[base])), "optimizer": {"lr": 1e-3}}
     if cls is rl.ProcessRewardModel:
-        kwargs |= {"lora": LORA, "lr": 1e-3, "separator": ","}
+        kwargs |= {"lora": LORA, "separator": ","}
     elif cls in (rl.DPO, rl.KTO):
-        kwargs |= {"policy_lora": LORA, "max_new_tokens": 6, "lr": 1e-3}
-    elif cls in (rl.SFT, rl.RewardModel):
-        kwargs |= {"lr": 1e-3} if cls is rl.SFT else {"lora": LORA, "lr": 1e-3}
-    else:
+        kwargs |= {"policy_lora": LORA, "sampling": {"max_new_tokens": 6}}
+    elif cls is rl.RewardModel:
+        kwargs |= {"lora": LORA}
+    elif cls is not rl.SFT:
         kwargs |= {"reward": rl.FunctionReward(correct_answer) if calculator else rl.AdapterReward(str(models["reward"])),
-                   "policy_lora": LORA, "max_new_tokens": 6, "policy_lr": 1e-3}
+                   "policy_lora": LORA, "sampling": {"max_new_tokens": 6}}
     if cls in (rl.GRPO, rl.RLOO) or (setting.get("groups") and cls is not rl.OnlineDPO):  # online DPO: pairs anyway
         kwargs["samples_per_prompt"] = 2
     if cls is rl.PPO:
@@ -281,7 +286,7 @@ def arguments(cls: type, models: dict[str, Path], setting: dict[str, Any]) -> di
             continue
         if name == "teacher" and value == "model":
             value = str(models["base"])
-        kwargs[name] = value
+        kwargs = merged(kwargs, {name: value})
     return kwargs
 
 
@@ -459,9 +464,14 @@ def observe_once(cls: type, shows: str, models: dict[str, Path], setting: dict[s
 
 
 def cases() -> list[tuple[type, str]]:
+    """Every argument of every module; a typed group's (``sampling``, ``kl``, ``optimizer``) field by field."""
+    groups = {"sampling": Sampling, "kl": KLPenalty, "optimizer": OptimizerSettings}
     found = []
     for cls in MODULES:
         for name in accepted_arguments(f"{cls.__module__}.{cls.__qualname__}"):
+            if name in groups:
+                found += [(cls, f"{name}.{field.name}") for field in dataclasses.fields(groups[name])]
+                continue
             found.append((cls, name))
             if name == "policy_loss":
                 found += [(cls, key) for key in CASES if key.startswith("policy_loss.")]
@@ -478,20 +488,23 @@ def test_every_argument_changes_the_run_or_is_refused(cls, name, models, tmp_pat
     assert name in table, f"{cls.__name__}.{name} has no row in its table: say how the argument takes effect"
     row = table[name]
     setting = dict(row.setting)
-    argument = name.split(".")[0]
+    argument, _, field = name.partition(".")
     value = row.value
     if isinstance(value, str) and value.startswith("swap"):
-        value = SWAPS[value](cls(**arguments(cls, models, setting)).hparams.get(argument))
+        saved = cls(**arguments(cls, models, setting)).hparams.get(argument)
+        value = SWAPS[value](saved[field] if argument in GROUPS else saved)
     elif value in ("other base", "other teacher"):
         value = "other arithmetic" if cls is rl.ProcessRewardModel and value == "other base" else value
         value = BaseModelSpec(name_or_path=str(models[value])) if argument == "base" else str(models[value])
+    # a group's field is set alone (the group's other fields keep theirs); policy_loss.* rows give the whole loss
+    changed = merged(setting, {argument: {field: value} if argument in GROUPS else value})
     if row.shows == "refused":
         with pytest.raises(ValueError) as refusal:
-            cls(**arguments(cls, models, {**setting, argument: value}))
-        assert "\n" not in str(refusal.value) and argument in str(refusal.value)
+            cls(**arguments(cls, models, changed))
+        assert "\n" not in str(refusal.value) and (field or argument) in str(refusal.value)
         return
     before = observe(cls, row.shows, models, setting, tmp_path / "before", baseline=True)
-    after = observe(cls, row.shows, models, {**setting, argument: value}, tmp_path / "after")
+    after = observe(cls, row.shows, models, changed, tmp_path / "after")
     print(f"{cls.__name__}.{name}={value!r}: {row.shows} differs")
     assert before != after, f"{cls.__name__}.{name}={value!r} changed nothing ({row.shows}: {before})"
 

@@ -124,7 +124,8 @@ def test_config_runs_from_the_cli_and_logs_every_metric(tiny_model_dir, reward_d
 @pytest.mark.parametrize("argument, expected, code", [
     # the policy-gradient family's arguments and a fixed pair size are not online DPO's: the parser refuses them
     ("--model.init_args.samples_per_prompt=4", "OnlineDPO takes no argument 'samples_per_prompt'", 2),
-    ("--model.init_args.kl_coef=0.1", "OnlineDPO takes no argument 'kl_coef'", 2),
+    ("--model.init_args.kl.coef=0.1", "OnlineDPO takes no argument 'kl.coef'", 2),
+    ("--model.init_args.kl_coef=0.1", "OnlineDPO takes no argument 'kl_coef'", 2),  # the name before groups
     ("--model.init_args.clip_range=0.1", "OnlineDPO takes no argument 'clip_range'", 2),
     ("--model.init_args.loss_type=kto", "loss_type", 2),  # not a DPO loss
     ("--data.init_args.ptx_dataset=synthetic", "has no pretraining loss on it", 1),
