@@ -40,9 +40,15 @@ def constant_reward(prompts, completions, completion_ids, **columns):
 
 @pytest.mark.parametrize("argument, expected", [
     ("--model.init_args.kl_coeff=0.1", "error: model.init_args.kl_coeff: rlhf_lightning.GRPO takes no argument "
-     "'kl_coeff' (did you mean kl_coef, ptx_coef or ent_coef?); --model.help rlhf_lightning.GRPO lists them all"),
+     "'kl_coeff' (did you mean kl.coef, ptx_coef or ent_coef?); --model.help rlhf_lightning.GRPO lists them all"),
+    ("--model.init_args.kl_coef=0.1", "error: model.init_args.kl_coef: rlhf_lightning.GRPO takes no argument "
+     "'kl_coef' (it moved: kl.coef); --model.help rlhf_lightning.GRPO lists them all"),
+    ("--model.init_args.policy_lr=1e-3", "error: model.init_args.policy_lr: rlhf_lightning.GRPO takes no argument "
+     "'policy_lr' (it moved: optimizer.lr); --model.help rlhf_lightning.GRPO lists them all"),
+    ("--model.init_args.max_new_tokens=8", "error: model.init_args.max_new_tokens: rlhf_lightning.GRPO takes no "
+     "argument 'max_new_tokens' (it moved: sampling.max_new_tokens); --model.help rlhf_lightning.GRPO lists them all"),
     ("--model.init_args.beta=0.04", "error: model.init_args.beta: rlhf_lightning.GRPO takes no argument 'beta' "
-     "(TRL's beta is kl_coef here); --model.help rlhf_lightning.GRPO lists them all"),
+     "(TRL's beta is kl.coef here); --model.help rlhf_lightning.GRPO lists them all"),
     ("--model.init_args.num_generations=8", "error: model.init_args.num_generations: rlhf_lightning.GRPO takes no "
      "argument 'num_generations' (TRL's num_generations is samples_per_prompt here); --model.help "
      "rlhf_lightning.GRPO lists them all"),
@@ -111,10 +117,10 @@ def test_an_empty_reward_list_is_refused(capsys, tiny_model_dir, reward_dir):
 
 
 def test_prompt_and_response_beyond_the_models_positions_are_refused_at_setup(capsys, tiny_model_dir, reward_dir):
-    assert one_line(capsys, *grpo(tiny_model_dir, reward_dir, "--model.init_args.max_new_tokens=70")) == (
-        f"error: the longest prompt (4 tokens) and max_new_tokens=70 reach 74 positions, beyond the 64 of model "
-        f"{tiny_model_dir} (n_positions), whose learned position embeddings stop there; lower max_new_tokens or "
-        "data.init_args.max_length (longer prompts are then skipped)")
+    assert one_line(capsys, *grpo(tiny_model_dir, reward_dir, "--model.init_args.sampling.max_new_tokens=70")) == (
+        f"error: the longest prompt (4 tokens) and sampling.max_new_tokens=70 reach 74 positions, beyond the 64 of "
+        f"model {tiny_model_dir} (n_positions), whose learned position embeddings stop there; lower "
+        "sampling.max_new_tokens or data.init_args.max_length (longer prompts are then skipped)")
 
 
 def test_a_non_finite_loss_at_the_first_step_is_one_line(capsys, tiny_model_dir, reward_dir):
@@ -123,7 +129,7 @@ def test_a_non_finite_loss_at_the_first_step_is_one_line(capsys, tiny_model_dir,
     line = one_line(capsys, *grpo(tiny_model_dir, reward_dir, f"--model.init_args.reward={source}",
                                   "--model.init_args.std_eps=0", "--model.init_args.scale_rewards=group"))
     assert line.startswith("error: iteration 1, optimizer step 1 of 4, micro-batch 1 of 1: non-finite loss "), line
-    assert line.endswith("; set nonfinite: skip to skip such optimizer steps instead")
+    assert line.endswith("; set optimizer.nonfinite: skip to skip such optimizer steps instead")
 
 
 def test_a_reward_adapter_whose_base_was_retrained_in_place_is_one_line(capsys, tiny_model_dir, reward_dir, tmp_path):
@@ -222,3 +228,10 @@ def test_no_warning_for_the_embedded_task(caplog):
         data.setup("fit")
     assert not [r for r in caplog.records if "does not spell" in r.getMessage()]
     assert os.environ.get("HF_HUB_OFFLINE") == "1"  # tests never reach the hub
+
+
+def test_an_argument_that_moved_into_a_group_is_named_at_its_line_of_the_config_file(capsys, tmp_path):
+    old = tmp_path / "old.yaml"  # written before sampling, kl and optimizer were groups
+    old.write_text("model:\n  init_args:\n    samples_per_prompt: 4\n    kl_coef: 0.1\n")
+    line = one_line(capsys, "fit", "--config", str(REPO / "configs" / "grpo.yaml"), "--config", str(old), code=2)
+    assert "kl_coef" in line and "(it moved: kl.coef)" in line, line
