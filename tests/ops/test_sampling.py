@@ -88,7 +88,7 @@ def test_generation_is_the_same_with_a_static_or_dynamic_cache_and_honours_top_k
         # The sampling module (the online algorithms refuse top-k: their log-probs are of the full distribution)
         torch.manual_seed(0)
         module = built(PolicyModule(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), policy_lora=LORA,
-                                    kv_cache=kv_cache, top_k=3, max_new_tokens=8))
+                                    sampling={"kv_cache": kv_cache, "top_k": 3, "max_new_tokens": 8}))
         torch.manual_seed(11)
         results.append(module.generate(prompt_ids, prompt_mask))
     (ids, mask, response_mask), (other_ids, other_mask, other_response_mask) = results
@@ -104,5 +104,5 @@ def test_generation_is_the_same_with_a_static_or_dynamic_cache_and_honours_top_k
 
 
 def test_kv_cache_must_be_static_or_dynamic(tiny_model_dir, reward_dir):
-    with pytest.raises(ValueError, match="kv_cache must be one of static, dynamic, got 'paged'"):
-        make_ppo(tiny_model_dir, reward_dir, kv_cache="paged")
+    with pytest.raises(ValueError, match=r"^sampling\.kv_cache must be one of static, dynamic, got 'paged'$"):
+        make_ppo(tiny_model_dir, reward_dir, sampling={"kv_cache": "paged"})

@@ -366,7 +366,7 @@ def test_parse_failures_are_counted_logged_and_warned_once_in_a_fit(tiny_model_d
          f"--model.init_args.base.name_or_path={tiny_model_dir}", "--model.init_args.reward=rlhf_lightning.JudgeReward",
          "--model.init_args.reward.template={prompt} {response} is", "--model.init_args.reward.parser=number",
          "--model.init_args.reward.failure_score=-1", "--model.init_args.reward.max_new_tokens=3",
-         "--model.init_args.max_new_tokens=4", "--model.init_args.samples_per_prompt=2",
+         "--model.init_args.sampling.max_new_tokens=4", "--model.init_args.samples_per_prompt=2",
          "--model.init_args.policy_lora={r: 4, alpha: 8}", "--data.init_args.synthetic_rows=12",
          "--data.init_args.val_fraction=0", "--data.init_args.batch_size=4", "--trainer.max_steps=-1",
          "--trainer.limit_train_batches=2", "--trainer.max_epochs=1", "--trainer.callbacks=[]",

@@ -23,6 +23,7 @@ from rlhf_lightning.stages.process_reward_model import ProcessRewardModel
 from rlhf_lightning.tasks.arithmetic import exact_match
 from tests.helpers.cli import one_line
 from tests.helpers.models import LORA, built
+from tests.helpers.modules import merged
 
 REPO = Path(__file__).resolve().parents[2]
 SEP, EOS = 5, 1
@@ -62,12 +63,12 @@ def test_steps_end_at_separators_and_at_the_last_token_of_an_open_last_step():
 
 def _module(cls, tiny_arithmetic_dir, reward, **kwargs):
     torch.manual_seed(0)
-    defaults = dict(policy_lora=LORA, max_new_tokens=8, samples_per_prompt=2, epochs=1, num_minibatches=1,
-                    policy_lr=1e-2, gold_reward=exact_match)
+    defaults = dict(policy_lora=LORA, sampling={"max_new_tokens": 8}, samples_per_prompt=2, epochs=1,
+                    num_minibatches=1, optimizer={"lr": 1e-2}, gold_reward=exact_match)
     if cls is PPO:
         defaults["critic_lora"] = LORA
     return built(cls(base=BaseModelSpec(name_or_path=str(tiny_arithmetic_dir)), reward=reward,
-                     **{**defaults, **kwargs}))
+                     **merged(defaults, kwargs)))
 
 
 def _prompts(module) -> dict:
@@ -121,7 +122,7 @@ def test_each_step_is_read_as_the_prm_was_trained(tiny_arithmetic_dir, prm_dir):
 
 def test_ppo_trains_on_each_step_at_its_last_token_beside_a_weighted_checker(tiny_arithmetic_dir, prm_dir):
     reward = [ProcessReward(str(prm_dir)), FunctionReward(exact_match)]
-    module = _module(PPO, tiny_arithmetic_dir, reward, reward_weights=[0.5, 2.0], kl_coef=0.1)
+    module = _module(PPO, tiny_arithmetic_dir, reward, reward_weights=[0.5, 2.0], kl={"coef": 0.1})
     batch = _prompts(module)
     experience, _ = module.collect_and_prepare(batch)
     mask = experience.response_mask
@@ -167,7 +168,7 @@ def test_a_prm_with_an_environment_is_refused(tiny_arithmetic_dir, prm_dir):
 def rl_cli(config: str, tiny_arithmetic_dir, prm_dir, *extra: str) -> list[str]:
     return ["fit", "--config", str(REPO / "configs" / config),
             f"--model.init_args.base.name_or_path={tiny_arithmetic_dir}",
-            f"--model.init_args.reward.init_args.path={prm_dir}", "--model.init_args.max_new_tokens=8",
+            f"--model.init_args.reward.init_args.path={prm_dir}", "--model.init_args.sampling.max_new_tokens=8",
             "--model.init_args.samples_per_prompt=2", "--data.init_args.synthetic_rows=20",
             "--data.init_args.batch_size=4", "--data.init_args.val_batch_size=8", "--trainer.max_epochs=1",
             "--trainer.limit_train_batches=1", "--trainer.val_check_interval=1", "--trainer.callbacks=[]",

@@ -358,7 +358,7 @@ def test_episodes_are_drawn_ahead_turn_by_turn_on_a_server_the_fit_starts(calcul
 
     arguments = ["--config", str(REPO / "configs" / "calculator_grpo.yaml"),
                  f"--model.init_args.base.name_or_path={calculator_llama_dir}", *COMMON,
-                 "--model.init_args.policy_lora={r: 4, alpha: 8}", "--model.init_args.max_new_tokens=6",
+                 "--model.init_args.policy_lora={r: 4, alpha: 8}", "--model.init_args.sampling.max_new_tokens=6",
                  "--model.init_args.max_episode_tokens=40", "--model.init_args.samples_per_prompt=2",
                  "--model.init_args.num_minibatches=1", "--data.init_args.batch_size=2",
                  "--data.init_args.synthetic_rows=40", "--trainer.limit_val_batches=0",

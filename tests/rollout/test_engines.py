@@ -80,7 +80,7 @@ def test_the_old_decoding_and_vllm_arguments_are_refused_in_one_line_naming_the_
 
 
 def test_an_engine_that_refuses_the_run_stops_it_at_setup_in_one_line(tiny_model_dir, reward_dir, capsys):
-    line = one_line(capsys, *grpo(tiny_model_dir, reward_dir, "--model.init_args.kv_cache=dynamic",
+    line = one_line(capsys, *grpo(tiny_model_dir, reward_dir, "--model.init_args.sampling.kv_cache=dynamic",
                                   "--model.init_args.engine=rlhf_lightning.rollout.engines.CompiledDecoder"))
     assert line == ("error: engine CompiledDecoder decodes over a static KV cache; kv_cache: dynamic needs the "
                     "engine Generate (or Auto)")

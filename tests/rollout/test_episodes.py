@@ -123,7 +123,7 @@ def test_masks_with_holes_skip_environment_tokens_in_rewards_gae_and_returns():
 
 @pytest.mark.parametrize("algorithm", [GRPO, RLOO, REINFORCEPlusPlus, PPO])
 def test_every_online_algorithm_trains_on_episodes(algorithm, calculator_model_dir):
-    extra = {"kl_coef": 0.1} if algorithm is not PPO else {}
+    extra = {"kl": {"coef": 0.1}} if algorithm is not PPO else {}
     module = episodic(algorithm, calculator_model_dir, **extra)
     module.trainer = None
     torch.manual_seed(4)
@@ -152,7 +152,7 @@ def test_every_online_algorithm_trains_on_episodes(algorithm, calculator_model_d
 
 def test_a_grpo_run_on_episodes_resumes_exactly(calculator_model_dir, tmp_path):
     def module():
-        return episodic(GRPO, calculator_model_dir, kl_coef=0.1, num_minibatches=2)
+        return episodic(GRPO, calculator_model_dir, kl={"coef": 0.1}, num_minibatches=2)
 
     first = module()
     _, whole = fit_iterations(first, prompts(first, n=8, dataset="calculator", batch_size=2), tmp_path / "whole", 4,
@@ -173,8 +173,8 @@ def test_a_grpo_run_on_episodes_resumes_exactly(calculator_model_dir, tmp_path):
 
 def test_episodes_whose_turns_could_pass_the_model_positions_are_refused_before_training(calculator_model_dir):
     # The calculator's longest prompt is 19 tokens, its opening 25 (the template's markers); n_positions is 160.
-    module = episodic(GRPO, calculator_model_dir, max_episode_tokens=141, max_new_tokens=12, max_turns=40,
-                      samples_per_prompt=4)
+    module = episodic(GRPO, calculator_model_dir, max_episode_tokens=141, sampling={"max_new_tokens": 12},
+                      max_turns=40, samples_per_prompt=4)
     data = prompts(module, n=8, dataset="calculator", batch_size=8)
     assert data.longest() + 141 == 160  # what the check once counted: it passed, and a late turn crashed
     with pytest.raises(ValueError) as error:
@@ -185,8 +185,8 @@ def test_episodes_whose_turns_could_pass_the_model_positions_are_refused_before_
         "(n_positions), whose learned position embeddings stop there; lower max_episode_tokens (null = max_turns x "
         "max_new_tokens), max_new_tokens or data.init_args.max_length")
     # The largest budget it accepts (25 + 123 + 12 = 160) runs episodes that never end to their budget.
-    module = episodic(GRPO, calculator_model_dir, environment=Feedback, max_episode_tokens=124, max_new_tokens=12,
-                      max_turns=40)
+    module = episodic(GRPO, calculator_model_dir, environment=Feedback, max_episode_tokens=124,
+                      sampling={"max_new_tokens": 12}, max_turns=40)
     module.check_lengths(data)
     torch.manual_seed(0)
     batch = sample_episodes(module, calculator_batch(module, 2), 2)

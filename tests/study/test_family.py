@@ -33,6 +33,13 @@ from rlhf_lightning.study.runs import build_cli
 REPO = Path(__file__).resolve().parents[2]
 
 
+def setting(arguments, key: str):
+    """The value of a dotted key (``kl.coef``, ``optimizer.lr``) in nested init args (hparams, a config's)."""
+    for part in key.split("."):
+        arguments = arguments[part]
+    return arguments
+
+
 def _run(method: str, strength: float, seed: int, trajectory: list[tuple[float, float]], gold0: float = 0.0,
          seconds: float = 10.0) -> MethodRun:
     """A run whose evaluations are (KL, gold) after the SFT point (0, gold0), one CPU-second apart."""
@@ -124,7 +131,7 @@ def test_every_method_runs_through_the_real_cli_with_its_strength_and_overrides(
         assert arguments[0] == "fit" and "--seed_everything=1" in arguments
         cli = build_cli(arguments[1:])
         hparams = cli.model.hparams
-        assert hparams[method.strength] == strength, method.name
+        assert setting(hparams, method.strength) == strength, method.name
         assert cli.datamodule.seed == 1
         assert cli.trainer.limit_val_batches == 0 and cli.trainer.callbacks is not None
         # an offline method's steps are optimizer steps: they bound the run, so its schedule spans them
@@ -134,7 +141,7 @@ def test_every_method_runs_through_the_real_cli_with_its_strength_and_overrides(
             if key == "policy_loss":  # a group given by its class's name: the module holds that class
                 assert type(cli.model.policy_loss).__name__ == value, method.name
                 continue
-            assert str(hparams[key]) in (value, "None" if value == "null" else value), (method.name, key)
+            assert str(setting(hparams, key)) in (value, "None" if value == "null" else value), (method.name, key)
         assert hasattr(cli.model, "rewards") == method.uses_reward_model, method.name
     # the shipped config's strength is one of those studied
     import yaml
@@ -142,7 +149,7 @@ def test_every_method_runs_through_the_real_cli_with_its_strength_and_overrides(
     for method in METHODS.values():
         shipped = yaml.safe_load((REPO / "configs" / method.config).read_text())["model"]["init_args"]
         if method.name not in ("simpo", "dpo_norm"):
-            assert shipped[method.strength] == method.shipped, method.name
+            assert setting(shipped, method.strength) == method.shipped, method.name
     # their settings are the README's overrides of dpo.yaml: beta 3, and lr 1e-4 for SimPO
     assert METHODS["dpo_norm"].shipped == 3.0 and METHODS["simpo"].shipped == 1e-4
 
@@ -159,7 +166,7 @@ def test_quick_and_full_modes_pick_their_defaults():
 
 
 TINY = [
-    "--model.init_args.policy_lora={r: 4, alpha: 8}", "--model.init_args.max_new_tokens=8",
+    "--model.init_args.policy_lora={r: 4, alpha: 8}", "--model.init_args.sampling.max_new_tokens=8",
     "--data.init_args.synthetic_rows=60", "--data.init_args.batch_size=8", "--data.init_args.val_batch_size=8",
     "--data.init_args.val_fraction=0.2", "--data.init_args.max_length=32", "--trainer.enable_model_summary=false",
 ]
@@ -174,7 +181,8 @@ def test_tiny_family_study_end_to_end_resumes_and_measures_every_method_alike(ti
         "--sft-model", str(tiny_model_dir), "--reward-adapter", str(reward_dir), "--out", str(tmp_path / "fam"),
         "--png-dir", str(tmp_path / "docs"), "--fit-min-d", "0", *[f"--override={a}" for a in TINY],
         # large steps, so that 4 updates move the tiny policy measurably on 8 prompts
-        "--method-override", "grpo=--model.init_args.policy_lr=0.05", "--method-override", "dpo=--model.init_args.lr=0.05",
+        "--method-override", "grpo=--model.init_args.optimizer.lr=0.05",
+        "--method-override", "dpo=--model.init_args.optimizer.lr=0.05",
     ]
     summary = family_main(arguments)
     out = tmp_path / "fam"
@@ -237,7 +245,7 @@ def test_the_newer_methods_run_a_quick_study_unit(method, tiny_model_dir, reward
         "--quick", "--methods", method, "--seeds", "0", "--fraction", "0.03", "--evaluations", "2", "--eval-prompts",
         "8", "--configs", str(REPO / "configs"), "--sft-model", str(tiny_model_dir), "--reward-adapter",
         str(reward_dir), "--out", str(tmp_path / "fam"), *[f"--override={a}" for a in TINY],
-        "--method-override", f"{method}=--model.init_args.{'lr' if method == 'kto' else 'policy_lr'}=0.05"])
+        "--method-override", f"{method}=--model.init_args.optimizer.lr=0.05"])
     [first, second] = units(args)  # the quick mode's two strengths
     assert (first.strength, second.strength) == METHODS[method].strengths[:2]
     run_unit(args, first)

@@ -106,10 +106,10 @@ def test_tiny_study_end_to_end_writes_the_figure_and_the_summary(tiny_model_dir,
                                                                  capsys):
     tiny = [
         "--model.init_args.policy_lora={r: 4, alpha: 8}", "--model.init_args.critic_lora={r: 4, alpha: 8}",
-        "--model.init_args.max_new_tokens=12", "--model.init_args.epochs=1",
+        "--model.init_args.sampling.max_new_tokens=12", "--model.init_args.epochs=1",
         # large steps and 4 evaluations: each fit needs two points with a positive KL, and the k1 estimate on 8
         # prompts is noisy (one evaluation can come out negative)
-        "--model.init_args.policy_lr=0.05",
+        "--model.init_args.optimizer.lr=0.05",
         "--data.init_args.synthetic_rows=40", "--data.init_args.batch_size=8",
         "--data.init_args.val_batch_size=8", "--data.init_args.val_fraction=0.2",
         "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",

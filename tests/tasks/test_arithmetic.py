@@ -100,7 +100,7 @@ def test_grpo_on_the_checker_through_the_cli(tmp_path):
     load_causal_lm(spec, tokenizer).save_pretrained(tmp_path / "sft")
     tokenizer.save_pretrained(tmp_path / "sft")
     main(["fit", "--config", str(REPO / "configs/arithmetic_grpo.yaml"),
-          f"--model.init_args.base.name_or_path={tmp_path / 'sft'}", "--model.init_args.max_new_tokens=6",
+          f"--model.init_args.base.name_or_path={tmp_path / 'sft'}", "--model.init_args.sampling.max_new_tokens=6",
           "--model.init_args.samples_per_prompt=2", "--data.init_args.synthetic_rows=20",
           "--data.init_args.batch_size=4", "--trainer.max_epochs=1", "--trainer.limit_train_batches=2",
           "--trainer.val_check_interval=2", "--trainer.num_sanity_val_steps=0", "--trainer.callbacks=[]",

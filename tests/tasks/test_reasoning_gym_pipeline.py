@@ -52,7 +52,7 @@ def test_a_tiny_sft_then_grpo_run_logs_accuracy_per_task(tmp_path, monkeypatch):
     assert (tmp_path / "outputs/reasoning_gym/sft/model/config.json").exists()
     main(["fit", "--config", GRPO, *run, "--data.init_args.size=8", "--data.init_args.val_size=16",
           "--data.init_args.batch_size=4", "--data.init_args.val_batch_size=8", "--model.init_args.samples_per_prompt=2",
-          "--model.init_args.max_new_tokens=6", "--model.init_args.pass_at_k={samples: 2, k: [1, 2]}",
+          "--model.init_args.sampling.max_new_tokens=6", "--model.init_args.pass_at_k={samples: 2, k: [1, 2]}",
           "--trainer.val_check_interval=2"])
     expected = {"grpo/val/gold", "grpo/val/gold/basic_arithmetic", "grpo/val/gold/chain_sum", "grpo/val/pass@2",
                 "grpo/val/maj@2", "grpo/val/score", "grpo/objective/gold",
