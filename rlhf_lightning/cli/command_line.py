@@ -27,7 +27,7 @@ from rlhf_lightning.callbacks.progress_lines import ProgressLines
 from rlhf_lightning.callbacks.run_report import RunReport, shown_path
 from rlhf_lightning.callbacks.spikes import SpikeCheck
 from rlhf_lightning.callbacks.validate_at_start import ValidateAtStart
-from rlhf_lightning.cli.config_keys import dropped_model_arguments, not_accepted_line
+from rlhf_lightning.cli.config_keys import dropped_model_arguments, not_accepted_line, nulls_in_groups
 from rlhf_lightning.cli.errors import (
     condense_parser_error,
     config_file_problem,
@@ -362,7 +362,8 @@ def main(args: Sequence[str] | None = None) -> None:
 
             serve_main(argv[1:], OneLineArgumentParser)
             return
-        RLHFCLI(args=None if args is None else argv)
+        given = nulls_in_groups(argv)
+        RLHFCLI(args=None if args is None and given == argv else given)
     except SIGTERMException:
         # Lightning's own handling (outside a fit's training, where Preemption takes over) ends with status 0.
         print_error("error: stopped by SIGTERM outside a training step (nothing to save)")

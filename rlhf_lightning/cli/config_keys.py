@@ -9,6 +9,33 @@ from pathlib import Path
 
 import yaml
 
+# A field of a typed group given null on the command line (`--model.init_args.kl.target=null`), which jsonargparse
+# 4.53 refuses inside a class's init_args ("expected a number or null, got None"), though it takes the same as a
+# dict: `--model.init_args.kl={target: null}`, merged into the group like any other value.
+GROUP_FIELD = re.compile(r"^--((?:\w+\.)*init_args\.(?:sampling|kl|optimizer))\.(\w+)(?:=(.*))?$")
+NULLS = frozenset({"null", "none", "~"})
+
+
+def nulls_in_groups(argv: list[str]) -> list[str]:
+    """``argv`` with every ``--<...>.init_args.<group>.<field>=null`` (or ``... null``) given as
+    ``--<...>.init_args.<group>={<field>: null}``."""
+    out: list[str] = []
+    index = 0
+    while index < len(argv):
+        match = GROUP_FIELD.match(argv[index])
+        value = None if match is None else match.group(3)
+        separate = match is not None and value is None and index + 1 < len(argv)
+        if separate:
+            value = argv[index + 1]
+        if match is not None and value is not None and value.strip().lower() in NULLS:
+            out.append(f"--{match.group(1)}={{{match.group(2)}: null}}")
+            index += 2 if separate else 1
+            continue
+        out.append(argv[index])
+        index += 1
+    return out
+
+
 # jsonargparse's words for a key of a config file that no argument takes.
 NOT_ACCEPTED = re.compile(r"^Subcommand '(\w+)' does not accept (?:option|nested key) '([\w.]+)'")
 
