@@ -96,8 +96,22 @@ def planned_stops(settings: Settings) -> tuple[StopPlan | None, dict[str, Any]]:
 
 
 def stop_token(settings: Settings) -> str | None:
-    """Our ``stop_token``: off under ``--lengths equal`` (every response the full length), else EOS."""
+    """Our ``sampling.stop_token``: off under ``--lengths equal`` (every response the full length), else EOS."""
     return None if settings.lengths == "equal" else "eos"
+
+
+GROUPS = ("sampling", "kl", "optimizer")  # the modules' argument groups: dicts of some of their fields
+
+
+def with_options(arguments: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
+    """A module's ``arguments`` with the user's ``options`` (``--ppo-options`` and the like) over them; a group
+    (``sampling``, ``kl``, ``optimizer``) is merged field by field, so that ``{"optimizer": {"adam_eps": 1e-5}}``
+    keeps the benchmark's learning rate."""
+    merged = {**arguments, **options}
+    for group in GROUPS:
+        if isinstance(arguments.get(group), dict) and isinstance(options.get(group), dict):
+            merged[group] = {**arguments[group], **options[group]}
+    return merged
 
 
 def lengths_of(plan: StopPlan | None) -> dict[str, Any]:
@@ -120,15 +134,14 @@ def ppo_module(settings: Settings, samples_per_prompt: int = 1, **engine: Any):
     ``engine``: the module's ``engine`` argument, where :func:`planned_stops` gives one)."""
     from rlhf_lightning import PPO, AdapterReward
 
-    return PPO(
+    return PPO(**with_options(dict(
         base=base_spec(settings),
         reward=AdapterReward(str(reward_dir(settings))),
         policy_lora=lora_spec(settings), critic_lora=lora_spec(settings),
-        max_new_tokens=settings.response_length, temperature=1.0, stop_token=stop_token(settings),
+        sampling={"max_new_tokens": settings.response_length, "temperature": 1.0, "stop_token": stop_token(settings)},
         samples_per_prompt=samples_per_prompt, epochs=settings.ppo_epochs, num_minibatches=settings.num_minibatches,
-        policy_lr=settings.lr, critic_lr=settings.lr,
-        **settings.ppo_options, **engine,
-    )
+        optimizer={"lr": settings.lr}, critic_lr=settings.lr,
+    ), settings.ppo_options), **engine)
 
 
 def base_spec(settings: Settings):
@@ -179,19 +192,20 @@ def grpo_module(settings: GRPOSettings, beta: float, **engine: Any):
     from rlhf_lightning import GRPO, FunctionReward
     from rlhf_lightning.algorithms.policy_losses import Clip
 
-    return GRPO(
+    return GRPO(**with_options(dict(
         base=base_spec(settings),
         reward=FunctionReward(even_token_reward),
         policy_lora=lora_spec(settings),
-        max_new_tokens=settings.response_length, temperature=1.0, top_k=0, top_p=1.0,
-        stop_token=stop_token(settings),
+        sampling={"max_new_tokens": settings.response_length, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
+                  "stop_token": stop_token(settings)},
         samples_per_prompt=settings.group_size, scale_rewards="group", std_eps=1e-4,
-        kl_coef=beta, kl_estimator="k3", kl_in="loss", kl_ratio_weighting=True, loss_aggregation="token_mean",
+        kl={"coef": beta, "estimator": "k3", "added_to": "loss", "ratio_weighting": True},
+        loss_aggregation="token_mean",
         epochs=settings.ppo_epochs, num_minibatches=settings.num_minibatches, policy_loss=Clip(clip_range=0.2),
-        max_grad_norm=1.0, policy_lr=settings.lr, adam_eps=1e-8, weight_decay=0.0,
-        lr_schedule="constant", seed=settings.seed,
-        **settings.ppo_options, **engine,
-    )
+        max_grad_norm=1.0,
+        optimizer={"lr": settings.lr, "adam_eps": 1e-8, "weight_decay": 0.0, "schedule": "constant"},
+        seed=settings.seed,
+    ), settings.ppo_options), **engine)
 
 
 def run_dpo(settings: DPOSettings, profile: bool = False) -> None:
@@ -209,13 +223,13 @@ def run_dpo(settings: DPOSettings, profile: bool = False) -> None:
 
     configure_threads(settings)
     torch.manual_seed(settings.seed)
-    module = DPO(
+    module = DPO(**with_options(dict(
         base=base_spec(settings), policy_lora=lora_spec(settings),
         beta=settings.beta, loss_type="sigmoid", label_smoothing=0.0, rpo_alpha=0.0,
-        precompute_reference=settings.precompute, sample_eval_batches=0, temperature=1.0,
-        lr=settings.lr, weight_decay=0.0, warmup_steps=0, lr_schedule="constant", adam_eps=1e-8, seed=settings.seed,
-        **settings.ppo_options,
-    )
+        precompute_reference=settings.precompute, sample_eval_batches=0, sampling={"temperature": 1.0},
+        optimizer={"lr": settings.lr, "weight_decay": 0.0, "warmup": 0, "schedule": "constant", "adam_eps": 1e-8},
+        seed=settings.seed,
+    ), settings.ppo_options))
     data = PreferenceDataModule(
         dataset=str(preference_path(settings)), val_fraction=0.0, batch_size=settings.prompts,
         val_batch_size=settings.prompts, max_length=settings.max_length, on_too_long="error", seed=settings.seed,

@@ -63,7 +63,7 @@ What both sides are set to compute alike (ours: ``rlhf_lightning.DPO`` and ``lig
 | lengths | ``max_length`` = prompt + longer response, ``on_too_long: error`` (nothing cut) | ``max_length`` = the same, ``truncation_mode="keep_start"`` (nothing cut) |
 | EOS | appended to each response by ``encode_completion`` | appended to each response by TRL (plain-text data) |
 | padding | right, to the longest row of the batch | right, to the longest row (``padding_free=False``, ``pad_to_multiple_of=None``) |
-| optimizer | AdamW, ``lr`` (``Settings.lr``, 1e-5), ``adam_eps`` 1e-8, ``weight_decay`` 0, ``lr_schedule: constant``, ``warmup_steps`` 0 | ``optim="adamw_torch"``, ``learning_rate``, ``adam_epsilon`` 1e-8, ``weight_decay`` 0, ``lr_scheduler_type="constant"``, ``warmup_steps`` 0 |
+| optimizer | AdamW, ``optimizer.lr`` (``Settings.lr``, 1e-5), ``optimizer.adam_eps`` 1e-8, ``optimizer.weight_decay`` 0, ``optimizer.schedule: constant``, ``optimizer.warmup`` 0 | ``optim="adamw_torch"``, ``learning_rate``, ``adam_epsilon`` 1e-8, ``weight_decay`` 0, ``lr_scheduler_type="constant"``, ``warmup_steps`` 0 |
 | gradient clipping | the Trainer's ``gradient_clip_val=1.0``, ``gradient_clip_algorithm="norm"`` | ``max_grad_norm=1.0`` |
 | dropout | off | ``disable_dropout=True`` |
 | gradient checkpointing | none | ``gradient_checkpointing=False`` (DPOConfig's default is True: ``--trl-gradient-checkpointing`` measures it) |

@@ -40,10 +40,10 @@ What both sides are set to compute alike (ours: ``rlhf_lightning.GRPO`` argument
 | rollout | ``prompts`` prompts per batch | ``generation_batch_size`` = ``per_device_train_batch_size`` x ``steps_per_generation`` = prompts x group |
 | update passes | ``epochs``, ``num_minibatches`` (one micro-batch each) | ``num_iterations``, ``steps_per_generation`` (``per_device_train_batch_size`` = rows / minibatches, ``gradient_accumulation_steps`` 1) |
 | old log-probs | a pass when more than one optimizer step | the same condition (``gradient_accumulation_steps % (steps_per_generation x num_iterations) != 0``) |
-| response length | ``max_new_tokens``, ``stop_token: null`` | ``max_completion_length``, ``generation_kwargs={"min_new_tokens": R}`` (EOS suppressed, so always R tokens; TRL always stops at EOS otherwise) |
+| response length | ``sampling.max_new_tokens``, ``sampling.stop_token: null`` | ``max_completion_length``, ``generation_kwargs={"min_new_tokens": R}`` (EOS suppressed, so always R tokens; TRL always stops at EOS otherwise) |
 | sampling | temperature 1, top_k 0, top_p 1 | the same |
 | advantages | ``scale_rewards: group``, ``std_eps`` 1e-4 (Bessel std) | ``scale_rewards="group"`` (its fixed 1e-4) |
-| KL | ``kl_coef`` = beta, ``kl_estimator: k3``, ``kl_in: loss``, ``kl_ratio_weighting: true`` | ``beta``, k3 in the loss, ``use_bias_correction_kl=True`` |
+| KL | ``kl.coef`` = beta, ``kl.estimator: k3``, ``kl.added_to: loss``, ``kl.ratio_weighting: true`` | ``beta``, k3 in the loss, ``use_bias_correction_kl=True`` |
 | loss | clipped surrogate, ``policy_loss: {clip_range: 0.2}``, token ratios, ``loss_aggregation: token_mean`` over the optimizer step | ``epsilon`` 0.2, ``importance_sampling_level="token"``, ``loss_type="dapo"`` (tokens of the step) |
 | no extras | ``ent_coef`` 0, ``mask_truncated_completions`` false | ``entropy_coef`` 0, ``top_entropy_quantile`` 1, ``mask_truncated_completions=False`` |
 | optimizer | AdamW, lr, eps 1e-8, no weight decay, constant schedule, grad norm clipped to 1 | ``optim="adamw_torch"``, ``learning_rate``, ``adam_epsilon`` 1e-8, ``weight_decay`` 0, ``lr_scheduler_type="constant"``, ``max_grad_norm`` 1 |
@@ -53,7 +53,7 @@ What both sides are set to compute alike (ours: ``rlhf_lightning.GRPO`` argument
 | prompts | the same ids | the same ids, as text that the word-level tokenizer maps back to them |
 
 ``--lengths task`` or ``long-tail`` (``harness/lengths.py``) replaces the response-length row: the stop token on
-(ours ``stop_token: eos``; TRL its own stop at EOS, no ``min_new_tokens``) and each row's EOS forced where a seeded
+(ours ``sampling.stop_token: eos``; TRL its own stop at EOS, no ``min_new_tokens``) and each row's EOS forced where a seeded
 plan puts it, by the same logits processor on every side, so every side samples the same lengths row by row; the
 realised mean and max per side are printed and in the JSON (``response_lengths``, ``same_lengths``).
 ``--workload chat256``/``chat512``: prompt 256/512, response 128, group 8.

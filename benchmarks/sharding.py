@@ -124,7 +124,8 @@ def command(algorithm: str, ranks: int, rollout: str, model_dir: Path, reward_di
             f"--model.init_args.base.name_or_path={model_dir}", f"--model.init_args.reward.init_args.path={reward_dir}",
             "--model.init_args.policy_lora={r: 16, alpha: 32}", *(["--model.init_args.critic_lora={r: 16, alpha: 32}"]
                                                                    if algorithm == "ppo" else []),
-            f"--model.init_args.max_new_tokens={args.response_length}", "--model.init_args.stop_token=null",
+            f"--model.init_args.sampling.max_new_tokens={args.response_length}",
+            "--model.init_args.sampling.stop_token=null",
             f"--model.init_args.sharded_rollout={rollout}", "--model.init_args.export_dir=null", *group,
             f"--data.init_args.batch_size={prompts}", f"--data.init_args.synthetic_rows={args.prompts * 4}",
             "--data.init_args.val_fraction=0.0"]

@@ -7,7 +7,7 @@ draw seeded by ``(seed, i)``; every side forces that EOS with the same logits pr
 (:class:`ForcedStops`), so every side samples responses of exactly the same lengths, row by row:
 
 - ``task``: the embedded arithmetic task's responses (its worked answers with EOS, as its GRPO run's policy writes
-  them after SFT, 9 to 31 tokens of its ``max_new_tokens`` 48), as a fraction of 48, scaled to
+  them after SFT, 9 to 31 tokens of its ``sampling.max_new_tokens`` 48), as a fraction of 48, scaled to
   ``response_length``;
 - ``long-tail``: a lognormal length with median ``response_length / 4`` and sigma 1 (mean about 0.41 x
   ``response_length``); about 8 % of the draws pass ``response_length``: those responses never stop and are cut
