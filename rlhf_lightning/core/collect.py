@@ -158,11 +158,11 @@ class ExperienceCollector(OverlapHooks, PolicyModule):
         opening = rollouts.default_opening_length(longest.raw if longest.raw is not None else longest.text)
         budget, turn = rollouts.max_tokens, min(self.sampling.max_new_tokens, rollouts.max_tokens)
         what = (f"the longest prompt's opening ({opening} tokens) and an episode of {budget} tokens (a turn can "
-                f"start after {budget - 1} of them and decode {turn} more: max_new_tokens)"
+                f"start after {budget - 1} of them and decode {turn} more: sampling.max_new_tokens)"
                 if rollouts.max_turns > 1 else
                 f"the longest prompt's opening ({opening} tokens) and a turn of {turn} tokens")
         self.check_positions(rollouts.positions(opening), what, "lower max_episode_tokens (null = max_turns x "
-                             "max_new_tokens), max_new_tokens or data.init_args.max_length")
+                             "sampling.max_new_tokens), sampling.max_new_tokens or data.init_args.max_length")
 
     @property
     def pass_plan(self) -> PassPlan:

@@ -181,9 +181,9 @@ def test_episodes_whose_turns_could_pass_the_model_positions_are_refused_before_
         module.check_lengths(data)
     assert str(error.value) == (
         "the longest prompt's opening (25 tokens) and an episode of 141 tokens (a turn can start after 140 of them "
-        f"and decode 12 more: max_new_tokens) reach 177 positions, beyond the 160 of model {calculator_model_dir} "
-        "(n_positions), whose learned position embeddings stop there; lower max_episode_tokens (null = max_turns x "
-        "max_new_tokens), max_new_tokens or data.init_args.max_length")
+        f"and decode 12 more: sampling.max_new_tokens) reach 177 positions, beyond the 160 of model "
+        f"{calculator_model_dir} (n_positions), whose learned position embeddings stop there; lower max_episode_tokens "
+        "(null = max_turns x sampling.max_new_tokens), sampling.max_new_tokens or data.init_args.max_length")
     # The largest budget it accepts (25 + 123 + 12 = 160) runs episodes that never end to their budget.
     module = episodic(GRPO, calculator_model_dir, environment=Feedback, max_episode_tokens=124,
                       sampling={"max_new_tokens": 12}, max_turns=40)
