@@ -35,10 +35,10 @@ trainer's share of generation (the ``rollout/generate`` phase: the whole draw at
 S > 0), of ``time/update``, and ``rollout/staleness_mean`` (checked: S at every measured iteration). Under each
 workload: the overlap's ceiling from S = 0's split, ``s/iter / max(generation, rest)``. Needs vLLM (the README's vLLM
 environment: ``.venv-vllm/bin/python benchmarks/async_overlap.py``). The default run is 12 processes (2 workloads x 3
-S x 2 rounds), each starting a server, sized for about 20 minutes on 2 quiet cores (an estimate); it took 36 here
-with another job's vLLM server bound to the same core 0 (load average 9 to 28), where a server sharing its core
-with another stalls for tens of seconds: the per-process lines printed as they end (each iteration's seconds and
-wait) show such stalls.
+S x 2 rounds), each starting a server; ``--repeats 3`` (18 processes) took 26 minutes on the 2 quiet cores of the
+CPU VM, and 36 for 12 processes with another job's vLLM server bound to the same core 0 (load average 9 to 28),
+where a server sharing its core with another stalls for tens of seconds: the per-process lines printed as they end
+(each iteration's seconds and wait) show such stalls.
 
 On a GPU machine (not run here): with two GPUs, the server on one and the trainer on the other (physical ids, as
 ``CUDA_VISIBLE_DEVICES`` names them; the cores are left unbound on CUDA unless given), at a shape where a GPU has
