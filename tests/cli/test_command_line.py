@@ -38,12 +38,12 @@ def test_help_shows_the_docstrings(capsys):
 
 def test_overrides_reach_the_instantiated_module():
     cli = RLHFCLI(
-        args=["--config", str(REPO / "configs" / "sft.yaml"), "--model.init_args.lr=3e-4",
+        args=["--config", str(REPO / "configs" / "sft.yaml"), "--model.init_args.optimizer.lr=3e-4",
               "--model.init_args.base.architecture={model_type: gpt2, n_layer: 1, n_embd: 16, n_head: 2}",
               "--data.init_args.batch_size=5", "--trainer.logger=false"],
         run=False,
     )
-    assert cli.model.hparams.lr == 3e-4
+    assert cli.model.optimizer_settings.lr == cli.model.hparams["optimizer"]["lr"] == 3e-4
     assert cli.model.model is None  # built when a fit starts (configure_model), not by the CLI
     cli.model.configure_model()
     assert cli.model.model.hf_model.config.n_layer == 1

@@ -18,7 +18,7 @@ from rlhf_lightning.cli.errors import TRACEBACK_ENV
 from tests.helpers.cli import cli_subprocess, error_lines
 
 REPO = Path(__file__).resolve().parents[2]
-BAD_YAML = "model:\n  class_path: rlhf_lightning.SFT\n   init_args: {lr: 1}\n"
+BAD_YAML = "model:\n  class_path: rlhf_lightning.SFT\n   init_args: {optimizer: {lr: 1}}\n"
 
 
 @pytest.mark.parametrize("case", ["constructor", "yaml"])
@@ -38,9 +38,10 @@ def test_cli_errors_are_one_line_and_exit_non_zero(tmp_path, case):
 
 
 @pytest.mark.parametrize(("argument", "expected"), [
-    ("--model.init_args.lr=abc", "error: model.init_args.lr: Expected a <class 'float'>. Got value: abc"),
-    ("--model.init_args.lr_schedule=bogus", "error: model.init_args.lr_schedule: Expected a "
-                                            "typing.Literal['constant', 'linear', 'cosine']. Got value: bogus"),
+    ("--model.init_args.optimizer.lr=abc", "error: model.init_args.optimizer.lr: Expected a <class 'float'>. Got "
+                                           "value: abc"),
+    ("--model.init_args.optimizer.schedule=bogus", "error: model.init_args.optimizer.schedule: Expected a "
+                                                   "typing.Literal['constant', 'linear', 'cosine']. Got value: bogus"),
     ("--trainer.max_stepz=3", "error: unrecognized arguments: --trainer.max_stepz=3 (did you mean "
                               "--trainer.max_steps, --trainer.max_time or --trainer.min_steps?)"),
 ])
@@ -89,13 +90,13 @@ def test_a_checkpoint_must_match_the_config_class_and_its_differences_are_listed
         "that wrote it"]
 
     with pytest.warns(UserWarning) as warnings:
-        tiny_sft("--trainer.max_steps=3", "--model.init_args.lr=1e-3", "--model.init_args.export_dir=other",
+        tiny_sft("--trainer.max_steps=3", "--model.init_args.optimizer.lr=1e-3", "--model.init_args.export_dir=other",
                  "--ckpt_path", checkpoint)
     listed = [str(w.message) for w in warnings if "other model arguments" in str(w.message)]
     assert listed == [
         f"checkpoint {checkpoint} was saved with other model arguments than the config; the config's are used "
         "(outputs go where the config says):\n"
-        "  model.init_args.lr: checkpoint 0.004, config 0.001\n"
+        "  model.init_args.optimizer.lr: checkpoint 0.004, config 0.001\n"
         "  model.init_args.export_dir: checkpoint 'model', config 'other'"]
     assert (tmp_path / "outputs/sft/other/config.json").exists()  # the config's export_dir, in the run folder
 

@@ -39,10 +39,11 @@ def test_the_package_version_and_the_comparison_fit_the_stage():
 
 
 def test_hyperparameters_read_as_a_compact_yaml_block():
-    block = hyperparameters_block({"lr": 1e-4, "lora": LoraSpec(r=2, alpha=4), "base": {"name_or_path": "m"},
-                                   "reward": constant, "stop": ["a", "b"]})
+    block = hyperparameters_block({"optimizer": {"lr": 1e-4}, "lora": LoraSpec(r=2, alpha=4),
+                                   "base": {"name_or_path": "m"}, "reward": constant, "stop": ["a", "b"]})
     assert yaml.safe_load(block)["lora"]["r"] == 2
-    assert block.splitlines()[2:] == ["lr: 0.0001", "reward: builtins.function", "stop: [a, b]"]  # sorted keys
+    assert block.splitlines()[2:] == ["optimizer: {lr: 0.0001}", "reward: builtins.function",
+                                      "stop: [a, b]"]  # sorted keys
     assert block.splitlines()[0] == "base: {name_or_path: m}"  # a short mapping or list on one line
     # an object is named by its class (reward: above), never by a repr with a memory address
 
@@ -63,7 +64,8 @@ def test_a_reward_models_card(tiny_model_dir, tmp_path):
                         logger=False, enable_progress_bar=False, enable_model_summary=False,
                         enable_checkpointing=False, default_root_dir=tmp_path, callbacks=[ValidateAtStart(), report])
     trainer.fit(module, datamodule=data)
-    settings = {"base": {"name_or_path": str(tiny_model_dir)}, "lora": {"r": 2, "alpha": 4}, "lr": 1e-4}
+    settings = {"base": {"name_or_path": str(tiny_model_dir)}, "lora": {"r": 2, "alpha": 4},
+                "optimizer": {"lr": 1e-4}}
     card = write_model_card(trainer, module, ["fit", "--config", "reward.yaml"], report.change_text(),
                             {"synthetic_rows": 40}, settings).read_text()
     assert "- **Stage**: `rlhf_lightning.RewardModel`, 2 batches, 2 optimizer steps\n" in card

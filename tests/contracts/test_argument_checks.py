@@ -4,6 +4,7 @@ the first rollout."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -25,15 +26,16 @@ from rlhf_lightning import (
 )
 from rlhf_lightning.algorithms.policy_losses import CISPO, Clip
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
-from tests.helpers.models import LORA
+from tests.helpers.models import LORA, tiny_spec
+from tests.helpers.modules import unbuilt
 
 # A base that does not exist: a check that ran after loading would fail with FileNotFoundError instead.
 MISSING = BaseModelSpec(name_or_path="/nonexistent/model")
 REWARD = AdapterReward("/nonexistent/reward")
 
 BAD_MODULE_ARGUMENTS = [
-    (PPO, dict(policy_lr=0.0), "policy_lr must be > 0, got 0.0"),
-    (PPO, dict(policy_lr=-1e-4), "policy_lr must be > 0, got -0.0001"),
+    (PPO, dict(optimizer={"lr": 0.0}), "optimizer.lr must be > 0, got 0.0"),
+    (PPO, dict(optimizer={"lr": -1e-4}), "optimizer.lr must be > 0, got -0.0001"),
     (PPO, dict(critic_lr=0.0), "critic_lr must be > 0, got 0.0"),
     (PPO, dict(epochs=0), "epochs must be an integer >= 1, got 0"),
     (PPO, dict(num_minibatches=0), "num_minibatches must be an integer >= 1, got 0"),
@@ -46,10 +48,10 @@ BAD_MODULE_ARGUMENTS = [
     (PPO, dict(clip_range_value=-0.2), "clip_range_value must be >= 0 or null, got -0.2"),
     (PPO, dict(gamma=1.5), r"gamma must lie in [0.0, 1.0], got 1.5"),
     (PPO, dict(lam=-0.1), r"lam must lie in [0.0, 1.0], got -0.1"),
-    (PPO, dict(kl_coef=-0.05), "kl_coef must be >= 0, got -0.05"),
-    (PPO, dict(kl_target=0.0), "kl_target must be > 0 or null, got 0.0"),
-    (PPO, dict(kl_horizon=0), "kl_horizon must be an integer >= 1, got 0"),
-    (PPO, dict(kl_estimator="k4"), "kl_estimator must be one of k1, k2, k3, got 'k4'"),
+    (PPO, dict(kl={"coef": -0.05}), "kl.coef must be >= 0, got -0.05"),
+    (PPO, dict(kl={"target": 0.0}), "kl.target must be > 0 or null, got 0.0"),
+    (PPO, dict(kl={"horizon": 0}), "kl.horizon must be an integer >= 1, got 0"),
+    (PPO, dict(kl={"estimator": "k4"}), "kl.estimator must be one of k1, k2, k3, got 'k4'"),
     (PPO, dict(vf_coef=-0.1), "vf_coef must be >= 0, got -0.1"),
     (PPO, dict(ent_coef=-0.01), "ent_coef must be >= 0, got -0.01"),
     (PPO, dict(ptx_coef=-1.0), "ptx_coef must be >= 0, got -1.0"),
@@ -58,42 +60,91 @@ BAD_MODULE_ARGUMENTS = [
     (PPO, dict(reward_clip=-1.0), "reward_clip must be > 0 or null, got -1.0"),
     (PPO, dict(missing_eos_penalty=-1.0), "missing_eos_penalty must be >= 0 or null, got -1.0"),
     (PPO, dict(reward_weights=[math.nan]), "reward_weights[0] must be a number, got nan"),
-    (PPO, dict(adam_eps=0.0), "adam_eps must be > 0, got 0.0"),
-    (PPO, dict(weight_decay=-0.1), "weight_decay must be >= 0, got -0.1"),
-    (PPO, dict(warmup_iterations=-1), "warmup_iterations must be an integer >= 0, got -1"),
-    (PPO, dict(lr_schedule="step"), "lr_schedule must be one of constant, linear, cosine, got 'step'"),
-    (PPO, dict(nonfinite="ignore"), "nonfinite must be one of raise, skip, got 'ignore'"),
-    (PPO, dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1, got 0"),
-    (PPO, dict(temperature=0.0), "temperature must be > 0, got 0.0"),
+    (PPO, dict(optimizer={"adam_eps": 0.0}), "optimizer.adam_eps must be > 0, got 0.0"),
+    (PPO, dict(optimizer={"weight_decay": -0.1}), "optimizer.weight_decay must be >= 0, got -0.1"),
+    (PPO, dict(optimizer={"warmup": -1}), "optimizer.warmup must be an integer >= 0, got -1"),
+    (PPO, dict(optimizer={"schedule": "step"}),
+     "optimizer.schedule must be one of constant, linear, cosine, got 'step'"),
+    (PPO, dict(optimizer={"nonfinite": "ignore"}), "optimizer.nonfinite must be one of raise, skip, got 'ignore'"),
+    (PPO, dict(sampling={"max_new_tokens": 0}), "sampling.max_new_tokens must be an integer >= 1, got 0"),
+    (PPO, dict(sampling={"temperature": 0.0}), "sampling.temperature must be > 0, got 0.0"),
     (PPO, dict(logprob_chunk=0), "logprob_chunk must be an integer >= 1 or null, got 0"),
     (GRPO, dict(samples_per_prompt=1), "GRPO needs samples_per_prompt >= 2"),
-    (GRPO, dict(kl_target=1.0), "kl_target=1.0 with kl_coef=0: the adaptive controller multiplies the coefficient"),
+    (GRPO, dict(kl={"target": 1.0}), "kl.target=1.0 with kl.coef=0: the adaptive controller multiplies the "
+     "coefficient"),
     (GRPO, dict(std_eps=-1e-4), "std_eps must be >= 0, got -0.0001"),
     (GRPO, dict(scale_rewards="mean"), "scale_rewards must be one of group, batch, none, got 'mean'"),
     (RLOO, dict(samples_per_prompt=1), "RLOO needs samples_per_prompt >= 2"),
     (REINFORCEPlusPlus, dict(gamma=2.0), r"gamma must lie in [0.0, 1.0], got 2.0"),
     (REINFORCEPlusPlus, dict(baseline="group"), "baseline: group needs samples_per_prompt >= 2, got 1"),
-    (DPO, dict(lr=-1.0), "lr must be > 0, got -1.0"),
+    (DPO, dict(optimizer={"lr": -1.0}), "optimizer.lr must be > 0, got -1.0"),
     (DPO, dict(simpo_gamma=-0.5), "simpo_gamma must be >= 0, got -0.5"),
-    (DPO, dict(warmup_steps=-1), "warmup_steps must be an integer >= 0, got -1"),
-    (DPO, dict(nonfinite="zero"), "nonfinite must be one of raise, skip, got 'zero'"),
-    (DPO, dict(top_p=0.0), r"top_p must lie in (0.0, 1.0], got 0.0"),
-    (SFT, dict(lr=0.0), "lr must be > 0, got 0.0"),
-    (SFT, dict(lr=-3e-4), "lr must be > 0, got -0.0003"),
-    (SFT, dict(weight_decay=-0.01), "weight_decay must be >= 0, got -0.01"),
-    (SFT, dict(lr_schedule="exp"), "lr_schedule must be one of constant, linear, cosine, got 'exp'"),
-    (RewardModel, dict(lr=0.0), "lr must be > 0, got 0.0"),
+    (DPO, dict(optimizer={"warmup": -1}), "optimizer.warmup must be an integer >= 0, got -1"),
+    (DPO, dict(optimizer={"nonfinite": "zero"}), "optimizer.nonfinite must be one of raise, skip, got 'zero'"),
+    (DPO, dict(sampling={"top_p": 0.0}), r"sampling.top_p must lie in (0.0, 1.0], got 0.0"),
+    (SFT, dict(optimizer={"lr": 0.0}), "optimizer.lr must be > 0, got 0.0"),
+    (SFT, dict(optimizer={"lr": -3e-4}), "optimizer.lr must be > 0, got -0.0003"),
+    (SFT, dict(optimizer={"weight_decay": -0.01}), "optimizer.weight_decay must be >= 0, got -0.01"),
+    (SFT, dict(optimizer={"schedule": "exp"}),
+     "optimizer.schedule must be one of constant, linear, cosine, got 'exp'"),
+    (RewardModel, dict(optimizer={"lr": 0.0}), "optimizer.lr must be > 0, got 0.0"),
     (RewardModel, dict(center_coef=-0.01), "center_coef must be >= 0, got -0.01"),
-    (RewardModel, dict(warmup_steps=1.5), "warmup_steps must be an integer >= 0, got 1.5"),
+    (RewardModel, dict(optimizer={"warmup": 1.5}), "optimizer.warmup must be an integer >= 0, got 1.5"),
 ]
 
 
+def argument_id(cls: type, bad: dict) -> str:
+    """``PPO-epochs``, or the dotted key of a group's field: ``PPO-kl.coef``."""
+    name, value = next(iter(bad.items()))
+    return f"{cls.__name__}-{name}" + (f".{next(iter(value))}" if isinstance(value, dict) else "")
+
+
 @pytest.mark.parametrize("cls, bad, message", BAD_MODULE_ARGUMENTS,
-                         ids=[f"{cls.__name__}-{next(iter(bad))}" for cls, bad, _ in BAD_MODULE_ARGUMENTS])
+                         ids=[argument_id(cls, bad) for cls, bad, _ in BAD_MODULE_ARGUMENTS])
 def test_bad_module_arguments_fail_before_the_model_loads(cls, bad, message):
     kwargs = {"reward": REWARD} if cls in (PPO, GRPO, RLOO, REINFORCEPlusPlus) else {}
     with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
         cls(base=MISSING, **kwargs, **bad)
+
+
+# The arguments that became fields of a typed group: one old flat name of each group, given to a constructor.
+OLD_FLAT_NAMES = [
+    (GRPO, dict(kl_coef=0.1), "GRPO(kl_coef=...): kl_coef is now kl.coef; pass kl={'coef': ...} (its other fields "
+     "keep the module's defaults) or a KLPenalty, or write kl: {coef: ...} in a config"),
+    (PPO, dict(temperature=0.7), "PPO(temperature=...): temperature is now sampling.temperature; pass "
+     "sampling={'temperature': ...} (its other fields keep the module's defaults) or a Sampling, or write "
+     "sampling: {temperature: ...} in a config"),
+    (SFT, dict(lr=1e-3), "SFT(lr=...): lr is now optimizer.lr; pass optimizer={'lr': ...} (its other fields keep the "
+     "module's defaults) or a OptimizerSettings, or write optimizer: {lr: ...} in a config"),
+]
+
+
+@pytest.mark.parametrize("cls, old, message", OLD_FLAT_NAMES,
+                         ids=[f"{cls.__name__}-{next(iter(old))}" for cls, old, _ in OLD_FLAT_NAMES])
+def test_an_old_flat_argument_is_refused_in_one_line_naming_its_new_key(cls, old, message):
+    with pytest.raises(TypeError) as raised:
+        unbuilt(cls, **old)
+    assert str(raised.value) == message
+    assert "\n" not in str(raised.value)
+
+
+def test_a_dict_of_some_fields_keeps_the_modules_other_defaults():
+    grpo = unbuilt(GRPO, kl={"coef": 0.1})
+    assert grpo.kl == dataclasses.replace(GRPO.default_kl, coef=0.1)
+    assert (grpo.kl.estimator, grpo.kl.added_to) == ("k3", "loss")  # GRPO's own, not KLPenalty's k1 in the reward
+    assert grpo.hparams["kl"] == dataclasses.asdict(grpo.kl)  # saved plain
+    reward_model = RewardModel(base=tiny_spec(), optimizer={"lr": 1e-3})
+    assert reward_model.optimizer_settings == dataclasses.replace(RewardModel.default_optimizer, lr=1e-3)
+    assert reward_model.optimizer_settings.schedule == "linear"
+    sampled = unbuilt(PPO, sampling={"max_new_tokens": 6})
+    assert sampled.sampling == dataclasses.replace(PPO.default_sampling, max_new_tokens=6)
+
+
+def test_an_unknown_field_of_a_group_is_one_line_naming_it_and_the_fields():
+    with pytest.raises(ValueError) as raised:
+        unbuilt(GRPO, kl={"coeff": 1})
+    assert str(raised.value) == ("kl.coeff: KLPenalty has no such field (its fields: coef, estimator, clamp, added_to, "
+                                 "ratio_weighting, target, horizon)")
 
 
 BAD_DATA_ARGUMENTS = [
@@ -139,7 +190,7 @@ def test_a_policy_loss_that_is_not_one_is_refused_before_the_model_loads():
 
 def test_a_rollout_that_does_not_split_fails_at_setup(tiny_model_dir, reward_dir):
     module = GRPO(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), reward=AdapterReward(str(reward_dir)),
-                  policy_lora=LORA, samples_per_prompt=2, num_minibatches=4, max_new_tokens=4)
+                  policy_lora=LORA, samples_per_prompt=2, num_minibatches=4, sampling={"max_new_tokens": 4})
     data = PromptDataModule(synthetic_rows=12, batch_size=3, val_fraction=0.0)
     trainer = L.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0)

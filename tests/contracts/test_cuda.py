@@ -52,7 +52,7 @@ def algorithm_run(name: str, model_dir: Path, reward_dir: Path, run: Path) -> li
         overrides = [*overrides, f"--model.init_args.teacher={model_dir}"]
     else:
         config, overrides, batch, _ = stages(model_dir, reward_dir)[name]
-    online = any(o.startswith("--model.init_args.max_new_tokens") for o in overrides)
+    online = any(o.startswith("--model.init_args.sampling.max_new_tokens") for o in overrides)
     return ["--config", str(REPO / "configs" / config), *COMMON, *overrides, f"--data.init_args.batch_size={batch}",
             *(ONE_ITERATION if online else ONE_STEP), f"--model.init_args.export_dir={run}-export", *ON_GPU]
 

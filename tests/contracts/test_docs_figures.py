@@ -65,5 +65,5 @@ def test_the_checks_find_what_they_look_for(tmp_path):
     page = tmp_path / "page.md"
     page.write_text("# A\n\n| x | y |\n|---|---|\n| a | 1.0 ± 0.1 |\n\n# B, 2026-11-27\n\n| a | 2 ± 1 |\n")
     assert results_tables_without_a_date(page) == [3]
-    assert QUOTED_RESULT.search("    kl_coef: 0.07   # gold +2 SD at KL ~8.5 nats")
-    assert not QUOTED_RESULT.search("    kl_coef: 0.07   # moderate")
+    assert QUOTED_RESULT.search("      coef: 0.07   # gold +2 SD at KL ~8.5 nats")
+    assert not QUOTED_RESULT.search("      coef: 0.07   # moderate")

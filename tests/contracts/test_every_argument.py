@@ -5,6 +5,7 @@ under a second."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import typing
 from pathlib import Path
@@ -28,10 +29,13 @@ from rlhf_lightning import (
     StepwiseDataModule,
     UnpairedPreferenceDataModule,
 )
+from rlhf_lightning.algorithms.kl import KLPenalty
 from rlhf_lightning.cli import RLHFCLI
 from rlhf_lightning.cli.errors import accepted_arguments, user_error
 from rlhf_lightning.core.held_out_pass_at_k import PassAtK
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
+from rlhf_lightning.rollout.settings import Sampling
+from rlhf_lightning.utils.optim import OptimizerSettings
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = {SFT: "sft.yaml", RewardModel: "reward.yaml", PPO: "ppo.yaml", GRPO: "grpo.yaml", RLOO: "rloo.yaml",
@@ -39,6 +43,8 @@ CONFIGS = {SFT: "sft.yaml", RewardModel: "reward.yaml", PPO: "ppo.yaml", GRPO: "
            ProcessRewardModel: "arithmetic_prm.yaml"}
 DATA = {SFTDataModule: "sft.yaml", PreferenceDataModule: "reward.yaml", PromptDataModule: "grpo.yaml",
         UnpairedPreferenceDataModule: "kto.yaml", StepwiseDataModule: "arithmetic_prm.yaml"}
+# The typed groups of arguments: each of their fields is an argument of its own here, by its dotted key (kl.coef).
+GROUP_TYPES = (Sampling, KLPenalty, OptimizerSettings)
 # (argument, value) pairs that are valid although they look odd, and why.
 VALID = {
     ("seed", "-1"): "any integer seeds the sampler",
@@ -72,8 +78,15 @@ def cases() -> list[tuple[type, str, str, str]]:
             if init is not None:
                 hints.update(typing.get_type_hints(init))
         for name in accepted_arguments(f"{cls.__module__}.{cls.__qualname__}"):
-            for value in bad_values(hints.get(name, inspect.Parameter.empty)):
-                found.append((cls, config, name, value))
+            annotation = hints.get(name, inspect.Parameter.empty)
+            if annotation in GROUP_TYPES:  # a typed group: each of its fields, as --model.init_args.kl.coef
+                fields = typing.get_type_hints(annotation)
+                arguments = [(f"{name}.{field.name}", fields[field.name]) for field in dataclasses.fields(annotation)]
+            else:
+                arguments = [(name, annotation)]
+            for key, hint in arguments:
+                for value in bad_values(hint):
+                    found.append((cls, config, key, value))
     return found
 
 

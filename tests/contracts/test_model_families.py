@@ -37,7 +37,8 @@ def family_dir(request, tmp_path_factory) -> tuple[Family, Path]:
 
 
 def _perturbed_policy(directory: Path, **kwargs) -> PolicyModule:
-    module = built(PolicyModule(BaseModelSpec(name_or_path=str(directory)), LORA, max_new_tokens=12, **kwargs))
+    module = built(PolicyModule(BaseModelSpec(name_or_path=str(directory)), LORA, sampling={"max_new_tokens": 12},
+                                **kwargs))
     torch.manual_seed(1)
     with torch.no_grad():
         for name, parameter in module.model.model.named_parameters():
@@ -208,14 +209,16 @@ def test_sft_reward_ppo_and_merge_through_the_cli(family_dir, tmp_path):
     _run(tmp_path, "sft", {
         "trainer": {**_TRAINER, "max_steps": 1},
         "model": {"class_path": "rlhf_lightning.SFT",
-                  "init_args": {"base": {"name_or_path": str(directory)}, "lr": 1e-3, "export_dir": "sft"}},
+                  "init_args": {"base": {"name_or_path": str(directory)}, "optimizer": {"lr": 1e-3},
+                                "export_dir": "sft"}},
         "data": {"class_path": "rlhf_lightning.SFTDataModule",
                  "init_args": {"dataset": data["sft"], "batch_size": 4, "max_length": 64, "val_fraction": 0.0}}})
     assert (tmp_path / "sft/config.json").exists()
     _run(tmp_path, "reward", {
         "trainer": {**_TRAINER, "max_steps": 1},
         "model": {"class_path": "rlhf_lightning.RewardModel",
-                  "init_args": {"base": {"name_or_path": "sft"}, "lora": lora, "lr": 1e-3, "export_dir": "reward"}},
+                  "init_args": {"base": {"name_or_path": "sft"}, "lora": lora, "optimizer": {"lr": 1e-3},
+                                "export_dir": "reward"}},
         "data": {"class_path": "rlhf_lightning.PreferenceDataModule",
                  "init_args": {"dataset": data["pairs"], "batch_size": 4, "max_length": 64, "val_fraction": 0.0}}})
     assert (tmp_path / "reward/reward/head.safetensors").exists()
@@ -225,8 +228,8 @@ def test_sft_reward_ppo_and_merge_through_the_cli(family_dir, tmp_path):
                   "init_args": {"base": {"name_or_path": "sft"},
                                 "reward": {"class_path": "rlhf_lightning.AdapterReward",
                                            "init_args": {"path": "reward/reward"}},
-                                "policy_lora": lora, "critic_lora": lora, "max_new_tokens": 8, "epochs": 1,
-                                "num_minibatches": 1, "export_dir": "ppo"}},
+                                "policy_lora": lora, "critic_lora": lora, "sampling": {"max_new_tokens": 8},
+                                "epochs": 1, "num_minibatches": 1, "export_dir": "ppo"}},
         "data": {"class_path": "rlhf_lightning.PromptDataModule",
                  "init_args": {"dataset": data["prompts"], "batch_size": 4, "max_length": 64, "val_fraction": 0.0}}})
     main(["merge", "--adapter", str(tmp_path / "ppo/policy"), "--out", str(tmp_path / "merged")])
@@ -269,15 +272,16 @@ def test_every_stage_runs_in_bf16_with_the_static_cache(precision, dtype, tmp_pa
             "data": {"class_path": f"rlhf_lightning.{data_class}",
                      "init_args": {"dataset": dataset, "batch_size": 4, "max_length": 64, "val_fraction": 0.0}}})
 
-    stage("sft", "SFT", {"base": base(str(directory)), "lora": lora, "lr": 1e-3, "export_dir": "sft"},
+    stage("sft", "SFT", {"base": base(str(directory)), "lora": lora, "optimizer": {"lr": 1e-3}, "export_dir": "sft"},
           "SFTDataModule", data["sft"], max_steps=2)
-    stage("reward", "RewardModel", {"base": base("sft"), "lora": lora, "lr": 1e-3, "export_dir": "reward"},
+    stage("reward", "RewardModel", {"base": base("sft"), "lora": lora, "optimizer": {"lr": 1e-3},
+                                    "export_dir": "reward"},
           "PreferenceDataModule", data["pairs"], max_steps=2)
-    online = {"base": base("sft"), "policy_lora": lora, "max_new_tokens": 8, "kv_cache": "static",
+    online = {"base": base("sft"), "policy_lora": lora, "sampling": {"max_new_tokens": 8, "kv_cache": "static"},
               "reward": {"class_path": "rlhf_lightning.AdapterReward", "init_args": {"path": "reward/reward"}}}
     stage("ppo", "PPO", {**online, "critic_lora": lora, "epochs": 2, "num_minibatches": 1, "export_dir": "ppo"},
           "PromptDataModule", data["prompts"], max_epochs=1, limit_train_batches=2)
-    stage("grpo", "GRPO", {**online, "samples_per_prompt": 2, "kl_coef": 0.1, "export_dir": "grpo"},
+    stage("grpo", "GRPO", {**online, "samples_per_prompt": 2, "kl": {"coef": 0.1}, "export_dir": "grpo"},
           "PromptDataModule", data["prompts"], max_epochs=1, limit_train_batches=2)
     stage("dpo", "DPO", {"base": base("sft"), "policy_lora": lora, "export_dir": "dpo"},
           "PreferenceDataModule", data["pairs"], max_steps=2)

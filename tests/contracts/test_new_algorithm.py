@@ -50,7 +50,7 @@ def test_the_page_adds_an_algorithm_in_under_60_lines():
 def test_gpg_advantages_are_the_papers_rescaled_group_baseline(my_gpg, tiny_model_dir, reward_dir):
     torch.manual_seed(0)
     module = built(my_gpg.GPG(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), policy_lora=LORA,
-                              reward=AdapterReward(str(reward_dir)), samples_per_prompt=4, max_new_tokens=6))
+                              reward=AdapterReward(str(reward_dir)), samples_per_prompt=4, sampling={"max_new_tokens": 6}))
     assert "VanillaPolicyGradient" in PolicyLoss.registry  # defining the class registered it
     perturb(module, "policy")
     experience, stats = module.collect_and_prepare(prompt_batch(module, n=4))
@@ -76,7 +76,7 @@ def test_the_pages_command_trains_gpg_from_grpos_config(my_gpg, tiny_model_dir, 
     assert command[:4] == ["python", "-m", "rlhf_lightning", "fit"]
     main([*command[3:], f"--model.init_args.base.name_or_path={tiny_model_dir}",
           f"--model.init_args.reward.init_args.path={reward_dir}", "--model.init_args.policy_lora={r: 4, alpha: 8}",
-          "--model.init_args.max_new_tokens=4", "--data.init_args.synthetic_rows=40", "--data.init_args.batch_size=2",
+          "--model.init_args.sampling.max_new_tokens=4", "--data.init_args.synthetic_rows=40", "--data.init_args.batch_size=2",
           "--trainer.limit_train_batches=2", "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1",
           "--trainer.enable_progress_bar=false"])
     expected = {"gpg/objective/alpha", "gpg/loss/policy", "gpg/objective/score", "gpg/val/gold"}

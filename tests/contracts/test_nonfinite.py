@@ -1,9 +1,10 @@
 """Nothing non-finite is trained on or written: a NaN or infinite reward, loss or gradient stops the run with a
-message naming where it came from, or (``nonfinite: skip``) skips the optimizer step and counts it; checkpoints
-and exports refuse non-finite weights."""
+message naming where it came from, or (``optimizer.nonfinite: skip``) skips the optimizer step and counts it;
+checkpoints and exports refuse non-finite weights."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import shutil
@@ -44,7 +45,8 @@ class BrokenReward(RewardSource):
 
 
 # One epoch of two minibatches, 2 responses per prompt (PPO: one).
-make_small = functools.partial(make, defaults=dict(max_new_tokens=4, epochs=1, num_minibatches=2, samples_per_prompt=2))
+make_small = functools.partial(make, defaults=dict(sampling={"max_new_tokens": 4}, epochs=1, num_minibatches=2,
+                                                   samples_per_prompt=2))
 
 
 def fit(module, tmp_path: Path, iterations: int, prefix: str):
@@ -73,7 +75,7 @@ def assert_every_file_finite(folder: Path) -> int:
 def test_an_infinite_reward_stops_the_run_naming_the_source_rows_and_iteration(cls, tiny_model_dir, tmp_path):
     module = make_small(cls, tiny_model_dir, BrokenReward(math.inf, [1, 3], {2}), export_dir=str(tmp_path / "export"))
     with pytest.raises(NonFiniteError, match=r"^iteration 2: reward source 'broken' \(BrokenReward\) returned inf "
-                                             r"for rows \[1, 3\] of \d+; set nonfinite: skip"):
+                                             r"for rows \[1, 3\] of \d+; set optimizer\.nonfinite: skip"):
         fit(module, tmp_path, iterations=3, prefix=f"{module.metric_prefix}/")
     assert assert_every_file_finite(tmp_path) == 1  # the checkpoint of iteration 1, nothing after
     assert not (tmp_path / "export").exists()
@@ -107,7 +109,7 @@ def test_a_reward_function_returning_nan_is_named_with_the_iteration(tiny_model_
 
 
 def test_skip_skips_the_iteration_counts_its_steps_and_training_goes_on(tiny_model_dir, tmp_path):
-    module = make_small(GRPO, tiny_model_dir, BrokenReward(-math.inf, [0], {1}), nonfinite="skip",
+    module = make_small(GRPO, tiny_model_dir, BrokenReward(-math.inf, [0], {1}), optimizer={"nonfinite": "skip"},
                   export_dir=str(tmp_path / "export"))
     trainer, rows = fit(module, tmp_path, iterations=2, prefix="grpo/")
     assert trainer.global_step == 2  # iteration 2's two minibatches
@@ -137,18 +139,19 @@ def test_a_non_finite_gradient_is_named_and_skip_leaves_the_weights_untouched(ti
         parameter.grad = torch.zeros_like(parameter)
     first = next(name for name in named if "lora_A" in name)
     named[first].grad[0, 0] = math.nan
-    with pytest.raises(NonFiniteError, match=rf"non-finite gradients in 1 parameters \[{first}\]; set nonfinite"):
+    with pytest.raises(NonFiniteError,
+                       match=rf"non-finite gradients in 1 parameters \[{first}\]; set optimizer\.nonfinite"):
         module.guard_step("step 7")
-    module.hparams.nonfinite = "skip"
+    module.optimizer_settings = dataclasses.replace(module.optimizer_settings, nonfinite="skip")
     assert module.guard_step("step 7") is False
     assert module.skipped_steps == 1 and all(p.grad is None for p in named.values())
 
 
 @pytest.mark.parametrize("nonfinite", ["raise", "skip"])
 def test_sft_with_a_diverging_learning_rate(nonfinite, tmp_path):
-    """lr=1e30: the first step makes the weights huge, the next forward pass overflows to NaN."""
+    """optimizer.lr=1e30: the first step makes the weights huge, the next forward pass overflows to NaN."""
     torch.manual_seed(0)
-    module = SFT(base=tiny_spec(), lora=LoraSpec(r=2, alpha=4), lr=1e30, nonfinite=nonfinite,
+    module = SFT(base=tiny_spec(), lora=LoraSpec(r=2, alpha=4), optimizer={"lr": 1e30, "nonfinite": nonfinite},
                  export_dir=str(tmp_path / "model"))
     data = SFTDataModule(synthetic_rows=40, batch_size=4, val_fraction=0.0, max_length=64)
     sums = []
@@ -162,7 +165,7 @@ def test_sft_with_a_diverging_learning_rate(nonfinite, tmp_path):
                         limit_val_batches=0, callbacks=[Weights()])
     if nonfinite == "raise":
         with pytest.raises(NonFiniteError, match=r"^optimizer step 2 \(training batch 1\): non-finite loss "
-                                                 r"sft/loss=nan; set nonfinite: skip"):
+                                                 r"sft/loss=nan; set optimizer\.nonfinite: skip"):
             trainer.fit(module, datamodule=data)
         assert not (tmp_path / "model").exists()
     else:

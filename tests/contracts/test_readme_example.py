@@ -55,4 +55,5 @@ def test_the_cli_accepts_the_subclass_with_its_new_argument(readme_example, tiny
     assert type(cli.model).__name__ == "LengthPenalizedPPO"
     assert cli.model.token_cost == 0.02
     config = yaml.safe_load((REPO / "configs" / "ppo.yaml").read_text())["model"]["init_args"]
-    assert cli.model.hparams.kl_coef == config["kl_coef"]  # the config's other arguments still apply
+    # the config's other arguments still apply
+    assert cli.model.hparams["kl"]["coef"] == cli.model.kl.coef == config["kl"]["coef"]

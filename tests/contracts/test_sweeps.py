@@ -74,7 +74,7 @@ def trial_save_dir(sweep: dict[str, Any]) -> str:
 
 
 def option_key(argument: str) -> str:
-    """``--model.init_args.lr=3e-4`` -> ``model.init_args.lr``."""
+    """``--model.init_args.optimizer.lr=3e-4`` -> ``model.init_args.optimizer.lr``."""
     return argument.removeprefix("--").split("=", 1)[0]
 
 
@@ -243,18 +243,20 @@ def tiny_overrides(config: str, tiny_model_dir: Path, reward_dir: Path, run: boo
     runs = {
         # One PPO iteration on a real-size rollout batch (64 prompts, so num_minibatches is checked as in a real
         # trial), then validation on the held-out prompts.
-        "configs/ppo.yaml": ["--model.init_args.max_new_tokens=6", "--data.init_args.synthetic_rows=80",
+        "configs/ppo.yaml": ["--model.init_args.sampling.max_new_tokens=6", "--data.init_args.synthetic_rows=80",
                              "--trainer.max_epochs=1", "--trainer.limit_train_batches=1",
                              "--trainer.val_check_interval=1"],
-        "configs/dpo.yaml": ["--model.init_args.max_new_tokens=6", "--data.init_args.synthetic_rows=80",
+        "configs/dpo.yaml": ["--model.init_args.sampling.max_new_tokens=6", "--data.init_args.synthetic_rows=80",
                              "--data.init_args.batch_size=8", "--data.init_args.val_batch_size=8",
-                             "--trainer.max_steps=2", "--trainer.val_check_interval=2", "--trainer.log_every_n_steps=1"],
-        "configs/grpo.yaml": ["--model.init_args.max_new_tokens=6", "--data.init_args.synthetic_rows=40",
+                             "--trainer.max_steps=2", "--trainer.val_check_interval=2",
+                             "--trainer.log_every_n_steps=1"],
+        "configs/grpo.yaml": ["--model.init_args.sampling.max_new_tokens=6", "--data.init_args.synthetic_rows=40",
                               "--trainer.max_epochs=1", "--trainer.limit_train_batches=1",
                               "--trainer.val_check_interval=1"],
-        "configs/online_dpo.yaml": ["--model.init_args.max_new_tokens=6", "--data.init_args.synthetic_rows=40",
-                                    "--data.init_args.batch_size=8", "--trainer.max_epochs=1",
-                                    "--trainer.limit_train_batches=1", "--trainer.val_check_interval=1"],
+        "configs/online_dpo.yaml": ["--model.init_args.sampling.max_new_tokens=6",
+                                    "--data.init_args.synthetic_rows=40", "--data.init_args.batch_size=8",
+                                    "--trainer.max_epochs=1", "--trainer.limit_train_batches=1",
+                                    "--trainer.val_check_interval=1"],
         "configs/reward.yaml": ["--data.init_args.synthetic_rows=40", "--data.init_args.batch_size=8",
                                 "--trainer.max_steps=2", "--trainer.val_check_interval=2",
                                 "--trainer.log_every_n_steps=1"],
@@ -296,8 +298,8 @@ def instantiated_value(cli: RLHFCLI, key: str) -> Any:
 
 
 def nested(config: Mapping[str, Any], key: str) -> Any:
-    """``config['model']['init_args']['lr']`` for ``model.init_args.lr``; a group given by ``class_path`` may omit
-    its ``init_args`` (``policy_loss.clip_range``), as the command line does."""
+    """``config['model']['init_args']['kl']['coef']`` for ``model.init_args.kl.coef``; a group given by
+    ``class_path`` may omit its ``init_args`` (``policy_loss.clip_range``), as the command line does."""
     for part in key.split("."):
         if part not in config and "init_args" in config:
             config = config["init_args"]
