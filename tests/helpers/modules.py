@@ -14,6 +14,21 @@ from rlhf_lightning.tasks.synthetic import gold_rewards
 from tests.helpers.models import LORA, built, tiny_spec
 
 
+GROUPS = ("sampling", "kl", "optimizer")  # the modules' typed groups, given from Python as dicts of some fields
+
+
+def merged(*settings: dict[str, Any]) -> dict[str, Any]:
+    """Module arguments, later ones over earlier ones, the groups' dicts merged field by field (a test's
+    ``sampling={"temperature": 0.7}`` keeps a helper's ``sampling={"max_new_tokens": 6}``)."""
+    out: dict[str, Any] = {}
+    for arguments in settings:
+        for name, value in arguments.items():
+            if name in GROUPS and isinstance(value, dict) and isinstance(out.get(name), dict):
+                value = {**out[name], **value}
+            out[name] = value
+    return out
+
+
 def make(cls: type, model_dir: str | Path, reward: Any = None, defaults: dict[str, Any] | None = None,
          **arguments: Any):
     """``cls`` built (``configure_model``) on the base saved in ``model_dir``, with the tests' small adapters
@@ -27,13 +42,13 @@ def make(cls: type, model_dir: str | Path, reward: Any = None, defaults: dict[st
     torch.manual_seed(0)
     accepted = set(accepted_arguments(cls))
     assert accepted, f"the arguments of {cls} cannot be read"
-    settings = {"policy_lora": LORA, ("policy_lr" if "policy_lr" in accepted else "lr"): 1e-2}
+    settings = {"policy_lora": LORA, "optimizer": {"lr": 1e-2}}
     if issubclass(cls, PPO):
         settings["critic_lora"] = LORA
-    settings |= {name: value for name, value in (defaults or {}).items() if name in accepted}
+    settings = merged(settings, {name: value for name, value in (defaults or {}).items() if name in accepted})
     if reward is not None:
         settings["reward"] = AdapterReward(str(reward)) if isinstance(reward, (str, Path)) else reward
-    return built(cls(base=BaseModelSpec(name_or_path=str(model_dir)), **{**settings, **arguments}))
+    return built(cls(base=BaseModelSpec(name_or_path=str(model_dir)), **merged(settings, arguments)))
 
 
 def unbuilt(cls: type, **arguments: Any):
