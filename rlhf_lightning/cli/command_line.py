@@ -145,6 +145,9 @@ class RLHFCLI(LightningCLI):
     def __init__(self, args: Sequence[str] | None = None, run: bool = True) -> None:
         self.argv = list(sys.argv[1:] if args is None else args)  # for the exports' model card
         OneLineArgumentParser.config_files = config_files(self.argv)
+        given = nulls_in_groups(self.argv)
+        if given != self.argv:
+            args = given
         super().__init__(
             model_class=L.LightningModule,
             datamodule_class=L.LightningDataModule,
@@ -362,8 +365,7 @@ def main(args: Sequence[str] | None = None) -> None:
 
             serve_main(argv[1:], OneLineArgumentParser)
             return
-        given = nulls_in_groups(argv)
-        RLHFCLI(args=None if args is None and given == argv else given)
+        RLHFCLI(args=None if args is None else argv)
     except SIGTERMException:
         # Lightning's own handling (outside a fit's training, where Preemption takes over) ends with status 0.
         print_error("error: stopped by SIGTERM outside a training step (nothing to save)")

@@ -50,6 +50,16 @@ def test_overrides_reach_the_instantiated_module():
     assert cli.datamodule.batch_size == 5
 
 
+@pytest.mark.parametrize("given", [["--model.init_args.kl.target=null"], ["--model.init_args.kl.target", "null"]])
+def test_a_group_field_given_null_on_the_command_line_is_null_and_the_groups_other_fields_stay(given):
+    """jsonargparse refuses ``--model.init_args.kl.target=null`` inside a class's init_args; the CLI passes it
+    as ``{target: null}``, merged into the config's ``kl``."""
+    cli = RLHFCLI(args=["--config", str(REPO / "configs" / "ppo.yaml"), "--model.init_args.kl.target=1.0", *given,
+                        "--model.init_args.sampling.stop_token=null", "--trainer.logger=false"], run=False)
+    assert cli.model.kl.target is None and cli.model.sampling.stop_token is None
+    assert cli.model.kl.coef == 0.07 and cli.model.sampling.max_new_tokens > 1  # the config's, kept
+
+
 def _fit(config: str, *overrides: str) -> None:
     main(["fit", "--config", str(REPO / "configs" / config), "--trainer.enable_progress_bar=false",
           "--trainer.enable_model_summary=false", "--trainer.log_every_n_steps=1", *overrides])
