@@ -15,6 +15,7 @@ from rlhf_lightning import SFT
 from rlhf_lightning.callbacks import AtomicCheckpointIO, CheckpointError, IterationCheckpoint
 from rlhf_lightning.runs.resume import CLASS_KEY
 from rlhf_lightning.utils.atomic_io import atomic_write, checkpoint_problem, is_leftover
+from rlhf_lightning.utils.checks import MOVED_ARGUMENTS
 from tests.helpers.models import tiny_spec
 from tests.helpers.online import Recorder, make_ppo, prompts
 
@@ -114,12 +115,21 @@ def test_an_explicit_broken_checkpoint_is_named_in_the_error(tiny_model_dir, rew
 
 def test_a_checkpoint_that_names_the_class_by_its_path_before_the_move_resumes_the_run(
         tiny_model_dir, reward_dir, uninterrupted, tmp_path):
-    """A checkpoint of the last release records ``rlhf_lightning.ppo.PPO`` (the module before stages/): it still
-    resumes a PPO run, number for number."""
+    """A checkpoint of the last release records ``rlhf_lightning.ppo.PPO`` (the module before stages/) and its
+    hyper-parameters by their flat names (``kl_target``, ``max_new_tokens``, ``policy_lr``: before the typed
+    groups): it still resumes a PPO run, number for number."""
     full_rows, full_dir = uninterrupted
     checkpoint = torch.load(step_file(full_dir, 1), weights_only=False)
     assert checkpoint[CLASS_KEY] == "rlhf_lightning.stages.ppo.PPO"
     checkpoint[CLASS_KEY] = "rlhf_lightning.ppo.PPO"
+    saved = checkpoint["hyper_parameters"]
+    for old, new in MOVED_ARGUMENTS.items():
+        group, field = new.split(".")
+        if field in saved.get(group, {}):
+            saved[old] = saved[group][field]
+    for group in ("sampling", "kl", "optimizer"):
+        del saved[group]
+    assert saved["kl_target"] == 0.5 and "kl" not in saved
     torch.save(checkpoint, tmp_path / "old.ckpt")
     with pytest.warns(FutureWarning, match="rlhf_lightning.ppo moved to rlhf_lightning.stages.ppo"):
         resumed = fit_ppo(tiny_model_dir, reward_dir, tmp_path / "run", ckpt_path=str(tmp_path / "old.ckpt"))
