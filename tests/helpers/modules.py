@@ -13,7 +13,6 @@ from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.tasks.synthetic import gold_rewards
 from tests.helpers.models import LORA, built, tiny_spec
 
-
 GROUPS = ("sampling", "kl", "optimizer")  # the modules' typed groups, given from Python as dicts of some fields
 
 
