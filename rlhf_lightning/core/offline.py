@@ -38,8 +38,7 @@ class OfflinePreference(PolicyModule):
     ) -> None:
         super().__init__(*args, **kwargs)
         checks.at_least("sample_eval_batches", sample_eval_batches, minimum=0, optional=True)
-        self.optimizer_settings = self.keep_group("optimizer", checks.group_settings("optimizer", optimizer,
-                                                                                      self.default_optimizer))
+        self.optimizer_settings = self.keep_group("optimizer", optimizer, self.default_optimizer)
 
     @property
     def needs_reference(self) -> bool:

@@ -111,8 +111,7 @@ class OnlineRL(ExperienceCollector):
                 "sampling.top_k: 0, sampling.top_p: 1.0"
             )
         check_split(epochs, num_minibatches, gradient_accumulation, micro_batch_tokens)
-        self.optimizer_settings = self.keep_group("optimizer", checks.group_settings("optimizer", optimizer,
-                                                                                      self.default_optimizer))
+        self.optimizer_settings = self.keep_group("optimizer", optimizer, self.default_optimizer)
         for name, value in {"target_kl": target_kl, "max_grad_norm": max_grad_norm}.items():
             checks.positive(name, value, optional=True)
         self.automatic_optimization = False

@@ -118,7 +118,6 @@ class PolicyModule(HeldOutSamples, StageModule):
         pass_at_k: PassAtK = PassAtK(),  # noqa: B008 (never mutated; the CLI shows it as the default)
         export_dir: str | None = None,
     ) -> None:
-        sampling = checks.group_settings("sampling", sampling, type(self).default_sampling)
         checks.at_least("logprob_chunk", logprob_chunk, optional=True)
         if not isinstance(engine, Engine):
             raise TypeError(f"engine must be an Engine (rlhf_lightning.rollout.engines: Auto, EagerDecoder, "
@@ -134,7 +133,7 @@ class PolicyModule(HeldOutSamples, StageModule):
             self.hparams.update({name: value for name, value in level.items()
                                  if name not in self.hparams
                                  and name not in ("reward", "gold_reward", "environment", "engine")})
-        self.sampling = self.keep_group("sampling", sampling)
+        self.sampling = self.keep_group("sampling", sampling, self.default_sampling)
         self.policy_lora = without_dropout(policy_lora.check("policy_lora"), POLICY)
         self.gold_reward = gold_reward
         self.engine = engine
@@ -163,7 +162,7 @@ class PolicyModule(HeldOutSamples, StageModule):
         if self._sampler is None:
             hp = self.hparams
             self._sampler = Sampler(self.sampling.settings(self.tokenizer), Seeds(hp.seed, hp.seed_scope),
-                                    self.tokenizer.pad_token_id,                                    hp.sharded_rollout, self.engine)
+                                    self.tokenizer.pad_token_id, hp.sharded_rollout, self.engine)
         return self._sampler
 
     @property

@@ -99,7 +99,7 @@ class PolicyGradient(OnlineRL):
             raise TypeError(f"policy_loss must be a PolicyLoss (one of {', '.join(PolicyLoss.registry)}, or a "
                             f"subclass of your own), got {policy_loss!r}")
         checks.one_of("loss_aggregation", loss_aggregation, get_args(LossAggregation))
-        self.kl: KLPenalty = self.keep_group("kl", checks.group_settings("kl", kl, self.default_kl))
+        self.kl: KLPenalty = self.keep_group("kl", kl, self.default_kl)
         for name, value in {"ent_coef": ent_coef, "ptx_coef": ptx_coef}.items():
             checks.non_negative(name, value)
         checks.one_of("rollout_correction", rollout_correction, CORRECTIONS)

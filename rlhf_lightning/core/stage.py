@@ -178,9 +178,11 @@ class StageModule(OverRanks, L.LightningModule):
             del state[key]
         return state
 
-    def keep_group(self, name: str, settings: Any) -> Any:
-        """A resolved group argument (``sampling``, ``kl``, ``optimizer``), returned to be kept typed on the module
-        and saved plain in the hyper-parameters (a dict, as a config gives it), which checkpoints and loggers read."""
+    def keep_group(self, name: str, value: Any, default: Any) -> Any:
+        """A group argument (``sampling``, ``kl``, ``optimizer``) resolved over the module's ``default``
+        (:func:`~rlhf_lightning.utils.checks.group_settings`), returned to be kept typed on the module and saved
+        plain in the hyper-parameters (a dict, as a config gives it), which checkpoints and loggers read."""
+        settings = checks.group_settings(name, value, default)
         self.hparams[name] = dataclasses.asdict(settings)
         return settings
 

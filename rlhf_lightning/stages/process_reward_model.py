@@ -57,13 +57,12 @@ class ProcessRewardModel(SupervisedStage):
         optimizer: OptimizerSettings = default_optimizer,
         export_dir: str | None = None,
     ) -> None:
-        optimizer = checks.group_settings("optimizer", optimizer, type(self).default_optimizer)
         if not isinstance(separator, str) or not separator:
             raise ValueError(f"separator: expected the non-empty text that ends each step, got {separator!r}")
         export_dir = checks.optional_str(export_dir)
         super().__init__(base)
         self.save_hyperparameters()
-        self.optimizer_settings = self.keep_group("optimizer", optimizer)
+        self.optimizer_settings = self.keep_group("optimizer", optimizer, self.default_optimizer)
         self.lora = lora.check("lora")
         self.separator = separator
         self.val_loss = MeanStd()

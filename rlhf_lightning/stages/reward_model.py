@@ -53,11 +53,10 @@ class RewardModel(SupervisedStage):
         export_dir: str | None = None,
     ) -> None:
         checks.non_negative("center_coef", center_coef)
-        optimizer = checks.group_settings("optimizer", optimizer, type(self).default_optimizer)
         export_dir = checks.optional_str(export_dir)
         super().__init__(base)
         self.save_hyperparameters()
-        self.optimizer_settings = self.keep_group("optimizer", optimizer)
+        self.optimizer_settings = self.keep_group("optimizer", optimizer, self.default_optimizer)
         self.lora = lora.check("lora") if lora is not None else None
         self.adapter = REWARD_ROLE if lora is not None else None
         self.val_accuracy = PairwiseAccuracy()

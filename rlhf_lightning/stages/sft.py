@@ -49,14 +49,13 @@ class SFT(SupervisedStage):
         export_dir: str | None = None,
         export_format: Literal["merged", "adapter"] = "merged",
     ) -> None:
-        optimizer = checks.group_settings("optimizer", optimizer, type(self).default_optimizer)
         checks.one_of("export_format", export_format, ("merged", "adapter"))
         if export_format == "adapter" and lora is None:
             raise ValueError("export_format: adapter exports the LoRA adapter; set lora (or export_format: merged)")
         export_dir = checks.optional_str(export_dir)
         super().__init__(base)
         self.save_hyperparameters()
-        self.optimizer_settings = self.keep_group("optimizer", optimizer)
+        self.optimizer_settings = self.keep_group("optimizer", optimizer, self.default_optimizer)
         self.lora = lora.check("lora") if lora is not None else None
         self.adapter = SFT_ADAPTER if lora is not None else None
         self.val_loss = MeanMetric()
