@@ -1,5 +1,6 @@
-"""``ModelReward``: a separate reward model with its own tokenizer and chat template, reading its score where it was
-trained to (the turn-end token or EOS), with a pad token it may lack added and its embeddings grown."""
+"""Reward sources: ``ModelReward``, a separate reward model with its own tokenizer and chat template, reading its
+score where it was trained to (the turn-end token or EOS), with a pad token it may lack added and its embeddings
+grown; a ``FunctionReward`` that returns bad scores is named with its row."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from rlhf_lightning.models.heads import ScalarHead
 from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer
 from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.models.spec import BaseModelSpec
-from rlhf_lightning.rewards import ModelReward, RewardInputs
+from rlhf_lightning.rewards import FunctionReward, ModelReward, RewardInputs
 from tests.helpers.families import FAMILIES, build_model_dir, build_tokenizer
 
 CONVERSATIONS = [[{"role": "user", "content": "what is two plus three?"}],
@@ -145,3 +146,18 @@ def test_an_adapter_path_one_folder_too_high_names_the_adapter_below(policy_base
                                 "set reward.init_args.path to it")
     with pytest.raises(FileNotFoundError, match="run the reward stage first"):
         AdapterReward(str(above / "nothing-here")).setup(*policy_base)
+
+
+@pytest.mark.parametrize(("returned", "error", "match"), [
+    (["1.0", 2.0], TypeError, r"length_or_bad\b.*'1.0' \(str\) for row 0"),
+    ([1.0, float("nan")], ValueError, r"returned nan for row 1"),
+    ([1.0], ValueError, r"returned 1 scores for 2 completions"),
+])
+def test_a_bad_reward_function_is_named_with_its_row(returned, error, match):
+    def length_or_bad(prompts, completions, **kwargs):
+        return returned
+
+    inputs = RewardInputs(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3), torch.tensor([2, 2]), ["a", "b"],
+                          ["x", "y"], [[1], [2]])
+    with pytest.raises(error, match=match):
+        FunctionReward(length_or_bad).score(inputs)
