@@ -9,10 +9,12 @@ from pathlib import Path
 
 import yaml
 
+from rlhf_lightning.utils.checks import GROUP_CLASSES
+
 # A field of a typed group given null on the command line (`--model.init_args.kl.target=null`), which jsonargparse
 # 4.53 refuses inside a class's init_args ("expected a number or null, got None"), though it takes the same as a
 # dict: `--model.init_args.kl={target: null}`, merged into the group like any other value.
-GROUP_FIELD = re.compile(r"^--((?:\w+\.)*init_args\.(?:sampling|kl|optimizer))\.(\w+)(?:=(.*))?$")
+GROUP_FIELD = re.compile(rf"^--((?:\w+\.)*init_args\.(?:{'|'.join(GROUP_CLASSES)}))\.(\w+)(?:=(.*))?$")
 NULLS = frozenset({"null", "none", "~"})
 
 

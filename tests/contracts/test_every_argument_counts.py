@@ -39,7 +39,7 @@ from rlhf_lightning.tasks.calculator import correct_answer
 from rlhf_lightning.tasks.synthetic import gold_rewards
 from rlhf_lightning.utils.optim import OptimizerSettings
 from rlhf_lightning.utils.timing import record_phases
-from tests.helpers.models import LORA, built, make_likely
+from tests.helpers.models import LORA, built, make_likely, with_random_adapter
 from tests.helpers.modules import GROUPS, merged
 
 ONLINE = [rl.GRPO, rl.RLOO, rl.REINFORCEPlusPlus, rl.PPO, rl.OnPolicyDistillation, rl.OnlineDPO]
@@ -214,7 +214,6 @@ def models(tiny_model_dir, reward_dir, calculator_model_dir, tiny_arithmetic_dir
     reward adapter, a second adapter (another teacher), the calculator's model and the arithmetic task's two bases
     (the process reward model's: its steps end at a token of that tokenizer)."""
     from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer
-    from rlhf_lightning.models.shared_base import SharedBase
 
     spec = BaseModelSpec(name_or_path=str(tiny_model_dir))
     tokenizer = load_tokenizer(spec)
@@ -230,13 +229,7 @@ def models(tiny_model_dir, reward_dir, calculator_model_dir, tiny_arithmetic_dir
         folders[name] = tmp_path_factory.mktemp(name.replace(" ", "-"))
         model.save_pretrained(folders[name])
         tokenizer.save_pretrained(folders[name])
-    base = SharedBase(load_causal_lm(spec, tokenizer))
-    base.add_adapter("teacher", LORA)
-    torch.manual_seed(8)
-    with torch.no_grad():
-        for name, parameter in base.model.named_parameters():
-            if "lora_B" in name:
-                parameter.normal_(0, 0.5)
+    base, _ = with_random_adapter(tiny_model_dir, "teacher", seed=8)
     teacher = base.save_adapter("teacher", tmp_path_factory.mktemp("teacher"))
 
     def unrecorded(adapter: Path) -> Path:

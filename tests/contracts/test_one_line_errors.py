@@ -230,7 +230,7 @@ def test_no_warning_for_the_embedded_task(caplog):
     assert os.environ.get("HF_HUB_OFFLINE") == "1"  # tests never reach the hub
 
 
-def test_an_argument_that_moved_into_a_group_is_named_at_its_line_of_the_config_file(capsys, tmp_path):
+def test_an_argument_that_moved_into_a_group_is_refused_from_a_config_file_naming_its_new_key(capsys, tmp_path):
     old = tmp_path / "old.yaml"  # written before sampling, kl and optimizer were groups
     old.write_text("model:\n  init_args:\n    samples_per_prompt: 4\n    kl_coef: 0.1\n")
     line = one_line(capsys, "fit", "--config", str(REPO / "configs" / "grpo.yaml"), "--config", str(old), code=2)

@@ -56,14 +56,14 @@ def save_tiny_llama(directory: Path, tokenizer: str = "synthetic") -> Path:
     return directory
 
 
-def with_moved_policy(model_dir: Path) -> tuple[SharedBase, object]:
-    """``(model, tokenizer)``: the model of ``model_dir`` with a policy adapter whose ``lora_B`` weights are drawn at
-    random (seed 1), so that the adapter changes its outputs."""
+def with_random_adapter(model_dir: Path, role: str = "policy", seed: int = 1) -> tuple[SharedBase, object]:
+    """``(model, tokenizer)``: the model of ``model_dir`` with an adapter ``role`` whose ``lora_B`` weights are drawn
+    at random (``seed``), so that the adapter changes its outputs."""
     spec = BaseModelSpec(name_or_path=str(model_dir))
     tokenizer = load_tokenizer(spec)
     model = SharedBase(load_causal_lm(spec, tokenizer))
-    model.add_adapter("policy", LORA)
-    torch.manual_seed(1)
+    model.add_adapter(role, LORA)
+    torch.manual_seed(seed)
     with torch.no_grad():
         for name, parameter in model.model.named_parameters():
             if "lora_B" in name:

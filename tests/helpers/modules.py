@@ -11,9 +11,10 @@ from rlhf_lightning import PPO, AdapterReward, FunctionReward
 from rlhf_lightning.cli.errors import accepted_arguments
 from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.tasks.synthetic import gold_rewards
+from rlhf_lightning.utils.checks import GROUP_CLASSES
 from tests.helpers.models import LORA, built, tiny_spec
 
-GROUPS = ("sampling", "kl", "optimizer")  # the modules' typed groups, given from Python as dicts of some fields
+GROUPS = tuple(GROUP_CLASSES)  # the modules' typed groups, given from Python as dicts of some fields
 
 
 def merged(*settings: dict[str, Any]) -> dict[str, Any]:

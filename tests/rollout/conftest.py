@@ -14,7 +14,7 @@ from rlhf_lightning.rollout.seeds import Seeds
 from rlhf_lightning.rollout.settings import SamplingSettings
 from rlhf_lightning.rollout.vllm_server import VLLMServer
 from rlhf_lightning.tasks.calculator import build_tokenizer
-from tests.helpers.models import TINY_LLAMA, with_moved_policy
+from tests.helpers.models import TINY_LLAMA, with_random_adapter
 
 TEMPERATURE = 0.7
 
@@ -23,7 +23,7 @@ TEMPERATURE = 0.7
 def served(tiny_llama_dir, tmp_path_factory):
     """The tiny Llama with a policy adapter that changes its outputs, and a sampler whose engine started a server of
     it; the server is stopped at the end."""
-    model, tokenizer = with_moved_policy(tiny_llama_dir)
+    model, tokenizer = with_random_adapter(tiny_llama_dir)
     engine = VLLMServer(kv_cache_gib=0.25, startup_timeout=300, request_timeout=120)
     engine.prepare(EngineSetup("cpu", run_folder=str(tmp_path_factory.mktemp("server-run"))))
     settings = SamplingSettings(max_new_tokens=8, temperature=TEMPERATURE, stop_token_ids=(tokenizer.eos_token_id,))

@@ -30,7 +30,7 @@ from rlhf_lightning.rollout.vllm_engine import VLLMEngine
 from rlhf_lightning.rollout.vllm_support import installed_version, run_refusal, version_refusal
 from rlhf_lightning.tasks.calculator import correct_answer
 from rlhf_lightning.tasks.synthetic import gold_rewards
-from tests.helpers.models import LORA, TINY_LLAMA, built, with_moved_policy
+from tests.helpers.models import LORA, TINY_LLAMA, built, with_random_adapter
 from tests.helpers.preemption import COMMON, ONLINE, drive, kill_and_resume, run
 
 KV_CACHE_GIB = 0.25
@@ -88,7 +88,7 @@ def left_padded(tokenizer, texts):
 def served(tiny_llama_dir):
     """The tiny Llama with a policy adapter that changes its outputs, and a sampler with vLLM's engine; vLLM is
     shut down at the end."""
-    model, tokenizer = with_moved_policy(tiny_llama_dir)
+    model, tokenizer = with_random_adapter(tiny_llama_dir)
     settings = SamplingSettings(max_new_tokens=8, temperature=0.7, stop_token_ids=(tokenizer.eos_token_id,))
     sampler = Sampler(settings, Seeds(0), tokenizer.pad_token_id, engine=VLLMEngine(kv_cache_gib=KV_CACHE_GIB))
     yield model, sampler, tokenizer
