@@ -19,13 +19,17 @@ os.environ.update(
     NETRC=os.devnull,
 )
 os.environ.pop("WANDB_API_KEY", None)
+# Before torch is imported: under pytest-xdist each worker takes its share of the cores as torch threads.
+from tests.helpers.workers import share_the_cores  # noqa: E402
+
+share_the_cores()
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer  # noqa: E402
 from rlhf_lightning.models.spec import BaseModelSpec  # noqa: E402
-from tests.helpers.models import (
+from tests.helpers.models import (  # noqa: E402
     TINY_ARCHITECTURE,
     make_likely,
     save_reward_adapter,
