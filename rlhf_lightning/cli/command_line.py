@@ -27,7 +27,12 @@ from rlhf_lightning.callbacks.progress_lines import ProgressLines
 from rlhf_lightning.callbacks.run_report import RunReport, shown_path
 from rlhf_lightning.callbacks.spikes import SpikeCheck
 from rlhf_lightning.callbacks.validate_at_start import ValidateAtStart
-from rlhf_lightning.cli.config_keys import dropped_model_arguments, not_accepted_line, nulls_in_groups
+from rlhf_lightning.cli.config_keys import (
+    dropped_model_arguments,
+    located,
+    not_accepted_line,
+    nulls_in_groups,
+)
 from rlhf_lightning.cli.errors import (
     condense_parser_error,
     config_file_problem,
@@ -114,13 +119,20 @@ class OneLineArgumentParser(LightningArgumentParser):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
-    config_files: list[str] = []  # the command's --config files (set by main): where a refused key sits
+    config_files: list[str] = []  # the command's --config files (set by given()): where a refused key sits
+    command_line: list[str] = []  # the command's arguments (set by given()): a key they set is not the files'
+
+    @classmethod
+    def given(cls, argv: list[str]) -> None:
+        """Keep the command's arguments and its config files, for the lines about what they set."""
+        cls.command_line, cls.config_files = list(argv), config_files(argv)
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         if not self.exit_on_error or want_traceback():
             super().error(message, ex)
-        line = not_accepted_line(message, self.option_names(), self.config_files, suggestion)
-        print_error(f"error: {line or condense_parser_error(message, self.option_names())}")
+        line = not_accepted_line(message, self.option_names(), self.config_files, suggestion) or located(
+            condense_parser_error(message, self.option_names()), self.config_files, self.command_line)
+        print_error(f"error: {line}")
         sys.exit(2)
 
     def option_names(self) -> list[str]:
@@ -144,7 +156,7 @@ class RLHFCLI(LightningCLI):
 
     def __init__(self, args: Sequence[str] | None = None, run: bool = True) -> None:
         self.argv = list(sys.argv[1:] if args is None else args)  # for the exports' model card
-        OneLineArgumentParser.config_files = config_files(self.argv)
+        OneLineArgumentParser.given(self.argv)
         given = nulls_in_groups(self.argv)
         if given != self.argv:
             args = given
@@ -345,7 +357,7 @@ def main(args: Sequence[str] | None = None) -> None:
         return
     if args is None:  # this process is ours (not a caller's, such as a test runner's): quiet the libraries
         quiet_libraries()
-    OneLineArgumentParser.config_files = config_files(argv)
+    OneLineArgumentParser.given(argv)
     for path in config_files(argv):
         problem = config_file_problem(path)
         if problem:

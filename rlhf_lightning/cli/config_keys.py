@@ -1,6 +1,6 @@
 """What the ``--config`` files say, for the lines about them: where a key sits (file and line of a dotted key such
-as ``trainer.max_epoch`` that the parser refused), and which model arguments a class switched on the command line
-dropped."""
+as ``trainer.max_epoch`` or ``model.init_args.kl_coef`` that the parser refused), and which model arguments a class
+switched on the command line dropped."""
 
 from __future__ import annotations
 
@@ -66,6 +66,26 @@ def key_location(files: list[str], dotted: str) -> str | None:
         if line is not None:
             return f"{path}:{line}"
     return None
+
+
+# The dotted key a one-line error opens with: `model.init_args.kl_coef: ...`, `model.class_path my.Cls: ...`.
+LEADING_KEY = re.compile(r"^(\w+(?:\.\w+)+)[:\s]")
+
+
+def located(line: str, files: list[str], argv: list[str]) -> str:
+    """``line`` with ``FILE:LINE: `` before it where it opens with a key that one of the config ``files`` sets and
+    the command line (``argv``) does not touch: a value given on the command line (``--model.init_args.kl.coef``,
+    ``--model.init_args.kl={...}``, ``--model OtherClass``) wins over the file's, so the file's line would point at
+    the wrong value."""
+    match = LEADING_KEY.match(line)
+    if match is None:
+        return line
+    key = match.group(1)
+    given = (argument[2:].split("=", 1)[0] for argument in argv if argument.startswith("--"))
+    if any(f"{key}.".startswith(f"{name}.") or f"{name}.".startswith(f"{key}.") for name in given):
+        return line
+    where = key_location(files, key)
+    return f"{where}: {line}" if where else line
 
 
 def not_accepted_line(message: str, options: list[str], files: list[str], suggest) -> str | None:  # noqa: ANN001

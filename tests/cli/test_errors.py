@@ -62,6 +62,37 @@ def test_a_misspelled_key_in_a_config_file_names_the_file_line_and_the_close_one
         "trainer.min_epochs or trainer.max_steps?)"]
 
 
+@pytest.mark.parametrize(("written", "expected"), [
+    ("model:\n  init_args:\n    optimizer:\n      lr: abc\n",
+     "error: mine.yaml:4: model.init_args.optimizer.lr: Expected a <class 'float'>. Got value: abc"),
+    ("model:\n  class_path: rlhf_lightning.SFTT\n",
+     "error: mine.yaml:2: model.class_path rlhf_lightning.SFTT: rlhf_lightning has no 'SFTT' (did you mean SFT?)"),
+])
+def test_a_bad_value_in_a_config_file_is_named_at_its_file_and_line(tmp_path, capsys, written, expected):
+    (tmp_path / "mine.yaml").write_text(written)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(REPO / "configs" / "sft.yaml"), "--config", "mine.yaml"])
+    assert exit_info.value.code == 2
+    assert error_lines(capsys.readouterr().err) == [expected]
+
+
+@pytest.mark.parametrize(("argument", "expected"), [
+    ("--model.init_args.optimizer.lr=abc", "error: model.init_args.optimizer.lr: Expected a <class 'float'>. Got "
+                                           "value: abc"),
+    ("--model.init_args.optimizer={lr: abc}", "error: model.init_args.optimizer.lr: Expected a <class 'float'>. Got "
+                                              "value: abc"),
+    ("--model.class_path=rlhf_lightning.SFTT", "error: model.class_path rlhf_lightning.SFTT: rlhf_lightning has no "
+                                               "'SFTT' (did you mean SFT?)"),
+])
+def test_a_bad_value_the_command_line_gives_over_a_config_files_is_not_placed_in_the_file(
+        tmp_path, capsys, argument, expected):
+    (tmp_path / "mine.yaml").write_text("model:\n  class_path: rlhf_lightning.SFT\n  init_args:\n    optimizer:\n"
+                                        "      lr: 0.001\n")
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(REPO / "configs" / "sft.yaml"), "--config", "mine.yaml", argument])
+    assert error_lines(capsys.readouterr().err) == [expected]
+
+
 def test_the_full_traceback_on_request(monkeypatch, capsys):
     monkeypatch.setenv(TRACEBACK_ENV, "1")
     with pytest.raises(ValueError, match="beta must be > 0") as error:

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -82,3 +83,20 @@ class StopServerAt(L.Callback):
                            batch_idx: int) -> None:
         if trainer.fit_loop.epoch_loop.total_batch_idx + 1 == self.iteration:
             os.kill(self.pid, signal.SIGKILL)
+            wait_until_exited(self.pid)
+
+
+def wait_until_exited(pid: int, timeout: float = 30.0) -> None:
+    """Wait until process ``pid`` has exited (gone, or a zombie its parent has not reaped): its sockets are closed
+    then. Until that moment its listening socket still takes connections and resets them, which the next
+    iteration's request would meet under load instead of a refused connection."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:  # /proc/PID/stat: "PID (COMMAND) STATE ..."; the command may hold spaces and parentheses
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return
+        if state in ("Z", "X"):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"process {pid} was sent SIGKILL and had not exited {timeout:.0f} s later")
