@@ -284,7 +284,7 @@ def test_a_gym_style_environment_class_is_told_what_an_environment_must_be(tmp_p
                             "--config", "env.yaml", "--trainer.logger=false")
     assert result.returncode == 2, result.stderr[-2000:]
     assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == [
-        f"error: model.init_args.environment: gym_style.GuessTheNumber {NOT_AN_ENVIRONMENT}"]
+        f"error: env.yaml:3: model.init_args.environment: gym_style.GuessTheNumber {NOT_AN_ENVIRONMENT}"]
     assert "Traceback" not in result.stderr
 
 

@@ -87,16 +87,28 @@ class StopServerAt(L.Callback):
 
 
 def wait_until_exited(pid: int, timeout: float = 30.0) -> None:
-    """Wait until process ``pid`` has exited (gone, or a zombie its parent has not reaped): its sockets are closed
-    then. Until that moment its listening socket still takes connections and resets them, which the next
-    iteration's request would meet under load instead of a refused connection."""
+    """Wait until every thread of process ``pid`` has exited (gone, or a zombie its parent has not reaped): its
+    sockets are closed then. Until the last thread is out, its listening socket still takes connections and resets
+    them, which the next iteration's request met under load instead of a refused connection; the main thread alone
+    is not enough (it can be a zombie while the others still hold the files)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:  # /proc/PID/stat: "PID (COMMAND) STATE ..."; the command may hold spaces and parentheses
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except FileNotFoundError:
-            return
-        if state in ("Z", "X"):
+        if not any(state not in ("Z", "X") for state in thread_states(pid)):
             return
         time.sleep(0.05)
     raise TimeoutError(f"process {pid} was sent SIGKILL and had not exited {timeout:.0f} s later")
+
+
+def thread_states(pid: int) -> list[str]:
+    """The state letter of each thread of process ``pid`` still listed (none once it is gone)."""
+    states = []
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except FileNotFoundError:
+        return states
+    for task in tasks:
+        try:  # /proc/PID/task/TID/stat: "TID (COMMAND) STATE ..."; the command may hold spaces and parentheses
+            states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # that thread is gone
+    return states
