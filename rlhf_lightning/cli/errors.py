@@ -262,6 +262,9 @@ def unknown_class(key: str, given: str) -> str:
         hint = f" (did you mean {close[0]}?)" if close else ""
         return (f"{key}: {given!r} is not a policy loss{hint}; the registered ones are {', '.join(names)}, or give "
                 "the import path of a PolicyLoss subclass of your own")
+    names = module_names(module) if module else []
+    if names and attribute not in names:  # the module imports: the name is misspelled (`--model rlhf_lightning.GRPOO`)
+        return f"{key}: {given!r}: {module} has no {attribute!r}{suggestion(attribute, names)}"
     return (f"{key}: {given!r} cannot be imported: a class or function of your own must be importable from where "
             "you run (its module in the current folder, or on PYTHONPATH)")
 

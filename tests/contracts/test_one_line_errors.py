@@ -60,6 +60,11 @@ def constant_reward(prompts, completions, completion_ids, **columns):
      "in the current folder, or its folder on PYTHONPATH"),
     ("--model.class_path=rlhf_lightning.GRPOO", "error: model.class_path rlhf_lightning.GRPOO: rlhf_lightning has "
      "no 'GRPOO' (did you mean GRPO or RLOO?)"),
+    ("--model=rlhf_lightning.GRPOO", "error: model: 'rlhf_lightning.GRPOO': rlhf_lightning has no 'GRPOO' (did you "
+     "mean GRPO or RLOO?)"),
+    ("--model=my_ppo.LengthPenalizedPPO", "error: model: 'my_ppo.LengthPenalizedPPO' cannot be imported: a class or "
+     "function of your own must be importable from where you run (its module in the current folder, or on "
+     "PYTHONPATH)"),
     ("--trainer.max_step=5", "error: unrecognized arguments: --trainer.max_step=5 (did you mean "
      "--trainer.max_steps, --trainer.max_time or --trainer.min_steps?)"),
 ])
