@@ -130,9 +130,9 @@ class OneLineArgumentParser(LightningArgumentParser):
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         if not self.exit_on_error or want_traceback():
             super().error(message, ex)
-        line = not_accepted_line(message, self.option_names(), self.config_files, suggestion) or located(
-            condense_parser_error(message, self.option_names()), self.config_files, self.command_line)
-        print_error(f"error: {line}")
+        line = not_accepted_line(message, self.option_names(), suggestion) or condense_parser_error(
+            message, self.option_names())
+        print_error(f"error: {located(line, self.config_files, self.command_line)}")
         sys.exit(2)
 
     def option_names(self) -> list[str]:

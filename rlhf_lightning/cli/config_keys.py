@@ -88,17 +88,15 @@ def located(line: str, files: list[str], argv: list[str]) -> str:
     return f"{where}: {line}" if where else line
 
 
-def not_accepted_line(message: str, options: list[str], files: list[str], suggest) -> str | None:  # noqa: ANN001
-    """The one line for a key no argument takes: where it is (file and line, when a config file sets it) and the
-    closest accepted names (``suggest(name, accepted)``); None for another message."""
+def not_accepted_line(message: str, options: list[str], suggest) -> str | None:  # noqa: ANN001
+    """The one line for a key no argument takes, with the closest accepted names (``suggest(name, accepted)``);
+    None for another message. :func:`located` puts its file and line before it."""
     match = NOT_ACCEPTED.match(message)
     if match is None:
         return None
     key = match.group(2)
-    where = key_location(files, key)
     accepted = list(dict.fromkeys(option.removeprefix("--") for option in options if option.startswith("--")))
-    return (f"{where + ': ' if where else ''}{key}: no such option of {match.group(1)}"
-            f"{suggest(key, accepted)}")
+    return f"{key}: no such option of {match.group(1)}{suggest(key, accepted)}"
 
 
 def merged_model_section(files: list[str]) -> tuple[str | None, dict[str, object]]:

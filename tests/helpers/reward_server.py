@@ -93,7 +93,7 @@ def wait_until_exited(pid: int, timeout: float = 30.0) -> None:
     is not enough (it can be a zombie while the others still hold the files)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not any(state not in ("Z", "X") for state in thread_states(pid)):
+        if all(state in ("Z", "X") for state in thread_states(pid)):
             return
         time.sleep(0.05)
     raise TimeoutError(f"process {pid} was sent SIGKILL and had not exited {timeout:.0f} s later")

@@ -18,10 +18,9 @@ def threads_per_worker(environ: Mapping[str, str], cores: int) -> int | None:
     return max(1, cores // workers)
 
 
-def share_the_cores() -> int | None:
+def share_the_cores() -> None:
     """Set this worker's share before torch is imported (``OMP_NUM_THREADS`` and ``MKL_NUM_THREADS``, which the
-    processes it starts inherit): the share, or None where nothing was set."""
+    processes it starts inherit); nothing outside xdist or where the user chose."""
     threads = threads_per_worker(os.environ, len(os.sched_getaffinity(0)))
     if threads is not None:
         os.environ.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    return threads
