@@ -8,6 +8,7 @@ from rlhf_lightning.data.modules import (
     StepwiseDataModule,
     UnpairedPreferenceDataModule,
 )
+from rlhf_lightning.rewards.ensemble import EnsembleReward
 from rlhf_lightning.rewards.judge import JudgeReward
 from rlhf_lightning.rewards.process_reward import ProcessReward
 from rlhf_lightning.rewards.remote import RemoteReward
@@ -37,6 +38,7 @@ __all__ = [
     "RLOO",
     "SFT",
     "AdapterReward",
+    "EnsembleReward",
     "FunctionReward",
     "JudgeReward",
     "KLPenalty",

@@ -33,6 +33,7 @@ from tests.helpers.models import (  # noqa: E402
     TINY_ARCHITECTURE,
     make_likely,
     save_reward_adapter,
+    save_reward_ensemble,
     save_tiny_llama,
     tiny_spec,
 )
@@ -94,6 +95,13 @@ def stopping_model_dir(tmp_path_factory) -> Path:
 def reward_dir(tiny_model_dir, tmp_path_factory) -> Path:
     """A reward adapter with a random (non-zero) update and head on the tiny base, as the reward stage saves."""
     return save_reward_adapter(tiny_model_dir, tmp_path_factory.mktemp("reward-adapters"))
+
+
+@pytest.fixture(scope="session")
+def ensemble_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """Three reward adapters of other random updates and statistics on the tiny base, saved as the reward stage saves
+    an ensemble."""
+    return save_reward_ensemble(tiny_model_dir, tmp_path_factory.mktemp("reward-ensemble"))
 
 
 @pytest.fixture(autouse=True)

@@ -77,7 +77,7 @@ class ExperienceCollector(OverlapHooks, PolicyModule):
     dense_step_rewards = False
     # per-sample validation values; the episode ones are logged only by runs with an environment
     validation_metrics = ("score", "kl", "length", "eos_frac", "gold", "turns", "tool_calls", "tool_errors",
-                          "invalid_tool_calls")
+                          "invalid_tool_calls", "reward_disagreement")
 
     def __init__(
         self,
@@ -323,15 +323,15 @@ class ExperienceCollector(OverlapHooks, PolicyModule):
         self.evaluate_samples(batch, batch_idx)
 
     def evaluate_extra(self, rollout: Rollout, prompts: dict[str, Any], texts: list[str]) -> dict[str, Tensor]:
-        """The held-out rollout's ``score`` and, for episodes, its ``turns``, ``tool_calls``, ``tool_errors`` and
-        ``invalid_tool_calls``."""
-        values = {}
+        """The held-out rollout's ``score``, the reward sources' values per response and, for episodes, its
+        ``turns``, ``tool_calls``, ``tool_errors`` and ``invalid_tool_calls``."""
+        scores = self.score_responses(rollout.input_ids, rollout.attention_mask, rollout.read_mask, texts,
+                                      prompts.get("raw_prompt", prompts["prompt"]), prompts.get("columns"))
+        values = self.rewards.response_values()  # per response (an ensemble's disagreement)
         if rollout.episodes is not None:
             values["turns"] = torch.tensor([float(e.turns) for e in rollout.episodes])
             for name in ("tool_calls", "tool_errors", "invalid_tool_calls"):
                 values[name] = torch.tensor([float(e.counts[name]) for e in rollout.episodes])
-        scores = self.score_responses(rollout.input_ids, rollout.attention_mask, rollout.read_mask, texts,
-                                      prompts.get("raw_prompt", prompts["prompt"]), prompts.get("columns"))
         problems, bad = score_problems(scores, self.rewards.sources)
         if problems:  # no optimizer step depends on it, but a NaN validation score must not pass unnoticed
             message = f"validation after iteration {self.iteration}: {'; '.join(problems)}"

@@ -3,7 +3,9 @@ responses labelled desirable or undesirable one by one for KTO (:class:`Unpaired
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
+from typing import Any
 
 from rlhf_lightning.data.collate import EncodedPair, EncodedUnpaired, collate_pairs, collate_unpaired
 from rlhf_lightning.data.formats import parse_preference, parse_unpaired
@@ -11,6 +13,7 @@ from rlhf_lightning.data.sources import Record
 from rlhf_lightning.data.stage_data import SYNTHETIC, StageDataModule
 from rlhf_lightning.data.tokenize import encode_completion, encode_prompt
 from rlhf_lightning.tasks import make_task
+from rlhf_lightning.utils import checks
 
 
 class PreferenceDataModule(StageDataModule):
@@ -22,13 +25,31 @@ class PreferenceDataModule(StageDataModule):
     scores, as the synthetic task has) add accuracy against the gold order to validation. Batches also carry
     the response mask and the left-padded prompts (see :func:`collate_pairs`); pairs are numbered by their
     position in the training and validation sets.
+
+    Args:
+        label_noise: the embedded synthetic task's labels: null = its own (Bradley-Terry sampling from the gold
+            reward, 85% agreement with the gold order); a probability p = the gold order with each label flipped
+            with probability p (0 = noiseless; 0.25 = Coste et al. 2023's noisy setting), training and validation
+            pairs alike. The pairs are the same whatever the labels.
     """
 
     kind = "preferences"
     numbered = True
 
+    def __init__(self, *args: Any, label_noise: float | None = None, **kwargs: Any) -> None:
+        if label_noise is not None:
+            checks.in_range("label_noise", label_noise, 0.0, 1.0)
+        super().__init__(*args, **kwargs)
+        self.label_noise = label_noise
+
     def synthetic(self, n: int, task: str = SYNTHETIC) -> list[dict]:
-        return make_task(task, self.seed).preference_rows(n)
+        made = make_task(task, self.seed)
+        if self.label_noise is not None:
+            if "label_noise" not in getattr(made, "__dataclass_fields__", {}):
+                raise ValueError(f"label_noise: the embedded task {task!r} labels its pairs its own way; only the "
+                                 "synthetic task takes label_noise")
+            made = dataclasses.replace(made, label_noise=self.label_noise)
+        return made.preference_rows(n)
 
     def encode(self, record: Record) -> EncodedPair:
         example = parse_preference(record)

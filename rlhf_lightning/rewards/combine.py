@@ -106,6 +106,10 @@ class RewardSet:
             combined = combined.clamp(-self.clip, self.clip)
         return combined
 
+    def response_values(self) -> dict[str, Tensor]:
+        """Every source's values per response of its latest score (an ensemble's ``reward_disagreement``)."""
+        return {key: value for source in self.sources for key, value in source.response_values().items()}
+
     @torch.no_grad()
     def statistics(self, scores: Tensor) -> dict[str, Tensor]:
         """Mean and std of each source's scores over the responses it applies to: ``score/<name>[_std]``."""

@@ -43,6 +43,8 @@ class RewardSource:
     # A source that scores each step of a response (ProcessReward) has ``step_scores(inputs) -> (scores [B, R],
     # ends [B, R])`` and ``reduce(scores, ends) -> [B]``; PPO trains on the steps' scores at their last tokens.
     scores_steps = False
+    # The adapter on the shared base that PPO's critic_from_reward copies (a reward adapter source's); None: none.
+    adapter_role: str | None = None
 
     @property
     def name(self) -> str:
@@ -68,8 +70,15 @@ class RewardSource:
         each training iteration as ``objective/<key>``; nothing by default."""
         return {}
 
+    def response_values(self) -> dict[str, Tensor]:
+        """Values ``[B]`` per response of the latest :meth:`score` call (an ensemble's disagreement), averaged over
+        the held-out responses by validation as ``val/<key>`` (the online modules' ``validation_metrics`` name the
+        keys they log); nothing by default."""
+        return {}
 
-def _read_statistics(directory: Path) -> tuple[float, float] | None:
+
+def read_statistics(directory: Path) -> tuple[float, float] | None:
+    """The ``(mean, std)`` of a reward model's scores that the reward stage wrote beside it; None without them."""
     path = directory / REWARD_STATS
     if not path.exists():
         return None
@@ -87,6 +96,7 @@ class AdapterReward(RewardSource):
     """
 
     may_abstain = False  # a reward model scores every response
+    adapter_role = REWARD_ROLE
 
     def __init__(self, path: str) -> None:
         self.path = Path(path)
@@ -94,6 +104,12 @@ class AdapterReward(RewardSource):
 
     def setup(self, base: SharedBase, tokenizer: PreTrainedTokenizerBase) -> None:
         config_path = self.path / "adapter_config.json"
+        if not config_path.exists() and (self.path / "ensemble.json").exists():
+            members = json.loads((self.path / "ensemble.json").read_text())["members"]
+            raise FileNotFoundError(
+                f"reward adapter: {self.path} holds an ensemble of {len(members)} reward models (ensemble.json), not "
+                "one adapter: score with all of them, reward: {class_path: rlhf_lightning.EnsembleReward, init_args: "
+                f"{{path: {self.path}}}}}, or name one member, e.g. {self.path / members[0]}")
         if not config_path.exists():
             below = adapters_below(self.path)
             if below:  # the path names a folder above the adapter
@@ -108,7 +124,7 @@ class AdapterReward(RewardSource):
         if REWARD_ROLE not in base.heads:
             raise FileNotFoundError(f"reward adapter: {self.path} has no score head (head.safetensors)")
         self.base = base
-        self.statistics = _read_statistics(self.path)
+        self.statistics = read_statistics(self.path)
 
     @property
     def name(self) -> str:
@@ -175,7 +191,7 @@ class ModelReward(RewardSource):
         self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.model.requires_grad_(False).eval()
         disable_dropout(self.model)
-        self.statistics = _read_statistics(Path(self.name_or_path))
+        self.statistics = read_statistics(Path(self.name_or_path))
 
     def _to(self, device: torch.device) -> None:
         # Not a submodule of the LightningModule, so the strategy does not move it: it follows the rollout.

@@ -31,7 +31,6 @@ from rlhf_lightning.core.policy import POLICY, without_dropout
 from rlhf_lightning.core.policy_gradient import PolicyGradient
 from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.models.spec import LoraSpec
-from rlhf_lightning.rewards.sources import REWARD_ROLE, AdapterReward
 from rlhf_lightning.utils import checks
 from rlhf_lightning.utils.timing import phase
 
@@ -56,7 +55,8 @@ class PPO(PolicyGradient):
 
     Args:
         critic_lora: the critic adapter (its value head is a plain linear layer).
-        critic_from_reward: start the critic from the reward adapter and head (same LoRA shape needed).
+        critic_from_reward: start the critic from the reward adapter and head (same LoRA shape needed; an
+            ensemble's first member).
         epochs: passes over each rollout batch.
         clip_range_value: clipping of value predictions around the rollout's; null = unclipped.
         vf_coef: weight of the value loss.
@@ -97,8 +97,9 @@ class PPO(PolicyGradient):
         checks.positive("critic_lr", critic_lr)
         checks.non_negative("vf_coef", vf_coef)
         checks.non_negative("clip_range_value", clip_range_value, optional=True)
-        if critic_from_reward and not any(isinstance(source, AdapterReward) for source in self.rewards.sources):
-            raise ValueError("critic_from_reward needs an AdapterReward: the critic copies its adapter and head")
+        if critic_from_reward and not any(source.adapter_role for source in self.rewards.sources):
+            raise ValueError("critic_from_reward needs an AdapterReward or an EnsembleReward: the critic copies its "
+                             "adapter and head (an ensemble's first member's)")
         self.critic_lora = without_dropout(critic_lora.check("critic_lora"), CRITIC)
         self.critic_from_reward = critic_from_reward
 
@@ -107,7 +108,7 @@ class PPO(PolicyGradient):
         model.add_adapter(CRITIC, self.critic_lora)
         model.add_head(CRITIC)
         if self.critic_from_reward:
-            model.copy_adapter(REWARD_ROLE, CRITIC)
+            model.copy_adapter(next(s.adapter_role for s in self.rewards.sources if s.adapter_role), CRITIC)
         return model
 
     def pass_settings(self) -> PassSettings:

@@ -8,7 +8,11 @@
   and with a KL penalty, and best-of-n, on one seed (Gao et al. 2022). Its PPO runs (``runs``), numbers
   (``analysis``) and figure (``plot``).
 
-Both use best-of-n sampling against the proxy (``best_of_n``) and Gao et al.'s functional forms and fits (``gao``).
+* ``python -m rlhf_lightning.study.spread`` (``spread``): the quick start's pipeline over seeds and thread counts, one
+  row per sample: how often the main job learns. Its samples of the pipeline, each stage a subprocess as a user runs
+  it (``pipeline_runs``).
+
+The first two use best-of-n sampling against the proxy (``best_of_n``) and Gao et al.'s functional forms and fits (``gao``).
 """
 
 from rlhf_lightning.study.best_of_n import best_of_n_curve, best_of_n_expectation, best_of_n_weights

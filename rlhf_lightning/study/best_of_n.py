@@ -79,7 +79,7 @@ def best_of_n_curve(proxy: np.ndarray, gold: np.ndarray, ns: Sequence[int]) -> l
 
 @torch.no_grad()
 def sample_reference(module: Any, batches: Iterable[dict[str, Any]], samples_per_prompt: int,
-                     max_sequences: int = 2048, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+                     max_sequences: int = 2048, seed: int = 0, per_source: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """``samples_per_prompt`` responses per prompt from the SFT policy, scored by the proxy and the gold
     reward.
 
@@ -93,6 +93,8 @@ def sample_reference(module: Any, batches: Iterable[dict[str, Any]], samples_per
         samples_per_prompt: ``N``, the largest n of the curve.
         max_sequences: sequences generated at once (memory).
         seed: sampling seed.
+        per_source: keep each reward source's score apart (``proxy`` ``[prompts, samples_per_prompt, sources]``)
+            instead of their combination (e.g. the members of an ensemble, each an ensemble of one).
 
     Returns:
         ``(proxy, gold)``, each ``[prompts, samples_per_prompt]``.
@@ -113,9 +115,9 @@ def sample_reference(module: Any, batches: Iterable[dict[str, Any]], samples_per
             sequences, attention_mask, response_mask = module.generate(ids, mask, role=REFERENCE,
                                                                        group=samples_per_prompt)
             texts = module.decode(sequences[:, ids.shape[1]:], response_mask)
-            scores = module.rewards.combine(module.score_responses(sequences, attention_mask, response_mask, texts,
-                                                                  prompts))
-            proxy.append(scores.reshape(-1, samples_per_prompt).cpu().numpy())
+            scores = module.score_responses(sequences, attention_mask, response_mask, texts, prompts)
+            scores = scores if per_source else module.rewards.combine(scores)
+            proxy.append(scores.reshape(-1, samples_per_prompt, *scores.shape[1:]).cpu().numpy())
             golds = np.asarray(module.gold_reward(prompts, texts), dtype=float)
             gold.append(golds.reshape(-1, samples_per_prompt))
     module.model.train(was_training)

@@ -26,6 +26,9 @@ class SyntheticTask:
             samples of imperfect models.
         echo_prob: chance that a response of a preference pair repeats a positive adjective (see
             :meth:`SyntheticLanguage.echo`).
+        label_noise: instead of Bradley-Terry sampling, label each pair by the gold order and flip each label with
+            this probability (0 = no noise; Coste et al. 2023's noisy setting: 0.25); None = Bradley-Terry sampling
+            at ``label_accuracy``. The pairs themselves are the same either way.
         language: the generator's probabilities.
     """
 
@@ -33,6 +36,7 @@ class SyntheticTask:
     label_accuracy: float = 0.85
     corruption_prob: float = 0.25
     echo_prob: float = 0.1
+    label_noise: float | None = None
     language: SyntheticLanguage = SyntheticLanguage()
 
     def _rng(self, stream: str) -> random.Random:
@@ -54,7 +58,8 @@ class SyntheticTask:
         return [{"prompt": self.language.prompt(rng)} for _ in range(n)]
 
     def preference_rows(self, n: int) -> list[dict]:
-        """``n`` preference pairs labelled by Bradley-Terry sampling from the gold reward.
+        """``n`` preference pairs labelled by Bradley-Terry sampling from the gold reward (or by the gold order with
+        ``label_noise``).
 
         Each row has ``prompt``, ``chosen``, ``rejected`` and the true scores ``gold_chosen`` and
         ``gold_rejected``. Pairs whose two responses have equal gold reward are not used: their gold order is
@@ -73,7 +78,10 @@ class SyntheticTask:
         )
         rows = []
         for prompt, first, second, gold_first, gold_second in pairs:
-            first_preferred = rng.random() < _sigmoid((gold_first - gold_second) / temperature)
+            if self.label_noise is None:
+                first_preferred = rng.random() < _sigmoid((gold_first - gold_second) / temperature)
+            else:  # the gold order, flipped at random
+                first_preferred = (gold_first > gold_second) != (rng.random() < self.label_noise)
             if not first_preferred:
                 first, second, gold_first, gold_second = second, first, gold_second, gold_first
             rows.append(

@@ -35,6 +35,7 @@ RUNS = {
     "decoding": ["--dry-run"],
     "reward_server_load": ["--dry-run"],
     "shared_prompt": ["--dry-run"],
+    "reward_ensemble": ["--dry-run"],
     "shared_prompt ppo": ["--dry-run", "--algorithm", "ppo"],
     "sharding": ["--ranks", "1", "--algorithms", "grpo", "--layers", "1", "--width", "64", "--prompts", "4",
                  "--group-size", "2", "--response-length", "4", "--iterations", "1", "--threads", "1"],

@@ -109,6 +109,24 @@ def test_synthetic_preferences_carry_gold_scores():
     assert batch["gold_chosen"].shape == (8,) and batch["input_ids"].shape[0] == 16
 
 
+def test_label_noise_labels_the_same_pairs_by_the_gold_order_flipped_at_that_rate():
+    def pairs(**kwargs):
+        rows = PreferenceDataModule(dataset="synthetic", **kwargs).synthetic(2000)
+        return [(r["prompt"], *sorted([r["chosen"], r["rejected"]])) for r in rows], \
+            sum(r["gold_chosen"] > r["gold_rejected"] for r in rows) / len(rows)
+
+    sampled, sampled_agreement = pairs()
+    noiseless, noiseless_agreement = pairs(label_noise=0.0)
+    noisy, noisy_agreement = pairs(label_noise=0.25)
+    assert sampled == noiseless == noisy  # the same pairs, labelled three ways
+    assert noiseless_agreement == 1.0
+    assert 0.72 < noisy_agreement < 0.78 and 0.82 < sampled_agreement < 0.88  # the task's own: 85%
+    with pytest.raises(ValueError, match="label_noise must lie in"):
+        PreferenceDataModule(label_noise=1.5)
+    with pytest.raises(ValueError, match="label_noise: the embedded task 'arithmetic' labels its pairs its own way"):
+        PreferenceDataModule(dataset="arithmetic", label_noise=0.1).synthetic(10, "arithmetic")
+
+
 def test_over_long_examples_are_skipped_with_a_log_or_raise(tmp_path, caplog):
     data = _jsonl(tmp_path / "sft.jsonl", [
         {"prompt": "the cat", "completion": " is good ."},

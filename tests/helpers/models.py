@@ -71,10 +71,12 @@ def with_random_adapter(model_dir: Path, role: str = "policy", seed: int = 1) ->
     return model, tokenizer
 
 
-def save_reward_adapter(model_dir: Path, directory: Path, role: str = "reward", head: bool = True) -> Path:
-    """An adapter ``role`` with a random (non-zero) update, and a head with ``head``, on the base in ``model_dir``,
-    saved as the reward stage saves (with its normalisation statistics for a head); returns its folder."""
-    torch.manual_seed(3)
+def save_reward_adapter(model_dir: Path, directory: Path, role: str = "reward", head: bool = True, seed: int = 3,
+                        stats: tuple[float, float] = (0.5, 2.0)) -> Path:
+    """An adapter ``role`` with a random (non-zero) update drawn from ``seed``, and a head with ``head``, on the base
+    in ``model_dir``, saved as the reward stage saves (with its normalisation statistics ``stats`` for a head);
+    returns its folder."""
+    torch.manual_seed(seed)
     spec = BaseModelSpec(name_or_path=str(model_dir))
     base = SharedBase(load_causal_lm(spec, load_tokenizer(spec)))
     base.add_adapter(role, LORA)
@@ -86,7 +88,21 @@ def save_reward_adapter(model_dir: Path, directory: Path, role: str = "reward", 
                 parameter.normal_(0, 0.3)
     out = base.save_adapter(role, directory)
     if head:
-        (out / "reward_stats.json").write_text(json.dumps({"mean": 0.5, "std": 2.0, "count": 10}))
+        (out / "reward_stats.json").write_text(json.dumps({"mean": stats[0], "std": stats[1], "count": 10}))
+    return out
+
+
+ENSEMBLE_STATS = [(0.5, 2.0), (-1.0, 0.5), (0.0, 1.0)]
+
+
+def save_reward_ensemble(model_dir: Path, directory: Path) -> Path:
+    """Three reward adapters of other random updates and statistics (:data:`ENSEMBLE_STATS`), saved as the reward
+    stage saves an ensemble (``reward/reward_<k>`` and ``reward/ensemble.json``); returns the ensemble's folder."""
+    out = directory / "reward"
+    members = [f"reward_{k}" for k in range(len(ENSEMBLE_STATS))]
+    for k, (member, stats) in enumerate(zip(members, ENSEMBLE_STATS, strict=True)):
+        save_reward_adapter(model_dir, out, member, seed=10 + k, stats=stats)
+    (out / "ensemble.json").write_text(json.dumps({"members": members, "member_data": "shared"}))
     return out
 
 
