@@ -165,9 +165,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         list(pool.map(lambda sample: runs.run("sft", sample), samples))
         list(pool.map(lambda item: runs.run(*item), [(stage, s) for s in samples for stage in rewards]))
+        # best-of-n first (minutes), the PPO runs after (most of the study's time)
+        bon = [best_of_n(args, runs, sample, noise) for sample in samples for noise in args.label_noise]
         ppo_seconds = list(pool.map(lambda item: runs.run(*item), [(stage, s) for s in samples for stage in ppo]))
     log.info("PPO runs took %.0f s in all", sum(ppo_seconds))
-    bon = [best_of_n(args, runs, sample, noise) for sample in samples for noise in args.label_noise]
     return summarise(args, runs, samples, bon, ppo)
 
 
