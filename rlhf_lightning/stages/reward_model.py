@@ -101,11 +101,6 @@ class RewardModel(SupervisedStage):
             self.val_member_gold_accuracy = torch.nn.ModuleList(PairwiseAccuracy() for _ in self.members)
             self.val_disagreement = MeanStd()
 
-    @property
-    def adapter(self) -> str | None:
-        """The adapter of a single reward model; None under full fine-tuning."""
-        return REWARD_ROLE if self.lora is not None else None
-
     def build_model(self, empty: bool) -> SharedBase:
         model = self.load_base(train_base=self.lora is None, empty=empty)
         for member in self.members:  # each member's adapter and head drawn in turn: their initialisations differ
