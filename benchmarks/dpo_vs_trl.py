@@ -2,7 +2,7 @@
 every step and with the reference log-probs precomputed once before training, on the same random GPT-2-shaped
 model, preference pairs and settings.
 
-TRL 1.16 needs a virtualenv of its own (made as ``grpo_vs_trl.py`` says: ``pip install -e '.[bench_grpo]'``, i.e.
+TRL 1.16 needs a virtualenv of its own (made as ``grpo_vs_trl.py`` says: ``pip install -e '.[bench-grpo]'``, i.e.
 this package and ``trl==1.16.*``); every side runs with that environment's python, so both sides use the same
 torch, transformers and peft. From the repository::
 

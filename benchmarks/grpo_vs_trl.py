@@ -7,7 +7,7 @@ with that environment's python, so both sides use the same torch, transformers a
 
     python3 -m venv venv-trl116
     venv-trl116/bin/pip install torch==2.13.0       # first: the CPU build (or the CUDA build you want)
-    venv-trl116/bin/pip install -e '.[bench_grpo]'  # this package + trl==1.16.* (transformers>=4.56.2, peft)
+    venv-trl116/bin/pip install -e '.[bench-grpo]'  # this package + trl==1.16.* (transformers>=4.56.2, peft)
     venv-trl116/bin/python benchmarks/grpo_vs_trl.py --preset small
     venv-trl116/bin/python benchmarks/grpo_vs_trl.py --preset gpt2 --iterations 2 --repeats 2
     venv-trl116/bin/python benchmarks/grpo_vs_trl.py --preset gpt2 --sides ours --profile   # where ours goes

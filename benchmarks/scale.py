@@ -25,7 +25,7 @@ here: the layer count at width 2048 where the fitted line reaches the memory, an
 under it (the doubling), with ``--run-largest`` measured where its predicted time allows.
 
 TRL 1.12 (PPO) and TRL 1.16 (GRPO) live in separate virtualenvs, each with this package installed
-(``pip install -e '.[bench]'``: trl==1.12.0; ``pip install -e '.[bench_grpo]'``: trl==1.16.*), named by
+(``pip install -e '.[bench]'``: trl==1.12.0; ``pip install -e '.[bench-grpo]'``: trl==1.16.*), named by
 ``--trl112-python`` and ``--trl116-python``; ours runs with the interpreter running this script. From the
 repository, on a quiet machine (the numbers are of a process alone on it)::
 

@@ -1,32 +1,47 @@
-"""rlhf_lightning: RLHF on PyTorch Lightning with one frozen base model shared by every role."""
+"""rlhf_lightning: RLHF on PyTorch Lightning with one frozen base model shared by every role.
 
-from rlhf_lightning.algorithms.kl import KLPenalty
-from rlhf_lightning.data.modules import (
-    PreferenceDataModule,
-    PromptDataModule,
-    SFTDataModule,
-    StepwiseDataModule,
-    UnpairedPreferenceDataModule,
-)
-from rlhf_lightning.rewards.ensemble import EnsembleReward
-from rlhf_lightning.rewards.judge import JudgeReward
-from rlhf_lightning.rewards.process_reward import ProcessReward
-from rlhf_lightning.rewards.remote import RemoteReward
-from rlhf_lightning.rewards.sources import AdapterReward, FunctionReward, ModelReward, RewardSource
-from rlhf_lightning.rollout.settings import Sampling
-from rlhf_lightning.stages.distill import OnPolicyDistillation
-from rlhf_lightning.stages.dpo import DPO
-from rlhf_lightning.stages.grpo import GRPO
-from rlhf_lightning.stages.kto import KTO
-from rlhf_lightning.stages.online_dpo import OnlineDPO
-from rlhf_lightning.stages.ppo import PPO
-from rlhf_lightning.stages.process_reward_model import ProcessRewardModel
-from rlhf_lightning.stages.reinforce_pp import REINFORCEPlusPlus
-from rlhf_lightning.stages.reward_model import RewardModel
-from rlhf_lightning.stages.rloo import RLOO
-from rlhf_lightning.stages.sft import SFT
+The public names are imported when first used (``rlhf_lightning.PPO``, ``from rlhf_lightning import GRPO``), not
+with the package: what needs none of them (``python -m rlhf_lightning plot``, a config file that is not YAML, the
+W&B reader) starts without importing torch, Lightning and transformers.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from rlhf_lightning.utils.moved_modules import install_old_names
-from rlhf_lightning.utils.optim import OptimizerSettings
+
+# Each public name -> the module that defines it.
+_PUBLIC = {
+    "KLPenalty": "rlhf_lightning.algorithms.kl",
+    "PreferenceDataModule": "rlhf_lightning.data.modules",
+    "PromptDataModule": "rlhf_lightning.data.modules",
+    "SFTDataModule": "rlhf_lightning.data.modules",
+    "StepwiseDataModule": "rlhf_lightning.data.modules",
+    "UnpairedPreferenceDataModule": "rlhf_lightning.data.modules",
+    "EnsembleReward": "rlhf_lightning.rewards.ensemble",
+    "JudgeReward": "rlhf_lightning.rewards.judge",
+    "ProcessReward": "rlhf_lightning.rewards.process_reward",
+    "RemoteReward": "rlhf_lightning.rewards.remote",
+    "AdapterReward": "rlhf_lightning.rewards.sources",
+    "FunctionReward": "rlhf_lightning.rewards.sources",
+    "ModelReward": "rlhf_lightning.rewards.sources",
+    "RewardSource": "rlhf_lightning.rewards.sources",
+    "Sampling": "rlhf_lightning.rollout.settings",
+    "OnPolicyDistillation": "rlhf_lightning.stages.distill",
+    "DPO": "rlhf_lightning.stages.dpo",
+    "GRPO": "rlhf_lightning.stages.grpo",
+    "KTO": "rlhf_lightning.stages.kto",
+    "OnlineDPO": "rlhf_lightning.stages.online_dpo",
+    "PPO": "rlhf_lightning.stages.ppo",
+    "ProcessRewardModel": "rlhf_lightning.stages.process_reward_model",
+    "REINFORCEPlusPlus": "rlhf_lightning.stages.reinforce_pp",
+    "RewardModel": "rlhf_lightning.stages.reward_model",
+    "RLOO": "rlhf_lightning.stages.rloo",
+    "SFT": "rlhf_lightning.stages.sft",
+    "OptimizerSettings": "rlhf_lightning.utils.optim",
+}
 
 __all__ = [
     "DPO",
@@ -58,6 +73,20 @@ __all__ = [
     "UnpairedPreferenceDataModule",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rlhf_lightning' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # imported once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
 
 # A config, a checkpoint or a user's module may name a module by its path before it moved (one release).
 install_old_names()

@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from rlhf_lightning.callbacks.learning_check import LearningCheck
+from rlhf_lightning.callbacks.lm_evaluation import LMEvaluation
 from rlhf_lightning.callbacks.progress_lines import (
     HIDDEN,
     duration,
@@ -200,6 +201,8 @@ class RunReport(Callback):
                 lines += [f"  {check.message(pl_module, stall)}" for stall in check.stalls]
             if isinstance(check, SpikeCheck) and check.spikes:
                 lines.append(f"  {spikes_text(run_name(pl_module), name, check.spikes)}")
+            if isinstance(check, LMEvaluation) and check.last_values:
+                lines.append(f"  lm-eval (after {name} {check.last_iteration}): {metric_text(check.last_values)}")
         training = {key: value for key, value in trainer.progress_bar_metrics.items()
                     if key not in HIDDEN and "/val/" not in key}
         if training:

@@ -14,7 +14,6 @@ import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
@@ -26,6 +25,7 @@ from rlhf_lightning.callbacks.progress import default_progress_bar
 from rlhf_lightning.callbacks.progress_lines import ProgressLines
 from rlhf_lightning.callbacks.run_report import RunReport, shown_path
 from rlhf_lightning.callbacks.spikes import SpikeCheck
+from rlhf_lightning.callbacks.throughput import Throughput
 from rlhf_lightning.callbacks.validate_at_start import ValidateAtStart
 from rlhf_lightning.cli.config_keys import (
     dropped_model_arguments,
@@ -33,6 +33,7 @@ from rlhf_lightning.cli.config_keys import (
     not_accepted_line,
     nulls_in_groups,
 )
+from rlhf_lightning.cli.early import HELP
 from rlhf_lightning.cli.errors import (
     condense_parser_error,
     config_file_problem,
@@ -56,37 +57,21 @@ from rlhf_lightning.runs.resume import (
     finished_run,
     hparam_differences,
     import_class,
+    last_checkpoint,
     load_for_comparison,
+    quiet_resume,
     saved_class_of,
 )
 from rlhf_lightning.runs.run_folder import (
     export_path,
     holds_files,
     refuse_overwrite,
-    refuse_resume_without_checkpoint,
     refuse_unwritable,
     remove_if_empty,
+    resume_without_checkpoint,
 )
 from rlhf_lightning.utils.atomic_io import CheckpointError
 from rlhf_lightning.utils.machine import busy_machine_warning
-
-HELP = """\
-rlhf_lightning: RLHF research on PyTorch Lightning (SFT, reward models, PPO, GRPO and its family, DPO, KTO, online
-DPO, distillation) with one frozen base shared by every role through LoRA adapters.
-
-usage: python -m rlhf_lightning SUBCOMMAND [options]
-
-subcommands:
-  fit            train a stage: python -m rlhf_lightning fit --config configs/ppo.yaml
-  validate       evaluate a model on the validation data (validate --config ... --ckpt_path ...)
-  test           run a stage's test loop
-  predict        run a stage's predict loop
-  merge          fold an adapter into its base as a standalone model (merge --adapter DIR --out DIR)
-  plot           draw a run folder's curves as PNG (plot RUN_FOLDER [RUN_FOLDER ...])
-  serve-reward   serve a reward source over HTTP (serve-reward --base DIR --reward ...)
-
-python -m rlhf_lightning SUBCOMMAND --help lists a subcommand's options; fit --config FILE --help shows them with
-that config's values; --model.help CLASS lists a model class's arguments. Guides: docs/ (README.md's table)."""
 
 # `ckpt_path` values that Lightning resolves itself rather than naming a file.
 SPECIAL_CKPT_PATHS = ("last", "best", "hpc")
@@ -189,6 +174,7 @@ class RLHFCLI(LightningCLI):
         parser.add_lightning_class_args(ValidateAtStart, "validate_at_start")
         parser.add_lightning_class_args(LearningCheck, "not_learning")
         parser.add_lightning_class_args(SpikeCheck, "spikes")
+        parser.add_lightning_class_args(Throughput, "throughput")  # tokens/s, MFU, phases' shares: perf/*
 
     def _parse_ckpt_path(self) -> None:
         # LightningCLI would load the checkpoint's hyper-parameters into the config here. The config wins;
@@ -226,12 +212,11 @@ class RLHFCLI(LightningCLI):
         ckpt_path = self.config_init[subcommand].get("ckpt_path")
         checkpoint = None
         if ckpt_path == "last":
-            resolved = self.trainer._checkpoint_connector._parse_ckpt_path(
-                TrainerFn(subcommand), "last", model_provided=True, model_connected=False)
+            resolved = last_checkpoint(self.trainer, subcommand)
             if resolved:
                 checkpoint = self.check_checkpoint_against_config(subcommand, str(resolved))
             elif subcommand == "fit":
-                refuse_resume_without_checkpoint(self.trainer, export_path(self.trainer, getattr(
+                resume_without_checkpoint(self.trainer, export_path(self.trainer, getattr(
                     self.model, "hparams", {}).get("export_dir")))
             self.config_init[subcommand]["ckpt_path"] = ckpt_path = resolved  # resolved once: one warning, one file
         if subcommand == "fit" and ckpt_path and str(ckpt_path) not in SPECIAL_CKPT_PATHS:
@@ -248,7 +233,8 @@ class RLHFCLI(LightningCLI):
         run_folder = Path(self.trainer.default_root_dir)
         had_files = holds_files(run_folder)
         try:
-            with rank_failures_reported(self.trainer):  # one line on every rank when one fails or disappears
+            # One line on every rank when one fails or disappears; no "directory not empty" on a resume.
+            with rank_failures_reported(self.trainer), quiet_resume(ckpt_path):
                 super()._run_subcommand(subcommand)
         except BaseException:
             if subcommand == "fit" and not had_files and self.trainer.is_global_zero:
@@ -346,8 +332,8 @@ def after_the_fit(action: Callable[[], Any]) -> str | None:
 def main(args: Sequence[str] | None = None) -> None:
     """Entry point of ``python -m rlhf_lightning`` and the ``rlhf-lightning`` script.
 
-    ``fit``, ``validate``, ``test`` and ``predict`` go to LightningCLI; ``merge`` folds an adapter into its base;
-    ``plot RUN_FOLDER`` draws a run folder's curves; ``serve-reward`` serves a reward source over HTTP.
+    ``fit``, ``validate``, ``test`` and ``predict`` go to LightningCLI; ``merge`` folds an adapter into its base,
+    ``evaluate`` runs lm-eval tasks; ``plot`` draws a run folder's curves; ``serve-reward`` serves a reward source.
     An error of ours (a bad argument, file or checkpoint) is printed as one line ``error: ...`` and exits with
     status 1 (2 for an unreadable config file); ``RLHF_LIGHTNING_TRACEBACK=1`` shows the full traceback instead.
     """
@@ -364,10 +350,9 @@ def main(args: Sequence[str] | None = None) -> None:
             print_error(f"error: {problem}")
             sys.exit(2)
     try:
-        if argv[:1] == ["merge"]:
-            from rlhf_lightning.cli.merge_command import main as merge_main
-
-            merge_main(argv[1:])
+        if argv[:1] in (["merge"], ["evaluate"]):  # cli/merge_command.py, cli/evaluate_command.py
+            from importlib import import_module
+            import_module(f"rlhf_lightning.cli.{argv[0]}_command").main(argv[1:])
             return
         if argv[:1] == ["plot"]:
             plot_main(argv[1:])

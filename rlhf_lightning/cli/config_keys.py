@@ -38,14 +38,17 @@ def nulls_in_groups(argv: list[str]) -> list[str]:
     return out
 
 
-# jsonargparse's words for a key of a config file that no argument takes.
+# jsonargparse's words for a key of a config file that no argument takes: in a fit, and in --print_config (which
+# checks the config group by group).
 NOT_ACCEPTED = re.compile(r"^Subcommand '(\w+)' does not accept (?:option|nested key) '([\w.]+)'")
+NOT_ACCEPTED_IN_GROUP = re.compile(r"^Group '([\w.]+)' does not accept (?:option|nested key) '([\w.]+)'")
 
 
 def key_line(path: str, dotted: str) -> int | None:
-    """The line (1-based) where ``dotted`` is set in the YAML file ``path``, or None."""
+    """The line (1-based) where ``dotted`` is set in the YAML file ``path`` (a
+    :class:`~rlhf_lightning.cli.errors.ConfigFile` is read where it pointed when the command started), or None."""
     try:
-        node = yaml.compose(Path(path).read_text())
+        node = yaml.compose(Path(getattr(path, "absolute", path)).read_text())
     except (OSError, yaml.YAMLError):
         return None
     line = None
@@ -92,11 +95,12 @@ def not_accepted_line(message: str, options: list[str], suggest) -> str | None: 
     """The one line for a key no argument takes, with the closest accepted names (``suggest(name, accepted)``);
     None for another message. :func:`located` puts its file and line before it."""
     match = NOT_ACCEPTED.match(message)
-    if match is None:
+    in_group = NOT_ACCEPTED_IN_GROUP.match(message) if match is None else None
+    if match is None and in_group is None:
         return None
-    key = match.group(2)
+    key, where = (match.group(2), match.group(1)) if match else (f"{in_group.group(1)}.{in_group.group(2)}", None)
     accepted = list(dict.fromkeys(option.removeprefix("--") for option in options if option.startswith("--")))
-    return f"{key}: no such option of {match.group(1)}{suggest(key, accepted)}"
+    return f"{key}: no such option{f' of {where}' if where else ''}{suggest(key, accepted)}"
 
 
 def merged_model_section(files: list[str]) -> tuple[str | None, dict[str, object]]:
@@ -105,7 +109,7 @@ def merged_model_section(files: list[str]) -> tuple[str | None, dict[str, object
     class_path, init_args = None, {}
     for path in files:
         try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
+            data = yaml.safe_load(Path(getattr(path, "absolute", path)).read_text()) or {}
         except (OSError, yaml.YAMLError):
             continue
         model = data.get("model") if isinstance(data, dict) else None

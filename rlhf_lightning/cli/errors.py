@@ -86,14 +86,27 @@ def one_line(error: BaseException) -> str:
     return f"{f'[rank {rank}] ' if rank else ''}error: {error_message(error)}"
 
 
+class ConfigFile(str):
+    """A ``--config`` path as the user wrote it (how lines show it: relative stays relative), which remembers the
+    file it named when the command started (:attr:`absolute`): jsonargparse reads a config file from inside its
+    folder, so a relative path read during parsing would name another file."""
+
+    absolute: str
+
+    def __new__(cls, path: str) -> ConfigFile:
+        made = super().__new__(cls, path)
+        made.absolute = os.path.abspath(os.path.expanduser(path))
+        return made
+
+
 def config_files(argv: list[str]) -> list[str]:
-    """The files given to ``--config``/``-c`` in ``argv``."""
+    """The files given to ``--config``/``-c`` in ``argv`` (as :class:`ConfigFile`)."""
     files = []
     for index, argument in enumerate(argv):
         if argument in ("--config", "-c") and index + 1 < len(argv):
-            files.append(argv[index + 1])
+            files.append(ConfigFile(argv[index + 1]))
         elif argument.startswith("--config="):
-            files.append(argument.split("=", 1)[1])
+            files.append(ConfigFile(argument.split("=", 1)[1]))
     return files
 
 

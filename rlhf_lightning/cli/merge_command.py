@@ -4,12 +4,12 @@ card that says what was merged."""
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
 from rlhf_lightning.cli.model_card import CARD, merge_card
-from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer, looks_local
+from rlhf_lightning.models.adapter_files import adapter_base, recorded_base
+from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer
 from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.utils.file_modes import readable_as_umask_allows
@@ -24,21 +24,11 @@ def merge_adapter(adapter: str | Path, out: str | Path, base: str | None = None,
     arguments for the card (default: ``merge --adapter ADAPTER --out OUT``, with ``--base`` when given).
     """
     adapter = Path(adapter)
-    config_path = adapter / "adapter_config.json"
-    if not config_path.exists():
-        raise FileNotFoundError(f"{config_path} not found: {adapter} is not a peft adapter folder")
-    recorded = json.loads(config_path.read_text()).get("base_model_name_or_path")
-    if base is None:
-        if not recorded:
-            raise ValueError(f"{config_path} does not name its base model; pass --base")
-        if looks_local(recorded) and not Path(recorded).expanduser().is_dir():
-            where = "relative to the folder it was trained from, " if not Path(recorded).is_absolute() else ""
-            raise FileNotFoundError(
-                f"the adapter {adapter} records its base as {recorded} ({where}not a folder from here): give the "
-                "base with --base PATH (the model the adapter was trained on, e.g. the SFT stage's export)")
-        base = recorded
+    recorded = recorded_base(adapter)  # checks that the folder is an adapter
     if argv is None:
-        argv = ["merge", "--adapter", str(adapter), "--out", str(out), *(["--base", base] if base != recorded else [])]
+        argv = ["merge", "--adapter", str(adapter), "--out", str(out),
+                *(["--base", base] if base is not None and base != recorded else [])]
+    base = adapter_base(adapter, base)  # the recorded base when none is given
     spec = BaseModelSpec(name_or_path=base)
     tokenizer = load_tokenizer(spec)
     shared = SharedBase(load_causal_lm(spec, tokenizer))

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 import yaml
 
 from rlhf_lightning.callbacks.progress_lines import duration, held_out, metric_text
@@ -93,6 +94,16 @@ def public_name(cls: type) -> str:
     return f"rlhf_lightning.{cls.__name__}" if getattr(rlhf_lightning, cls.__name__, None) is cls else class_path(cls)
 
 
+def hardware(trainer: L.Trainer) -> str:
+    """``- **Hardware**: cpu, 1 device x 1 node, 2 CPU threads per process``: what the run ran on, the thread count
+    included (``torch.get_num_threads()``: a CPU run's reductions, and so its numbers, depend on it)."""
+    device = trainer.strategy.root_device.type
+    devices, nodes = trainer.num_devices, trainer.num_nodes
+    return (f"- **Hardware**: {device}, {devices} device{'s' if devices != 1 else ''} x {nodes} "
+            f"node{'s' if nodes != 1 else ''}, {torch.get_num_threads()} CPU thread"
+            f"{'s' if torch.get_num_threads() != 1 else ''} per process")
+
+
 def model_card(trainer: L.Trainer, module: Any, argv: Sequence[str], change: str = "",
                data_settings: dict[str, Any] | None = None, model_settings: Mapping[str, Any] | None = None) -> str:
     """The card's text (YAML front matter as the hub reads it, then the run's facts); ``data_settings``: the data
@@ -128,6 +139,7 @@ def model_card(trainer: L.Trainer, module: Any, argv: Sequence[str], change: str
     seconds = fit_seconds(trainer)
     if seconds is not None:
         lines.append(f"- **Wall time**: {duration(seconds)}" + (" (since the fit resumed)" if trainer.ckpt_path else ""))
+    lines.append(hardware(trainer))
     lines.append(made_on())
     result = held_out(trainer.callback_metrics)
     accuracy = {name: value for name, value in result.items() if name.endswith("accuracy")}

@@ -48,6 +48,7 @@ from rlhf_lightning.core.pass_plan import PassSettings
 from rlhf_lightning.core.policy import POLICY, PolicyModule
 from rlhf_lightning.core.update_statistics import UpdateStatistics, gradient_norm, shuffled_minibatches
 from rlhf_lightning.utils import checks
+from rlhf_lightning.utils.flops import TokenCounts
 from rlhf_lightning.utils.optim import OptimizerSettings
 from rlhf_lightning.utils.timing import Stopwatch, phase
 
@@ -115,6 +116,7 @@ class OnlineRL(ExperienceCollector):
         for name, value in {"target_kl": target_kl, "max_grad_norm": max_grad_norm}.items():
             checks.positive(name, value, optional=True)
         self.automatic_optimization = False
+        self._iteration_tokens = TokenCounts()  # what the last iteration processed (tokens_processed)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -158,6 +160,7 @@ class OnlineRL(ExperienceCollector):
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         watch = Stopwatch()  # time/rollout: its laps; time/update: the rest (the first update pass included)
+        self._iteration_tokens = TokenCounts()  # an iteration skipped processed nothing worth a rate
         self.sampler.seeds.start_iteration(self.iteration, self.global_rank)
         try:
             with watch.lap("rollout"):
@@ -328,6 +331,7 @@ class OnlineRL(ExperienceCollector):
         })
         for group in self.optimizers().param_groups:
             stats[f"lr/{group['name']}"] = torch.tensor(group["lr"])
+        self._iteration_tokens = iteration_tokens(experience, int(stats["policy/epochs"]))
         prefix = self.metric_prefix
         self.log_dict({f"{prefix}/{name}": value.float() for name, value in stats.items()}, sync_dist=True,
                       batch_size=experience.response_mask.shape[0])
@@ -336,6 +340,11 @@ class OnlineRL(ExperienceCollector):
                        **({"gold": stats["objective/gold"]} if "objective/gold" in stats else {})},
                       prog_bar=True, logger=False, sync_dist=True)
 
+    def tokens_processed(self, batch: Any) -> TokenCounts:
+        """The last iteration's tokens (:func:`iteration_tokens`), for the throughput figures; none when it was
+        skipped."""
+        return self._iteration_tokens
+
     def parameter_groups(self) -> list[dict[str, Any]]:
         """Optimizer parameter groups, each with a ``name`` (its learning rate is logged as ``lr/<name>``)."""
         return [{"name": POLICY, "params": self.adapter_parameters(POLICY), "lr": self.optimizer_settings.lr}]
@@ -343,3 +352,13 @@ class OnlineRL(ExperienceCollector):
     def configure_optimizers(self):
         # The schedule's total is the Trainer's estimate: training batches = iterations when max_steps is unset.
         return self.configure_adamw(self.parameter_groups(), self.optimizer_settings)
+
+
+def iteration_tokens(experience: Experience, epochs: int) -> TokenCounts:
+    """What an iteration processed: each row's prompt tokens and the tokens the policy drew (an episode's policy
+    turns), and, for the update, the prompt and response-side tokens (an episode's tool and environment tokens
+    included) once per epoch run."""
+    prompts = experience.attention_mask[:, :experience.prompt_length].sum(-1)
+    context = int(experience.attention_mask[:, experience.prompt_length:].sum())
+    return TokenCounts(epochs * int(prompts.sum()), epochs * context, tuple(prompts.tolist()),
+                       tuple(experience.response_mask.sum(-1).tolist()), experience.group_size)

@@ -23,7 +23,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from rlhf_lightning.environments.openenv_support import (
     import_object,
     require_openenv,
 )
+from rlhf_lightning.utils.retrying import GaveUp, RetryPolicy, Transient, keep_trying
 
 PR_SET_PDEATHSIG = 1  # prctl's option: the signal a child gets when its parent dies
 STARTUP_TIMEOUT = 120.0  # seconds a started server may take to answer /health (importing OpenEnv takes a few)
@@ -124,19 +124,25 @@ class StartedServer:
         self.wait_until_healthy()
 
     def wait_until_healthy(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        while time.monotonic() < deadline:
+        def healthy() -> None:
             if self.process.poll() is not None:
                 raise OpenEnvError(self.exited())
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
                     if response.status == 200:
                         return
-            except OSError:
-                time.sleep(0.2)
-        self.stop()
-        raise OpenEnvError(f"the OpenEnv server started for {self.env} did not answer {self.url}/health within "
-                           f"{STARTUP_TIMEOUT:g} s; its log: {self.log}")
+                    raise Transient(f"/health answered {response.status}")
+            except OSError as error:
+                raise Transient(str(getattr(error, "reason", error))) from None
+
+        policy = RetryPolicy(retries=0, retry_for=STARTUP_TIMEOUT, backoff=0.2, max_backoff=0.2,
+                             setting="")
+        try:
+            keep_trying(healthy, policy, f"the OpenEnv server started for {self.env} at {self.url}", waiting=True)
+        except GaveUp:
+            self.stop()
+            raise OpenEnvError(f"the OpenEnv server started for {self.env} did not answer {self.url}/health within "
+                               f"{STARTUP_TIMEOUT:g} s; its log: {self.log}") from None
 
     def exited(self) -> str:
         """One line: the server exited, with its code and the last line of its log."""

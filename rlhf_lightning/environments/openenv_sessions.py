@@ -14,13 +14,13 @@ import concurrent.futures
 import contextlib
 import re
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from rlhf_lightning.environments.openenv_support import OpenEnvError, as_dict, validation_text
+from rlhf_lightning.utils.retrying import GaveUp, RetryPolicy, Transient, keep_trying
 
 _CLOSE_TIMEOUT = 5.0  # seconds a session's close may take; a server that is gone cannot hold the run up
 _SERVER_ERROR = re.compile(r"Server error: (.*) \(code: (\w+)\)$", re.S)
@@ -177,28 +177,40 @@ class RemoteSession:
             raise _ServerRefusal(code, f"{where} refused {what} ({code}): {message}") from None
 
     def reset(self, seed: int) -> Result:
-        deadline = time.monotonic() + self.timeout
-        while True:
+        what = f"reset(seed={seed})"
+
+        def reset() -> Any:
             try:
-                result = self._run(lambda: self.client.reset(seed=seed), f"reset(seed={seed})")
-                break
+                return self._run(lambda: self.client.reset(seed=seed), what)
             except _ServerRefusal as refusal:
-                held = RemoteSession.open_sessions[self.url]
                 if refusal.code != "CAPACITY_REACHED":
                     raise OpenEnvError(str(refusal)) from None
-                limit = _CAPACITY.search(str(refusal))
-                if held and (time.monotonic() > deadline or (limit is not None and held >= int(limit.group(1)))):
-                    raise OpenEnvError(f"{refusal}; this process holds {held} of them, one per episode of the "
-                                       "iteration running side by side: start the server with a larger "
-                                       "max_concurrent_envs, or run fewer episodes at once (data.init_args.batch_size "
-                                       "x samples_per_prompt)") from None
-                if time.monotonic() > deadline:
-                    raise OpenEnvError(f"{refusal}, for {self.timeout:g} s (the adapter's timeout): other clients "
-                                       "hold its sessions") from None
-                time.sleep(0.2)  # sessions of other clients, or of an episode just closed, may end meanwhile
+                held, limit = RemoteSession.open_sessions[self.url], _CAPACITY.search(str(refusal))
+                if held and limit is not None and held >= int(limit.group(1)):
+                    raise self._held_here(refusal, held) from None
+                raise Transient(str(refusal).removeprefix(f"OpenEnv server {self.url} ")) from None
+
+        # Sessions of other clients, or of an episode just closed, may end meanwhile.
+        policy = RetryPolicy(retries=0, retry_for=self.timeout, backoff=0.2, max_backoff=0.2,
+                             setting="the adapter's timeout")
+        try:
+            result = keep_trying(reset, policy, f"OpenEnv server {self.url}")
+        except GaveUp as gave_up:
+            held = RemoteSession.open_sessions[self.url]
+            refusal = f"OpenEnv server {self.url} {gave_up.reason}"
+            if held:
+                raise self._held_here(refusal, held) from None
+            raise OpenEnvError(f"{refusal}, for {self.timeout:g} s (the adapter's timeout): other clients hold its "
+                               "sessions") from None
         self.opened = True
         RemoteSession.open_sessions[self.url] += 1
-        return self._result(result, f"reset(seed={seed})")
+        return self._result(result, what)
+
+    @staticmethod
+    def _held_here(refusal: object, held: int) -> OpenEnvError:
+        return OpenEnvError(f"{refusal}; this process holds {held} of them, one per episode of the iteration running "
+                            "side by side: start the server with a larger max_concurrent_envs, or run fewer episodes "
+                            "at once (data.init_args.batch_size x samples_per_prompt)")
 
     def step(self, action: Any) -> Result:
         name = action.get("type", "action") if isinstance(action, dict) else type(action).__name__

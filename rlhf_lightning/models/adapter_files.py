@@ -4,6 +4,7 @@ Sharded, every rank takes part in a write (the weights are gathered) and one wri
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from peft import PeftConfig, PeftModel
@@ -11,6 +12,7 @@ from peft import PeftConfig, PeftModel
 from rlhf_lightning.models.adapter_fit import check_adapter_fits, check_same_base
 from rlhf_lightning.models.fingerprint import write_base_record
 from rlhf_lightning.models.heads import ScalarHead
+from rlhf_lightning.models.loading import looks_local
 from rlhf_lightning.models.merging import adapter_of, merged_state_dict
 from rlhf_lightning.models.sharding import full_tensor
 from rlhf_lightning.utils.file_modes import readable_as_umask_allows
@@ -26,6 +28,33 @@ def adapters_below(folder: str | Path, marker: str = "adapter_config.json", dept
     found = [path.parent for level in range(2, depth + 2)
              for path in folder.glob("/".join(["*"] * (level - 1) + [marker]))]
     return sorted(found)
+
+def recorded_base(adapter: str | Path) -> str | None:
+    """The base model an adapter folder's ``adapter_config.json`` records (None when it records none); one line
+    when the folder is no adapter."""
+    adapter = Path(adapter)
+    config_path = adapter / "adapter_config.json"
+    if not config_path.exists():
+        where = "does not exist" if not adapter.exists() else "is not a peft adapter folder"
+        raise FileNotFoundError(f"{config_path} not found: {adapter} {where}")
+    return json.loads(config_path.read_text()).get("base_model_name_or_path")
+
+
+def adapter_base(adapter: str | Path, base: str | None = None) -> str:
+    """The base model to load a saved adapter on: ``base`` when given, else the one it records
+    (:func:`recorded_base`); one line when it records none, or a local folder that is not there."""
+    recorded = recorded_base(adapter)
+    if base is not None:
+        return base
+    if not recorded:
+        raise ValueError(f"{Path(adapter) / 'adapter_config.json'} does not name its base model; pass --base")
+    if looks_local(recorded) and not Path(recorded).expanduser().is_dir():
+        where = "relative to the folder it was trained from, " if not Path(recorded).is_absolute() else ""
+        raise FileNotFoundError(
+            f"the adapter {adapter} records its base as {recorded} ({where}not a folder from here): give the "
+            "base with --base PATH (the model the adapter was trained on, e.g. the SFT stage's export)")
+    return recorded
+
 
 class AdapterFiles:
     """The file methods of :class:`~rlhf_lightning.models.shared_base.SharedBase`, which derives from this class:

@@ -77,9 +77,11 @@ def full_tensor(tensor: Tensor) -> Tensor:
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The decoder layers of a transformers causal LM: the modules of the classes it declares unsplittable
-    (``_no_split_modules``: ``GPT2Block``, ``LlamaDecoderLayer``...)."""
+    (``_no_split_modules``: ``GPT2Block``, ``LlamaDecoderLayer``...), also once sharded (FSDP2 gives each a
+    subclass of its own, ``FSDPGPT2Block``)."""
     names = set(getattr(model, "_no_split_modules", None) or ())
-    layers = [module for module in model.modules() if type(module).__name__ in names]
+    layers = [module for module in model.modules()
+              if any(cls.__name__ in names for cls in type(module).__mro__)]
     if not layers:
         raise ValueError(f"{type(model).__name__} names no decoder layer class (_no_split_modules is "
                          f"{sorted(names) or 'empty'}): cannot shard it layer by layer")

@@ -17,6 +17,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from rlhf_lightning.algorithms.losses import entropy_from_logits, logprobs_from_logits
+from rlhf_lightning.utils.flops import count_head
 
 
 class _HeadLogprobs(torch.autograd.Function):
@@ -90,6 +91,7 @@ def head_logprobs(hidden: Tensor, labels: Tensor, logits: Callable[[Tensor], Ten
     recompute = chunk is not None and torch.is_grad_enabled() and hidden.requires_grad
     if fused_weight is not None and not (with_entropy and entropy_grad and torch.is_grad_enabled()):
         def compute(piece: Tensor, piece_labels: Tensor) -> tuple[Tensor, Tensor | None]:
+            count_head(piece.shape[0] * piece.shape[1])  # the head's module is not called: a FLOP count is told
             # logits * scale / temperature = hidden @ W.T / (temperature / scale)
             return logprobs_from_hidden(piece, fused_weight, piece_labels, temperature / fused_scale, with_entropy)
     else:

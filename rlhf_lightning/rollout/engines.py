@@ -39,6 +39,7 @@ from rlhf_lightning.models.spec import LoraSpec
 from rlhf_lightning.ops.sampling import row_draws, sampling_processors, sampling_warpers
 from rlhf_lightning.rollout.decode import Decoder
 from rlhf_lightning.rollout.settings import SamplingSettings
+from rlhf_lightning.utils.flops import uncounted
 
 
 @dataclass(frozen=True)
@@ -107,11 +108,13 @@ class Engine:
 def sampling_mode(model: SharedBase, role: str | None, device: torch.device) -> Iterator[None]:
     """``role`` active, eval mode, and the weights' own precision outside any autocast (bf16-mixed): autocast would
     re-cast every frozen fp32 weight to bf16 at each decoded token (8 bytes read per parameter instead of 4), and it
-    leaves rotary keys in fp32 beside bf16 values, which a static cache (one dtype for both) rejects."""
+    leaves rotary keys in fp32 beside bf16 values, which a static cache (one dtype for both) rejects. Its passes are
+    left out of the hook-based FLOP count (:func:`~rlhf_lightning.utils.flops.uncounted`): the throughput figures
+    count generation from the rollout's lengths."""
     was_training = model.training
     model.eval()
     try:
-        with model.role(role), torch.autocast(device.type, enabled=False):
+        with model.role(role), torch.autocast(device.type, enabled=False), uncounted():
             yield
     finally:
         model.train(was_training)

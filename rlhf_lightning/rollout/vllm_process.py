@@ -10,12 +10,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.rollout.vllm_support import kv_cache_bytes, lora_slots
+from rlhf_lightning.utils.retrying import GaveUp, RetryPolicy, Transient, keep_trying
 
 PR_SET_PDEATHSIG = 1  # prctl's option: the signal a child gets when its parent dies
 
@@ -96,18 +96,25 @@ class ServerProcess:
             self.process = subprocess.Popen(self.command(port), stdout=log, stderr=subprocess.STDOUT, env=environment,
                                             start_new_session=True, preexec_fn=self.in_child)
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + timeout
-        while True:
+
+        def answers() -> str:
             if self.process.poll() is not None:
                 raise self.explain(ServerError("the vLLM server did not start"))
-            with contextlib.suppress(ServerError):
+            try:
                 request_json("GET", f"{url}/v1/models", None, 5.0)
-                return url
-            if time.monotonic() > deadline:
-                self.stop()
-                raise ServerError(f"the vLLM server the fit started did not answer within {timeout:.0f} s "
-                                  f"(engine.init_args.startup_timeout); its log: {self.log}")
-            time.sleep(0.5)
+            except ServerError as error:
+                raise Transient(str(error)) from None
+            return url
+
+        policy = RetryPolicy(retries=0, retry_for=timeout, backoff=0.5, max_backoff=0.5,
+                             setting="engine.init_args.startup_timeout")
+        try:
+            return keep_trying(answers, policy, f"the vLLM server the fit started at {url} (its log: {self.log})",
+                               waiting=True)
+        except GaveUp:
+            self.stop()
+            raise ServerError(f"the vLLM server the fit started did not answer within {timeout:.0f} s "
+                              f"(engine.init_args.startup_timeout); its log: {self.log}") from None
 
     def in_child(self) -> None:
         """In the server's process before it starts: bound to ``cpus``, and ended (SIGTERM) when the fit's process

@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 import re
 import sys
-from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -199,12 +198,13 @@ def paired(rows: Sequence[dict[str, float]], x: str, against: str, key: str) -> 
     return [first[step] for step in steps], [second[step] for step in steps]
 
 
-def plot_run(folder: str | Path) -> list[Path]:
+def plot_run(folder: str | Path, files: list[list[Path]] | None = None) -> list[Path]:
     """Draw ``<folder>/plots/<prefix>.png`` for every stage logged in ``folder``'s W&B runs; returns the files.
-    Each run of the folder is its own curve (:func:`runs_of`). Raises ``FileNotFoundError`` when the folder holds
-    no run that logged something."""
+    Each run of the folder is its own curve (:func:`runs_of`, or ``files`` when the caller read them). Raises
+    ``FileNotFoundError`` when the folder holds no run that logged something."""
     folder = Path(folder)
-    runs = [rows for rows in (numeric_rows(files) for files in runs_of(folder)) if rows]
+    runs = [rows for rows in (numeric_rows(parts) for parts in (runs_of(folder) if files is None else files))
+            if rows]
     if not runs:
         raise FileNotFoundError(f"{folder}: no W&B run with logged metrics to plot (was W&B disabled?)")
     keys = {key for rows in runs for row in rows for key in row}
@@ -288,10 +288,23 @@ def main(argv: Sequence[str]) -> None:
               "Draw PNG curves of a run folder's main metrics, training and validation, into RUN_FOLDER/plots/ "
               "(read from the folder's W&B run files, offline or online).")
         return
-    drawn: dict[str, list[Path]] = defaultdict(list)
+    drawn: dict[str, tuple[list[Path], str]] = {}
     for folder in argv:
         if not Path(folder).is_dir():
             raise FileNotFoundError(f"plot: {folder} is not a run folder (no such directory)")
-        drawn[folder] = plot_run(folder)
-    for folder, paths in drawn.items():
-        print(f"{folder}: " + (", ".join(str(path) for path in paths) or "no metric to plot"), file=sys.stdout)
+        runs = runs_of(Path(folder))
+        drawn[folder] = plot_run(folder, runs), runs_text(runs)
+    for folder, (paths, runs) in drawn.items():
+        print(f"{folder}: " + (", ".join(str(path) for path in paths) or "no metric to plot") + runs, file=sys.stdout)
+
+
+def runs_text(runs: Sequence[Sequence[Path]], shown: int = 6) -> str:
+    """`` (3 runs, each its own curve: run 1 offline-run-..., run 3 (latest) ...)`` for a folder of several runs,
+    each named by its W&B run folder (its first part's, for a resumed run); empty for one run."""
+    if len(runs) < 2:
+        return ""
+    names = [f"run {number}{' (latest)' if number == len(runs) else ''} {parts[0].parent.name}"
+             for number, parts in enumerate(runs, 1)]
+    if len(names) > shown:
+        names = [*names[:shown - 1], "...", names[-1]]
+    return f" ({len(runs)} runs, each its own curve: {', '.join(names)})"

@@ -9,8 +9,11 @@ checkpoint's is listed in one warning, so a resume that does not continue the sa
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -127,3 +130,24 @@ def finished_run(checkpoint: dict[str, Any], max_epochs: int | None, max_steps: 
     if max_epochs is not None and max_epochs >= 0 and epochs >= max_epochs:
         return f"trainer.max_epochs={max_epochs} reached after {epochs} epoch{'s' if epochs != 1 else ''}"
     return None
+
+
+def last_checkpoint(trainer: Any, subcommand: str) -> str | None:
+    """``--ckpt_path last`` resolved as Lightning resolves it (the checkpoint callbacks' last files), or None,
+    without Lightning's hint to set ``save_last`` when there is none: the command line says what happens then."""
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r'.*ckpt_path="last"\) is set, but there is no last checkpoint')
+        return trainer._checkpoint_connector._parse_ckpt_path(TrainerFn(subcommand), "last", model_provided=True,
+                                                              model_connected=False)
+
+
+@contextlib.contextmanager
+def quiet_resume(ckpt_path: str | Path | None) -> Iterator[None]:
+    """While a fit runs: with a ``ckpt_path`` (a resumed run), without Lightning's warning that the checkpoint
+    folder exists and is not empty (it holds the run's own checkpoints, as it should); a fresh fit keeps it."""
+    with warnings.catch_warnings():
+        if ckpt_path:
+            warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
+        yield

@@ -31,6 +31,16 @@ def export_path(trainer: Any, export_dir: str | None) -> Path | None:
     return Path(trainer.default_root_dir) / path
 
 
+def shown_folder(trainer: Any, folder: Path) -> Path:
+    """``folder`` as a line shows it: under the run folder as the user wrote it (a checkpoint callback resolves its
+    folder to an absolute path: ``outputs/ppo/checkpoints`` is shown, not ``/home/.../outputs/ppo/checkpoints``)."""
+    root = Path(trainer.default_root_dir)
+    try:
+        return root / Path(os.path.realpath(folder)).relative_to(os.path.realpath(root))
+    except ValueError:
+        return folder
+
+
 def checkpoint_folders(trainer: Any) -> list[Path]:
     """The folders the Trainer's checkpoint callbacks write into."""
     return [Path(callback.dirpath) for callback in getattr(trainer, "checkpoint_callbacks", [])
@@ -45,7 +55,8 @@ def another_runs_files(trainer: Any, export: Path | None) -> list[str]:
     for folder in checkpoint_folders(trainer):
         checkpoints = sorted(folder.glob("*.ckpt")) if folder.is_dir() else []
         if checkpoints:
-            found.append(f"{folder} ({len(checkpoints)} checkpoint{'s' if len(checkpoints) > 1 else ''})")
+            found.append(f"{shown_folder(trainer, folder)} ({len(checkpoints)} checkpoint"
+                         f"{'s' if len(checkpoints) > 1 else ''})")
     return found
 
 
@@ -58,16 +69,22 @@ def earlier_run(trainer: Any, export: Path | None) -> list[str]:
     return found
 
 
-def refuse_resume_without_checkpoint(trainer: Any, export: Path | None) -> None:
-    """Stop ``--ckpt_path last`` that found no checkpoint in a run folder that holds a run: continuing it is
-    impossible, and starting from zero behind its back would mix two runs. An empty folder starts afresh (a job's
-    first start under SLURM, whose requeued starts continue)."""
+def resume_without_checkpoint(trainer: Any, export: Path | None) -> None:
+    """``--ckpt_path last`` that found no checkpoint: refused in a run folder that holds a run (continuing it is
+    impossible, and starting from zero behind its back would mix two runs); in an empty or missing folder (a job's
+    first start under SLURM, whose requeued starts continue; or a misspelt folder) a new run starts, and one line
+    says so and where."""
     found = earlier_run(trainer, export)
+    folder = Path(trainer.default_root_dir)
     if found:
         raise FileNotFoundError(
-            f"--ckpt_path last: run folder {trainer.default_root_dir} holds a run ({', '.join(found)}) but no "
+            f"--ckpt_path last: run folder {folder} holds a run ({', '.join(found)}) but no "
             "checkpoint to continue it from (it stopped before its first); start afresh in another folder with "
             "--trainer.default_root_dir=DIR, or remove those files to start afresh there")
+    if getattr(trainer, "is_global_zero", True):
+        state = "holds no run" if folder.is_dir() else "does not exist"
+        print(f"--ckpt_path last: no checkpoint to resume from (run folder {folder} {state}): a new run starts "
+              f"there", flush=True)
 
 
 # What the command line writes into a run folder before anything runs (LightningCLI's saved config).
@@ -133,4 +150,5 @@ def refuse_unwritable(trainer: Any, export: Path | None) -> None:
         if problem is not None:
             error, reason = problem
             remedy = "make it writable" if error is PermissionError else "move that file away"
-            raise error(f"{what} {folder} {reason}: {use}; {remedy}, or give another with {setting}")
+            raise error(f"{what} {shown_folder(trainer, folder)} {reason}: {use}; {remedy}, or give another with "
+                        f"{setting}")

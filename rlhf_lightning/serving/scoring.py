@@ -17,6 +17,11 @@ from rlhf_lightning.rewards.inputs import RewardInputs, last_token_index
 from rlhf_lightning.rewards.remote_protocol import SCHEMA_VERSION, tokenizer_identity
 from rlhf_lightning.rewards.sources import RewardSource
 
+# A text with more characters than this per position of the served model is first encoded by its head alone: a head
+# that already needs more positions proves the whole does; a head that does not (text packed unusually densely into
+# tokens) leaves the whole to be encoded and checked as any row.
+CHARS_PER_POSITION = 16
+
 
 class RequestError(ValueError):
     """A request the server cannot score as sent: answered with HTTP 422 and this one line."""
@@ -129,7 +134,11 @@ class RewardService:
         given_input_ids, given_completion_ids = input_ids is not None, completion_ids is not None
         input_ids, completion_ids = list(input_ids or []), list(completion_ids or [])
         for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
+            if not given_completion_ids or not given_input_ids:
+                self.check_fits(completion, row, "completion")
             if not given_input_ids:
+                self.check_fits(prompt if isinstance(prompt, str) else " ".join(
+                    str(message.get("content", "")) for message in prompt), row, "prompt")
                 input_ids.append(self.encode(prompt, completion, row))
             self.check_ids("input_ids", row, input_ids[row])
             if not given_completion_ids:
@@ -161,6 +170,22 @@ class RewardService:
             return prompt_ids + encode_completion(self.tokenizer, prompt, completion, prompt_ids, where)
         except ValueError as error:
             raise RequestError(str(error)) from None
+
+    def check_fits(self, text: str, row: int, what: str) -> None:
+        """Refuse a text that cannot fit the base's positions before it is encoded whole (a 30 MB completion would be
+        8 million tokens, minutes of the server's CPU, before its refusal): a text longer than
+        :data:`CHARS_PER_POSITION` characters per position is first encoded by its head, cut after a word where it
+        can be (so its tokens are the text's first ones), and refused when the head alone needs more positions."""
+        budget = None if self.max_length is None else self.max_length * CHARS_PER_POSITION
+        if budget is None or len(text) <= budget:
+            return
+        head = text[:budget]
+        space = max(head.rfind(" "), head.rfind("\n"))
+        head = head[:space] if space > budget // 2 else head
+        count = len(self.tokenizer(head, add_special_tokens=False)["input_ids"])
+        if count > self.max_length:
+            raise RequestError(f"row {row}: the {what} has {len(text)} characters, and its first {len(head)} alone are "
+                               f"{count} tokens, beyond the {self.max_length} positions of the served model")
 
     def check_ids(self, key: str, row: int, sequence: list[int]) -> None:
         if key == "input_ids" and not sequence:

@@ -86,8 +86,15 @@ class Pipeline:
     python: str = sys.executable
     log: list[str] = field(default_factory=list)
 
+    def folder_name(self, stage: str) -> str:
+        """The stage's folder: its own name and tag, then the folders of the varied stages it builds on
+        (``ppo@reward-clip1``), so that a run on a varied reward model is never taken for one on the shipped one."""
+        spec = self.stages[stage]
+        varied = [self.folder_name(need) for need in spec.needs if self.folder_name(need) != self.stages[need].name]
+        return "@".join([spec.folder_name, *varied])
+
     def folder(self, stage: str, sample: Sample) -> Path:
-        return self.out / self.stages[stage].folder_name / sample.name
+        return self.out / self.folder_name(stage) / sample.name
 
     def is_done(self, stage: str, sample: Sample) -> bool:
         return (self.folder(stage, sample) / DONE).exists()

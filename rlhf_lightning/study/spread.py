@@ -8,7 +8,7 @@ gain in standard deviations of the starting (SFT) policy's gold, its KL to the r
 then how many samples learn (gain >= 1 SD) and the mean and spread of the gain.
 
 Finished stages are kept under ``--out`` and reused (an interrupted study resumes where it stopped); a variant of a
-stage (``--override reward=--model.init_args.ensemble.members=5``) gets folders of its own, so the samples of the
+stage (``--override reward=--model.init_args.members=5``) gets folders of its own, so the samples of the
 stages it does not touch are shared.
 """
 
@@ -79,7 +79,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default="outputs/spread", help="the study's folder: every stage's runs")
     parser.add_argument("--override", action="append", default=[], metavar="STAGE=ARG",
                         help="a command-line argument for every run of a stage (sft, reward or an algorithm), "
-                             "repeatable: --override reward=--model.init_args.ensemble.members=5")
+                             "repeatable: --override reward=--model.init_args.members=5")
     parser.add_argument("--tag", action="append", default=[], metavar="STAGE=NAME",
                         help="the folder name of an overridden stage (default: a hash of its overrides)")
     parser.add_argument("--jobs", type=int, default=1, help="samples run at once (each its stages in order)")
@@ -178,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
         list(pool.map(lambda sample: [runs.run(stage, sample) for stage in shared], samples))
         rows = list(pool.map(lambda item: measure(runs, *item), work))
     print(table(rows))
-    tags = "-".join(stage.folder_name for stage in runs.stages.values())
+    tags = "-".join(runs.folder_name(stage) for stage in runs.stages)
     path = Path(args.json or Path(args.out) / f"spread-{tags}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps([{**asdict(row), "gain_sd": row.gain_sd, "learns": row.learns} for row in rows],

@@ -1,5 +1,6 @@
 """What every layer may use: argument checks (``checks``), finding NaN and infinity (``nonfinite``), atomic
 checkpoint files (``atomic_io``), torchmetrics that aggregate over devices (``metrics``), the optimizer and its
-schedule (``optim``), named phases of a step (``timing``), whether the machine is too busy for torch's threads
-(``machine``), exported files readable as the umask allows (``file_modes``) and the table of modules that moved
+schedule (``optim``), named phases of a step (``timing``), analytic FLOPs and the peak they are measured
+against (``flops``), whether the machine is too busy for torch's threads
+(``machine``), exported files readable as the umask allows (``file_modes``), remote calls retried aloud (``retrying``) and the table of modules that moved
 with the hook that keeps their old names importable (``moved_modules``). Nothing here imports another part of the package."""

@@ -149,6 +149,32 @@ def test_a_fresh_run_never_writes_over_another_runs_folder(tiny_model_dir, tmp_p
     main([*arguments[:-3], "--trainer.max_steps=3", *arguments[-2:], "--ckpt_path=last"])  # continue in place
 
 
+@pytest.mark.slow
+def test_resume_last_in_an_empty_folder_says_a_new_run_starts_and_a_resume_is_not_warned_about_its_folder(
+        tiny_model_dir, capsys):
+    import warnings
+
+    from rlhf_lightning.cli import main
+
+    arguments = ["fit", *stage("sft", tiny_model_dir, tiny_model_dir)[0], *COMMON, "--trainer.limit_val_batches=1",
+                 "--trainer.max_epochs=5", "--trainer.default_root_dir=outputs/sft-new"]  # the config's last.ckpt
+
+    def warned(command: list[str]) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            main(command)
+        return [str(warning.message) for warning in caught]
+
+    said = warned([*arguments, "--trainer.max_steps=2", "--ckpt_path=last"])  # a misspelt folder, a job's first start
+    assert ("--ckpt_path last: no checkpoint to resume from (run folder outputs/sft-new does not exist): a new run "
+            "starts there\n") in capsys.readouterr().out
+    assert not [line for line in said if "no last checkpoint" in line]  # Lightning's HINT to set save_last
+    said = warned([*arguments, "--trainer.max_steps=3", "--ckpt_path=last"])  # resumed there
+    assert not [line for line in said if line.startswith("Checkpoint directory")]
+    assert "a new run starts" not in capsys.readouterr().out
+    assert torch.load(Path("outputs/sft-new/checkpoints/last.ckpt"), weights_only=False)["global_step"] == 3
+
+
 def test_the_refusal_is_one_line_naming_the_folder_and_the_ways_on(tiny_model_dir, tmp_path, capsys):
     from rlhf_lightning.cli import main
 

@@ -129,7 +129,7 @@ def test_the_top_level_help_lists_every_subcommand_under_the_projects_name(capsy
     assert text.startswith("rlhf_lightning: RLHF research on PyTorch Lightning")
     assert "usage: python -m rlhf_lightning SUBCOMMAND [options]" in text
     listed = [line.split()[0] for line in text.split("subcommands:\n", 1)[1].split("\n\n")[0].splitlines()]
-    assert listed == ["fit", "validate", "test", "predict", "merge", "plot", "serve-reward"]
+    assert listed == ["fit", "validate", "test", "predict", "merge", "evaluate", "plot", "serve-reward"]
     with pytest.raises(SystemExit):
         main(["fit", "--help"])
     assert capsys.readouterr().out.startswith("usage: python -m rlhf_lightning [options] fit ")

@@ -76,6 +76,45 @@ def test_a_bad_value_in_a_config_file_is_named_at_its_file_and_line(tmp_path, ca
     assert error_lines(capsys.readouterr().err) == [expected]
 
 
+@pytest.mark.parametrize("written", ["sub/mine.yaml", "./sub/mine.yaml", "absolute"])
+@pytest.mark.parametrize(("yaml_text", "expected"), [
+    ("model:\n  init_args:\n    betta: 0.1\n",
+     "model.init_args.betta: rlhf_lightning.DPO takes no argument 'betta' (did you mean beta?); --model.help "
+     "rlhf_lightning.DPO lists them all"),
+    ("model:\n  init_args:\n    optimizer:\n      lr: abc\n",
+     "model.init_args.optimizer.lr: Expected a <class 'float'>. Got value: abc"),
+    ("trainer:\n  max_epoch: 2\n", "trainer.max_epoch: no such option of fit (did you mean trainer.max_epochs, "
+                                   "trainer.min_epochs or trainer.max_steps?)"),
+], ids=["model-key", "type", "trainer-key"])
+def test_a_key_of_a_config_file_in_another_folder_is_named_at_its_file_however_its_path_is_written(
+        tmp_path, capsys, written, yaml_text, expected):
+    """jsonargparse reads a config file from inside its folder: the file is still found, and shown as written."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "mine.yaml").write_text(yaml_text)
+    path = str(tmp_path / "sub" / "mine.yaml") if written == "absolute" else written
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(REPO / "configs" / "dpo.yaml"), "--config", path])
+    assert exit_info.value.code == 2
+    line = len(yaml_text.splitlines())
+    assert error_lines(capsys.readouterr().err) == [f"error: {path}:{line}: {expected}"]
+
+
+@pytest.mark.parametrize(("yaml_text", "expected"), [
+    ("trainer:\n  max_epoch: 2\n", "error: sub/mine.yaml:2: trainer.max_epoch: no such option (did you mean "
+                                   "trainer.max_epochs, trainer.min_epochs or trainer.max_steps?)"),
+    ("model:\n  init_args:\n    betta: 0.1\n",
+     "error: sub/mine.yaml:3: model.init_args.betta: rlhf_lightning.DPO takes no argument 'betta' (did you mean "
+     "beta?); --model.help rlhf_lightning.DPO lists them all"),
+], ids=["trainer-key", "model-key"])
+def test_print_config_names_a_typo_as_a_fit_does(tmp_path, capsys, yaml_text, expected):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "mine.yaml").write_text(yaml_text)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(REPO / "configs" / "dpo.yaml"), "--config", "sub/mine.yaml", "--print_config"])
+    assert exit_info.value.code == 2
+    assert error_lines(capsys.readouterr().err) == [expected]
+
+
 @pytest.mark.parametrize(("argument", "expected"), [
     ("--model.init_args.optimizer.lr=abc", "error: model.init_args.optimizer.lr: Expected a <class 'float'>. Got "
                                            "value: abc"),

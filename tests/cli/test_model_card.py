@@ -70,6 +70,14 @@ def test_a_reward_models_card(tiny_model_dir, tmp_path):
                             {"synthetic_rows": 40}, settings).read_text()
     assert "- **Stage**: `rlhf_lightning.RewardModel`, 2 batches, 2 optimizer steps\n" in card
     assert re.search(r"\n- \*\*Wall time\*\*: \d+s\n", card)
+    threads = torch.get_num_threads()
+    assert (f"\n- **Hardware**: cpu, 1 device x 1 node, {threads} CPU thread{'s' if threads != 1 else ''} per "
+            "process\n") in card
+    torch.set_num_threads(1)  # the card says the run's own count
+    try:
+        assert "1 CPU thread per process" in write_model_card(trainer, module, ["fit"]).read_text()
+    finally:
+        torch.set_num_threads(threads)
     assert f"\n- **Made**: {TODAY} with rlhf_lightning 0.1.0\n" in card
     assert re.search(r"\n- \*\*Held-out accuracy\*\*: rm/val/accuracy [\d.]+ · rm/val/gold_accuracy [\d.]+ \(share "
                      r"of held-out pairs it orders as labelled; gold_accuracy: as the noise-free gold reward orders "

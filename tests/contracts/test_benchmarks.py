@@ -36,6 +36,7 @@ RUNS = {
     "reward_server_load": ["--dry-run"],
     "shared_prompt": ["--dry-run"],
     "reward_ensemble": ["--dry-run"],
+    "throughput_check": ["--dry-run"],
     "shared_prompt ppo": ["--dry-run", "--algorithm", "ppo"],
     "sharding": ["--ranks", "1", "--algorithms", "grpo", "--layers", "1", "--width", "64", "--prompts", "4",
                  "--group-size", "2", "--response-length", "4", "--iterations", "1", "--threads", "1"],
@@ -119,6 +120,18 @@ def test_ppo_vs_trl_runs_ours_and_the_floor(outputs):
     assert result["time_ratio"] is None  # no TRL side asked for
     assert finite_positive(result["flops_per_iteration"]) and finite_positive(result["matmul_flops_per_second"])
     assert result["settings"]["preset"] == "tiny"
+
+
+def test_the_loops_throughput_figures_count_what_the_harness_counts(outputs):
+    """The same iterations measured twice: the callback's generated tokens per second are the harness's (the same
+    phase, the same tokens), and its FLOPs, counted from the passes the base ran, are the harness's analytic count
+    within 5 %: the harness counts the policy's LoRA in the reference's pass, which runs without it, and not the
+    EOS the reward model's input gets after a response cut at its length."""
+    stdout, result = output_of(outputs, "throughput_check")
+    assert "iteration  harness: s    gen tok/s  GFLOP/s | callback: gen tok/s" in stdout
+    assert result["generated_tokens_ratio"] == pytest.approx(1.0, abs=1e-3)
+    assert 0.95 < result["flops_ratio"] < 1.05
+    assert 0 < result["callback_mfu"] < 1 and result["settings"]["preset"] == "tiny"
 
 
 def test_grpo_vs_trl_runs_ours_at_both_betas_and_the_floor(outputs):

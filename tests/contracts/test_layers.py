@@ -20,7 +20,7 @@ LAYERS = [
     ("rollout", "rewards"),  # drawing tokens (sampler, engines, the turn loop); reward sources and how they combine
     ("core",),  # the LightningModules every stage shares
     ("stages",),  # one module per algorithm or stage
-    ("callbacks", "cli", "study", "serving", "__init__", "__main__"),  # around the modules
+    ("callbacks", "cli", "evaluation", "study", "serving", "__init__", "__main__"),  # around the modules
 ]
 
 

@@ -203,6 +203,42 @@ def test_server_faults_are_one_line(echo_server):
                     "step(EchoAction) within 1 s")
 
 
+HOLD_SESSIONS = """
+import sys, time
+from openenv.core import GenericEnvClient
+clients = [GenericEnvClient(base_url=sys.argv[1]).sync() for _ in range(2)]
+for client in clients:
+    client.reset(seed=0)
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.slow
+def test_a_server_whose_sessions_other_clients_hold_is_waited_for_aloud(capsys, monkeypatch):
+    from rlhf_lightning.utils import retrying
+    from tests.helpers.waits import watch
+
+    monkeypatch.setattr(retrying, "NOTICE_EVERY", 0.5)
+    echo_server = StartedServer(ECHO, {}, 2)  # its own: the module's server may still hold other tests' sessions
+    other = subprocess.Popen([sys.executable, "-c", HOLD_SESSIONS, echo_server.url], cwd=REPO, text=True,
+                             stdout=subprocess.PIPE)
+    try:
+        assert other.stdout.readline().strip() == "held"
+        environment = OpenEnvEnvironment(base_url=echo_server.url, text_field="message", timeout=2.0)
+        waited = watch(lambda: environment.reset({"prompt": "p", "seed": 1}), capsys)
+    finally:
+        other.kill()
+        other.wait()
+        echo_server.stop()
+    first_at, first = waited.lines[0]
+    assert first == (f"warning: OpenEnv server {echo_server.url}: refused reset(seed=1) (CAPACITY_REACHED): Server "
+                     "at capacity: 2/2 sessions active. Cannot accept new connections; trying again for up to 2 s (the adapter's timeout 2 s)")
+    assert first_at < 3.0 and any(" still no answer after 1 s " in line for line in waited.texts())
+    assert isinstance(waited.error, OpenEnvError) and waited.seconds >= 2.0
+    assert str(waited.error).endswith(", for 2 s (the adapter's timeout): other clients hold its sessions")
+
+
 @pytest.mark.slow
 def test_a_started_server_that_dies_mid_episode_is_one_line_with_its_log():
     environment = OpenEnvEnvironment(env=ECHO, serve=True, max_concurrent_envs=3, timeout=10.0)

@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO))
 
 from rlhf_lightning.models.sharding import full_tensor, local_numel, reshard_all  # noqa: E402
 
-SKIPPED_METRICS = ("time/", "throughput/", "reward_std", "score_std", "iteration")
+SKIPPED_METRICS = ("time/", "throughput/", "perf/", "reward_std", "score_std", "iteration")  # perf/: wall-clock rates
 
 
 class Probe(L.Callback):

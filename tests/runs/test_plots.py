@@ -215,7 +215,22 @@ def test_a_folder_shared_by_fresh_runs_draws_each_run_and_what_resumed_it(tmp_pa
 
     monkeypatch.setattr(Figure, "savefig", keep)
     main(["plot", str(folder)])
-    assert capsys.readouterr().out == f"{folder}: {folder / 'plots' / 'toy.png'}\n"
+    names = [files[0].parent.name for files in runs_of(folder)]
+    assert capsys.readouterr().out == (f"{folder}: {folder / 'plots' / 'toy.png'} (2 runs, each its own curve: "
+                                       f"run 1 {names[0]}, run 2 (latest) {names[1]})\n")
     labels = [line.get_label() for line in drawn[0].axes[0].get_lines()]
     assert labels == ["run 1 training", "run 1 validation", "run 2 (latest) training", "run 2 (latest) validation"]
     assert drawn[0].get_suptitle() == f"{folder} · toy · 2 runs"
+
+
+def test_the_plot_line_names_the_runs_of_a_shared_folder():
+    from pathlib import Path
+
+    from rlhf_lightning.runs.plots import runs_text
+
+    runs = [[Path(f"sweep/wandb/offline-run-{i}/run-{i}.wandb")] for i in range(1, 9)]
+    assert runs_text(runs[:1]) == ""
+    assert runs_text(runs[:2]) == " (2 runs, each its own curve: run 1 offline-run-1, run 2 (latest) offline-run-2)"
+    assert runs_text(runs) == (" (8 runs, each its own curve: run 1 offline-run-1, run 2 offline-run-2, run 3 "
+                               "offline-run-3, run 4 offline-run-4, run 5 offline-run-5, ..., run 8 (latest) "
+                               "offline-run-8)")

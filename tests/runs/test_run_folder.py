@@ -120,3 +120,15 @@ def test_resuming_a_finished_run_trains_nothing_and_leaves_its_files_alone(tiny_
         "(trainer.max_steps=1 reached after 1 optimizer step); raise trainer.max_epochs or trainer.max_steps to train further\n")
     assert {path: path.stat().st_mtime_ns for path in run_folder.rglob("*") if path.is_file()} == before
     assert (run_folder / "model" / "README.md").read_text() == card
+
+
+def test_the_lines_show_a_run_folders_files_as_the_user_wrote_the_folder(tiny_model_dir, capsys):
+    """Relative stays relative: the checkpoint folder (which the checkpoint callback resolves) is shown under the run
+    folder as given, as the docs show it."""
+    checkpoints = Path("outputs/sft/checkpoints")
+    checkpoints.mkdir(parents=True)
+    (checkpoints / "last.ckpt").write_bytes(b"")
+    assert one_line(capsys, *sft_arguments(tiny_model_dir)) == (
+        f"error: run folder outputs/sft already holds a run: {checkpoints} (1 checkpoint); continue that run with "
+        "--ckpt_path last, or give this one its own folder with --trainer.default_root_dir=DIR (or remove those "
+        "files)")

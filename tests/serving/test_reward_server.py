@@ -353,3 +353,26 @@ def test_a_request_without_a_column_the_function_needs_is_the_clients_mistake_na
                                            r"data here\)$"):
         service.rows(["p"], ["c"], None, None, {})
     assert len(service.rows(["p"], ["c"], None, None, {"reference": ["c"]})) == 1
+
+
+def lengths(completions, **kwargs):
+    """A served reward function: each completion's length."""
+    return [float(len(c)) for c in completions]
+
+
+def test_a_row_that_cannot_fit_is_refused_by_its_head_before_it_is_encoded_whole(server, tokenizer):
+    """A 4 MB completion is refused for the model's 64 positions by its first kilobyte; a long text whose head fits
+    (spaces, which the tokenizer drops) is encoded whole and scored."""
+    from rlhf_lightning.rewards.sources import FunctionReward
+    from rlhf_lightning.serving.scoring import RequestError, RewardService
+
+    huge = "the dog " * 500_000
+    response = httpx.post(f"{server.url}/score", json={"prompts": ["a"], "completions": [huge]}, timeout=60)
+    assert response.status_code == 422
+    assert response.json() == {"error": "row 0: the completion has 4000000 characters, and its first 1023 alone are "
+                                        "256 tokens, beyond the 64 positions of the served model"}
+    service = RewardService(FunctionReward(lengths), None, tokenizer, torch.device("cpu"), max_length=64)
+    with pytest.raises(RequestError, match=r"^row 1: the prompt has 40000 characters, and its first 1023 alone"):
+        service.rows(["a", "the dog " * 5000], ["b", "c"], None, None, {})
+    sparse = "the" + " " * 5000 + "dog"
+    assert service.rows(["a"], [sparse], None, None, {}).sequences[0][-3:-1] == tokenizer("the dog")["input_ids"]

@@ -5,6 +5,7 @@ best-of-n rules and PPO runs, end to end on a tiny model."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +31,10 @@ def test_a_stages_folder_is_named_by_its_overrides_and_its_command_ends_with_the
     sample = Sample(seed=3, threads=1)
     assert runs.folder("sft", sample) == tmp_path / "sft" / "seed3-threads1"
     assert runs.folder("reward-x", sample) == tmp_path / "reward-three" / "seed3-threads1"
-    assert runs.folder("ppo", sample).parent.name.startswith("ppo-") and len(runs.folder("ppo", sample).parent.name) == 12
+    ppo_folder = runs.folder("ppo", sample).parent.name  # its own overrides' hash, then the varied reward stage
+    assert re.fullmatch(r"ppo-[0-9a-f]{8}@reward-three", ppo_folder)
+    plain = Pipeline(tmp_path, {**runs.stages, "ppo": Stage("ppo", "configs/ppo.yaml", ("sft", "reward-x"))})
+    assert plain.folder("ppo", sample) == tmp_path / "ppo@reward-three" / "seed3-threads1"  # never the shipped one's
     command = runs.command("ppo", sample)
     reward = tmp_path / "reward-three" / "seed3-threads1" / "adapters" / "reward"
     assert command[4:] == [

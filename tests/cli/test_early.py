@@ -1,0 +1,75 @@
+"""What the command line answers before the training stack is imported: the package itself imports none of it, the
+command line's help, a config file that is missing or not YAML is one line, and ``plot`` draws (or refuses) without
+torch, Lightning, transformers or peft."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.helpers.environment import with_repo_on_path
+
+STACK = ("torch", "lightning", "transformers", "peft")
+# Runs ``python -m rlhf_lightning`` as the command line does, then says its exit status and the stack it imported.
+PROBE = f"""
+import json, runpy, sys
+sys.argv = ["rlhf_lightning", *json.loads(sys.argv[1])]
+try:
+    runpy.run_module("rlhf_lightning", run_name="__main__", alter_sys=True)
+    code = 0
+except SystemExit as exit:
+    code = exit.code
+print(json.dumps([code, [name for name in {STACK!r} if name in sys.modules]]))
+"""
+
+
+def probe(tmp_path, *arguments: str) -> tuple[int, list[str], str]:
+    done = subprocess.run([sys.executable, "-c", PROBE, json.dumps(arguments)], cwd=tmp_path, env=with_repo_on_path(),
+                          capture_output=True, text=True, timeout=120)
+    code, imported = json.loads(done.stdout.strip().splitlines()[-1])
+    return code, imported, done.stderr
+
+
+def test_importing_the_package_imports_no_training_stack_until_a_name_is_used(tmp_path):
+    code = (f"import sys, rlhf_lightning; before = [m for m in {STACK!r} if m in sys.modules]; rlhf_lightning.SFT; "
+            "print(before, 'lightning' in sys.modules, 'SFT' in dir(rlhf_lightning))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=with_repo_on_path(), capture_output=True,
+                          text=True, timeout=120)
+    assert done.stdout.split() == ["[]", "True", "True"], done.stderr[-2000:]
+
+
+def test_the_command_lines_help_needs_no_stack(tmp_path):
+    from rlhf_lightning.cli.early import HELP
+
+    for arguments in ([], ["--help"], ["-h"]):
+        done = subprocess.run([sys.executable, "-c", PROBE, json.dumps(arguments)], cwd=tmp_path,
+                              env=with_repo_on_path(), capture_output=True, text=True, timeout=120)
+        *printed, last = done.stdout.strip().splitlines()
+        assert json.loads(last) == [0, []] and "\n".join(printed) == HELP
+
+
+def test_a_config_file_that_is_not_yaml_is_one_line_without_the_stack(tmp_path):
+    (tmp_path / "bad.yaml").write_text("model:\n  class_path: rlhf_lightning.SFT\n   init_args: {}\n")
+    code, imported, stderr = probe(tmp_path, "fit", "--config", "bad.yaml")
+    assert (code, imported) == (2, [])
+    assert stderr == ("error: config file bad.yaml line 3, column 13: YAML syntax error: mapping values are not "
+                      "allowed here\n")
+    code, imported, stderr = probe(tmp_path, "fit", "--config", "missing.yaml")
+    assert (code, imported, stderr) == (2, [], "error: config file missing.yaml: it does not exist\n")
+
+
+def test_plot_needs_no_stack(tmp_path):
+    code, imported, stderr = probe(tmp_path, "plot", "nowhere")
+    assert (code, imported) == (1, [])
+    assert stderr == "error: plot: nowhere is not a run folder (no such directory)\n"
+    (tmp_path / "empty").mkdir()
+    code, imported, stderr = probe(tmp_path, "plot", "empty")
+    assert (code, imported, stderr) == (1, [], "error: empty: no W&B run with logged metrics to plot (was W&B "
+                                               "disabled?)\n")
+
+
+def test_a_command_that_needs_the_stack_still_gets_it(tmp_path):
+    code, imported, stderr = probe(tmp_path, "fit", "--trainer.max_stepz=1")
+    assert code == 2 and "lightning" in imported
+    assert "error: unrecognized arguments: --trainer.max_stepz=1 (did you mean --trainer.max_steps" in stderr
