@@ -14,7 +14,7 @@ from rlhf_lightning.algorithms.ensemble import COMBINE_RULES, CombineRule, combi
 from rlhf_lightning.models.adapter_files import adapters_below
 from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.rewards.inputs import RewardInputs
-from rlhf_lightning.rewards.sources import REWARD_ROLE, RewardSource, read_statistics
+from rlhf_lightning.rewards.sources import REWARD_ROLE, RewardSource, free_names, read_statistics
 from rlhf_lightning.utils import checks
 
 ENSEMBLE_FILE = "ensemble.json"  # written by the reward stage beside an ensemble's members
@@ -97,7 +97,7 @@ class EnsembleReward(RewardSource):
 
     def setup(self, base: SharedBase, tokenizer: PreTrainedTokenizerBase) -> None:
         folders = member_folders(self.path)
-        self.roles = [f"{REWARD_ROLE}_{k}" for k in range(len(folders))]
+        self.roles = free_names(base, [f"{REWARD_ROLE}_{k}" for k in range(len(folders))])
         statistics = []
         for folder, role in zip(folders, self.roles, strict=True):
             base.load_adapter(folder, role, trainable=False)

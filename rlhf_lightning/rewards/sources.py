@@ -28,6 +28,18 @@ from rlhf_lightning.models.shared_base import SharedBase, position_ids_from_mask
 from rlhf_lightning.rewards.inputs import RewardInputs
 
 REWARD_ROLE = "reward"
+
+
+def free_names(base: SharedBase, names: Sequence[str]) -> list[str]:
+    """The adapter names a reward source loads its adapters under: ``names``, or, when another source of the run
+    already holds one of them on the base, ``names`` with the first suffix ``_source2``, ``_source3``... that
+    holds none (two sources under one name would both score with the adapter loaded last)."""
+    taken = set(base.adapters) | set(base.heads)
+    suffix, number = "", 1
+    while any(name + suffix in taken for name in names):
+        number += 1
+        suffix = f"_source{number}"
+    return [name + suffix for name in names]
 REWARD_STATS = "reward_stats.json"
 
 
@@ -120,8 +132,9 @@ class AdapterReward(RewardSource):
                 f"reward adapter: {config_path} not found; run the reward stage first "
                 "(python -m rlhf_lightning fit --config configs/reward.yaml) or set reward.init_args.path"
             )
-        base.load_adapter(self.path, REWARD_ROLE, trainable=False)
-        if REWARD_ROLE not in base.heads:
+        self.adapter_role = free_names(base, [REWARD_ROLE])[0]
+        base.load_adapter(self.path, self.adapter_role, trainable=False)
+        if self.adapter_role not in base.heads:
             raise FileNotFoundError(f"reward adapter: {self.path} has no score head (head.safetensors)")
         self.base = base
         self.statistics = read_statistics(self.path)
@@ -134,7 +147,7 @@ class AdapterReward(RewardSource):
         # a group's prompt is encoded once when the base shares prompts (the online modules' share_prompt); inputs
         # built without a response mask (the reward server's) do not say where the prompts end
         shared_until = None if inputs.response_mask is None else inputs.prompt_length
-        return self.base.score(REWARD_ROLE, inputs.input_ids, inputs.attention_mask, inputs.last_index,
+        return self.base.score(self.adapter_role, inputs.input_ids, inputs.attention_mask, inputs.last_index,
                                shared_until=shared_until)
 
 

@@ -111,6 +111,24 @@ def test_members_given_as_a_list_of_adapters_and_raw_scores(ensemble_dir, tiny_m
     assert source.statistics is None
 
 
+def test_sources_on_one_base_each_keep_their_own_adapters(ensemble_dir, tiny_model_dir):
+    # two sources under one adapter name would both score with the one loaded last
+    spec = BaseModelSpec(name_or_path=str(tiny_model_dir))
+    base = SharedBase(load_causal_lm(spec, load_tokenizer(spec)))
+    sources = [AdapterReward(str(ensemble_dir / "reward_0")), AdapterReward(str(ensemble_dir / "reward_1")),
+               EnsembleReward([str(ensemble_dir / "reward_2")], standardize=False),
+               EnsembleReward([str(ensemble_dir / "reward_1"), str(ensemble_dir / "reward_0")], combine="mean",
+                              standardize=False)]
+    for source in sources:
+        source.setup(base, None)
+    assert base.adapters == ["reward", "reward_source2", "reward_0", "reward_0_source2", "reward_1_source2"]
+    assert [source.adapter_role for source in sources] == ["reward", "reward_source2", "reward_0", "reward_0_source2"]
+    standardised = _one_by_one(ensemble_dir, tiny_model_dir)
+    raw = standardised * torch.tensor([s for _, s in ENSEMBLE_STATS]) + torch.tensor([m for m, _ in ENSEMBLE_STATS])
+    torch.testing.assert_close(torch.stack([source.score(_inputs()) for source in sources], -1),
+                               torch.stack([raw[:, 0], raw[:, 1], raw[:, 2], raw[:, [1, 0]].mean(-1)], -1))
+
+
 def test_a_path_that_holds_no_ensemble_and_an_adapter_source_given_an_ensemble_are_one_line(ensemble_dir, base,
                                                                                              tmp_path):
     with pytest.raises(FileNotFoundError, match=f"{ensemble_dir.parent} holds no ensemble .* it holds adapters at "
