@@ -90,8 +90,8 @@ class Pipeline:
         """The stage's folder: its own name and tag, then the folders of the varied stages it builds on
         (``ppo@reward-clip1``), so that a run on a varied reward model is never taken for one on the shipped one."""
         spec = self.stages[stage]
-        varied = [self.folder_name(need) for need in spec.needs if self.folder_name(need) != self.stages[need].name]
-        return "@".join([spec.folder_name, *varied])
+        needed = [(self.folder_name(need), self.stages[need].name) for need in spec.needs]
+        return "@".join([spec.folder_name, *(folder for folder, name in needed if folder != name)])
 
     def folder(self, stage: str, sample: Sample) -> Path:
         return self.out / self.folder_name(stage) / sample.name
