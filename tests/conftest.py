@@ -17,6 +17,7 @@ os.environ.update(
     TRANSFORMERS_OFFLINE="1",
     TOKENIZERS_PARALLELISM="false",
     NETRC=os.devnull,
+    RLHF_LIGHTNING_CACHE="off",  # a test that keeps the command line's answers says where (tests/cli/test_early.py)
 )
 os.environ.pop("WANDB_API_KEY", None)
 # Before torch is imported: under pytest-xdist each worker takes its share of the cores as torch threads.

@@ -1,12 +1,15 @@
 """What ``python -m rlhf_lightning`` answers before the training stack (torch, Lightning, transformers, peft) is
-imported: the command line's help, a ``--config`` file that is missing or not YAML, and ``plot``, which reads W&B
-files and draws with matplotlib. Everything else goes on to :func:`rlhf_lightning.cli.command_line.main`."""
+imported: the command line's help, a ``--config`` file that is missing or not YAML, ``plot``, which reads W&B
+files and draws with matplotlib, and a subcommand's ``--help`` or ``--print_config`` asked before with nothing
+changed (:mod:`rlhf_lightning.cli.answers`). Everything else goes on to
+:func:`rlhf_lightning.cli.command_line.main`."""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
 
+from rlhf_lightning.cli.answers import keeping_the_answer, kept_answer
 from rlhf_lightning.cli.errors import config_file_problem, config_files, one_line, user_error, want_traceback
 
 # The command line's own help (``python -m rlhf_lightning --help``); its first paragraph opens every
@@ -58,4 +61,22 @@ def answer_early(argv: Sequence[str]) -> int | None:
             say(one_line(ours))
             return 1
         return 0
+    answer = kept_answer(argv)
+    if answer is not None:
+        sys.stdout.write(answer)
+        return 0
     return None
+
+
+def run() -> None:
+    """Entry point of ``python -m rlhf_lightning`` and the ``rlhf-lightning`` script: what can be answered without
+    the training stack is answered here; the rest goes to the command line, whose help and printed configs are kept
+    for next time."""
+    argv = sys.argv[1:]
+    status = answer_early(argv)
+    if status is not None:
+        sys.exit(status)
+    from rlhf_lightning.cli.command_line import main  # the training stack, only where it is needed
+
+    with keeping_the_answer(argv):
+        main()

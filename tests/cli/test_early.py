@@ -73,3 +73,43 @@ def test_a_command_that_needs_the_stack_still_gets_it(tmp_path):
     code, imported, stderr = probe(tmp_path, "fit", "--trainer.max_stepz=1")
     assert code == 2 and "lightning" in imported
     assert "error: unrecognized arguments: --trainer.max_stepz=1 (did you mean --trainer.max_steps" in stderr
+
+
+def test_help_and_print_config_are_kept_and_answered_again_without_the_stack(tmp_path):
+    """The first ``fit --help`` builds the parser (the stack); the same question again is answered from the kept
+    copy, word for word; a changed config file is a new question."""
+    cache = tmp_path / "cache"
+    (tmp_path / "my.yaml").write_text("trainer:\n  max_steps: 3\n")
+
+    def ask(*arguments: str) -> tuple[int, list[str], str]:
+        done = subprocess.run([sys.executable, "-c", PROBE, json.dumps(arguments)], cwd=tmp_path, timeout=300,
+                              env=with_repo_on_path(RLHF_LIGHTNING_CACHE=str(cache), COLUMNS="100"),
+                              capture_output=True, text=True)
+        *printed, last = done.stdout.strip().splitlines()
+        code, imported = json.loads(last)
+        return code, imported, "\n".join(printed)
+
+    code, imported, first = ask("fit", "--config", "my.yaml", "--print_config")
+    assert code == 0 and "lightning" in imported and "max_steps: 3" in first
+    assert ask("fit", "--config", "my.yaml", "--print_config") == (0, [], first)
+    (tmp_path / "my.yaml").write_text("trainer:\n  max_steps: 4\n")
+    code, imported, changed = ask("fit", "--config", "my.yaml", "--print_config")
+    assert code == 0 and "lightning" in imported and "max_steps: 4" in changed
+    code, imported, help_text = ask("fit", "--help")
+    assert code == 0 and "lightning" in imported and "--trainer.max_steps" in help_text
+    assert ask("fit", "--help") == (0, [], help_text)
+    assert len(list((cache / "answers").glob("*.txt"))) == 3
+
+
+def test_an_answer_that_names_a_users_class_is_never_kept(tmp_path, monkeypatch):
+    from rlhf_lightning.cli.answers import answer_key
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "my_algorithms.py").write_text("from rlhf_lightning import PPO\nclass MyPPO(PPO):\n    pass\n")
+    assert answer_key(["fit", "--model", "rlhf_lightning.PPO", "--help"]) is not None
+    assert answer_key(["fit", "--model", "my_algorithms.MyPPO", "--help"]) is None
+    (tmp_path / "mine.yaml").write_text("model:\n  class_path: my_algorithms.MyPPO\n")
+    assert answer_key(["fit", "--config", "mine.yaml", "--print_config"]) is None
+    (tmp_path / "ours.yaml").write_text("model:\n  class_path: rlhf_lightning.PPO\n")
+    assert answer_key(["fit", "--config", "ours.yaml", "--print_config"]) is not None
