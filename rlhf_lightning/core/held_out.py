@@ -162,6 +162,8 @@ class HeldOutSamples:
             with warnings.catch_warnings():  # a rank that saw no sample still takes part in the sum
                 warnings.filterwarnings("ignore", message=".*compute.*before.*update.*")
                 self.log(f"{self.metric_prefix}/val/gold_std", spread.compute()[1], sync_dist=True)
+            # The samples behind the mean, summed over ranks: with the SD, the mean's error bar (plots draw it).
+            self.log(f"{self.metric_prefix}/val/gold_count", spread.count.float(), sync_dist=True, reduce_fx="sum")
             reset_metrics(spread)
         self.log_groups()
         super().on_validation_epoch_end()

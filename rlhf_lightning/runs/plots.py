@@ -11,7 +11,8 @@ panel, the gold per task in one), gold against KL (over-optimisation at a glance
 a researcher reads first where they are logged: PPO's ``policy/approx_kl``, ``policy/clipfrac``, ``loss/value``
 and ``value/explained_variance``, GRPO's ``objective/frac_zero_std``, the loss and the gradient norm. A series
 identical to one already drawn (an arithmetic task's score, which is its gold) is drawn once; shares (``*_frac``,
-``frac_*``, ``clipfrac``, accuracies, pass@k) get a 0-1 y-axis.
+``frac_*``, ``clipfrac``, accuracies, pass@k) get a 0-1 y-axis. The held-out gold carries its error bar, a shaded
+95 % interval of the mean over the held-out samples.
 """
 
 from __future__ import annotations
@@ -36,8 +37,12 @@ TRAINING_ONLY = ("objective/score", "objective/gold", "objective/kl", "policy/ap
                  "accuracy", "grad_norm")
 PASS_AT_K = re.compile(r"(pass|maj)@(\d+)")
 GROUPS = ("pass@k", "gold per task")  # the panels that hold several held-out metrics
-# Validation values that are the scale of another, read in the summary rather than drawn (the gold's spread).
-NOT_DRAWN = ("gold_std",)
+# Validation values that are the scale of another, read in the summary rather than drawn (the gold's spread and
+# sample count: drawn as the held-out gold's error bar).
+NOT_DRAWN = ("gold_std", "gold_count")
+# The error bar of a held-out mean with ``<name>_std`` and ``<name>_count`` logged beside it: a 95 % interval of the
+# mean, 1.96 standard errors each side (the same prompts each time, so it overstates the noise between two points).
+INTERVAL_Z = 1.96
 MAX_PANELS = 12
 FRACTION_LIMITS = (-0.02, 1.02)  # a 0-1 axis, with a margin so that points at 0 and 1 show whole
 
@@ -198,6 +203,18 @@ def paired(rows: Sequence[dict[str, float]], x: str, against: str, key: str) -> 
     return [first[step] for step in steps], [second[step] for step in steps]
 
 
+def interval(rows: Sequence[dict[str, float]], x: str, key: str) -> tuple[list[float], list[float]] | None:
+    """The half-width of ``key``'s 95 % interval at each of its points (:data:`INTERVAL_Z` standard errors, from the
+    ``<key>_std`` and ``<key>_count`` logged with it), or None where they are not logged at every point."""
+    xs, _ = series(rows, x, key)
+    spread, counts = dict(zip(*series(rows, x, f"{key}_std"), strict=True)), dict(zip(*series(rows, x,
+                                                                                            f"{key}_count"),
+                                                                                     strict=True))
+    if not xs or any(value not in spread or counts.get(value, 0) < 2 for value in xs):
+        return None
+    return xs, [INTERVAL_Z * spread[value] / math.sqrt(counts[value]) for value in xs]
+
+
 def plot_run(folder: str | Path, files: list[list[Path]] | None = None) -> list[Path]:
     """Draw ``<folder>/plots/<prefix>.png`` for every stage logged in ``folder``'s W&B runs; returns the files.
     Each run of the folder is its own curve (:func:`runs_of`, or ``files`` when the caller read them). Raises
@@ -256,7 +273,14 @@ def draw(folder: Path, prefix: str, chosen: list[Panel], x: str, runs: list[list
                 if panel.against is not None and not validation:
                     # Noisy training points joined in iteration order are a tangle: points, faint.
                     style.update(linestyle="none", marker=".", markersize=3, alpha=0.4)
-                ax.plot(xs, ys, **style)
+                drawn = ax.plot(xs, ys, **style)
+                bar = interval(rows, x, key) if validation and panel.against is None else None
+                if bar is not None:  # the held-out mean's 95 % interval: a zig-zag inside it is noise
+                    half = bar[1]
+                    ax.fill_between(xs, [y - h for y, h in zip(ys, half, strict=True)],
+                                    [y + h for y, h in zip(ys, half, strict=True)], color=drawn[0].get_color(),
+                                    alpha=0.15 if latest else 0.07, linewidth=0,
+                                    label=None if several else "95% interval")
         ax.set_title(f"{prefix}/{panel.title}", fontsize=10)
         if panel.against is not None:
             ax.set_xlabel("kl (nats)" if panel.title == "gold against kl" else panel.against[0])

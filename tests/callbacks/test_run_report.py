@@ -136,7 +136,8 @@ def test_an_online_fit_counts_iterations_and_reports_gold_and_kl(tiny_model_dir,
     assert summary.startswith("  held-out (validation after iteration 6): grpo/val/eos_frac ")
     held_out = numbers(summary)
     assert held_out["grpo/val/gold"] == pytest.approx(float(trainer.callback_metrics["grpo/val/gold"]), rel=1e-3)
-    assert set(held_out) == {f"grpo/val/{name}" for name in ("eos_frac", "gold", "gold_std", "kl", "length", "score")}
+    names = ("eos_frac", "gold", "gold_count", "gold_std", "kl", "length", "score")
+    assert set(held_out) == {f"grpo/val/{name}" for name in names}
     assert any(line.startswith("  gold scale: ") for line in lines[ended:]), lines[ended:]
 
 

@@ -60,3 +60,5 @@ def test_validation_logs_the_golds_spread_over_the_held_out_responses(tiny_model
         logged[name] = {key: float(value) for key, value in trainer.callback_metrics.items()}
     assert logged["constant"]["grpo/val/gold"] == 1.0 and logged["constant"]["grpo/val/gold_std"] == 0.0
     assert logged["length"]["grpo/val/gold_std"] > 0
+    # The samples behind the mean (with the SD, its error bar): one held-out batch of 4 prompts.
+    assert logged["constant"]["grpo/val/gold_count"] == logged["length"]["grpo/val/gold_count"] == 4

@@ -234,3 +234,30 @@ def test_the_plot_line_names_the_runs_of_a_shared_folder():
     assert runs_text(runs) == (" (8 runs, each its own curve: run 1 offline-run-1, run 2 offline-run-2, run 3 "
                                "offline-run-3, run 4 offline-run-4, run 5 offline-run-5, ..., run 8 (latest) "
                                "offline-run-8)")
+
+
+def test_the_held_out_gold_carries_its_95_percent_interval(tmp_path, monkeypatch):
+    """``<prefix>/val/gold_std`` and ``gold_count`` logged beside the held-out gold: a shaded band of 1.96 standard
+    errors each side of each point, and neither drawn as a curve of its own."""
+    from matplotlib.figure import Figure
+
+    drawn = []
+    monkeypatch.setattr(Figure, "savefig", lambda figure, *args, **kwargs: drawn.append(figure))
+    rows = [{"ppo/iteration": float(i), "ppo/val/gold": 0.5 * i, "ppo/val/gold_std": 0.8, "ppo/val/gold_count": 64.0}
+            for i in (0, 8, 16)]
+    rows += [{"ppo/iteration": float(i), "ppo/objective/gold": 0.1 * i} for i in range(1, 17)]
+    chosen = panels("ppo", {key for row in rows for key in row}, [rows])
+    assert chosen[0] == Panel("gold", ["ppo/objective/gold", "ppo/val/gold"])
+    assert not any("gold_std" in key or "gold_count" in key for panel in chosen for key in panel.metrics)
+    draw(tmp_path, "ppo", chosen, "ppo/iteration", [rows])
+    gold = next(ax for ax in drawn[0].axes if ax.get_title() == "ppo/gold")
+    (band,) = gold.collections
+    assert band.get_label() == "95% interval"
+    lows_and_highs = band.get_paths()[0].vertices[:, 1]
+    half = 1.96 * 0.8 / 8
+    assert min(lows_and_highs) == pytest.approx(0.0 - half) and max(lows_and_highs) == pytest.approx(8.0 + half)
+    # Without a count (runs logged before it was), no band.
+    drawn.clear()
+    draw(tmp_path, "ppo", chosen, "ppo/iteration", [[{k: v for k, v in row.items() if k != "ppo/val/gold_count"}
+                                                      for row in rows]])
+    assert not next(ax for ax in drawn[0].axes if ax.get_title() == "ppo/gold").collections
