@@ -1,3 +1,3 @@
-from rlhf_lightning.cli.early import run
+from rlhf_lightning.cli.entry import run
 
 run()

@@ -2,7 +2,9 @@
 (``errors``) naming the file and line of a refused config key (``config_keys``), quiet third-party logs (``quiet``), a failure on one rank reported on all (``rank_failures``), the W&B
 logger (``loggers``), model cards of exports (``model_card``), ``python -m rlhf_lightning merge``
 (``merge_command``) and ``evaluate`` (``evaluate_command``: lm-evaluation-harness tasks); what the command line
-answers before the training stack is imported (``early``).
+answers before the training stack is imported (``early``), among them a subcommand's ``--help`` and
+``--print_config`` kept from an earlier run with nothing changed (``answers``); the entry point of ``python -m
+rlhf_lightning`` and the ``rlhf-lightning`` script, which tries those first (``entry``).
 
 ``RLHFCLI`` and ``main`` are imported when first used: the modules beside them (errors, config keys) need no
 training stack."""

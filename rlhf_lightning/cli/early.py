@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from rlhf_lightning.cli.answers import keeping_the_answer, kept_answer
+from rlhf_lightning.cli.answers import kept_answer
 from rlhf_lightning.cli.errors import config_file_problem, config_files, one_line, user_error, want_traceback
 
 # The command line's own help (``python -m rlhf_lightning --help``); its first paragraph opens every
@@ -67,16 +67,3 @@ def answer_early(argv: Sequence[str]) -> int | None:
         return 0
     return None
 
-
-def run() -> None:
-    """Entry point of ``python -m rlhf_lightning`` and the ``rlhf-lightning`` script: what can be answered without
-    the training stack is answered here; the rest goes to the command line, whose help and printed configs are kept
-    for next time."""
-    argv = sys.argv[1:]
-    status = answer_early(argv)
-    if status is not None:
-        sys.exit(status)
-    from rlhf_lightning.cli.command_line import main  # the training stack, only where it is needed
-
-    with keeping_the_answer(argv):
-        main()
