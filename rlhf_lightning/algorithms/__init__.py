@@ -3,8 +3,10 @@ statistics over unpadded entries (``masked``), the KL penalty and its controller
 the critic-free family's group advantages (``group``), per-token log-probs, entropies and the value error
 (``losses``), the clipped surrogate and loss aggregation (``surrogate``), the registry of policy losses
 (``policy_losses``), importance-sampling correction of another engine's log-probs (``rollout_correction``), the DPO
-family (``dpo``), KTO (``kto``), the Bradley-Terry loss (``preference``), how a reward-model ensemble's members combine and which pairs
-each trains on (``ensemble``) and pass@k / maj@k (``pass_at_k``)."""
+family (``dpo``) and the registry of its per-pair losses (``preference_losses``), the loss families behind both
+registries, whose members a config names by class name (``registered``), KTO (``kto``), the Bradley-Terry loss
+(``preference``), how a reward-model ensemble's members combine and which pairs each trains on (``ensemble``) and
+pass@k / maj@k (``pass_at_k``)."""
 
 from __future__ import annotations
 
