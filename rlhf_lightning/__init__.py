@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from rlhf_lightning.utils.moved_modules import install_old_names
+from rlhf_lightning.utils.compatibility import install_old_names
 
 # Each public name -> the module that defines it.
 _PUBLIC = {
@@ -88,5 +88,7 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
 
 
-# A config, a checkpoint or a user's module may name a module by its path before it moved (one release).
+# A config, a checkpoint or a user's module may name a module by its path before it moved (until
+# utils.compatibility.REMOVED_IN): Python asks only sys.meta_path's finders for a submodule, so the finder goes on
+# with the package (the module's docstring says more).
 install_old_names()

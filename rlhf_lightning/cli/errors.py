@@ -21,8 +21,7 @@ from types import TracebackType
 
 import yaml
 
-from rlhf_lightning.utils.checks import MOVED_ARGUMENTS
-from rlhf_lightning.utils.moved_modules import moved_module
+from rlhf_lightning.utils.compatibility import MOVED_ARGUMENTS, MOVED_INTO_GROUPS, moved_module
 
 TRACEBACK_ENV = "RLHF_LIGHTNING_TRACEBACK"
 # What a `raise` of ours throws for the user (NonFiniteError is a FloatingPointError; a module used before its model
@@ -150,22 +149,6 @@ TRL_NAMES = {
 }
 
 
-# Arguments that moved into a group: where each is now (for a class that takes the group).
-MOVED = {
-    "clip_range": ("policy_loss", "policy_loss.clip_range"),
-    "clip_range_high": ("policy_loss", "policy_loss.clip_range_high"),
-    "ratio_level": ("policy_loss", "policy_loss.ratio_level"),
-    "cispo_max_weight": ("policy_loss", "policy_loss: CISPO with policy_loss.max_weight"),
-    "cispo_min_weight": ("policy_loss", "policy_loss: CISPO with policy_loss.min_weight"),
-    "decoding": ("engine", "engine: {class_path: rlhf_lightning.rollout.engines.EagerDecoder}; decoding auto, "
-                           "compiled, generate and vllm are the engines Auto, CompiledDecoder, Generate and "
-                           "rlhf_lightning.rollout.vllm_engine.VLLMEngine"),
-    "vllm": ("engine", "engine: {class_path: rlhf_lightning.rollout.vllm_engine.VLLMEngine, init_args: "
-                       "{kv_cache_gib: ...}}, the same options"),
-    **{name: (place.split(".")[0], place) for name, place in MOVED_ARGUMENTS.items()},
-}
-
-
 UNRECOGNIZED = re.compile(r"^unrecognized arguments: (\S+)")
 
 
@@ -267,14 +250,18 @@ def unknown_class(key: str, given: str) -> str:
     moved = moved_module(module)
     if moved is not None:
         return f"{key}: {given}: {module} moved to {moved}; write {moved}.{attribute}"
-    if key.endswith("policy_loss"):
+    if key.endswith(("policy_loss", "preference_loss")):
         from rlhf_lightning.algorithms.policy_losses import PolicyLoss
+        from rlhf_lightning.algorithms.preference_losses import PreferenceLoss
 
-        names = list(PolicyLoss.registry)
-        close = [name for name in names if name.lower() == given.lower()] or difflib.get_close_matches(given, names, n=1)
+        family = PolicyLoss if key.endswith("policy_loss") else PreferenceLoss
+        names = list(family.registry)
+        # A registered loss by its class name in any case, or by TRL's loss_type name (sigmoid_norm: SigmoidNorm)
+        close = ([name for name in names if name.lower() in (given.lower(), given.lower().replace("_", ""))]
+                 or difflib.get_close_matches(given, names, n=1))
         hint = f" (did you mean {close[0]}?)" if close else ""
-        return (f"{key}: {given!r} is not a policy loss{hint}; the registered ones are {', '.join(names)}, or give "
-                "the import path of a PolicyLoss subclass of your own")
+        return (f"{key}: {given!r} is not a {family.family}{hint}; the registered ones are {', '.join(names)}, or "
+                f"give the import path of a {family.__name__} subclass of your own")
     names = module_names(module) if module else []
     if names and attribute not in names:  # the module imports: the name is misspelled (`--model rlhf_lightning.GRPOO`)
         return f"{key}: {given!r}: {module} has no {attribute!r}{suggestion(attribute, names)}"
@@ -297,7 +284,8 @@ def class_problem(lines: list[str], path: list[str]) -> str | None:
         if unknown:
             name = unknown.group(1)
             accepted = accepted_arguments(class_name)
-            group, place = MOVED.get(name, MOVED.get(name.split(".")[0], (None, None)))  # vllm.kv_cache_gib: vllm
+            # vllm.kv_cache_gib: vllm
+            group, place = MOVED_INTO_GROUPS.get(name, MOVED_INTO_GROUPS.get(name.split(".")[0], (None, None)))
             fields = [new for new in MOVED_ARGUMENTS.values() if new.split(".")[0] in accepted]  # kl.coef...
             hint = f" (it moved: {place})" if group in accepted else suggestion(name, [*accepted, *fields])
             return (f"{key}.init_args.{name}: {class_name} takes no argument {name!r}{hint}; --{key}.help "

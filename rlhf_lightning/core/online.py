@@ -47,21 +47,12 @@ from rlhf_lightning.core.micro_batches import Extent, check_split, micro_batch_p
 from rlhf_lightning.core.pass_plan import PassSettings
 from rlhf_lightning.core.policy import POLICY, PolicyModule
 from rlhf_lightning.core.update_statistics import UpdateStatistics, gradient_norm, shuffled_minibatches
-from rlhf_lightning.utils import checks
+from rlhf_lightning.utils import checks, compatibility
 from rlhf_lightning.utils.flops import TokenCounts
 from rlhf_lightning.utils.optim import OptimizerSettings
 from rlhf_lightning.utils.timing import Stopwatch, phase
 
 log = logging.getLogger(__name__)
-
-# Members the loop read under another name: a subclass that defines one is refused (it would silently stop counting).
-_PLAN = "return PassSettings from pass_settings() (rlhf_lightning.core.pass_plan) and read pass_plan"
-RENAMED = {
-    "rollout": "training_step calls collect_experience (step 1), shape_rewards (2) and prepare_update (3); "
-               "collect_and_prepare runs the three for analysis",
-    "measure_kl": f"{_PLAN}: dataclasses.replace(super().pass_settings(), measure_kl=True)",
-    **{name: _PLAN for name in ("needs_logprobs", "needs_reference", "logprobs_before_update", "reuses_first_pass")},
-}
 
 
 class OnlineRL(ExperienceCollector):
@@ -120,7 +111,7 @@ class OnlineRL(ExperienceCollector):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        checks.no_renamed_members(cls, RENAMED)
+        compatibility.renamed_hooks(cls)  # an old name the loop no longer reads: refused in one line
 
     def setup(self, stage: str) -> None:
         super().setup(stage)

@@ -22,7 +22,7 @@ from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.runs.resume import CLASS_KEY, class_mismatch, class_path, saved_state_keys
 from rlhf_lightning.runs.run_folder import export_path, refuse_overwrite, refuse_unwritable
-from rlhf_lightning.utils import checks
+from rlhf_lightning.utils import checks, compatibility
 from rlhf_lightning.utils.atomic_io import CheckpointError
 from rlhf_lightning.utils.nonfinite import (
     SKIP_HINT,
@@ -63,7 +63,7 @@ class StageModule(OverRanks, L.LightningModule):
     default_optimizer = OptimizerSettings()  # the ``optimizer`` a dict of some of its fields is taken over
 
     def __new__(cls, *args: Any, **kwargs: Any) -> StageModule:
-        checks.moved_arguments(cls.__name__, kwargs)  # before __init__'s own TypeError, which names no new key
+        compatibility.moved_arguments(cls.__name__, kwargs)  # before __init__'s own TypeError, which names no new key
         return super().__new__(cls)
 
     def __init__(self, base: BaseModelSpec) -> None:

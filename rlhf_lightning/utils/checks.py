@@ -96,20 +96,6 @@ def check_vllm(kv_cache_gib: float | None, gpu_memory_utilization: float, max_mo
     at_least("engine.init_args.max_model_len", max_model_len, optional=True)
 
 
-# Module arguments that became fields of a typed group (``sampling``, ``kl``, ``optimizer``): the old flat names are
-# refused in one line naming the new key, in a config file, on the command line and by the constructors.
-MOVED_ARGUMENTS = {
-    **{name: f"sampling.{name}" for name in ("max_new_tokens", "temperature", "top_k", "top_p", "kv_cache",
-                                            "stop_token")},
-    **{f"kl_{name}": f"kl.{name}" for name in ("coef", "estimator", "clamp", "ratio_weighting", "target",
-                                              "horizon")},
-    "kl_in": "kl.added_to",
-    "policy_lr": "optimizer.lr", "lr": "optimizer.lr", "warmup_steps": "optimizer.warmup",
-    "warmup_iterations": "optimizer.warmup", "lr_schedule": "optimizer.schedule",
-    **{name: f"optimizer.{name}" for name in ("weight_decay", "adam_eps", "nonfinite")},
-}
-
-
 GROUP_CLASSES = {"sampling": "Sampling", "kl": "KLPenalty", "optimizer": "OptimizerSettings"}
 
 
@@ -127,20 +113,3 @@ def group_settings(name: str, value: Any, default: Any) -> Any:
         return dataclasses.replace(default, **value).check(name)
     raise TypeError(f"{name} must be a {cls.__name__} (rlhf_lightning.{cls.__name__}) or a dict of some of its "
                     f"fields, got {value!r}")
-
-
-def moved_arguments(owner: str, given: Iterable[str]) -> None:
-    """Refuse, in one line, module arguments ``given`` to ``owner`` (a class name) under their old flat names."""
-    for name in given:
-        if name in MOVED_ARGUMENTS:
-            group, field = MOVED_ARGUMENTS[name].split(".")
-            raise TypeError(f"{owner}({name}=...): {name} is now {group}.{field}; pass {group}={{'{field}': ...}} (its "
-                            f"other fields keep the module's defaults) or a {GROUP_CLASSES[group]}, or write "
-                            f"{group}: {{{field}: ...}} in a config")
-
-
-def no_renamed_members(cls: type, renamed: dict[str, str]) -> None:
-    """Refuse a class that defines a member under an old name (a key of ``renamed``, whose value says what took its
-    place): the loop no longer calls it, so an override would silently stop counting."""
-    for name in renamed.keys() & vars(cls).keys():
-        raise TypeError(f"{cls.__qualname__}.{name}: the loop no longer reads {name!r}; {renamed[name]}")

@@ -16,7 +16,7 @@ from rlhf_lightning import SFT
 from rlhf_lightning.callbacks import AtomicCheckpointIO, CheckpointError, IterationCheckpoint
 from rlhf_lightning.runs.resume import CLASS_KEY
 from rlhf_lightning.utils.atomic_io import atomic_write, checkpoint_problem, is_leftover
-from rlhf_lightning.utils.checks import MOVED_ARGUMENTS
+from rlhf_lightning.utils.compatibility import MOVED_ARGUMENTS
 from tests.helpers.models import tiny_spec
 from tests.helpers.online import Recorder, make_ppo, prompts
 

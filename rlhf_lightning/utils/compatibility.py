@@ -1,0 +1,163 @@
+"""Every old name the package still answers, in one module that goes in :data:`REMOVED_IN`.
+
+Four tables, each read where the name is met: :data:`MOVED_MODULES` (a module path before it moved: imports, a
+config's ``class_path``, a checkpoint's class), :data:`MOVED_ARGUMENTS` and :data:`MOVED_INTO_GROUPS` (a module
+argument before it became a field of a group: the constructors and the command line's one-line errors), and
+:data:`RENAMED_HOOKS` (a member the on-policy loop read before it was renamed: a subclass that defines one).
+``tests/utils/test_compatibility.py`` fails once the package's version reaches :data:`REMOVED_IN`: this module and
+the lines that import it are then deleted, and an old name gets the error any unknown name gets.
+
+The import hook. ``import rlhf_lightning.ppo`` (and jsonargparse reading ``class_path: rlhf_lightning.ppo.PPO``, and
+``torch.load`` of a checkpoint that names that class) asks Python's finders on ``sys.meta_path`` for the submodule;
+Python never asks the parent package (a module ``__getattr__`` answers ``rlhf_lightning.ppo`` as an attribute, not
+an import), and a stub file per old name would be 27 files to delete. So :func:`install_old_names` appends one
+finder when the package is imported, the last moment before an old path can be: it comes after Python's own
+finders (it sees only the imports they failed), answers only the names of :data:`MOVED_MODULES` (and of the modules inside
+a moved package) and gives the module now at the new place -- the same object, so classes, checkpoints and pickles
+keep working -- with a ``FutureWarning`` naming that place.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import warnings
+from collections.abc import Iterable
+from types import ModuleType
+
+from rlhf_lightning.utils.checks import GROUP_CLASSES
+
+# The release that deletes this module (and the test that says so once the package's version reaches it): the
+# names below were kept for one release after the one that renamed them.
+REMOVED_IN = "0.3.0"
+
+_STAGES = ("ppo", "grpo", "rloo", "reinforce_pp", "distill", "online_dpo", "dpo", "kto", "sft", "reward_model")
+
+# An old module (or package) -> where it is now: the layer-table release moved the package root's modules into
+# stages/, cli/, runs/ and utils/ (older entries first); configs, checkpoints and users' code name the old paths.
+MOVED_MODULES: dict[str, str] = {
+    "rlhf_lightning.episodes": "rlhf_lightning.environments",
+    **{f"rlhf_lightning.{name}": f"rlhf_lightning.stages.{name}" for name in _STAGES},
+    "rlhf_lightning.prm": "rlhf_lightning.stages.process_reward_model",
+    "rlhf_lightning.errors": "rlhf_lightning.cli.errors",
+    "rlhf_lightning.quiet": "rlhf_lightning.cli.quiet",
+    "rlhf_lightning.rank_failures": "rlhf_lightning.cli.rank_failures",
+    "rlhf_lightning.loggers": "rlhf_lightning.cli.loggers",
+    "rlhf_lightning.model_card": "rlhf_lightning.cli.model_card",
+    "rlhf_lightning.merge": "rlhf_lightning.cli.merge_command",
+    "rlhf_lightning.run_folder": "rlhf_lightning.runs.run_folder",
+    "rlhf_lightning.resume": "rlhf_lightning.runs.resume",
+    "rlhf_lightning.wandb_offline": "rlhf_lightning.runs.wandb_offline",
+    "rlhf_lightning.plots": "rlhf_lightning.runs.plots",
+    "rlhf_lightning.metrics": "rlhf_lightning.utils.metrics",
+    "rlhf_lightning.optim": "rlhf_lightning.utils.optim",
+    "rlhf_lightning.timing": "rlhf_lightning.utils.timing",
+    "rlhf_lightning.core.pass_at_k": "rlhf_lightning.core.held_out_pass_at_k",
+    "rlhf_lightning.rewards.process": "rlhf_lightning.rewards.process_reward",
+}
+
+# Module arguments that became fields of a typed group (``sampling``, ``kl``, ``optimizer``): the old flat names are
+# refused in one line naming the new key, in a config file, on the command line and by the constructors.
+MOVED_ARGUMENTS = {
+    **{name: f"sampling.{name}" for name in ("max_new_tokens", "temperature", "top_k", "top_p", "kv_cache",
+                                            "stop_token")},
+    **{f"kl_{name}": f"kl.{name}" for name in ("coef", "estimator", "clamp", "ratio_weighting", "target",
+                                              "horizon")},
+    "kl_in": "kl.added_to",
+    "policy_lr": "optimizer.lr", "lr": "optimizer.lr", "warmup_steps": "optimizer.warmup",
+    "warmup_iterations": "optimizer.warmup", "lr_schedule": "optimizer.schedule",
+    **{name: f"optimizer.{name}" for name in ("weight_decay", "adam_eps", "nonfinite")},
+}
+
+# Arguments that moved into a group (the policy loss, the engine, and the ones above): the group, and where each is
+# now, for the command line's one line about a class that takes the group.
+MOVED_INTO_GROUPS = {
+    "clip_range": ("policy_loss", "policy_loss.clip_range"),
+    "clip_range_high": ("policy_loss", "policy_loss.clip_range_high"),
+    "ratio_level": ("policy_loss", "policy_loss.ratio_level"),
+    "cispo_max_weight": ("policy_loss", "policy_loss: CISPO with policy_loss.max_weight"),
+    "cispo_min_weight": ("policy_loss", "policy_loss: CISPO with policy_loss.min_weight"),
+    "loss_type": ("preference_loss", "preference_loss: Sigmoid, Robust, IPO, Hinge, SigmoidNorm or SimPO (loss_type "
+                                     "sigmoid, robust, ipo, hinge, sigmoid_norm, simpo)"),
+    "label_smoothing": ("preference_loss", "preference_loss.label_smoothing, of Sigmoid, Robust and SimPO"),
+    "simpo_gamma": ("preference_loss", "preference_loss: SimPO with preference_loss.gamma"),
+    "decoding": ("engine", "engine: {class_path: rlhf_lightning.rollout.engines.EagerDecoder}; decoding auto, "
+                           "compiled, generate and vllm are the engines Auto, CompiledDecoder, Generate and "
+                           "rlhf_lightning.rollout.vllm_engine.VLLMEngine"),
+    "vllm": ("engine", "engine: {class_path: rlhf_lightning.rollout.vllm_engine.VLLMEngine, init_args: "
+                       "{kv_cache_gib: ...}}, the same options"),
+    **{name: (place.split(".")[0], place) for name, place in MOVED_ARGUMENTS.items()},
+}
+
+# Members the on-policy loop read under another name: a subclass that defines one is refused (the loop no longer
+# calls it, so an override would silently stop counting); each value says what took its place.
+_PLAN = "return PassSettings from pass_settings() (rlhf_lightning.core.pass_plan) and read pass_plan"
+RENAMED_HOOKS = {
+    "rollout": "training_step calls collect_experience (step 1), shape_rewards (2) and prepare_update (3); "
+               "collect_and_prepare runs the three for analysis",
+    "measure_kl": f"{_PLAN}: dataclasses.replace(super().pass_settings(), measure_kl=True)",
+    **{name: _PLAN for name in ("needs_logprobs", "needs_reference", "logprobs_before_update", "reuses_first_pass")},
+}
+
+
+def moved_module(module: str) -> str | None:
+    """Where ``module`` (or a module inside a package that moved) is now, or None if it did not move."""
+    if module in MOVED_MODULES:
+        return MOVED_MODULES[module]
+    return next((new + module[len(old):] for old, new in MOVED_MODULES.items() if module.startswith(old + ".")),
+                None)
+
+
+def moved_arguments(owner: str, given: Iterable[str]) -> None:
+    """Refuse, in one line, module arguments ``given`` to ``owner`` (a class name) under their old flat names."""
+    for name in given:
+        if name in MOVED_ARGUMENTS:
+            group, field = MOVED_ARGUMENTS[name].split(".")
+            raise TypeError(f"{owner}({name}=...): {name} is now {group}.{field}; pass {group}={{'{field}': ...}} (its "
+                            f"other fields keep the module's defaults) or a {GROUP_CLASSES[group]}, or write "
+                            f"{group}: {{{field}: ...}} in a config")
+
+
+def renamed_hooks(cls: type) -> None:
+    """Refuse a class that defines a member under an old name of :data:`RENAMED_HOOKS`, naming what took its place."""
+    for name in RENAMED_HOOKS.keys() & vars(cls).keys():
+        raise TypeError(f"{cls.__qualname__}.{name}: the loop no longer reads {name!r}; {RENAMED_HOOKS[name]}")
+
+
+class _OldName(importlib.abc.Loader):
+    """Loads an old module name as the module at its new place (the same object, under both names)."""
+
+    def __init__(self, new: str) -> None:
+        self.new = new
+        self.spec: importlib.machinery.ModuleSpec | None = None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        # Attributed to this file, not to the importer: that is often a library (jsonargparse reading a config,
+        # torch.load), whose warnings the command line hides; this one is for the user.
+        warnings.warn_explicit(f"{spec.name} moved to {self.new}: import it from there (the old name goes in the "
+                               "next release)", FutureWarning, __file__, 0, module=__name__)
+        module = importlib.import_module(self.new)
+        self.spec = module.__spec__
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        module.__spec__ = self.spec  # importlib gave it the old name's spec: the module keeps its own
+
+
+class _OldNames(importlib.abc.MetaPathFinder):
+    """Finds the old names of :data:`MOVED_MODULES` (and of the modules inside a moved package), nothing else."""
+
+    def find_spec(self, fullname: str, path=None, target=None) -> importlib.machinery.ModuleSpec | None:
+        new = moved_module(fullname) if fullname.startswith("rlhf_lightning.") else None
+        if new is None:
+            return None
+        return importlib.util.spec_from_loader(fullname, _OldName(new))
+
+
+def install_old_names() -> None:
+    """Put the finder of old module names last on ``sys.meta_path`` (once): see the module's docstring for why."""
+    if not any(isinstance(finder, _OldNames) for finder in sys.meta_path):
+        sys.meta_path.append(_OldNames())
