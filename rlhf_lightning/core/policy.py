@@ -288,6 +288,8 @@ class PolicyModule(HeldOutSamples, StageModule):
     def teardown(self, stage: str) -> None:
         if self._sampler is not None:
             self._sampler.close()  # vLLM's engine: its memory, and the process group it started
+        if self._rollouts is not None:
+            self._rollouts.close()  # the environment's: a server the fit started (OpenEnv's)
         super().teardown(stage)
 
     def export(self, directory: str | Path) -> dict[str, Path]:

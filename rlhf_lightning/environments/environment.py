@@ -7,6 +7,7 @@ from gym-style APIs, with chat messages as observations::
     reset(row) -> messages                       # the episode's opening messages, from the dataset row
     step(messages) -> Step(messages, reward, done)  # after each assistant turn: what the policy reads next
     close()                                      # once the episode has ended, however it ended
+    close_shared()                               # once the fit has ended: what every episode shared (a server)
 
 :class:`ToolEnvironment` runs the tool calls of each assistant turn and ends the episode at the first turn without
 one; subclass it (or :class:`Environment`) for feedback, games or graders.
@@ -64,6 +65,10 @@ class Environment:
     def close(self) -> None:
         """Release what the episode held (a session, a process): called once the episode has ended, however it
         ended (done, out of turns or tokens, or the rollout stopped by an error). Nothing here."""
+
+    def close_shared(self) -> None:
+        """Release what every episode of this environment's configuration shares (a server the fit started):
+        called once the fit ends (its teardown), on an environment the fit made. Nothing here."""
 
 
 class ToolEnvironment(Environment):

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import functools
 import json
-import urllib.request
+import threading
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from rlhf_lightning.environments.environment import Environment, Message, Step
-from rlhf_lightning.environments.openenv_sessions import LocalSession, RemoteSession, Result
+from rlhf_lightning.environments.openenv_sessions import EventLoop, LocalSession, RemoteSession, Result
 from rlhf_lightning.environments.openenv_support import (
     OpenEnvError,
     RemoteTool,
@@ -43,6 +43,7 @@ from rlhf_lightning.environments.openenv_support import (
     tool_result_text,
     validation_text,
 )
+from rlhf_lightning.utils.http import EndpointError, request_json
 
 if TYPE_CHECKING:
     from rlhf_lightning.environments.openenv_server import StartedServer
@@ -50,7 +51,8 @@ if TYPE_CHECKING:
 
 class _Source:
     """Where an adapter's sessions come from, resolved once per configuration (episodes make the adapter anew each
-    time): the environment class or the server, the action class and its text field, the MCP tools."""
+    time): the environment class or the server, the action class and its text field, the MCP tools. It owns the
+    server it started and the event loop of its remote sessions, until :meth:`close` (at the end of the fit)."""
 
     def __init__(self, env: str | None, env_args: dict[str, Any], base_url: str | None, serve: bool,
                  max_concurrent_envs: int, client: str | None, action: str | None, text_field: str | None,
@@ -59,13 +61,14 @@ class _Source:
         from openenv.core.generic_client import GenericEnvClient
 
         # imported here: `python -m rlhf_lightning.environments.openenv_server` imports this package first
-        from rlhf_lightning.environments.openenv_server import started_server
+        from rlhf_lightning.environments.openenv_server import StartedServer
 
         self.timeout, self.mcp_tools, self.env_args = timeout, mcp_tools, env_args
         self.env_class = import_object(env, "OpenEnvEnvironment env") if env is not None else None
-        self.server: StartedServer | None = started_server(env, env_args, max_concurrent_envs) if serve else None
-        self.url = (self.server.url if self.server is not None else base_url or "").rstrip("/") or None
+        self.server: StartedServer | None = StartedServer(env, env_args, max_concurrent_envs) if serve else None
+        self.url = (base_url or "").rstrip("/") or None
         self.name = self.env_class.__name__ if self.env_class is not None else self.url
+        self.loop = EventLoop()
         self.client_class = (import_object(client, "OpenEnvEnvironment client") if client is not None
                              else GenericEnvClient)
         inferred = environment_types(self.env_class)[0] if self.env_class is not None else None
@@ -82,23 +85,24 @@ class _Source:
                              "class (action: my_env.models.MyAction) or its text field (text_field), or set "
                              "mcp_tools: true for an environment driven by tool calls")
         self.live = 0  # sessions of this source open in this process
-        if self.url is not None and self.server is None:
-            self.check_reachable()
         self._tools: dict[str, RemoteTool] | None = None
+        if self.server is not None:  # started last: a configuration refused above leaves no server behind
+            self.url = self.server.start()
+        elif self.url is not None:
+            self.check_reachable()
 
     def check_reachable(self) -> None:
         try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=min(self.timeout, 10.0)):
-                pass
-        except OSError as error:
-            reason = getattr(error, "reason", error)
-            raise OpenEnvError(f"cannot reach the OpenEnv server at {self.url} ({reason}); start it (python -m "
-                               "rlhf_lightning.environments.openenv_server --env ...) or correct base_url") from None
+            request_json("GET", f"{self.url}/health", None, timeout=min(self.timeout, 10.0), text=True)
+        except EndpointError as error:
+            raise OpenEnvError(f"cannot reach the OpenEnv server at {self.url} ({error.transport or error.reason}); "
+                               "start it (python -m rlhf_lightning.environments.openenv_server --env ...) or correct "
+                               "base_url") from None
 
     def open(self) -> LocalSession | RemoteSession:
         """A new session: an environment object made here, or a session of the server (opened by its reset)."""
         if self.url is not None:
-            return RemoteSession(self.client_class, self.url, self.timeout)
+            return RemoteSession(self.client_class, self.url, self.timeout, self.loop)
         if self.live and not getattr(self.env_class, "SUPPORTS_CONCURRENT_SESSIONS", False):
             raise OpenEnvError(f"OpenEnv environment {self.name} does not declare SUPPORTS_CONCURRENT_SESSIONS = "
                                "True, so one session may run at a time, and an iteration runs its episodes side by "
@@ -131,10 +135,31 @@ class _Source:
             self._tools = {t.name: t for t in map(RemoteTool.from_listing, listing.observation["tools"])}
         return self._tools
 
+    def close(self) -> None:
+        """Stop the event loop of its sessions and the server it started (the fit's teardown)."""
+        self.loop.close()
+        if self.server is not None:
+            self.server.stop()
 
-@functools.lru_cache(maxsize=32)
+
+_SOURCES: dict[str, _Source] = {}  # configuration -> its source, until the fit's teardown closes it
+_SOURCES_LOCK = threading.Lock()  # one source (one server) per configuration, whichever thread asks first
+
+
 def _source(key: str) -> _Source:
-    return _Source(**json.loads(key))
+    with _SOURCES_LOCK:
+        if key not in _SOURCES:
+            _SOURCES[key] = _Source(**json.loads(key))
+        return _SOURCES[key]
+
+
+def close_sources(key: str | None = None) -> None:
+    """Close the source of configuration ``key`` (None: every source of this process): its server stopped, its
+    event loop's thread ended; a later episode of the configuration resolves it anew (a server started again)."""
+    with _SOURCES_LOCK:
+        closing = [_SOURCES.pop(k) for k in ([key] if key is not None else list(_SOURCES)) if k in _SOURCES]
+    for source in closing:
+        source.close()
 
 
 class OpenEnvEnvironment(Environment):
@@ -179,10 +204,11 @@ class OpenEnvEnvironment(Environment):
         if not timeout > 0 or max_concurrent_envs < 1:
             raise ValueError(f"OpenEnvEnvironment: timeout must be > 0 and max_concurrent_envs >= 1, got {timeout} "
                              f"and {max_concurrent_envs}")
-        self.source = _source(json.dumps(dict(
+        self.key = json.dumps(dict(
             env=env, env_args=env_args or {}, base_url=base_url, serve=serve, max_concurrent_envs=max_concurrent_envs,
             client=client, action=action, text_field=text_field, mcp_tools=mcp_tools, timeout=timeout),
-            sort_keys=True))
+            sort_keys=True)
+        self.source = _source(self.key)
         self.observation_field, self.role = observation_field, role
         self.seed, self.seed_column = seed, seed_column
         self.session: LocalSession | RemoteSession | None = None
@@ -279,6 +305,11 @@ class OpenEnvEnvironment(Environment):
         if step.done:
             self.close()
         return step
+
+    def close_shared(self) -> None:
+        """At the end of the fit: close what every episode of this configuration shares, the server the fit started
+        and the event loop of the server's sessions."""
+        close_sources(self.key)
 
     def close(self) -> None:
         """Close the episode's session (once; the rollout closes every episode's environment when it ends)."""

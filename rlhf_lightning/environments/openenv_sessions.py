@@ -3,8 +3,9 @@ WebSocket session of an OpenEnv server through its ``EnvClient`` (:class:`Remote
 
 Every call has a timeout and every failure is one line (:class:`~.openenv_support.OpenEnvError`) naming the
 environment or server and what went wrong: unreachable, gone mid-episode, too slow, at capacity, or answering with
-something that does not validate. The clients of all remote sessions run on one event loop in one background
-thread (not a thread per session, as ``SyncEnvClient`` would start).
+something that does not validate. The clients of an adapter's remote sessions run on one event loop in one
+background thread (:class:`EventLoop`, not a thread per session, as ``SyncEnvClient`` would start), stopped when the
+adapter's source closes.
 """
 
 from __future__ import annotations
@@ -103,28 +104,48 @@ class LocalSession:
                 _call_with_timeout(env.close, _CLOSE_TIMEOUT, f"OpenEnv environment {self.name}: close")
 
 
-class _Loop:
-    """One asyncio event loop in a daemon thread, for the clients of every remote session of the process."""
+class EventLoop:
+    """One asyncio event loop in a daemon thread, for the clients of the remote sessions of one owner (an
+    adapter's source of sessions): started at the first session, stopped, its thread joined, by :meth:`close`
+    (the owner's, at the end of the fit); a session after that starts it anew."""
 
-    _loop: asyncio.AbstractEventLoop | None = None
-    _lock = threading.Lock()
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
 
-    @classmethod
-    def get(cls) -> asyncio.AbstractEventLoop:
-        with cls._lock:
-            if cls._loop is None or not cls._loop.is_running():
+    def get(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None or not self._loop.is_running():
                 loop = asyncio.new_event_loop()
                 started = threading.Event()
 
                 def run() -> None:
                     asyncio.set_event_loop(loop)
                     loop.call_soon(started.set)
-                    loop.run_forever()
+                    try:
+                        loop.run_forever()
+                    finally:  # what a session left running is cancelled, and the loop closed with its thread
+                        pending = asyncio.all_tasks(loop)
+                        for task in pending:
+                            task.cancel()
+                        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+                        loop.close()
 
-                threading.Thread(target=run, daemon=True, name="openenv clients").start()
+                self._thread = threading.Thread(target=run, daemon=True, name="openenv clients")
+                self._thread.start()
                 started.wait()
-                cls._loop = loop
-            return cls._loop
+                self._loop = loop
+            return self._loop
+
+    def close(self) -> None:
+        """Stop the loop and join its thread (at most :data:`_CLOSE_TIMEOUT` seconds); nothing if none runs."""
+        with self._lock:
+            loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
+        if loop is not None and thread is not None:
+            with contextlib.suppress(RuntimeError):  # closed already
+                loop.call_soon_threadsafe(loop.stop)
+            thread.join(_CLOSE_TIMEOUT)
 
 
 class RemoteSession:
@@ -137,12 +158,13 @@ class RemoteSession:
         client_class: the ``EnvClient`` subclass (OpenEnv's ``GenericEnvClient``: actions and observations as dicts).
         url: the server's base URL (``http://host:port``).
         timeout: seconds a connection, reset or step may take.
+        loop: the event loop its client runs on (its owner's).
     """
 
     open_sessions: Counter = Counter()  # url -> this process's open sessions
 
-    def __init__(self, client_class: type, url: str, timeout: float) -> None:
-        self.url, self.timeout = url, timeout
+    def __init__(self, client_class: type, url: str, timeout: float, loop: EventLoop) -> None:
+        self.url, self.timeout, self.loop = url, timeout, loop
         self.client = client_class(base_url=url, connect_timeout_s=timeout, message_timeout_s=timeout)
         self.client_class_name = client_class.__name__
         self.opened = False
@@ -154,7 +176,7 @@ class RemoteSession:
 
         timeout = self.timeout if timeout is None else timeout
         where = f"OpenEnv server {self.url}"
-        future = asyncio.run_coroutine_threadsafe(_awaited(make), _Loop.get())
+        future = asyncio.run_coroutine_threadsafe(_awaited(make), self.loop.get())
         try:
             return future.result(timeout + 5.0)  # the client's own timeouts come first; this one is the backstop
         except (TimeoutError, asyncio.TimeoutError, concurrent.futures.TimeoutError):

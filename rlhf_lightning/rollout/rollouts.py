@@ -83,6 +83,7 @@ class Rollouts:
         self.max_tokens = max_tokens or self.max_turns * sampler.settings.max_new_tokens
         self.tool_format = self.delta = None
         self.tool_schemas: list[dict] = []
+        self._probe: Environment | None = None  # kept, closed, to release what the episodes share at the end
         if environment is not None:
             # The template's tool-call format and turn delimiters, read once: a template we cannot parse stops the
             # run here, naming itself.
@@ -90,12 +91,18 @@ class Rollouts:
             if not isinstance(probe, Environment):
                 made = type(probe)
                 raise TypeError(f"environment: {not_an_environment(f'{made.__module__}.{made.__qualname__}')}")
+            self._probe = probe
             try:
                 self.tool_format = detect_format(tokenizer) if probe.tools else None
                 self.tool_schemas = [tool.schema for tool in probe.tools.values()]
             finally:
                 probe.close()
             self.delta = TemplateDelta(tokenizer, completion_end_id(tokenizer, conversational=True))
+
+    def close(self) -> None:
+        """The fit has ended: the environment releases what its episodes shared (a server the fit started)."""
+        if self._probe is not None:
+            self._probe.close_shared()
 
     def default_opening_length(self, prompt: Any) -> int:
         """Tokens of the opening of an episode on ``prompt`` whose environment keeps :meth:`Environment.reset`'s

@@ -4,8 +4,9 @@ parallelism, continuous batching), beside a trainer in one process, under DDP or
 
 - **Started by you or by the fit.** ``urls`` names servers you started (``vllm serve BASE --enable-lora ...``; rank
   ``r`` of a DDP or FSDP2 fit sends its prompts to ``urls[r % len(urls)]``); without ``urls`` each rank starts one
-  on 127.0.0.1 at its first draw (:class:`~rlhf_lightning.rollout.vllm_process.ServerProcess`: the command, a free
-  port, its log in the run folder, the wait until it answers) and stops it at the end of the fit.
+  on 127.0.0.1 at its first draw (:class:`~rlhf_lightning.rollout.vllm_process.ServerProcess`, a managed
+  subprocess: the command, a free port, its log in the run folder, the wait until it answers) and stops it at the
+  end of the fit (its teardown).
 - **Token ids in and out**: prompts go as token ids, responses come back as token ids with the log-probs the server
   sampled them with (after the temperature: ``--logprobs-mode processed_logprobs``); no text round trip. A group is
   one request with vLLM's ``n`` and one seed from the run's random streams, so a resumed run sends the same requests.
@@ -128,11 +129,11 @@ class VLLMServer(Engine):
         if self.urls is not None:
             self.attach(self.urls[rank() % len(self.urls)], base)
             return
-        self.process = ServerProcess(model, self.adapter_root() / f"server-rank{rank()}.log",
-                                     max(self.max_loras, self.staleness + 2),
-                                     self.kv_cache_gib, self.server_args, self.cpus)
+        self.process = ServerProcess.for_model(model, self.adapter_root() / f"server-rank{rank()}.log",
+                                               max(self.max_loras, self.staleness + 2), self.kv_cache_gib,
+                                               self.server_args, self.cpus, self.startup_timeout)
         start = time.perf_counter()
-        url = self.process.start(self.startup_timeout)
+        url = self.process.start()
         self.startup_seconds = time.perf_counter() - start
         self.attach(url, base)
 

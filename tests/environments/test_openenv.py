@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -16,9 +17,10 @@ pytest.importorskip("openenv")
 from rlhf_lightning.cli.errors import one_line  # noqa: E402
 from rlhf_lightning.environments import OpenEnvEnvironment  # noqa: E402
 from rlhf_lightning.environments.guess_number import GuessNumberTask, secret_of, solved  # noqa: E402
-from rlhf_lightning.environments.openenv_server import StartedServer, free_port  # noqa: E402
+from rlhf_lightning.environments.openenv_server import StartedServer  # noqa: E402
 from rlhf_lightning.environments.openenv_sessions import RemoteSession  # noqa: E402
 from rlhf_lightning.environments.openenv_support import OpenEnvError, episode_seed  # noqa: E402
+from rlhf_lightning.utils.managed_server import free_port  # noqa: E402
 from tests.environments.openenv_envs import EchoEnvironment  # noqa: E402
 from tests.helpers.cli import REPO  # noqa: E402
 
@@ -142,7 +144,7 @@ def test_without_the_package_the_line_names_the_extra(monkeypatch):
     monkeypatch.delitem(sys.modules, "rlhf_lightning.environments.guess_number")
     from rlhf_lightning.environments import openenv as adapter
 
-    adapter._source.cache_clear()
+    adapter.close_sources()
     with pytest.raises(ImportError) as caught:
         OpenEnvEnvironment(env=GAME)
     line = one_line(caught.value)
@@ -150,7 +152,7 @@ def test_without_the_package_the_line_names_the_extra(monkeypatch):
     assert line.endswith("): pip install -e '.[openenv]'") and "\n" not in line
     with pytest.raises(ImportError, match=r"guess_number needs the optional package openenv.*\.\[openenv\]"):
         import rlhf_lightning.environments.guess_number  # noqa: F401
-    adapter._source.cache_clear()
+    adapter.close_sources()
 
 
 # ---- on OpenEnv's server -------------------------------------------------------------------------------------------
@@ -158,9 +160,8 @@ def test_without_the_package_the_line_names_the_extra(monkeypatch):
 @pytest.fixture(scope="module")
 def echo_server():
     """OpenEnv's server for the echo environment in a subprocess on 127.0.0.1, two sessions at most."""
-    server = StartedServer(ECHO, {}, 2)
-    yield server
-    server.stop()
+    with StartedServer(ECHO, {}, 2) as server:
+        yield server
 
 
 @pytest.mark.slow
@@ -221,6 +222,7 @@ def test_a_server_whose_sessions_other_clients_hold_is_waited_for_aloud(capsys, 
 
     monkeypatch.setattr(retrying, "NOTICE_EVERY", 0.5)
     echo_server = StartedServer(ECHO, {}, 2)  # its own: the module's server may still hold other tests' sessions
+    echo_server.start()
     other = subprocess.Popen([sys.executable, "-c", HOLD_SESSIONS, echo_server.url], cwd=REPO, text=True,
                              stdout=subprocess.PIPE)
     try:
@@ -246,6 +248,32 @@ def test_a_started_server_that_dies_mid_episode_is_one_line_with_its_log():
     line = raises_one_line(lambda: environment.step(turn("exit")), "closed the connection during step(EchoAction): "
                            "the server stopped or crashed", "exited with code 3; its log: ")
     assert "server.log" in line
+
+
+def openenv_loop_threads() -> int:
+    return sum(thread.name == "openenv clients" for thread in threading.enumerate())
+
+
+@pytest.mark.slow
+def test_a_started_server_and_its_sessions_loop_stop_when_the_fit_ends():
+    """What the fit's teardown calls (``Environment.close_shared``): the server the fit started is stopped and the
+    event loop of its sessions ended; an episode after it starts a server again."""
+    environment = OpenEnvEnvironment(env=ECHO, serve=True, max_concurrent_envs=2)
+    loops = openenv_loop_threads()
+    environment.reset({"prompt": "p", "seed": 2})
+    assert environment.step(turn("abc")).messages == [{"role": "user", "content": "echo abc"}]
+    environment.close()
+    server = environment.source.server
+    assert server.running and openenv_loop_threads() == loops + 1
+    environment.close_shared()
+    assert server.process.poll() is not None and openenv_loop_threads() == loops
+    raises_one_line(lambda: OpenEnvEnvironment(base_url=server.url, text_field="message"),
+                    f"cannot reach the OpenEnv server at {server.url}")
+    again = OpenEnvEnvironment(env=ECHO, serve=True, max_concurrent_envs=2)
+    assert again.source.server is not server and again.source.server.running
+    again.close_shared()
+    again.close_shared()  # idempotent
+    assert again.source.server.process.poll() is not None
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """OpenEnv environments in the rollout and in a fit: an OpenEnv game's episodes on a tiny model, every session
-closed when the rollout ends, and a GRPO run over them that resumes exactly (the episodes' seeds come from their
-rows, so the resumed run replays the same games)."""
+closed when the rollout ends, the server the fit started stopped at its teardown, and a GRPO run over them that
+resumes exactly (the episodes' seeds come from their rows, so the resumed run replays the same games)."""
 
 from __future__ import annotations
 
@@ -44,6 +44,8 @@ def test_a_rollout_of_openenv_episodes_opens_with_the_reset_observation_and_clos
         assert all(reward in (0.0, 1.0) for _, reward in episode.rewards)
     assert source.live == 0 and (source.url is None or RemoteSession.open_sessions[source.url] == 0)
     assert max(episode.turns for episode in rollout.episodes) > 1
+    module.teardown("fit")  # the fit's end: the server it started is stopped, as vLLM's is
+    assert source.server is None or source.server.process.poll() is not None
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ import pytest
 from rlhf_lightning.rewards.http import EndpointError
 from rlhf_lightning.rewards.judge_endpoint import EndpointJudge
 from rlhf_lightning.rewards.remote import RemoteReward
-from rlhf_lightning.rollout.vllm_process import ServerError, ServerProcess, free_port
+from rlhf_lightning.rollout.vllm_process import ServerError, ServerProcess, free_port, request_json
 from rlhf_lightning.utils import retrying
 from rlhf_lightning.utils.retrying import GaveUp, RetryPolicy, Transient, keep_trying
 from tests.helpers.waits import watch
@@ -228,7 +228,8 @@ class LateServer(ServerProcess):
     ``after`` seconds have passed (None: never)."""
 
     def __init__(self, log, after: float | None) -> None:  # noqa: ANN001
-        self.log, self.cpus, self.on_cpu, self.process, self.after = log, None, True, None, after
+        super().__init__(log, [], on_cpu=True)
+        self.after = after
 
     def command(self, port: int) -> list[str]:
         script = textwrap.dedent(f"""
@@ -258,7 +259,7 @@ def test_a_vllm_server_the_fit_starts_is_waited_for_aloud(capsys, tmp_path):
                      "waiting for it to answer, for up to 30 s (engine.init_args.startup_timeout 30 s)")
     assert first_at < FIRST_WITHIN
     assert any(line.startswith(f"the vLLM server the fit started at {waited.value} (its log: ")
-               and ": still no answer after 1 s (cannot reach the vLLM server: GET " in line
+               and ": still no answer after 1 s (connection refused or host unreachable " in line
                for line in waited.texts()), waited.texts()
 
 
@@ -266,11 +267,40 @@ def test_a_vllm_server_that_never_answers_ends_in_its_line(capsys, tmp_path):
     server = LateServer(tmp_path / "server.log", after=None)
     waited = watch(lambda: server.start(1.5), capsys)
     assert isinstance(waited.error, ServerError) and waited.seconds >= 1.5
-    assert str(waited.error) == ("the vLLM server the fit started did not answer within 2 s "
-                                 f"(engine.init_args.startup_timeout); its log: {tmp_path / 'server.log'}")
+    assert str(waited.error) == (f"the vLLM server the fit started did not answer {server.url}/v1/models within "
+                                 f"1.5 s (engine.init_args.startup_timeout); its log: {tmp_path / 'server.log'}")
     assert server.process.poll() is not None  # stopped
     assert waited.texts()[0].endswith("waiting for it to answer, for up to 2 s (engine.init_args.startup_timeout "
                                       "1.5 s)")
+
+
+@pytest.mark.parametrize("case", ["down", "503", "404", "text", "slow"])
+def test_a_call_to_a_vllm_server_is_tried_once_in_its_own_words(capsys, case):
+    """vLLM's calls go through the one HTTP client with no retries: each failure is its one line at once, silently;
+    an answer that is not JSON (an adapter loaded) is its text."""
+    answering = handler(status={"503": 503, "404": 404}.get(case, 200), delay=2.0 if case == "slow" else 0.0,
+                        content_type="text/plain", body=b"Success: LoRA adapter added" if case == "text"
+                        else b"The model `policy-v3`\ndoes not exist.")
+    with serving(answering) as (url, _):
+        url = f"http://127.0.0.1:{free_port()}" if case == "down" else url
+        try:
+            answer, error = request_json("POST", f"{url}/v1/load_lora_adapter", {"lora_name": "x"}, 1.0), None
+        except ServerError as failure:
+            answer, error = None, failure
+    expected = {
+        "down": (f"^cannot reach the vLLM server: POST {url}/v1/load_lora_adapter: \\[Errno 111\\] Connection refused$", None),
+        "503": (f"^the vLLM server answered 503 to POST {url}/v1/load_lora_adapter: The model `policy-v3` does not "
+                "exist.$", 503),
+        "404": (f"^the vLLM server answered 404 to POST {url}/v1/load_lora_adapter: The model", 404),
+        "slow": (f"^the vLLM server did not answer POST {url}/v1/load_lora_adapter within 1 s "
+                 "\\(engine.init_args.request_timeout\\)$", None)}
+    if case == "text":
+        assert answer == "Success: LoRA adapter added" and error is None
+    else:
+        pattern, status = expected[case]
+        assert re.match(pattern, str(error)), str(error)
+        assert error.status == status
+    assert answering.calls == (0 if case == "down" else 1) and capsys.readouterr().err == ""
 
 
 def test_the_judge_payload_is_json(capsys):
