@@ -220,12 +220,13 @@ def run_dpo(settings: DPOSettings, profile: bool = False) -> None:
     import time
 
     from rlhf_lightning import DPO, PreferenceDataModule
+    from rlhf_lightning.algorithms.preference_losses import Sigmoid
 
     configure_threads(settings)
     torch.manual_seed(settings.seed)
     module = DPO(**with_options(dict(
         base=base_spec(settings), policy_lora=lora_spec(settings),
-        beta=settings.beta, loss_type="sigmoid", label_smoothing=0.0, rpo_alpha=0.0,
+        beta=settings.beta, preference_loss=Sigmoid(label_smoothing=0.0), rpo_alpha=0.0,
         precompute_reference=settings.precompute, sample_eval_batches=0, sampling={"temperature": 1.0},
         optimizer={"lr": settings.lr, "weight_decay": 0.0, "warmup": 0, "schedule": "constant", "adam_eps": 1e-8},
         seed=settings.seed,

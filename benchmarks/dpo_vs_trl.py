@@ -57,7 +57,7 @@ What both sides are set to compute alike (ours: ``rlhf_lightning.DPO`` and ``lig
 | reference | the base, adapters disabled | adapters disabled (TRL's own choice for a new adapter, ``ref_model=None``) |
 | reference mode | ``precompute_reference: false`` / ``true`` | ``precompute_ref_log_probs=False`` / ``True`` |
 | precompute batch | ``val_batch_size`` = pairs | ``precompute_ref_batch_size`` = pairs |
-| loss | ``loss_type: sigmoid``, ``beta`` (``--beta``, 0.1 as TRL's default), ``label_smoothing`` 0, ``rpo_alpha`` 0 | ``loss_type=["sigmoid"]``, ``beta`` 0.1, ``label_smoothing`` 0, ``f_divergence_type="reverse_kl"``, ``ld_alpha=None``, ``use_weighting=False`` |
+| loss | ``preference_loss: Sigmoid`` (``label_smoothing`` 0), ``beta`` (``--beta``, 0.1 as TRL's default), ``rpo_alpha`` 0 | ``loss_type=["sigmoid"]``, ``beta`` 0.1, ``label_smoothing`` 0, ``f_divergence_type="reverse_kl"``, ``ld_alpha=None``, ``use_weighting=False`` |
 | log-probs | summed over the response tokens (EOS included), temperature 1 | summed over the completion tokens (EOS included) |
 | batch | ``batch_size`` = pairs, chosen and rejected in one forward of 2 x pairs rows | ``per_device_train_batch_size`` = pairs, ``gradient_accumulation_steps`` 1, the same 2 x pairs rows |
 | lengths | ``max_length`` = prompt + longer response, ``on_too_long: error`` (nothing cut) | ``max_length`` = the same, ``truncation_mode="keep_start"`` (nothing cut) |

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from typing import ClassVar, NamedTuple
 
-import torch
 from torch import Tensor
 
 from rlhf_lightning.algorithms.masked import masked_mean
+from rlhf_lightning.algorithms.registered import Registered
 from rlhf_lightning.algorithms.surrogate import (
     RatioLevel,
     SurrogateOutput,
@@ -40,36 +40,21 @@ class LossOutput(NamedTuple):
     statistics: dict[str, Tensor]
 
 
-class PolicyLoss:
+class PolicyLoss(Registered):
     """Base of the policy losses. Subclass it, take the loss's arguments in ``__init__`` (checked there, one line
     each) and define ``__call__``; set ``ratio_level`` to the importance ratio the loss uses (the KL term's
-    importance weighting follows it)."""
+    importance weighting follows it). Defining the class registers it (a name we ship is refused)."""
 
     ratio_level: RatioLevel = "token"
     # class name -> class, every loss defined so far: for listings and messages (the command line resolves names
     # and import paths itself)
     registry: ClassVar[dict[str, type[PolicyLoss]]] = {}
-
-    def __init_subclass__(cls, **kwargs) -> None:
-        super().__init_subclass__(**kwargs)
-        PolicyLoss.registry[cls.__name__] = cls
-        # Checkpoints hold the loss in their hyper-parameters: `torch.load(weights_only=True)` (the default when
-        # Lightning resumes) must be allowed to rebuild it.
-        torch.serialization.add_safe_globals([cls])
+    family = "policy loss"
 
     def __call__(self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor) -> LossOutput:
         """``(per-token loss, statistics)`` of the policy's ``logprobs`` against the sampling policy's
         ``old_logprobs`` with ``advantages`` (a sequence advantage broadcast over its tokens), on ``mask``."""
         raise NotImplementedError
-
-    def __repr__(self) -> str:
-        arguments = ", ".join(f"{name}={value!r}" for name, value in vars(self).items())
-        return f"{type(self).__name__}({arguments})"
-
-    def __eq__(self, other: object) -> bool:
-        return type(self) is type(other) and vars(self) == vars(other)
-
-    __hash__ = None
 
 
 def clip_statistics(surrogate: SurrogateOutput, mask: Tensor) -> dict[str, Tensor]:

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlhf_lightning.algorithms.dpo import DPOLossType, check_dpo_arguments, dpo_loss, pair_values
+from rlhf_lightning.algorithms.dpo import check_beta, dpo_loss, pair_values
+from rlhf_lightning.algorithms.preference_losses import PreferenceLoss, Sigmoid, check_preference_loss
 from rlhf_lightning.core.offline import OfflinePreference
 from rlhf_lightning.core.policy import POLICY, PolicyModule
 from rlhf_lightning.data.collate import EncodedPair
@@ -43,11 +44,11 @@ class DPO(OfflinePreference):
     PPO: ``dpo/val/gold``, ``dpo/val/kl``, ``dpo/val/length``, ``dpo/val/eos_frac``.
 
     Args:
-        beta: inverse temperature of the implicit reward (DPO 0.1; ``sigmoid_norm`` and SimPO want larger, ~2-10).
-        loss_type: ``sigmoid`` (DPO), ``robust``, ``ipo``, ``hinge``, ``sigmoid_norm`` (length-normalised) or
-            ``simpo`` (reference-free).
-        label_smoothing: probability that a label is flipped (cDPO / robust / SimPO), in [0, 0.5).
-        simpo_gamma: SimPO's target margin gamma.
+        beta: inverse temperature of the implicit reward (DPO 0.1; ``SigmoidNorm`` and SimPO want larger, ~2-10).
+        preference_loss: the registered DPO loss and its arguments: ``Sigmoid`` (DPO; cDPO with
+            ``label_smoothing``), ``Robust`` (``label_smoothing``), ``IPO``, ``Hinge``, ``SigmoidNorm``
+            (length-normalised) or ``SimPO`` (reference-free: ``gamma``, ``label_smoothing``), or a
+            :class:`~rlhf_lightning.algorithms.preference_losses.PreferenceLoss` of your own by import path.
         rpo_alpha: weight of the chosen response's per-token NLL added to the loss (RPO); 0 = off.
         precompute_reference: compute the reference log-probs of every training and validation pair once when
             ``fit`` starts (kept in checkpoints), instead of a reference pass per batch.
@@ -60,17 +61,16 @@ class DPO(OfflinePreference):
         self,
         *args: Any,
         beta: float = 0.1,
-        loss_type: DPOLossType = "sigmoid",
-        label_smoothing: float = 0.0,
-        simpo_gamma: float = 0.5,
+        preference_loss: PreferenceLoss = Sigmoid(),  # noqa: B008 (never mutated; the CLI shows it as the default)
         rpo_alpha: float = 0.0,
         precompute_reference: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        check_dpo_arguments(beta, loss_type, label_smoothing)
+        check_beta(beta)
+        check_preference_loss(preference_loss)
+        self.preference_loss = preference_loss  # the instance (hparams hold what the config said)
         checks.non_negative("rpo_alpha", rpo_alpha)
-        checks.non_negative("simpo_gamma", simpo_gamma)
         if self.sampling.temperature != 1.0:
             log.warning("sampling.temperature %s divides the logits of the DPO log-probs too, not only of the samples",
                         self.sampling.temperature)
@@ -82,7 +82,7 @@ class DPO(OfflinePreference):
 
     @property
     def needs_reference(self) -> bool:
-        return self.hparams.loss_type != "simpo"
+        return self.preference_loss.uses_reference
 
     def reference_logps(self, batch: dict[str, Tensor], split: str) -> Tensor | None:
         """``[2B]`` reference log-probs: precomputed for ``split`` when available, else one no-grad pass."""
@@ -102,7 +102,7 @@ class DPO(OfflinePreference):
         reference = self.reference_logps(batch, split)
         ref_chosen, ref_rejected = reference.chunk(2) if reference is not None else (None, None)
         out = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, chosen_lengths, rejected_lengths, hp.beta,
-                       hp.loss_type, hp.label_smoothing, hp.simpo_gamma)
+                       self.preference_loss)
         losses = out.losses
         values = pair_values(out, chosen, rejected)
         if hp.rpo_alpha:
@@ -118,7 +118,7 @@ class DPO(OfflinePreference):
         return losses.mean(), values
 
     def guarded_values(self, loss: Tensor, values: dict[str, Tensor]) -> dict[str, Tensor]:
-        return {f"dpo/loss ({self.hparams.loss_type})": loss, "dpo/logps/chosen": values["logps/chosen"],
+        return {f"dpo/loss ({self.preference_loss.name})": loss, "dpo/logps/chosen": values["logps/chosen"],
                 "dpo/logps/rejected": values["logps/rejected"]}
 
     def progress_bar(self, means: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -18,15 +18,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rlhf_lightning.algorithms.dpo import DPOLossType, check_dpo_arguments, dpo_loss, pair_values
+from rlhf_lightning.algorithms.dpo import check_beta, dpo_loss, pair_values
 from rlhf_lightning.algorithms.kl import kl_penalty
 from rlhf_lightning.algorithms.masked import masked_mean
+from rlhf_lightning.algorithms.preference_losses import PreferenceLoss, Sigmoid, check_preference_loss
 from rlhf_lightning.core.collect import Stats
 from rlhf_lightning.core.experience import Experience, ShapedRewards
 from rlhf_lightning.core.online import OnlineRL
 from rlhf_lightning.core.pass_plan import PassSettings
 from rlhf_lightning.core.policy import POLICY
-from rlhf_lightning.utils import checks
 from rlhf_lightning.utils.timing import phase
 
 
@@ -43,30 +43,32 @@ class OnlineDPO(OnlineRL):
     A pair whose two scores are equal is a tie and carries no loss (TRL takes the first sample as chosen
     there); ``online_dpo/objective/tie_frac`` counts them and ``online_dpo/objective/scores_margin`` is the judge's
     mean score gap between chosen and rejected (ties included, at 0). The loss of an optimizer step is the mean
-    over its untied pairs (of every rank). ``ipo`` uses the per-token averaged log-ratios of our DPO (TRL's online
+    over its untied pairs (of every rank). ``IPO`` uses the per-token averaged log-ratios of our DPO (TRL's online
     trainer sums them). Implicit rewards, accuracy and log-probs are logged as DPO's (``rewards/*``,
     ``logps/*``). It takes none of the policy-gradient family's arguments (no surrogate, no KL penalty: beta holds
     the policy near the reference; the KL is logged all the same).
 
     Args:
         beta: inverse temperature of the implicit reward (TRL's 0.1).
-        loss_type: any DPO loss: ``sigmoid`` (TRL's default), ``robust``, ``ipo``, ``hinge``, ``sigmoid_norm`` or
-            ``simpo``.
-        label_smoothing: probability that a judgement is wrong (cDPO / robust / SimPO), in [0, 0.5).
-        simpo_gamma: SimPO's target margin.
+        preference_loss: any registered DPO loss and its arguments: ``Sigmoid`` (TRL's default; its
+            ``label_smoothing`` is the probability that a judgement is wrong), ``Robust``, ``IPO``, ``Hinge``,
+            ``SigmoidNorm`` or ``SimPO`` (``gamma``), or a
+            :class:`~rlhf_lightning.algorithms.preference_losses.PreferenceLoss` of your own by import path.
     """
 
     metric_prefix = "online_dpo"
     rows_kept_together = 2
 
-    def __init__(self, *args: Any, beta: float = 0.1, loss_type: DPOLossType = "sigmoid",
-                 label_smoothing: float = 0.0, simpo_gamma: float = 0.5, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, beta: float = 0.1,
+                 preference_loss: PreferenceLoss = Sigmoid(),  # noqa: B008 (never mutated)
+                 **kwargs: Any) -> None:
         if "samples_per_prompt" in kwargs:
             raise ValueError(f"samples_per_prompt={kwargs['samples_per_prompt']}: online DPO samples exactly 2 "
                              "responses per prompt, its pair (for more per prompt, use GRPO or RLOO)")
         super().__init__(*args, samples_per_prompt=2, **kwargs)
-        check_dpo_arguments(beta, loss_type, label_smoothing)
-        checks.non_negative("simpo_gamma", simpo_gamma)
+        check_beta(beta)
+        check_preference_loss(preference_loss)
+        self.preference_loss = preference_loss  # the instance (hparams hold what the config said)
 
     def pass_settings(self) -> PassSettings:
         """The reference pass always (the loss reads the reference's log-probs), and with it the rollout's own
@@ -107,7 +109,7 @@ class OnlineDPO(OnlineRL):
         reference = torch.where(mask, micro.ref_logprobs, 0.0).sum(-1)
         lengths = mask.sum(-1)
         out = dpo_loss(summed[0::2], summed[1::2], reference[0::2], reference[1::2], lengths[0::2], lengths[1::2],
-                       hp.beta, hp.loss_type, hp.label_smoothing, hp.simpo_gamma)
+                       hp.beta, self.preference_loss)
         weights = micro.pair_weights[0::2]
         old_logprobs = logprobs.detach() if micro.logprobs is None else micro.logprobs
         # How far the policy has moved from the sampling policy (k3 of KL(pi_old || pi)), for target_kl and logs.

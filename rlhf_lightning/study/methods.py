@@ -70,14 +70,14 @@ METHODS: dict[str, Method] = {method.name: method for method in (
     Method("dpo", "DPO", "dpo.yaml", "beta", (0.03, 0.1, 0.3), steps=300, every=50, uses_reward_model=False,
            offline=True),
     Method("dpo_norm", "length-normalised DPO", "dpo.yaml", "beta", (1.0, 3.0, 10.0), steps=300, every=50,
-           overrides=("--model.init_args.loss_type=sigmoid_norm",), uses_reward_model=False, offline=True),
+           overrides=("--model.init_args.preference_loss=SigmoidNorm",), uses_reward_model=False, offline=True),
     Method("kto", "KTO", "kto.yaml", "beta", (0.1, 0.3, 1.0), steps=300, every=50, uses_reward_model=False,
            offline=True),
     # SimPO has no reference: its beta scales the margin, not a KL term. What holds it near the SFT policy is
     # the learning rate (README: 1e-3 collapses, 1e-4 is stable), so that is its strength here.
     Method("simpo", "SimPO", "dpo.yaml", "optimizer.lr", (3.0e-4, 1.0e-4, 3.0e-5), steps=300, every=50,
-           overrides=("--model.init_args.loss_type=simpo", "--model.init_args.beta=2.0",
-                      "--model.init_args.simpo_gamma=0.5"), uses_reward_model=False, offline=True),
+           overrides=("--model.init_args.preference_loss={class_path: SimPO, init_args: {gamma: 0.5}}",
+                      "--model.init_args.beta=2.0"), uses_reward_model=False, offline=True),
 )}
 
 BEST_OF_N = "best_of_n"

@@ -15,9 +15,32 @@ import pytest
 import torch
 
 from rlhf_lightning.algorithms.dpo import DPOLossOutput, dpo_loss, nll_loss, pair_values
+from rlhf_lightning.algorithms.preference_losses import (
+    IPO,
+    Hinge,
+    PreferenceLoss,
+    Robust,
+    Sigmoid,
+    SigmoidNorm,
+    SimPO,
+)
 
+# TRL's loss_type names of our registered losses (each loss's `name`, the one in its logged curve).
+BY_TRL_NAME = {"sigmoid": Sigmoid, "robust": Robust, "ipo": IPO, "hinge": Hinge, "sigmoid_norm": SigmoidNorm,
+               "simpo": SimPO}
 REFERENCE_TYPES = ("sigmoid", "robust", "ipo", "hinge", "sigmoid_norm")
 ALL_TYPES = (*REFERENCE_TYPES, "simpo")
+
+
+def loss_of(loss_type: str, label_smoothing: float = 0.0, simpo_gamma: float = 0.5) -> PreferenceLoss:
+    """The registered loss TRL calls ``loss_type``, with its arguments (only the losses that take them)."""
+    cls = BY_TRL_NAME[loss_type]
+    options = {"label_smoothing": label_smoothing} if cls in (Sigmoid, Robust, SimPO) else {}
+    if cls is SimPO:
+        options["gamma"] = simpo_gamma
+    loss = cls(**options)
+    assert loss.name == loss_type
+    return loss
 
 
 def sigmoid(x: float) -> float:
@@ -56,7 +79,7 @@ def pair_a(**overrides) -> dict:
 
 @pytest.mark.parametrize("beta", [0.1, 0.5])
 def test_sigmoid_matches_hand_values(beta):
-    out = dpo_loss(**pair_a(), beta=beta, loss_type="sigmoid")
+    out = dpo_loss(**pair_a(), beta=beta, loss=loss_of("sigmoid"))
     close(out.losses, [neg_log_sigmoid(beta * 1.5)])  # beta 0.1: -log s(0.15) = 0.6201...; 0.5: -log s(0.75)
     close(out.logits, [1.5])  # Delta, before beta
     close(out.chosen_rewards, [beta * 1.0])
@@ -72,7 +95,7 @@ def test_sigmoid_beta_01_literal_value():
 
 @pytest.mark.parametrize(("beta", "eps"), [(0.1, 0.1), (0.5, 0.25)])
 def test_sigmoid_label_smoothing_is_cdpo(beta, eps):
-    out = dpo_loss(**pair_a(), beta=beta, loss_type="sigmoid", label_smoothing=eps)
+    out = dpo_loss(**pair_a(), beta=beta, loss=loss_of("sigmoid", label_smoothing=eps))
     x = beta * 1.5
     expected = (1 - eps) * neg_log_sigmoid(x) + eps * neg_log_sigmoid(-x)
     close(out.losses, [expected])
@@ -85,7 +108,7 @@ def test_sigmoid_label_smoothing_is_cdpo(beta, eps):
 
 @pytest.mark.parametrize(("beta", "eps"), [(0.1, 0.1), (0.5, 0.3)])
 def test_robust_matches_hand_values(beta, eps):
-    out = dpo_loss(**pair_a(), beta=beta, loss_type="robust", label_smoothing=eps)
+    out = dpo_loss(**pair_a(), beta=beta, loss=loss_of("robust", label_smoothing=eps))
     x = beta * 1.5
     # TRL's sign: the flipped term is subtracted, -(1-eps)*log s(x) + eps*log s(-x), over 1 - 2 eps.
     expected = ((1 - eps) * neg_log_sigmoid(x) - eps * neg_log_sigmoid(-x)) / (1 - 2 * eps)
@@ -95,7 +118,7 @@ def test_robust_matches_hand_values(beta, eps):
 
 
 def test_robust_without_smoothing_is_plain_dpo():
-    robust = dpo_loss(**pair_a(), beta=0.5, loss_type="robust")
+    robust = dpo_loss(**pair_a(), beta=0.5, loss=loss_of("robust"))
     close(robust.losses, [neg_log_sigmoid(0.75)])
 
 
@@ -104,7 +127,7 @@ def test_robust_is_unbiased_under_label_flips():
     # loss.
     # Swapping chosen and rejected flips the label: (1 - eps) L(Delta) + eps L(-Delta) = -log s(beta Delta).
     beta, eps = 0.5, 0.2
-    kept = dpo_loss(**pair_a(), beta=beta, loss_type="robust", label_smoothing=eps)
+    kept = dpo_loss(**pair_a(), beta=beta, loss=loss_of("robust", label_smoothing=eps))
     flipped = dpo_loss(
         policy_chosen_logps=t(-5.0),
         policy_rejected_logps=t(-3.0),
@@ -113,8 +136,7 @@ def test_robust_is_unbiased_under_label_flips():
         chosen_lengths=t(5.0),
         rejected_lengths=t(2.0),
         beta=beta,
-        loss_type="robust",
-        label_smoothing=eps,
+        loss=loss_of("robust", label_smoothing=eps),
     )
     close((1 - eps) * kept.losses + eps * flipped.losses, [neg_log_sigmoid(beta * 1.5)])
 
@@ -125,7 +147,7 @@ def test_robust_is_unbiased_under_label_flips():
 @pytest.mark.parametrize(("beta", "expected"), [(0.1, (0.6 - 5.0) ** 2), (0.5, (0.6 - 1.0) ** 2)])
 def test_ipo_uses_per_token_averaged_log_ratios(beta, expected):
     # Delta_bar = 0.6; beta 0.1: (0.6 - 1/0.2)^2 = (-4.4)^2 = 19.36; beta 0.5: (0.6 - 1)^2 = 0.16.
-    out = dpo_loss(**pair_a(), beta=beta, loss_type="ipo")
+    out = dpo_loss(**pair_a(), beta=beta, loss=loss_of("ipo"))
     close(out.losses, [expected])
     close(out.logits, [0.6])
     # The rewards stay those of the summed log-ratios (TRL logs these too), not the averaged ones.
@@ -134,13 +156,13 @@ def test_ipo_uses_per_token_averaged_log_ratios(beta, expected):
 
 
 def test_ipo_literal_values():
-    close(dpo_loss(**pair_a(), beta=0.1, loss_type="ipo").losses, [19.36])
-    close(dpo_loss(**pair_a(), beta=0.5, loss_type="ipo").losses, [0.16])
+    close(dpo_loss(**pair_a(), beta=0.1, loss=loss_of("ipo")).losses, [19.36])
+    close(dpo_loss(**pair_a(), beta=0.5, loss=loss_of("ipo")).losses, [0.16])
 
 
 def test_ipo_with_single_token_responses_is_the_summed_form():
     # Lengths 1 / 1: Delta_bar = Delta = 1.5, so (1.5 - 5)^2 = 12.25 at beta 0.1.
-    out = dpo_loss(**pair_a(chosen_lengths=t(1.0), rejected_lengths=t(1.0)), beta=0.1, loss_type="ipo")
+    out = dpo_loss(**pair_a(chosen_lengths=t(1.0), rejected_lengths=t(1.0)), beta=0.1, loss=loss_of("ipo"))
     close(out.losses, [12.25])
 
 
@@ -150,14 +172,14 @@ def test_ipo_with_single_token_responses_is_the_summed_form():
 @pytest.mark.parametrize(("beta", "expected"), [(0.1, 0.85), (0.5, 0.25)])
 def test_hinge_matches_hand_values(beta, expected):
     # relu(1 - beta * 1.5): 1 - 0.15 = 0.85; 1 - 0.75 = 0.25.
-    out = dpo_loss(**pair_a(), beta=beta, loss_type="hinge")
+    out = dpo_loss(**pair_a(), beta=beta, loss=loss_of("hinge"))
     close(out.losses, [expected])
     close(out.logits, [1.5])
 
 
 def test_hinge_is_zero_past_the_margin():
     # beta 1: 1 - 1.5 < 0, so the pair is already separated by more than 1 / beta and costs nothing.
-    out = dpo_loss(**pair_a(), beta=1.0, loss_type="hinge")
+    out = dpo_loss(**pair_a(), beta=1.0, loss=loss_of("hinge"))
     close(out.losses, [0.0])
 
 
@@ -167,7 +189,7 @@ def test_hinge_is_zero_past_the_margin():
 @pytest.mark.parametrize("beta", [0.1, 0.5])
 def test_sigmoid_norm_matches_hand_values(beta):
     # -log s(beta * 0.6): beta 0.1 -> -log s(0.06), beta 0.5 -> -log s(0.3).
-    out = dpo_loss(**pair_a(), beta=beta, loss_type="sigmoid_norm")
+    out = dpo_loss(**pair_a(), beta=beta, loss=loss_of("sigmoid_norm"))
     close(out.losses, [neg_log_sigmoid(beta * 0.6)])
     close(out.logits, [0.6])
     close(out.chosen_rewards, [beta * 1.0])
@@ -185,11 +207,11 @@ def test_length_normalisation_with_responses_of_different_lengths():
         rejected_lengths=t(5.0, 2.0),
     )
     beta = 5.0  # Tulu 3's dpo_norm beta
-    norm = dpo_loss(**batch, beta=beta, loss_type="sigmoid_norm")
+    norm = dpo_loss(**batch, beta=beta, loss=loss_of("sigmoid_norm"))
     close(norm.logits, [0.6, 0.45])
     close(norm.losses, [neg_log_sigmoid(5.0 * 0.6), neg_log_sigmoid(5.0 * 0.45)])  # -log s(3), -log s(2.25)
     # Plain DPO does not see the lengths at all.
-    plain = dpo_loss(**batch, beta=beta, loss_type="sigmoid")
+    plain = dpo_loss(**batch, beta=beta, loss=loss_of("sigmoid"))
     close(plain.losses, [neg_log_sigmoid(7.5), neg_log_sigmoid(7.5)])
 
 
@@ -199,7 +221,7 @@ def test_length_normalisation_with_responses_of_different_lengths():
 def test_simpo_matches_hand_values_without_reference():
     # Average log-probs: chosen -3 / 2 = -1.5, rejected -5 / 5 = -1.0. beta 2, gamma 0.5:
     # margin = 2 * (-1.5 - (-1.0)) - 0.5 = -1.5, loss = -log s(-1.5) = 1.7014...
-    out = dpo_loss(**pair_a(ref_chosen_logps=None, ref_rejected_logps=None), beta=2.0, loss_type="simpo")
+    out = dpo_loss(**pair_a(ref_chosen_logps=None, ref_rejected_logps=None), beta=2.0, loss=loss_of("simpo"))
     close(out.losses, [neg_log_sigmoid(-1.5)])
     close(out.logits, [-0.5 - 0.5 / 2.0])  # margin before beta: -0.5 - gamma / beta = -0.75
     close(out.chosen_rewards, [2.0 * -1.5])  # reference-free: beta * average log-prob
@@ -217,8 +239,7 @@ def test_simpo_gamma_shifts_the_margin(gamma, margin):
         chosen_lengths=t(4.0),
         rejected_lengths=t(3.0),
         beta=2.0,
-        loss_type="simpo",
-        simpo_gamma=gamma,
+        loss=loss_of("simpo", simpo_gamma=gamma),
     )
     close(out.losses, [neg_log_sigmoid(margin)])
 
@@ -229,14 +250,13 @@ def test_simpo_label_smoothing_is_cdpo_on_the_shifted_margin():
     out = dpo_loss(
         **pair_a(ref_chosen_logps=None, ref_rejected_logps=None),
         beta=2.0,
-        loss_type="simpo",
-        label_smoothing=eps,
+        loss=loss_of("simpo", label_smoothing=eps),
     )
     close(out.losses, [(1 - eps) * neg_log_sigmoid(-1.5) + eps * neg_log_sigmoid(1.5)])
 
 
 def test_simpo_ignores_a_reference_when_given():
-    with_ref = dpo_loss(**pair_a(), beta=2.0, loss_type="simpo")
+    with_ref = dpo_loss(**pair_a(), beta=2.0, loss=loss_of("simpo"))
     close(with_ref.losses, [neg_log_sigmoid(-1.5)])
     close(with_ref.chosen_rewards, [-3.0])
 
@@ -265,7 +285,7 @@ def test_at_zero_margin(beta):
         ("sigmoid_norm", 0.0): log2,
     }
     for (loss_type, eps), value in expected.items():
-        out = dpo_loss(**same, beta=beta, loss_type=loss_type, label_smoothing=eps)
+        out = dpo_loss(**same, beta=beta, loss=loss_of(loss_type, label_smoothing=eps))
         close(out.losses, [value, value])
         close(out.logits, [0.0, 0.0])
         close(out.chosen_rewards, [0.0, 0.0])
@@ -298,8 +318,7 @@ def test_gradient_raises_chosen_and_lowers_rejected(loss_type, eps, beta):
     out = dpo_loss(
         **pair_a(policy_chosen_logps=chosen, policy_rejected_logps=rejected),
         beta=beta,
-        loss_type=loss_type,
-        label_smoothing=eps,
+        loss=loss_of(loss_type, label_smoothing=eps),
     )
     out.losses.sum().backward()
     assert chosen.grad.item() < 0
@@ -320,7 +339,7 @@ def test_ipo_gradient_is_scaled_by_the_response_length():
     # d/d lp_w of (Delta_bar - 5)^2 = 2 (0.6 - 5) / |y_w| = -8.8 / 2; d/d lp_l = -2 (0.6 - 5) / 5 = 8.8 / 5.
     chosen = t(-3.0).requires_grad_()
     rejected = t(-5.0).requires_grad_()
-    out = dpo_loss(**pair_a(policy_chosen_logps=chosen, policy_rejected_logps=rejected), loss_type="ipo")
+    out = dpo_loss(**pair_a(policy_chosen_logps=chosen, policy_rejected_logps=rejected), loss=loss_of("ipo"))
     out.losses.sum().backward()
     close(chosen.grad, [-4.4])
     close(rejected.grad, [1.76])
@@ -329,7 +348,7 @@ def test_ipo_gradient_is_scaled_by_the_response_length():
 def test_diagnostics_are_detached_and_the_loss_is_not():
     chosen = t(-3.0).requires_grad_()
     for loss_type in ALL_TYPES:
-        out = dpo_loss(**pair_a(policy_chosen_logps=chosen), loss_type=loss_type)
+        out = dpo_loss(**pair_a(policy_chosen_logps=chosen), loss=loss_of(loss_type))
         assert out.losses.requires_grad
         assert not out.chosen_rewards.requires_grad
         assert not out.rejected_rewards.requires_grad
@@ -350,24 +369,24 @@ def test_pairs_in_a_batch_are_independent():
         chosen_lengths=t(2.0, 1.0),
         rejected_lengths=t(5.0, 4.0),
     )
-    out = dpo_loss(**batch, beta=0.5, loss_type="sigmoid")
+    out = dpo_loss(**batch, beta=0.5, loss=loss_of("sigmoid"))
     close(out.losses, [neg_log_sigmoid(0.75), neg_log_sigmoid(0.5)])
     close(out.chosen_rewards, [0.5, 0.25])
     close(out.rejected_rewards, [-0.25, -0.25])
-    ipo = dpo_loss(**batch, beta=0.5, loss_type="ipo")
+    ipo = dpo_loss(**batch, beta=0.5, loss=loss_of("ipo"))
     close(ipo.losses, [(0.6 - 1.0) ** 2, (0.625 - 1.0) ** 2])
 
 
 def test_integer_lengths_and_dtype():
-    as_float = dpo_loss(**pair_a(), loss_type="sigmoid_norm")
+    as_float = dpo_loss(**pair_a(), loss=loss_of("sigmoid_norm"))
     as_int = dpo_loss(
         **pair_a(chosen_lengths=torch.tensor([2]), rejected_lengths=torch.tensor([5])),
-        loss_type="sigmoid_norm",
+        loss=loss_of("sigmoid_norm"),
     )
     close(as_int.losses, as_float.losses)
     assert as_int.losses.dtype == torch.float64
     float32 = dpo_loss(
-        **{k: v.float() for k, v in pair_a().items()}, loss_type="ipo", beta=0.1
+        **{k: v.float() for k, v in pair_a().items()},  beta=0.1, loss=loss_of("ipo")
     )  # lengths cast to the log-prob dtype, not the other way round
     assert float32.losses.dtype == torch.float32
     torch.testing.assert_close(float32.losses, torch.tensor([19.36]), atol=1e-4, rtol=1e-5)
@@ -400,36 +419,54 @@ def test_rejects_non_positive_beta(beta):
 @pytest.mark.parametrize("loss_type", ["sigmoid", "robust", "simpo"])
 @pytest.mark.parametrize("eps", [-0.01, 0.5, 0.7])
 def test_rejects_label_smoothing_outside_zero_to_half(loss_type, eps):
-    with pytest.raises(ValueError, match=r"label_smoothing must lie in \[0, 0.5\)"):
-        dpo_loss(**pair_a(), loss_type=loss_type, label_smoothing=eps)
+    with pytest.raises(ValueError, match=r"loss.label_smoothing must lie in \[0, 0.5\)"):
+        loss_of(loss_type, label_smoothing=eps)
 
 
-@pytest.mark.parametrize("loss_type", ["ipo", "hinge", "sigmoid_norm"])
-def test_rejects_label_smoothing_for_losses_that_would_ignore_it(loss_type):
-    with pytest.raises(ValueError, match="label_smoothing applies only"):
-        dpo_loss(**pair_a(), loss_type=loss_type, label_smoothing=0.1)
+@pytest.mark.parametrize("loss", [IPO, Hinge, SigmoidNorm])
+def test_losses_that_would_ignore_label_smoothing_do_not_take_it(loss):
+    with pytest.raises(TypeError, match="takes no arguments"):  # a config setting it is refused by the parser
+        loss(label_smoothing=0.1)
 
 
-def test_rejects_unknown_loss_type():
-    with pytest.raises(ValueError, match="loss_type must be one of"):
-        dpo_loss(**pair_a(), loss_type="kto_pair")
+def test_simpo_refuses_a_negative_gamma():
+    with pytest.raises(ValueError, match="loss.gamma must be >= 0"):
+        SimPO(gamma=-0.5)
+
+
+def test_the_registry_holds_ours_and_a_users_loss_but_refuses_a_user_class_named_as_ours():
+    assert {"Sigmoid", "Robust", "IPO", "Hinge", "SigmoidNorm", "SimPO"} <= set(PreferenceLoss.registry)
+    namespace = {"PreferenceLoss": PreferenceLoss, "__name__": "my_losses"}
+    exec("class Squared(PreferenceLoss):\n    def __call__(self, logits, beta):\n        return (beta * logits - 1) ** 2\n",
+         namespace)
+    try:
+        squared = namespace["Squared"]
+        assert PreferenceLoss.registry["Squared"] is squared and squared().name == "Squared"
+        out = dpo_loss(**pair_a(), beta=0.5, loss=squared())  # Delta 1.5: (0.75 - 1)^2
+        close(out.losses, [0.0625])
+    finally:
+        PreferenceLoss.registry.pop("Squared", None)
+    with pytest.raises(TypeError, match="my_losses.IPO: IPO is the name of rlhf_lightning's DPO loss "
+                                        "rlhf_lightning.algorithms.preference_losses.IPO; give yours another name"):
+        exec("class IPO(PreferenceLoss):\n    pass\n", dict(namespace))
+    assert PreferenceLoss.registry["IPO"] is IPO
 
 
 @pytest.mark.parametrize("loss_type", REFERENCE_TYPES)
 def test_reference_losses_need_a_reference(loss_type):
     with pytest.raises(ValueError, match="ref_chosen_logps is required"):
-        dpo_loss(**pair_a(ref_chosen_logps=None), loss_type=loss_type)
+        dpo_loss(**pair_a(ref_chosen_logps=None), loss=loss_of(loss_type))
     with pytest.raises(ValueError, match="ref_rejected_logps is required"):
-        dpo_loss(**pair_a(ref_rejected_logps=None), loss_type=loss_type)
+        dpo_loss(**pair_a(ref_rejected_logps=None), loss=loss_of(loss_type))
 
 
 @pytest.mark.parametrize("loss_type", ALL_TYPES)
 @pytest.mark.parametrize("bad", [0.0, -1.0])
 def test_rejects_non_positive_lengths(loss_type, bad):
     with pytest.raises(ValueError, match="chosen_lengths must be positive"):
-        dpo_loss(**pair_a(chosen_lengths=t(bad)), loss_type=loss_type)
+        dpo_loss(**pair_a(chosen_lengths=t(bad)), loss=loss_of(loss_type))
     with pytest.raises(ValueError, match="rejected_lengths must be positive"):
-        dpo_loss(**pair_a(rejected_lengths=torch.tensor([0])), loss_type=loss_type)
+        dpo_loss(**pair_a(rejected_lengths=torch.tensor([0])), loss=loss_of(loss_type))
 
 
 def test_rejects_mismatched_shapes():

@@ -78,7 +78,7 @@ BAD_MODULE_ARGUMENTS = [
     (REINFORCEPlusPlus, dict(gamma=2.0), r"gamma must lie in [0.0, 1.0], got 2.0"),
     (REINFORCEPlusPlus, dict(baseline="group"), "baseline: group needs samples_per_prompt >= 2, got 1"),
     (DPO, dict(optimizer={"lr": -1.0}), "optimizer.lr must be > 0, got -1.0"),
-    (DPO, dict(simpo_gamma=-0.5), "simpo_gamma must be >= 0, got -0.5"),
+    (DPO, dict(beta=-1.0), "beta must be > 0, got -1.0."),
     (DPO, dict(optimizer={"warmup": -1}), "optimizer.warmup must be an integer >= 0, got -1"),
     (DPO, dict(optimizer={"nonfinite": "zero"}), "optimizer.nonfinite must be one of raise, skip, got 'zero'"),
     (DPO, dict(sampling={"top_p": 0.0}), r"sampling.top_p must lie in (0.0, 1.0], got 0.0"),
@@ -186,6 +186,11 @@ def test_bad_model_specs_and_policy_losses_fail_when_checked_or_used(make, messa
 def test_a_policy_loss_that_is_not_one_is_refused_before_the_model_loads():
     with pytest.raises(TypeError, match=r"^policy_loss must be a PolicyLoss \(one of Clip, CISPO"):
         PPO(base=MISSING, reward=REWARD, policy_loss="cispo")
+
+
+def test_a_preference_loss_that_is_not_one_is_refused_before_the_model_loads():
+    with pytest.raises(TypeError, match=r"^preference_loss must be a PreferenceLoss \(one of Sigmoid, Robust, IPO"):
+        DPO(base=MISSING, preference_loss="ipo")
 
 
 def test_a_rollout_that_does_not_split_fails_at_setup(tiny_model_dir, reward_dir):

@@ -28,6 +28,7 @@ import torch
 import rlhf_lightning as rl
 from rlhf_lightning.algorithms.kl import KLPenalty
 from rlhf_lightning.algorithms.policy_losses import CISPO, Clip
+from rlhf_lightning.algorithms.preference_losses import IPO, Sigmoid, SimPO
 from rlhf_lightning.cli.errors import accepted_arguments
 from rlhf_lightning.core.held_out_pass_at_k import PassAtK
 from rlhf_lightning.environments import Environment, Step, ToolEnvironment
@@ -164,9 +165,9 @@ CASES: dict[str, Case] = {
     "teacher_dtype": case("bfloat16", teacher="model"),
     "reward_coef": case(0.5),
     "beta": case(0.5, perturb=True),
-    "loss_type": case("ipo", perturb=True),
-    "label_smoothing": case(0.2, perturb=True),
-    "simpo_gamma": case(1.0, perturb=True, loss_type="simpo"),
+    "preference_loss": case(IPO(), perturb=True),
+    "preference_loss.label_smoothing": case(Sigmoid(label_smoothing=0.2), perturb=True),
+    "preference_loss.gamma": case(SimPO(gamma=1.0), perturb=True, preference_loss=SimPO()),
 }
 
 
@@ -187,8 +188,9 @@ OFFLINE_CASES: dict[str, Case] = {
     "optimizer.schedule": case("swap schedule", "fit"),
     "beta": case(0.5, "fit"),
     "loss_type": case("swap loss", "fit", perturb=True),  # KTO's losses part once its reference point is not 0
-    "label_smoothing": case(0.2, "fit"),
-    "simpo_gamma": case(1.0, "fit", loss_type="simpo"),
+    "preference_loss": case(IPO(), "fit"),
+    "preference_loss.label_smoothing": case(Sigmoid(label_smoothing=0.2), "fit"),
+    "preference_loss.gamma": case(SimPO(gamma=1.0), "fit", preference_loss=SimPO()),
     "rpo_alpha": case(0.5, "fit"),
     "precompute_reference": case(True, "fit"),
     "sample_eval_batches": case(0, "fit"),
@@ -204,7 +206,7 @@ SWAPS: dict[str, Callable[[Any], Any]] = {
     "swap": lambda default: {"reward": "loss", "loss": "reward", True: False, False: True}[default],
     "swap lora": lambda default: LoraSpec(r=4, alpha=8) if default is None else LoraSpec(r=2, alpha=8),
     "swap schedule": lambda default: "linear" if default == "constant" else "constant",
-    "swap loss": lambda default: {"sigmoid": "ipo", "kto": "apo_zero_unpaired"}[default],
+    "swap loss": lambda default: {"kto": "apo_zero_unpaired"}[default],
 }
 
 
@@ -468,8 +470,8 @@ def cases() -> list[tuple[type, str]]:
                 found += [(cls, f"{name}.{field.name}") for field in dataclasses.fields(groups[name])]
                 continue
             found.append((cls, name))
-            if name == "policy_loss":
-                found += [(cls, key) for key in CASES if key.startswith("policy_loss.")]
+            if name in ("policy_loss", "preference_loss"):  # each field of the registered loss too
+                found += [(cls, key) for key in CASES if key.startswith(f"{name}.")]
     return found
 
 
@@ -491,7 +493,8 @@ def test_every_argument_changes_the_run_or_is_refused(cls, name, models, tmp_pat
     elif value in ("other base", "other teacher"):
         value = "other arithmetic" if cls is rl.ProcessRewardModel and value == "other base" else value
         value = BaseModelSpec(name_or_path=str(models[value])) if argument == "base" else str(models[value])
-    # a group's field is set alone (the group's other fields keep theirs); policy_loss.* rows give the whole loss
+    # a group's field is set alone (the group's other fields keep theirs); policy_loss.* and preference_loss.* rows
+    # give the whole loss
     changed = merged(setting, {argument: {field: value} if argument in GROUPS else value})
     if row.shows == "refused":
         with pytest.raises(ValueError) as refusal:

@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from transformers import AutoModelForCausalLM
 
 from rlhf_lightning import DPO, PreferenceDataModule
+from rlhf_lightning.algorithms.preference_losses import SimPO
 from rlhf_lightning.cli import main
 from rlhf_lightning.cli.merge_command import merge_adapter
 from rlhf_lightning.models.shared_base import adapter_of, position_ids_from_mask
@@ -31,9 +32,7 @@ def first_batch(module: DPO) -> dict:
 
 @pytest.mark.parametrize("bad, message", [
     (dict(beta=0.0), "beta must be > 0"),
-    (dict(loss_type="kto"), "loss_type must be one of"),
-    (dict(label_smoothing=0.5), r"label_smoothing must lie in \[0, 0.5\)"),
-    (dict(loss_type="ipo", label_smoothing=0.1), "label_smoothing applies only"),
+    (dict(preference_loss=SimPO(gamma=1.0), beta=-2.0), "beta must be > 0"),
     (dict(rpo_alpha=-1.0), "rpo_alpha must be >= 0"),
     (dict(optimizer={"lr": 0.0}), "optimizer.lr must be > 0, got 0.0"),
     (dict(optimizer={"adam_eps": -1e-8}), "optimizer.adam_eps must be > 0, got -1e-08"),
@@ -100,7 +99,7 @@ def test_sequence_logps_equal_a_plain_transformers_forward_without_padding(tiny_
         torch.testing.assert_close(actual, torch.stack(expected).detach(), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("options", [dict(), dict(loss_type="simpo", beta=2.0, rpo_alpha=0.5)],
+@pytest.mark.parametrize("options", [dict(), dict(preference_loss=SimPO(), beta=2.0, rpo_alpha=0.5)],
                          ids=["sigmoid", "simpo+rpo"])
 def test_gradients_reach_exactly_the_policy_adapter(tiny_model_dir, options):
     module = make_dpo(tiny_model_dir, **options)

@@ -14,6 +14,7 @@ import torch
 
 from rlhf_lightning import AdapterReward, OnlineDPO
 from rlhf_lightning.algorithms.dpo import dpo_loss
+from rlhf_lightning.algorithms.preference_losses import IPO, Sigmoid, SimPO
 from rlhf_lightning.cli import main
 from rlhf_lightning.models.shared_base import REFERENCE, adapter_of
 from rlhf_lightning.models.spec import BaseModelSpec
@@ -56,9 +57,9 @@ def test_each_prompts_two_samples_are_ranked_into_a_pair_chosen_first(tiny_model
     assert experience.ref_logprobs is not None  # the DPO loss needs the reference
 
 
-@pytest.mark.parametrize("loss_type, beta", [("sigmoid", 0.1), ("ipo", 0.5), ("simpo", 2.0)])
-def test_the_loss_is_the_dpo_loss_of_the_untied_pairs(tiny_model_dir, reward_dir, loss_type, beta):
-    module = make_online_dpo(tiny_model_dir, reward_dir, loss_type=loss_type, beta=beta)
+@pytest.mark.parametrize("loss, beta", [(Sigmoid(), 0.1), (IPO(), 0.5), (SimPO(), 2.0)], ids=["sigmoid", "ipo", "simpo"])
+def test_the_loss_is_the_dpo_loss_of_the_untied_pairs(tiny_model_dir, reward_dir, loss, beta):
+    module = make_online_dpo(tiny_model_dir, reward_dir, preference_loss=loss, beta=beta)
     perturb(module, "policy")
     experience, _ = module.collect_and_prepare(prompt_batch(module, n=8))
     # A tie, made here on the experience as the ranking marks it: that pair must carry no loss.
@@ -69,7 +70,7 @@ def test_the_loss_is_the_dpo_loss_of_the_untied_pairs(tiny_model_dir, reward_dir
     policy, reference = sequence_logps(module, "policy", experience), sequence_logps(module, REFERENCE, experience)
     lengths = experience.response_mask.sum(-1)
     expected = dpo_loss(policy[0::2], policy[1::2], reference[0::2], reference[1::2], lengths[0::2], lengths[1::2],
-                        beta, loss_type)
+                        beta, loss)
     counted = weights[0::2] > 0
     torch.testing.assert_close(terms["loss/policy"].detach(), expected.losses[counted].mean(), atol=1e-6, rtol=1e-5)
     margin = (expected.chosen_rewards - expected.rejected_rewards)[counted]
