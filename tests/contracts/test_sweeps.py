@@ -26,8 +26,10 @@ import pytest
 import yaml
 from lightning.pytorch.callbacks import Checkpoint
 
+from rlhf_lightning.algorithms.registered import Registered
 from rlhf_lightning.cli import RLHFCLI, main
 from rlhf_lightning.core.online import OnlineRL
+from rlhf_lightning.runs.resume import import_class
 from rlhf_lightning.runs.wandb_offline import read_config, read_history
 
 REPO = Path(__file__).resolve().parents[2]
@@ -294,7 +296,19 @@ def instantiated_value(cli: RLHFCLI, key: str) -> Any:
         pytest.fail(f"{key}: test_sweeps cannot find {head!r} on the instantiated CLI; teach instantiated_value")
     for part in path:
         target = target[part] if isinstance(target, Mapping) else getattr(target, part)
-    return target
+    return as_given(target)
+
+
+def as_given(value: Any) -> Any:
+    """A registered loss (``preference_loss: IPO``) as a sweep names it, by its class name with its defaults; any
+    other value as it is."""
+    if isinstance(value, Registered) and value == type(value)():
+        return type(value).__name__
+    if isinstance(value, Mapping) and set(value) == {"class_path", "init_args"}:  # a run's stored config
+        cls = import_class(value["class_path"])
+        if isinstance(cls, type) and issubclass(cls, Registered) and cls(**value["init_args"]) == cls():
+            return cls.__name__
+    return value
 
 
 def nested(config: Mapping[str, Any], key: str) -> Any:
@@ -304,7 +318,7 @@ def nested(config: Mapping[str, Any], key: str) -> Any:
         if part not in config and "init_args" in config:
             config = config["init_args"]
         config = config[part]
-    return config
+    return as_given(config)
 
 
 # ---- fast checks ------------------------------------------------------------------------------------------

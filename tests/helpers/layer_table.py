@@ -22,7 +22,7 @@ END = "<!-- The end of the layer table. -->"
 HEADER = ("| layer | part of `rlhf_lightning/` | what it holds (its docstring) |\n"
           "|---|---|---|")
 # An entry file that has no docstring of its own, said in the docstrings' markup.
-NO_DOCSTRING = {"__main__": "``python -m rlhf_lightning``: :func:`rlhf_lightning.cli.early.run`, which answers what it "
+NO_DOCSTRING = {"__main__": "``python -m rlhf_lightning``: :func:`rlhf_lightning.cli.entry.run`, which answers what it "
                             "can before the training stack is imported and hands the rest to the command line "
                             "(``cli/command_line.py``)."}
 

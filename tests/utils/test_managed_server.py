@@ -129,6 +129,7 @@ server = ManagedServer("the test server", sys.argv[1], command=lambda port: [sys
                        str(port), "0", "0"])
 server.start(60)
 print(server.process.pid, flush=True)
+sys.stdin.readline()  # the test has seen the server running: now killed (hang) or ended without a stop (exit)
 if sys.argv[3] == "hang":
     import time
     time.sleep(300)
@@ -140,10 +141,13 @@ def test_a_server_does_not_outlive_the_process_that_started_it(tmp_path, how):
     """Killed (SIGKILL): the kernel sends the server SIGTERM (``PR_SET_PDEATHSIG``). Ending without a stop: the
     last-resort stop at exit."""
     parent = subprocess.Popen([sys.executable, "-c", STARTS_A_SERVER, str(tmp_path / "server.log"), SERVE,
-                               "hang" if how == "killed" else "exit"], cwd=REPO, stdout=subprocess.PIPE, text=True)
+                               "hang" if how == "killed" else "exit"], cwd=REPO, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
     try:
         pid = int(parent.stdout.readline())
         assert not gone(pid)
+        parent.stdin.write("go\n")
+        parent.stdin.flush()
         if how == "killed":
             parent.kill()
         parent.wait(30)
