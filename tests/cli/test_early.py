@@ -92,13 +92,27 @@ def test_help_and_print_config_are_kept_and_answered_again_without_the_stack(tmp
     code, imported, first = ask("fit", "--config", "my.yaml", "--print_config")
     assert code == 0 and "lightning" in imported and "max_steps: 3" in first
     assert ask("fit", "--config", "my.yaml", "--print_config") == (0, [], first)
-    (tmp_path / "my.yaml").write_text("trainer:\n  max_steps: 4\n")
-    code, imported, changed = ask("fit", "--config", "my.yaml", "--print_config")
-    assert code == 0 and "lightning" in imported and "max_steps: 4" in changed
     code, imported, help_text = ask("fit", "--help")
     assert code == 0 and "lightning" in imported and "--trainer.max_steps" in help_text
     assert ask("fit", "--help") == (0, [], help_text)
-    assert len(list((cache / "answers").glob("*.txt"))) == 3
+    assert len(list((cache / "answers").glob("*.txt"))) == 2
+
+
+def test_a_changed_config_file_or_package_source_is_a_new_question(tmp_path, monkeypatch):
+    from rlhf_lightning.cli import answers
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my.yaml").write_text("trainer:\n  max_steps: 3\n")
+    question = ["fit", "--config", "my.yaml", "--print_config"]
+    key = answers.answer_key(question)
+    assert answers.answer_key(question) == key and answers.answer_key(["fit", "--help"]) != key
+    (tmp_path / "my.yaml").write_text("trainer:\n  max_steps: 4\n")
+    changed = answers.answer_key(question)
+    assert changed != key
+    monkeypatch.setattr(answers, "package_fingerprint", lambda: [("core/stage.py", 1, 2)])  # an edited source file
+    assert answers.answer_key(question) not in (key, changed)
+    assert not answers.asks_to_print(["fit", "--config", "my.yaml"])  # a fit is never kept
+    assert answers.asks_to_print(["fit", "--model.help", "rlhf_lightning.PPO"])
 
 
 def test_an_answer_that_names_a_users_class_is_never_kept(tmp_path, monkeypatch):
