@@ -1,5 +1,6 @@
 """The command line and what surrounds it: the LightningCLI and its subcommands (``command_line``), one-line errors
-(``errors``) naming the file and line of a refused config key (``config_keys``), quiet third-party logs (``quiet``), a failure on one rank reported on all (``rank_failures``), the W&B
+(``errors``) naming the file and line of a refused config key (``config_keys``), quiet third-party logs (``quiet``), the Trainer's
+batch limits read as ints whatever was imported first (``trainer_limits``), a failure on one rank reported on all (``rank_failures``), the W&B
 logger (``loggers``), model cards of exports (``model_card``), ``python -m rlhf_lightning merge``
 (``merge_command``) and ``evaluate`` (``evaluate_command``: lm-evaluation-harness tasks); what the command line
 answers before the training stack is imported (``early``), among them a subcommand's ``--help`` and

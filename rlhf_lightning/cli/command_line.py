@@ -34,6 +34,7 @@ from rlhf_lightning.cli.config_keys import (
     nulls_in_groups,
 )
 from rlhf_lightning.cli.early import HELP
+from rlhf_lightning.cli.trainer_limits import int_first_trainer_limits
 from rlhf_lightning.cli.errors import (
     condense_parser_error,
     config_file_problem,
@@ -145,6 +146,7 @@ class RLHFCLI(LightningCLI):
         given = nulls_in_groups(self.argv)
         if given != self.argv:
             args = given
+        int_first_trainer_limits()  # --trainer.limit_train_batches=1 is one batch, not all of them
         super().__init__(
             model_class=L.LightningModule,
             datamodule_class=L.LightningDataModule,

@@ -185,6 +185,7 @@ def test_ppo_on_the_prm_runs_from_the_cli_and_logs_the_reduced_score(tiny_arithm
     with open(next(tmp_path.rglob("metrics.csv"))) as file:
         rows = list(csv.DictReader(file))
     scores = [float(row[f"{prefix}/val/score"]) for row in rows if row.get(f"{prefix}/val/score")]
+    print(rows)
     assert len(scores) == 2 and all(0 < score < 1 for score in scores)  # the min of probabilities
     assert any(row.get(f"{prefix}/val/gold") for row in rows) and any(row.get(f"{prefix}/objective/score") for row in rows)
     assert (tmp_path / "out/policy/adapter_model.safetensors").exists()
