@@ -34,7 +34,6 @@ from rlhf_lightning.cli.config_keys import (
     nulls_in_groups,
 )
 from rlhf_lightning.cli.early import HELP
-from rlhf_lightning.cli.trainer_limits import int_first_trainer_limits
 from rlhf_lightning.cli.errors import (
     condense_parser_error,
     config_file_problem,
@@ -49,6 +48,7 @@ from rlhf_lightning.cli.loggers import WandbLogger
 from rlhf_lightning.cli.model_card import write_model_card
 from rlhf_lightning.cli.quiet import quiet_libraries
 from rlhf_lightning.cli.rank_failures import rank_failures_reported
+from rlhf_lightning.cli.trainer_limits import int_first_trainer_limits
 from rlhf_lightning.core.distributed import check_parallel_sizes, fill_sharding_defaults
 from rlhf_lightning.runs.plots import main as plot_main
 from rlhf_lightning.runs.plots import plot_run

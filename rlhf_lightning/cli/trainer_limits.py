@@ -24,12 +24,12 @@ def int_first_trainer_limits() -> list[str]:
     changed = [name for name, annotation in annotations.items()
                if getattr(annotation, "__origin__", None) is typing.Union
                and tuple(getattr(annotation, "__args__", ())) == FLOAT_FIRST]
-    if changed or typing.Optional[typing.Union[int, float]].__args__ != (int, float, type(None)):
+    if changed or typing.Optional[typing.Union[int, float]].__args__ != (int, float, type(None)):  # noqa: UP007, UP045 (typing's own union, whose cache is the point)
         # What jsonargparse rebuilds from the arguments must come out int first too: typing's cache must hold the
         # int-first union. Its caches only save time (typing empties them itself when asked: `typing._cleanups`).
         for clear in getattr(typing, "_cleanups", ()):
             clear()
-        int_first = typing.Optional[typing.Union[int, float]]
+        int_first = typing.Optional[typing.Union[int, float]]  # noqa: UP007, UP045 (typing's own union, whose cache is the point)
         for name in changed:
             annotations[name] = int_first
     return changed

@@ -28,8 +28,8 @@ def test_the_trainers_batch_limits_read_an_int_as_a_count(monkeypatch):
         monkeypatch.setitem(annotations, name, float_first)
     for clear in typing._cleanups:  # and typing's cache holding the float-first unions, as after Fabric's import
         clear()
-    typing.Optional[typing.Union[float, int]]  # noqa: B018 - Fabric's clip_val, built first
-    assert typing.Optional[typing.Union[int, float]].__args__ == (float, int, type(None))
+    typing.Optional[typing.Union[float, int]]  # noqa: B018, UP007, UP045 - Fabric's clip_val, built first
+    assert typing.Optional[typing.Union[int, float]].__args__ == (float, int, type(None))  # noqa: UP007, UP045 (typing's own union, whose cache is the point)
     # (parsed now, `1` would be 1.0, every batch; jsonargparse then keeps the signature it read, so it is not parsed
     # before the fix)
     assert set(int_first_trainer_limits()) >= set(LIMITS)
