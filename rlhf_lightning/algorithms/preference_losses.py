@@ -174,9 +174,3 @@ class SimPO(PreferenceLoss):
     def __call__(self, logits: Tensor, beta: float) -> Tensor:
         return smoothed_sigmoid_loss(beta * logits, self.label_smoothing)
 
-
-def check_preference_loss(loss: object) -> None:
-    """Refuse, in one line, a ``preference_loss`` that is not a :class:`PreferenceLoss`."""
-    if not isinstance(loss, PreferenceLoss):
-        raise TypeError(f"preference_loss must be a PreferenceLoss (one of {', '.join(PreferenceLoss.registry)}, or a "
-                        f"subclass of your own), got {loss!r}")

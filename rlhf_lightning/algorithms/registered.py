@@ -1,7 +1,7 @@
 """Families of loss classes that a config names: a family's base holds a ``registry`` (class name -> class) that
 each subclass joins when it is defined.
 
-A config names a family member by class name (``policy_loss: CISPO``, ``loss: IPO``) or by import path (one of
+A config names a family member by class name (``policy_loss: CISPO``, ``preference_loss: IPO``) or by import path (one of
 your own). A class of yours that takes the name of one we ship is refused when it is defined: a config naming it
 would be ambiguous, and one of the two would silently stand in for the other.
 """
@@ -37,6 +37,13 @@ class Registered:
         # Checkpoints hold the member in their hyper-parameters: `torch.load(weights_only=True)` (the default when
         # Lightning resumes) must be allowed to rebuild it.
         torch.serialization.add_safe_globals([cls])
+
+    @classmethod
+    def require(cls, argument: str, value: object) -> None:
+        """Refuse, in one line, a value of ``argument`` that is not a member of this family."""
+        if not isinstance(value, cls):
+            raise TypeError(f"{argument} must be a {cls.__name__} (one of {', '.join(cls.registry)}, or a subclass of "
+                            f"your own), got {value!r}")
 
     def __repr__(self) -> str:
         arguments = ", ".join(f"{name}={value!r}" for name, value in vars(self).items())

@@ -95,9 +95,7 @@ class PolicyGradient(OnlineRL):
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        if not isinstance(policy_loss, PolicyLoss):
-            raise TypeError(f"policy_loss must be a PolicyLoss (one of {', '.join(PolicyLoss.registry)}, or a "
-                            f"subclass of your own), got {policy_loss!r}")
+        PolicyLoss.require("policy_loss", policy_loss)
         checks.one_of("loss_aggregation", loss_aggregation, get_args(LossAggregation))
         self.kl: KLPenalty = self.keep_group("kl", kl, self.default_kl)
         for name, value in {"ent_coef": ent_coef, "ptx_coef": ptx_coef}.items():

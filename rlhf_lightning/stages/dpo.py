@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from rlhf_lightning.algorithms.dpo import check_beta, dpo_loss, pair_values
-from rlhf_lightning.algorithms.preference_losses import PreferenceLoss, Sigmoid, check_preference_loss
+from rlhf_lightning.algorithms.preference_losses import PreferenceLoss, Sigmoid
 from rlhf_lightning.core.offline import OfflinePreference
 from rlhf_lightning.core.policy import POLICY, PolicyModule
 from rlhf_lightning.data.collate import EncodedPair
@@ -68,7 +68,7 @@ class DPO(OfflinePreference):
     ) -> None:
         super().__init__(*args, **kwargs)
         check_beta(beta)
-        check_preference_loss(preference_loss)
+        PreferenceLoss.require("preference_loss", preference_loss)
         self.preference_loss = preference_loss  # the instance (hparams hold what the config said)
         checks.non_negative("rpo_alpha", rpo_alpha)
         if self.sampling.temperature != 1.0:

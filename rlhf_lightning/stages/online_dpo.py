@@ -21,7 +21,7 @@ from torch import Tensor
 from rlhf_lightning.algorithms.dpo import check_beta, dpo_loss, pair_values
 from rlhf_lightning.algorithms.kl import kl_penalty
 from rlhf_lightning.algorithms.masked import masked_mean
-from rlhf_lightning.algorithms.preference_losses import PreferenceLoss, Sigmoid, check_preference_loss
+from rlhf_lightning.algorithms.preference_losses import PreferenceLoss, Sigmoid
 from rlhf_lightning.core.collect import Stats
 from rlhf_lightning.core.experience import Experience, ShapedRewards
 from rlhf_lightning.core.online import OnlineRL
@@ -67,7 +67,7 @@ class OnlineDPO(OnlineRL):
                              "responses per prompt, its pair (for more per prompt, use GRPO or RLOO)")
         super().__init__(*args, samples_per_prompt=2, **kwargs)
         check_beta(beta)
-        check_preference_loss(preference_loss)
+        PreferenceLoss.require("preference_loss", preference_loss)
         self.preference_loss = preference_loss  # the instance (hparams hold what the config said)
 
     def pass_settings(self) -> PassSettings:
