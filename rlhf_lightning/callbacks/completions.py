@@ -89,7 +89,7 @@ class CompletionsTable(L.Callback):
         loader = datamodule.val_dataloader() if trainer.enable_validation else []
         prompts = next(iter(loader)) if loader else next(iter(datamodule.train_dataloader()["prompts"]))
         prompts = trainer.strategy.batch_to_device(prompts)
-        values, rollout, texts = pl_module.sample_and_measure(prompts, 0)
+        values, rollout, texts = pl_module.held_out.sample_and_measure(prompts, 0)
         if rollout.episodes is not None:
             from rlhf_lightning.rollout.episodes import transcript_text
 

@@ -18,15 +18,15 @@ from torch import Tensor
 
 from rlhf_lightning.core.experience import Experience, FirstPass, Samples, sampling_statistics
 from rlhf_lightning.core.held_out import gold_scores
-from rlhf_lightning.core.overlap import OverlapHooks
-from rlhf_lightning.core.pass_plan import PassPlan, PassSettings, plan_passes
+from rlhf_lightning.core.pass_plan import PassPlan, plan_passes
 from rlhf_lightning.core.policy import POLICY, PolicyModule
 from rlhf_lightning.environments.environment import Environment
 from rlhf_lightning.models.shared_base import REFERENCE, SharedBase
 from rlhf_lightning.rewards.combine import RewardSet
 from rlhf_lightning.rewards.inputs import RewardInputs, reward_inputs
 from rlhf_lightning.rewards.sources import RewardSource
-from rlhf_lightning.rollout.episodes import episode_statistics, transcript_text
+from rlhf_lightning.rollout.ahead import DrawAhead, loader_ahead
+from rlhf_lightning.rollout.episodes import episode_statistics, episode_values, transcript_text
 from rlhf_lightning.rollout.rollouts import Rollout, Rollouts
 from rlhf_lightning.utils import checks
 from rlhf_lightning.utils.nonfinite import SKIP_HINT, NonFiniteError, listing, score_problems
@@ -40,7 +40,7 @@ class SkipIteration(Exception):
     """Raised by collection under ``optimizer.nonfinite: skip`` when the iteration must not be trained on."""
 
 
-class ExperienceCollector(OverlapHooks, PolicyModule):
+class ExperienceCollector(PolicyModule):
     """The policy module that samples and scores: prompts in, :class:`Experience` out (:meth:`collect`).
 
     Args:
@@ -122,6 +122,7 @@ class ExperienceCollector(OverlapHooks, PolicyModule):
         self.share_prompt = share_prompt
         self.last_samples: Samples | None = None  # the latest rollout as text (see callbacks.CompletionsTable)
         self._pass_plan: PassPlan | None = None
+        self._draw_ahead: DrawAhead | None = None
 
     def build_model(self, empty: bool) -> SharedBase:
         model = super().build_model(empty)
@@ -152,17 +153,11 @@ class ExperienceCollector(OverlapHooks, PolicyModule):
         start one token before the budget and decode ``sampling.max_new_tokens`` (see :meth:`Rollouts.positions`)."""
         if self.environment is None:
             return super().check_lengths(datamodule)
-        rollouts = self.rollouts
         examples = [*(datamodule.train_set or []), *datamodule.val_set]
         longest = max(examples, key=datamodule.length)
-        opening = rollouts.default_opening_length(longest.raw if longest.raw is not None else longest.text)
-        budget, turn = rollouts.max_tokens, min(self.sampling.max_new_tokens, rollouts.max_tokens)
-        what = (f"the longest prompt's opening ({opening} tokens) and an episode of {budget} tokens (a turn can "
-                f"start after {budget - 1} of them and decode {turn} more: sampling.max_new_tokens)"
-                if rollouts.max_turns > 1 else
-                f"the longest prompt's opening ({opening} tokens) and a turn of {turn} tokens")
-        self.check_positions(rollouts.positions(opening), what, "lower max_episode_tokens (null = max_turns x "
-                             "sampling.max_new_tokens), sampling.max_new_tokens or data.init_args.max_length")
+        self.check_positions(*self.rollouts.reach(longest.raw if longest.raw is not None else longest.text),
+                             "lower max_episode_tokens (null = max_turns x sampling.max_new_tokens), "
+                             "sampling.max_new_tokens or data.init_args.max_length")
 
     @property
     def pass_plan(self) -> PassPlan:
@@ -172,10 +167,41 @@ class ExperienceCollector(OverlapHooks, PolicyModule):
             self._pass_plan = plan_passes(self.pass_settings())
         return self._pass_plan
 
-    def pass_settings(self) -> PassSettings:
-        """What decides which passes an iteration runs (the loop's update and the algorithm's KL:
-        ``OnlineRL.pass_settings``)."""
-        raise NotImplementedError
+    # ---- drawing ahead ------------------------------------------------------------------------------------
+
+    @property
+    def draw_ahead(self) -> DrawAhead | None:
+        """The fixed-lag schedule of ``max_staleness`` > 0, made at the first training rollout; None if synchronous."""
+        hp = self.hparams
+        if self._draw_ahead is None and hp.max_staleness and self.model is not None:
+            self._draw_ahead = DrawAhead(self.rollouts, self.model, hp.samples_per_prompt, self.global_rank,
+                                         hp.max_staleness, hp.rollout_timeout)
+        return self._draw_ahead
+
+    def training_rollout(self, prompts: dict[str, Any], group: int) -> tuple[Rollout, Stats]:
+        """The current training iteration's rollout of ``group`` responses to each prompt, with statistics: drawn
+        now, or drawn ahead by the policy of ``max_staleness`` iterations ago (and the statistics of its age)."""
+        if self.draw_ahead is not None:
+            return self.draw_ahead.rollout(prompts, self.iteration, self.trainer.global_step,
+                                           loader_ahead(self.trainer.train_dataloader), self.device)
+        with phase("rollout/generate"):
+            return self.rollouts.run(self.model, POLICY, prompts, group, f"train {self.iteration}"), {}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        if self.draw_ahead is not None:
+            self.draw_ahead.save(checkpoint)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        if self.draw_ahead is not None:
+            self.draw_ahead.load(checkpoint, self.trainer.ckpt_path if self._trainer is not None else "the checkpoint")
+
+    def teardown(self, stage: str) -> None:
+        if self._draw_ahead is not None:
+            self._draw_ahead.close()
+            self._draw_ahead = None
+        super().teardown(stage)
 
     # ---- collection ---------------------------------------------------------------------------------------
 
@@ -259,7 +285,7 @@ class ExperienceCollector(OverlapHooks, PolicyModule):
         experience = Experience(ids, attention, mask, scores, rollout.is_stopped, rollout.sampler_logprobs, logprobs,
                                 ref_logprobs, rollout.turn_rewards, group_size=group, step_rewards=step_rewards,
                                 entropy=entropy)
-        stats = self.sample_statistics(rollout, source_scores, raw_scores) | overlap_stats
+        stats = sample_statistics(rollout, self.rewards, source_scores, raw_scores) | overlap_stats
         gold = None
         if self.gold_reward is not None:
             gold = gold_scores(self.gold_reward, prompts["prompt"], completions, prompts.get("columns"), repeat=group)
@@ -271,21 +297,12 @@ class ExperienceCollector(OverlapHooks, PolicyModule):
         self.last_samples = Samples(self.iteration, texts, completions, raw_scores.tolist(), None, gold)
         return experience, stats
 
-    def score_responses(self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor,
-                        completions: list[str], prompts: Sequence[Any],
-                        columns: dict[str, list] | None = None) -> Tensor:
-        """Scores ``[B, S]`` of sampled responses by every reward source (NaN where a source does not apply; a
-        source that scores steps gives their reduction).
-
-        ``prompts`` are the prompts as the dataset holds them (text or messages), ``columns`` its other columns.
-        """
-        return self.rewards.score(self.reward_inputs(input_ids, attention_mask, response_mask, completions, prompts,
-                                                     columns))
-
     def reward_inputs(self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor,
                       completions: list[str], prompts: Sequence[Any], columns: dict[str, list] | None = None
                       ) -> RewardInputs:
-        """What the reward sources read of sampled responses (see :meth:`score_responses`)."""
+        """What the reward sources read of sampled responses (``rewards.score`` of them: scores ``[B, S]``, NaN where
+        a source does not apply; ``prompts`` as the dataset holds them, text or messages, ``columns`` its other
+        columns)."""
         return reward_inputs(input_ids, attention_mask, response_mask, completions, prompts, columns,
                              self.tokenizer, self.sampler.settings.stop_token_ids)
 
@@ -293,7 +310,7 @@ class ExperienceCollector(OverlapHooks, PolicyModule):
         """Stop on non-finite scores (``problems``, one line each, possibly from another rank): raise
         :class:`NonFiniteError`, or under ``optimizer.nonfinite: skip`` raise :class:`SkipIteration`."""
         found = torch.tensor(float(bool(problems)), device=self.device)
-        found = self.sum_over_ranks(found)  # every rank takes the same decision
+        found = self.ranks.sum(found)  # every rank takes the same decision
         if not bool(found > 0):
             return
         message = f"iteration {self.iteration + 1}: {'; '.join(problems) or 'non-finite reward on another rank'}"
@@ -301,37 +318,20 @@ class ExperienceCollector(OverlapHooks, PolicyModule):
             raise NonFiniteError(f"{message}; {SKIP_HINT}")
         raise SkipIteration(message)
 
-    def sample_statistics(self, rollout: Rollout, source_scores: Tensor, raw_scores: Tensor) -> Stats:
-        """What the rollout shows: scores (per source too), lengths, stop rate (the policy's entropy and KL at
-        sampling time: ``OnlineRL.sampling_statistics``)."""
-        mask = rollout.response_mask
-        stats = {
-            "objective/score": raw_scores.mean(),
-            "objective/score_std": raw_scores.std() if raw_scores.numel() > 1 else torch.zeros(()),
-            "response/length": mask.sum(-1).float().mean(),
-            "response/eos_frac": rollout.is_stopped.float().mean(),
-        }
-        if len(self.rewards.sources) > 1:
-            stats.update({f"objective/{name}": value for name, value in self.rewards.statistics(source_scores).items()})
-        for source in self.rewards.sources:  # what a source counted while scoring (a judge's parse failures)
-            stats.update({f"objective/{key}": value for key, value in source.batch_metrics().items()})
-        return stats
-
     # ---- held-out prompts ---------------------------------------------------------------------------------
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        self.evaluate_samples(batch, batch_idx)
+        self.held_out.evaluate(batch, batch_idx)
 
     def evaluate_extra(self, rollout: Rollout, prompts: dict[str, Any], texts: list[str]) -> dict[str, Tensor]:
         """The held-out rollout's ``score``, the reward sources' values per response and, for episodes, its
         ``turns``, ``tool_calls``, ``tool_errors`` and ``invalid_tool_calls``."""
-        scores = self.score_responses(rollout.input_ids, rollout.attention_mask, rollout.read_mask, texts,
-                                      prompts.get("raw_prompt", prompts["prompt"]), prompts.get("columns"))
+        scores = self.rewards.score(self.reward_inputs(rollout.input_ids, rollout.attention_mask, rollout.read_mask,
+                                                       texts, prompts.get("raw_prompt", prompts["prompt"]),
+                                                       prompts.get("columns")))
         values = self.rewards.response_values()  # per response (an ensemble's disagreement)
         if rollout.episodes is not None:
-            values["turns"] = torch.tensor([float(e.turns) for e in rollout.episodes])
-            for name in ("tool_calls", "tool_errors", "invalid_tool_calls"):
-                values[name] = torch.tensor([float(e.counts[name]) for e in rollout.episodes])
+            values.update(episode_values(rollout.episodes))
         problems, bad = score_problems(scores, self.rewards.sources)
         if problems:  # no optimizer step depends on it, but a NaN validation score must not pass unnoticed
             message = f"validation after iteration {self.iteration}: {'; '.join(problems)}"
@@ -340,3 +340,20 @@ class ExperienceCollector(OverlapHooks, PolicyModule):
             log.warning("%s; those rows are left out of %s/val/score", message, self.metric_prefix)
             scores = scores[~bad]
         return {**values, "score": self.rewards.combine(scores)}
+
+
+def sample_statistics(rollout: Rollout, rewards: RewardSet, source_scores: Tensor, raw_scores: Tensor) -> Stats:
+    """What a training rollout shows: scores (per source too, and what a source counted while scoring), lengths,
+    stop rate (the policy's entropy and KL at sampling time: ``OnlineRL.sampling_statistics``)."""
+    mask = rollout.response_mask
+    stats = {
+        "objective/score": raw_scores.mean(),
+        "objective/score_std": raw_scores.std() if raw_scores.numel() > 1 else torch.zeros(()),
+        "response/length": mask.sum(-1).float().mean(),
+        "response/eos_frac": rollout.is_stopped.float().mean(),
+    }
+    if len(rewards.sources) > 1:
+        stats.update({f"objective/{name}": value for name, value in rewards.statistics(source_scores).items()})
+    for source in rewards.sources:  # what a source counted while scoring (a judge's parse failures)
+        stats.update({f"objective/{key}": value for key, value in source.batch_metrics().items()})
+    return stats

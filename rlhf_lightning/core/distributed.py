@@ -1,5 +1,5 @@
 """Which of Lightning's strategies a stage runs under, the device mesh it shards the base over, and what a stage
-computes over the ranks of a distributed fit (:class:`OverRanks`).
+computes over the ranks of a distributed fit (:class:`Ranks`).
 
 DDP (``strategy: ddp``) replicates the module and needs nothing here. Lightning's ``ModelParallelStrategy``
 (FSDP2) asks the module to shard itself in ``configure_model``: ours shard the shared base over the strategy's
@@ -94,32 +94,41 @@ def check_parallel_sizes(trainer: L.Trainer) -> None:
         "shard the base over data-parallel ranks")
 
 
-class OverRanks:
-    """What a LightningModule computes over the ranks of a distributed fit (a base class of
-    :class:`~rlhf_lightning.core.stage.StageModule`): each reduction is the value itself outside one (no Trainer, or
-    one process), and inside one every rank must call it."""
+class Ranks:
+    """What a module computes over the ranks of a distributed fit (a stage module's :attr:`~rlhf_lightning.core.
+    stage.StageModule.ranks`): each reduction is the value itself outside one (no Trainer, or one process), and
+    inside one every rank must call it.
+
+    Args:
+        trainer: the module's Trainer; None outside a fit.
+    """
+
+    def __init__(self, trainer: L.Trainer | None) -> None:
+        self.trainer = trainer
 
     @property
-    def is_distributed(self) -> bool:
-        """Whether this module runs in a fit of several processes (False outside a Trainer)."""
-        return self._trainer is not None and self.trainer.world_size > 1
+    def distributed(self) -> bool:
+        """Whether this is a fit of several processes (False outside a Trainer)."""
+        return self.trainer is not None and self.trainer.world_size > 1
 
-    def reduce_over_ranks(self, value: Tensor, reduce_op: str) -> Tensor:
+    def reduce(self, value: Tensor, reduce_op: str) -> Tensor:
         """``value`` reduced over the ranks with ``reduce_op`` (``sum``, ``mean``, ``max``, ...)."""
-        if not self.is_distributed:
+        if not self.distributed:
             return value
         return self.trainer.strategy.reduce(value.clone(), reduce_op=reduce_op)  # Lightning reduces in place
 
-    def mean_over_ranks(self, value: Tensor) -> Tensor:
+    def mean(self, value: Tensor) -> Tensor:
         """The mean of ``value`` over the ranks."""
-        return self.reduce_over_ranks(value, "mean")
+        return self.reduce(value, "mean")
 
-    def sum_over_ranks(self, value: Tensor) -> Tensor:
+    def sum(self, value: Tensor) -> Tensor:
         """``value`` summed over the ranks: what batch statistics take (``over_ranks``) to be those of the global
         batch."""
-        return self.reduce_over_ranks(value, "sum")
+        return self.reduce(value, "sum")
 
-    def most_over_ranks(self, count: int) -> int:
+    def most(self, count: int) -> int:
         """The largest ``count`` of any rank (``count`` outside a distributed fit): as many micro-batches on every
         rank."""
-        return int(self.reduce_over_ranks(torch.tensor(count, device=self.device), "max"))
+        if not self.distributed:
+            return count
+        return int(self.reduce(torch.tensor(count, device=self.trainer.strategy.root_device), "max"))

@@ -1,4 +1,4 @@
-"""The evaluation of sampled responses on held-out prompts (:class:`HeldOutSamples`, a part of
+"""The evaluation of sampled responses on held-out prompts (:class:`HeldOutSamples`, the ``held_out`` component of
 :class:`~rlhf_lightning.core.policy.PolicyModule`): one response per prompt (and more for pass@k), its KL to the
 reference, length, stop rate and gold reward, and the gold reward per task where the prompts name their task."""
 
@@ -11,12 +11,13 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torchmetrics import MeanMetric
 
 from rlhf_lightning.core.experience import sequence_kl
 from rlhf_lightning.core.held_out_pass_at_k import answer_reader, pass_at_k_values
 from rlhf_lightning.models.shared_base import REFERENCE
 from rlhf_lightning.rollout.rollouts import Rollout
-from rlhf_lightning.utils.metrics import GroupMeans, reset_metrics
+from rlhf_lightning.utils.metrics import GroupMeans, MeanStd, reset_metrics
 
 POLICY = "policy"  # the policy adapter's name (rlhf_lightning.core.policy.POLICY)
 GROUP_COLUMN = "task"  # held-out prompts with this column get their gold reward logged per value: gold/<task>
@@ -44,48 +45,68 @@ def gold_scores(gold_reward: Callable[..., Sequence[float]], prompts: Sequence[A
 
 
 class HeldOutSamples:
-    """The evaluation of sampled responses on held-out prompts, a part of :class:`PolicyModule`: one response per
-    prompt (and ``pass_at_k.samples`` more with pass@k), its KL to the reference, length, stop rate and gold reward,
-    added to the validation metrics (``val_metrics``) and logged when validation ends."""
+    """The evaluation of sampled responses on held-out prompts, held by a :class:`PolicyModule` as ``held_out``:
+    one response per prompt (and ``pass_at_k.samples`` more with pass@k), its KL to the reference, length, stop
+    rate and gold reward, and what the module's :meth:`~PolicyModule.evaluate_extra` adds (an online module's reward
+    scores), averaged over the validation and logged when it ends.
+
+    It samples with the module's sampler, rollouts and model, and logs through it; its metrics are its own
+    (``metrics``, ``gold_spread``), which the module registers so that they move to its device.
+
+    Args:
+        module: the policy module evaluated.
+        names: the per-sample values averaged (the module's ``validation_metrics``, and pass@k's).
+        gold: whether a gold reward is measured: then its spread (``gold_std``, ``gold_count``) is logged too.
+    """
+
+    def __init__(self, module: Any, names: Sequence[str], gold: bool) -> None:
+        self.module = module
+        self.metrics = torch.nn.ModuleDict({name: MeanMetric() for name in names})
+        # The gold's spread over the held-out responses: the scale the summary measures the gold's change in.
+        self.gold_spread = MeanStd() if gold else None
+        self.group_gold: GroupMeans | None = None  # the gold per task (GROUP_COLUMN), made at validation start
+        self.groups: list[str] | None = None
 
     @torch.no_grad()
-    def evaluate_samples(self, prompts: dict[str, Any], batch_idx: int) -> dict[str, Tensor]:
+    def evaluate(self, prompts: dict[str, Any], batch_idx: int) -> dict[str, Tensor]:
         """One response per held-out prompt of ``prompts`` (a data module's prompt batch), sampled from evaluation
-        batch ``batch_idx``'s fixed stream (training's left untouched), and its :meth:`sample_values` and
-        :meth:`evaluate_extra` added to the validation metrics."""
+        batch ``batch_idx``'s fixed stream (training's left untouched), and its :meth:`sample_values` and the
+        module's ``evaluate_extra`` added to the validation metrics."""
         values, _, _ = self.sample_and_measure(prompts, batch_idx)
         self.record_groups(values.get("gold"), (prompts.get("columns") or {}).get(GROUP_COLUMN))
-        if self.pass_at_k.enabled:
+        if self.module.pass_at_k.enabled:
             values.update(self.sample_pass_at_k(prompts, batch_idx))
-        self.record_validation(values)
+        self.record(values)
         return values
 
     @torch.no_grad()
     def sample_pass_at_k(self, prompts: dict[str, Any], batch_idx: int) -> dict[str, Tensor]:
         """pass@k (and maj@k, when the gold reward reads answers) per held-out prompt of ``prompts``, from
         ``pass_at_k.samples`` responses each, drawn from a stream of their own (``purpose`` ``pass_at_k``)."""
-        n = self.pass_at_k.samples
-        with self.sampler.seeds.evaluation(batch_idx, self.global_rank, self.device, "pass_at_k"), \
-                self.sampler.gathered_base(self.model):
-            rollout = self.rollouts.run(self.model, POLICY, prompts, n, "pass_at_k")
-            texts = self.decode(rollout.responses, rollout.read_mask)
-        gold = gold_scores(self.gold_reward, prompts["prompt"], texts, prompts.get("columns"), repeat=n)
-        return pass_at_k_values(self.pass_at_k, gold, texts, answer_reader(self.gold_reward))
+        module = self.module
+        n = module.pass_at_k.samples
+        with module.sampler.seeds.evaluation(batch_idx, module.global_rank, module.device, "pass_at_k"), \
+                module.sampler.gathered_base(module.model):
+            rollout = module.rollouts.run(module.model, POLICY, prompts, n, "pass_at_k")
+            texts = module.decode(rollout.responses, rollout.read_mask)
+        gold = gold_scores(module.gold_reward, prompts["prompt"], texts, prompts.get("columns"), repeat=n)
+        return pass_at_k_values(module.pass_at_k, gold, texts, answer_reader(module.gold_reward))
 
     @torch.no_grad()
     def sample_and_measure(self, prompts: dict[str, Any], batch_idx: int,
                            extra: bool = True) -> tuple[dict[str, Tensor], Rollout, list[str]]:
         """The per-sample validation values of one response per prompt (evaluation batch ``batch_idx``'s stream;
         with ``seed_scope: prompt`` each prompt's own), the rollout itself and its texts (what reward sources read).
-        ``extra``: with :meth:`evaluate_extra`'s values (the reward sources' scores of the online modules)."""
-        self.check_built()
-        with self.sampler.seeds.evaluation(batch_idx, self.global_rank, self.device), \
-                self.sampler.gathered_base(self.model):
-            rollout = self.rollouts.run(self.model, POLICY, prompts, 1, "validation")
-            texts = self.decode(rollout.responses, rollout.read_mask)
+        ``extra``: with the module's ``evaluate_extra`` values (the reward sources' scores of the online modules)."""
+        module = self.module
+        module.check_built()
+        with module.sampler.seeds.evaluation(batch_idx, module.global_rank, module.device), \
+                module.sampler.gathered_base(module.model):
+            rollout = module.rollouts.run(module.model, POLICY, prompts, 1, "validation")
+            texts = module.decode(rollout.responses, rollout.read_mask)
             values = self.sample_values(rollout, prompts["prompt"], texts, prompts.get("columns"))
             if extra:
-                values.update(self.evaluate_extra(rollout, prompts, texts))
+                values.update(module.evaluate_extra(rollout, prompts, texts))
         return values, rollout, texts
 
     @torch.no_grad()
@@ -94,90 +115,91 @@ class HeldOutSamples:
         """Per-sample validation values of a rollout: ``kl`` (nats, to the reference, over the policy's tokens),
         ``length``, ``eos_frac`` and ``gold`` (with a gold reward, of ``texts``: what reward sources read; the
         prompts' other ``columns`` are its keywords when it takes them, :func:`gold_scores`)."""
+        module = self.module
         ids, mask, response_mask = rollout.input_ids, rollout.attention_mask, rollout.response_mask
-        logprobs, _ = self.response_logprobs(POLICY, ids, mask, response_mask)
-        ref_logprobs, _ = self.response_logprobs(REFERENCE, ids, mask, response_mask)
+        logprobs, _ = module.response_logprobs(POLICY, ids, mask, response_mask)
+        ref_logprobs, _ = module.response_logprobs(REFERENCE, ids, mask, response_mask)
         values = {
             "kl": sequence_kl(logprobs, ref_logprobs, response_mask),
             "length": response_mask.sum(-1).float(),
             "eos_frac": rollout.is_stopped.float(),
         }
-        if self.gold_reward is not None:
-            values["gold"] = torch.tensor(gold_scores(self.gold_reward, prompts, texts, columns))
+        if module.gold_reward is not None:
+            values["gold"] = torch.tensor(gold_scores(module.gold_reward, prompts, texts, columns))
         return values
 
-    def evaluate_extra(self, rollout: Rollout, prompts: dict[str, Any], texts: list[str]) -> dict[str, Tensor]:
-        """More per-sample validation values of a held-out rollout (``validation_metrics`` must name them); none
-        here."""
-        return {}
-
-    def record_validation(self, values: dict[str, Tensor]) -> None:
+    def record(self, values: dict[str, Tensor]) -> None:
         """Add per-sample validation ``values`` to the metrics logged when validation ends. An empty value (a
         batch without such samples, e.g. no desirable response for KTO) adds nothing: a metric no batch fed is not
         logged, never NaN."""
+        device = self.module.device
         for name, value in values.items():
             if value.numel():
-                self.val_metrics[name].update(value.to(self.device))
-        gold, spread = values.get("gold"), getattr(self, "val_gold_spread", None)
-        if gold is not None and gold.numel() and spread is not None:
-            spread.update(gold.to(self.device))
+                self.metrics[name].update(value.to(device))
+        gold = values.get("gold")
+        if gold is not None and gold.numel() and self.gold_spread is not None:
+            self.gold_spread.update(gold.to(device))
 
     # ---- the gold reward per task ----------------------------------------------------------------------
 
     def validation_groups(self) -> list[str]:
         """The values of the held-out prompts' ``task`` column (:data:`GROUP_COLUMN`), sorted: the same on every
         rank, since each holds the whole held-out set (a sampler splits it later); none without such a column."""
-        held_out = getattr(self.datamodule, "val_set", None) or []
+        held_out = getattr(self.module.datamodule, "val_set", None) or []
         return sorted({str(example.columns[GROUP_COLUMN]) for example in held_out
                        if GROUP_COLUMN in getattr(example, "columns", {})})
 
-    def on_validation_epoch_start(self) -> None:
+    def start(self) -> None:
+        """At validation start: the per-task gold means for the held-out set's tasks."""
         groups = self.validation_groups()
-        if groups != getattr(self, "_groups", None):
+        if groups != self.groups:
             # Created outside inference mode (validate's): its states must stay updatable under fit's no_grad.
             with torch.inference_mode(False):
-                self.group_gold = GroupMeans(len(groups)).to(self.device) if groups else None
-            self._groups = groups
-        super().on_validation_epoch_start()
+                self.group_gold = GroupMeans(len(groups)).to(self.module.device) if groups else None
+            self.groups = groups
 
     def record_groups(self, gold: Tensor | None, groups: list[Any] | None) -> None:
         """Add each sample's ``gold`` to its task's mean (``groups``: each prompt's task, from its column)."""
-        if gold is None or groups is None or getattr(self, "group_gold", None) is None:
+        if gold is None or groups is None or self.group_gold is None:
             return
-        index = {name: position for position, name in enumerate(self._groups)}
+        index = {name: position for position, name in enumerate(self.groups)}
         rows = [(row, index[str(group)]) for row, group in enumerate(groups) if str(group) in index]
         if rows:
-            self.group_gold.update(gold[[row for row, _ in rows]].to(self.device),
-                                   torch.tensor([position for _, position in rows], device=self.device))
+            device = self.module.device
+            self.group_gold.update(gold[[row for row, _ in rows]].to(device),
+                                   torch.tensor([position for _, position in rows], device=device))
 
-    def on_validation_epoch_end(self) -> None:
+    def log(self) -> None:
+        """At validation end: log ``<prefix>/val/<name>`` of every metric fed, the gold's spread and count, and the
+        gold per task; then reset them."""
+        module = self.module
+        prefix = module.metric_prefix
         # Already the values of every rank (torchmetrics syncs them): sync_dist averages equal values (and keeps
         # Lightning's advice to use it away).
-        for name, metric in self.val_metrics.items():
+        for name, metric in self.metrics.items():
             if metric.update_count:
-                self.log(f"{self.metric_prefix}/val/{name}", metric.compute(), sync_dist=True)
-        reset_metrics(*self.val_metrics.values())
-        spread = getattr(self, "val_gold_spread", None)
-        if spread is not None and (spread.update_count or self.is_distributed):  # a collective under several ranks
+                module.log(f"{prefix}/val/{name}", metric.compute(), sync_dist=True)
+        reset_metrics(*self.metrics.values())
+        spread = self.gold_spread
+        if spread is not None and (spread.update_count or module.ranks.distributed):  # a collective on several ranks
             with warnings.catch_warnings():  # a rank that saw no sample still takes part in the sum
                 warnings.filterwarnings("ignore", message=".*compute.*before.*update.*")
-                self.log(f"{self.metric_prefix}/val/gold_std", spread.compute()[1], sync_dist=True)
+                module.log(f"{prefix}/val/gold_std", spread.compute()[1], sync_dist=True)
             # The samples behind the mean, summed over ranks: with the SD, the mean's error bar (plots draw it).
-            self.log(f"{self.metric_prefix}/val/gold_count", spread.count.float(), sync_dist=True, reduce_fx="sum")
+            module.log(f"{prefix}/val/gold_count", spread.count.float(), sync_dist=True, reduce_fx="sum")
             reset_metrics(spread)
         self.log_groups()
-        super().on_validation_epoch_end()
 
     def log_groups(self) -> None:
         """Log ``<prefix>/val/gold/<task>`` for each task some rank saw. Every rank computes (a collective) whether
         or not it saw any of them, so a rank without a task's prompts never leaves the others waiting."""
-        metric = getattr(self, "group_gold", None)
-        if metric is None or (not metric.update_count and not self.is_distributed):
+        module, metric = self.module, self.group_gold
+        if metric is None or (not metric.update_count and not module.ranks.distributed):
             return
         with warnings.catch_warnings():  # a rank that saw no sample still takes part in the sum
             warnings.filterwarnings("ignore", message=".*compute.*before.*update.*")
             means, counts = metric.compute()
-        for name, mean, count in zip(self._groups, means.tolist(), counts.tolist(), strict=True):
+        for name, mean, count in zip(self.groups, means.tolist(), counts.tolist(), strict=True):
             if count:
-                self.log(f"{self.metric_prefix}/val/gold/{name}", mean, sync_dist=True)
+                module.log(f"{module.metric_prefix}/val/gold/{name}", mean, sync_dist=True)
         reset_metrics(metric)

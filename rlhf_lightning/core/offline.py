@@ -79,8 +79,8 @@ class OfflinePreference(PolicyModule):
         over ranks: every rank gets the global batch's mean, even one holding none of those examples); a value no
         rank has is left out."""
         names = list(values)
-        sums = self.sum_over_ranks(torch.stack([values[name].float().sum() for name in names]))
-        counts = self.sum_over_ranks(torch.tensor([float(values[name].numel()) for name in names],
+        sums = self.ranks.sum(torch.stack([values[name].float().sum() for name in names]))
+        counts = self.ranks.sum(torch.tensor([float(values[name].numel()) for name in names],
                                                   device=sums.device))
         return {name: sums[i] / count for i, (name, count) in enumerate(zip(names, counts.tolist(), strict=True))
                 if count > 0}
@@ -107,12 +107,12 @@ class OfflinePreference(PolicyModule):
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         _, values = self.batch_losses(batch, "val")
-        self.record_validation(values)
+        self.held_out.record(values)
         limit = self.hparams.sample_eval_batches
         prompt_ids, prompt_mask = batch["prompt_input_ids"], batch["prompt_attention_mask"]
         # Generation needs at least one prompt token (transcript-only pairs may share no beginning).
         if (limit is None or batch_idx < limit) and bool(prompt_mask.sum(-1).min() > 0):
-            self.evaluate_samples({"input_ids": prompt_ids, "attention_mask": prompt_mask,
+            self.held_out.evaluate({"input_ids": prompt_ids, "attention_mask": prompt_mask,
                                    "prompt": self.decode(prompt_ids, prompt_mask), "index": batch["index"]}, batch_idx)
 
     def configure_optimizers(self):

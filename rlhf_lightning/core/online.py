@@ -250,7 +250,7 @@ class OnlineRL(ExperienceCollector):
                 optimizer.zero_grad(set_to_none=True)
                 sync_seconds += self.sampler.sync_roles(self.model, self.sampled_roles, self.trainer.global_step)
                 # Every rank must take the same decision, or DDP would wait for a backward that never comes.
-                if hp.target_kl is not None and float(self.mean_over_ranks(minibatch_kl)) > hp.target_kl:
+                if hp.target_kl is not None and float(self.ranks.mean(minibatch_kl)) > hp.target_kl:
                     early_stopped = True
                     break
         return {**statistics.means(), "skipped_steps": torch.tensor(float(self.skipped_steps)),
@@ -266,7 +266,7 @@ class OnlineRL(ExperienceCollector):
         needed = [extents[row] for row in rows]
         micros = []
         for part in micro_batch_parts(needed, hp.gradient_accumulation, hp.micro_batch_tokens,
-                                      self.rows_kept_together, self.most_over_ranks):
+                                      self.rows_kept_together, self.ranks.most):
             micro = experience.select(torch.tensor([rows[p] for p in part], device=self.device))
             micros.append(micro.cut(max(needed[p][0] for p in part), max(needed[p][1] for p in part)))
         return micros
@@ -276,7 +276,7 @@ class OnlineRL(ExperienceCollector):
         (DDP averages gradients, so each rank divides by the global total / world size): here ``policy``, the
         step's response tokens (a token mean)."""
         tokens = sum(micro.response_mask.sum().float() for micro in micros)
-        return {"policy": self.mean_over_ranks(tokens).clamp(min=1e-8)}
+        return {"policy": self.ranks.mean(tokens).clamp(min=1e-8)}
 
     def loss(self, micro: Experience, normalisers: dict[str, Tensor],
              ptx: dict[str, Tensor] | None) -> tuple[Tensor, Stats]:

@@ -18,7 +18,6 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch.utilities.parsing import collect_init_args
 from torch import Tensor
-from torchmetrics import MeanMetric
 
 from rlhf_lightning.core.distributed import sharding_mesh
 from rlhf_lightning.core.held_out import POLICY, HeldOutSamples
@@ -28,12 +27,11 @@ from rlhf_lightning.models.logprobs import predicting_hidden_states, token_logpr
 from rlhf_lightning.models.shared_base import SharedBase, adapter_of
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
 from rlhf_lightning.rollout.engines import Auto, Engine, EngineSetup
-from rlhf_lightning.rollout.rollouts import Rollouts
+from rlhf_lightning.rollout.rollouts import Rollout, Rollouts
 from rlhf_lightning.rollout.sampler import Sampler
 from rlhf_lightning.rollout.seeds import Seeds
 from rlhf_lightning.rollout.settings import Sampling
 from rlhf_lightning.utils import checks
-from rlhf_lightning.utils.metrics import MeanStd
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +54,7 @@ def pad_to_sequence(response_mask: Tensor, length: int) -> Tensor:
     return torch.cat([prompt, response_mask], 1)
 
 
-class PolicyModule(HeldOutSamples, StageModule):
+class PolicyModule(StageModule):
     """The base model with a trainable ``policy`` LoRA adapter; the reference is the base, adapters disabled.
 
     Args:
@@ -144,9 +142,9 @@ class PolicyModule(HeldOutSamples, StageModule):
         names = [*self.validation_metrics]
         if pass_at_k.enabled:
             names += pass_at_k.metric_names(with_majority=answer_reader(gold_reward) is not None)
-        self.val_metrics = torch.nn.ModuleDict({name: MeanMetric() for name in names})
-        # The gold's spread over the held-out responses: the scale the summary measures the gold's change in.
-        self.val_gold_spread = MeanStd() if gold_reward is not None else None
+        self.held_out = HeldOutSamples(self, names, gold=gold_reward is not None)
+        # Registered here so that the evaluation's metrics move to the module's device with it.
+        self.val_metrics, self.val_gold_spread = self.held_out.metrics, self.held_out.gold_spread
         self._sampler: Sampler | None = None
         self._rollouts: Rollouts | None = None
 
@@ -280,6 +278,21 @@ class PolicyModule(HeldOutSamples, StageModule):
         if adapter in self.model.heads:
             parameters += list(self.model.heads[adapter].parameters())
         return parameters
+
+    # ---- held-out prompts ----------------------------------------------------------------------------------
+
+    def evaluate_extra(self, rollout: Rollout, prompts: dict[str, Any], texts: list[str]) -> dict[str, Tensor]:
+        """More per-sample validation values of a held-out rollout (``validation_metrics`` must name them), added by
+        :class:`~rlhf_lightning.core.held_out.HeldOutSamples`; none here."""
+        return {}
+
+    def on_validation_epoch_start(self) -> None:
+        self.held_out.start()
+        super().on_validation_epoch_start()
+
+    def on_validation_epoch_end(self) -> None:
+        self.held_out.log()
+        super().on_validation_epoch_end()
 
     def on_fit_end(self) -> None:
         if self.export_folder is not None:

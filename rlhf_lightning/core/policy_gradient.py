@@ -187,7 +187,7 @@ class PolicyGradient(OnlineRL):
         """The policy loss's denominator over the step (``loss_aggregation`` of the tokens that carry loss)."""
         hp = self.hparams
         policy = sum(loss_normaliser(self.loss_mask(m), hp.loss_aggregation, self.sampling.max_new_tokens) for m in micros)
-        return {"policy": self.mean_over_ranks(policy.float()).clamp(min=1e-8)}
+        return {"policy": self.ranks.mean(policy.float()).clamp(min=1e-8)}
 
     def loss(self, micro: Experience, normalisers: dict[str, Tensor],
              ptx: dict[str, Tensor] | None) -> tuple[Tensor, Stats]:
@@ -259,7 +259,7 @@ class PolicyGradient(OnlineRL):
         """The adaptive KL coefficient's update from this iteration's KL, then the loop's bookkeeping."""
         if "objective/kl" in stats:
             world_samples = experience.response_mask.shape[0] * (self.trainer.world_size if self._trainer else 1)
-            self.kl_controller.update(float(self.mean_over_ranks(stats["objective/kl"])), world_samples)
+            self.kl_controller.update(float(self.ranks.mean(stats["objective/kl"])), world_samples)
         super().end_iteration(experience, stats, watch)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -14,7 +14,7 @@ import lightning as L
 import torch
 from torch import Tensor
 
-from rlhf_lightning.core.distributed import OverRanks, sharding_mesh
+from rlhf_lightning.core.distributed import Ranks, sharding_mesh
 from rlhf_lightning.core.optimizer_ids import numbered_by_module_position
 from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer, position_limit
 from rlhf_lightning.models.sharding import build_sharded, local_tensor
@@ -29,6 +29,7 @@ from rlhf_lightning.utils.nonfinite import (
     NonFiniteError,
     all_finite,
     check_finite_weights,
+    first_nonfinite_loss,
     listing,
     nonfinite_names,
 )
@@ -38,7 +39,7 @@ from rlhf_lightning.utils.timing import phase
 log = logging.getLogger(__name__)
 
 
-class StageModule(OverRanks, L.LightningModule):
+class StageModule(L.LightningModule):
     """Base class of the stage modules.
 
     Construction stores and checks the arguments and reads nothing (``--help``, ``--print_config`` and a config
@@ -121,6 +122,11 @@ class StageModule(OverRanks, L.LightningModule):
         # restored its checkpoint, does the Trainer say whether it resumed).
         if self.trainer.ckpt_path is None:
             refuse_overwrite(self.trainer, self.export_folder)
+
+    @property
+    def ranks(self) -> Ranks:
+        """Reductions over the ranks of a distributed fit (the value itself outside one)."""
+        return Ranks(self._trainer)
 
     @property
     def is_writer(self) -> bool:
@@ -246,15 +252,6 @@ class StageModule(OverRanks, L.LightningModule):
         self._step_losses.append((where or self.training_position(),
                                   {name: value.detach() for name, value in losses.items()}))
 
-    def _loss_problem(self, step_losses: list[tuple[str, dict[str, Tensor]]]) -> str | None:
-        """The first non-finite loss of a step, as one line, or None."""
-        for where, losses in step_losses:
-            bad = {name: float(value.float().mean()) for name, value in losses.items()
-                   if not bool(torch.isfinite(value).all())}
-            if bad:
-                return f"{where}: non-finite loss {', '.join(f'{name}={value}' for name, value in bad.items())}"
-        return None
-
     def _gradient_scaler_active(self) -> bool:
         # Under fp16 mixed precision the GradScaler finds scaled-up infinities itself and skips those steps.
         if self._trainer is None:
@@ -272,12 +269,12 @@ class StageModule(OverRanks, L.LightningModule):
             (name, local_tensor(p.grad)) for name, p in self.named_parameters() if p.grad is not None]
         problem = None
         if not all_finite(losses + [grad for _, grad in named]):
-            problem = self._loss_problem(step_losses)
+            problem = first_nonfinite_loss(step_losses)
             if problem is None:
                 bad = nonfinite_names(named)
                 problem = (f"{where or self.training_position()}: non-finite gradients in {len(bad)} parameters "
                            f"{listing(bad, 3)}")
-        found = self.sum_over_ranks(torch.tensor(float(problem is not None), device=self.device))
+        found = self.ranks.sum(torch.tensor(float(problem is not None), device=self.device))
         if not bool(found > 0):
             return True
         problem = problem or f"{where or self.training_position()}: a non-finite value on another rank"

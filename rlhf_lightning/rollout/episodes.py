@@ -100,6 +100,14 @@ def episode_tensors(episodes: list[Episode], pad_id: int, device: torch.device) 
             policy.to(device), rewards.to(device), sampler.to(device))
 
 
+def episode_values(episodes: Sequence[Episode]) -> dict[str, Tensor]:
+    """Per-episode values of held-out episodes: ``turns``, ``tool_calls``, ``tool_errors``, ``invalid_tool_calls``."""
+    values = {"turns": torch.tensor([float(episode.turns) for episode in episodes])}
+    for name in ("tool_calls", "tool_errors", "invalid_tool_calls"):
+        values[name] = torch.tensor([float(episode.counts[name]) for episode in episodes])
+    return values
+
+
 def episode_statistics(episodes: Sequence[Episode]) -> dict[str, Tensor]:
     """Per-episode means: turns, tool calls (all and per tool), tool errors and invalid calls, tool error rate,
     policy and environment tokens, truncated episodes, the environment's reward."""

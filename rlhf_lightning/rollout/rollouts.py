@@ -118,6 +118,17 @@ class Rollouts:
         started = self.max_tokens - 1 if self.max_turns > 1 else 0
         return opening + started + min(self.sampler.settings.max_new_tokens, self.max_tokens)
 
+    def reach(self, prompt: Any) -> tuple[int, str]:
+        """The most positions an episode on ``prompt`` (the longest) reaches (:meth:`positions` after its default
+        opening: the chat template's markers and the tools' schemas included), and what they are, for a message."""
+        opening = self.default_opening_length(prompt)
+        budget, turn = self.max_tokens, min(self.sampler.settings.max_new_tokens, self.max_tokens)
+        what = (f"the longest prompt's opening ({opening} tokens) and an episode of {budget} tokens (a turn can "
+                f"start after {budget - 1} of them and decode {turn} more: sampling.max_new_tokens)"
+                if self.max_turns > 1 else
+                f"the longest prompt's opening ({opening} tokens) and a turn of {turn} tokens")
+        return self.positions(opening), what
+
     @torch.no_grad()
     def run(self, model: SharedBase, role: str | None, prompts: dict[str, Any], group: int, purpose: str,
             first_turn_seeds: list[int] | None = None) -> Rollout:

@@ -165,7 +165,7 @@ class DPO(OfflinePreference):
                 values = self.sequence_logps(REFERENCE, batch).view(2, -1).float()
                 kept = [offset for offset in range(len(rows)) if start + offset < len(mine)]
                 table[:, batch["index"][kept]] = values[:, kept]
-        return self.sum_over_ranks(table).cpu()
+        return self.ranks.sum(table).cpu()
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)

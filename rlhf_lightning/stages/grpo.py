@@ -73,7 +73,7 @@ class GRPO(PolicyGradient):
         hp = self.hparams
         sequence_rewards = rewards.sequence_rewards()
         advantages = group_advantages(sequence_rewards, experience.group_size, hp.scale_rewards, hp.std_eps,
-                                      over_ranks=self.sum_over_ranks)
+                                      over_ranks=self.ranks.sum)
         stats = {"objective/frac_zero_std": zero_std_fraction(sequence_rewards, experience.group_size),
                  "objective/advantage_abs": advantages.abs().mean()}
         advantages = broadcast_to_tokens(advantages, experience.response_mask)

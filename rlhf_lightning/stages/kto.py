@@ -111,7 +111,7 @@ class KTO(OfflinePreference):
         ref_logps = self.reference_logps(batch, split)
         reference_point = torch.zeros((), device=self.device)
         if self.uses_reference_point:
-            reference_point = kto_reference_point(logps[examples:], ref_logps[examples:], self.sum_over_ranks)
+            reference_point = kto_reference_point(logps[examples:], ref_logps[examples:], self.ranks.sum)
         out = kto_loss(logps[:examples], ref_logps[:examples], desirable, reference_point, hp.beta,
                        hp.desirable_weight, hp.undesirable_weight, hp.loss_type)
         values = {"loss": out.losses.detach(), "reference_point": reference_point[None],
@@ -119,7 +119,7 @@ class KTO(OfflinePreference):
                   "logps/chosen": logps[:examples][desirable].detach(),
                   "logps/rejected": logps[:examples][~desirable].detach(), "desirable_frac": desirable.float()}
         # A batch may hold no desirable (or no undesirable) response: those values are empty, and their means are
-        # taken over the batches and ranks that have some (training_means, record_validation).
+        # taken over the batches and ranks that have some (training_means, held_out.record).
         return out.losses.mean(), values
 
     def guarded_values(self, loss: Tensor, values: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -95,7 +95,7 @@ class OnlineDPO(OnlineRL):
     def step_normalisers(self, micros: Sequence[PairExperience]) -> dict[str, Tensor]:
         """The step's untied pairs (mean over ranks, as DDP averages gradients)."""
         pairs = sum(micro.pair_weights[0::2].sum() for micro in micros)
-        return {"policy": self.mean_over_ranks(pairs.float()).clamp(min=1.0)}
+        return {"policy": self.ranks.mean(pairs.float()).clamp(min=1.0)}
 
     def loss(self, micro: PairExperience, normalisers: dict[str, Tensor],
              ptx: dict[str, Tensor] | None) -> tuple[Tensor, Stats]:

@@ -136,7 +136,7 @@ class PPO(PolicyGradient):
     def step_normalisers(self, micros: Sequence[Experience]) -> dict[str, Tensor]:
         """The policy's denominator and the value loss's: the step's response tokens (a token mean)."""
         tokens = sum(loss_normaliser(m.response_mask, "token_mean") for m in micros)
-        return {**super().step_normalisers(micros), "tokens": self.mean_over_ranks(tokens.float()).clamp(min=1e-8)}
+        return {**super().step_normalisers(micros), "tokens": self.ranks.mean(tokens.float()).clamp(min=1e-8)}
 
     def critic_losses(self, micro: Experience, normaliser: Tensor) -> tuple[Tensor, Stats]:
         """``(vf_coef x clipped value loss, its terms)``, a token mean over the optimizer step."""
@@ -172,7 +172,7 @@ class PPO(PolicyGradient):
         """One backward for the policy and critic losses (``backward``; ``auto``: joint under DDP, whose reducer
         needs every gradient in one pass)."""
         if self.hparams.backward == "auto":
-            return self.is_distributed
+            return self.ranks.distributed
         return self.hparams.backward == "joint"
 
     def parameter_groups(self) -> list[dict[str, Any]]:
@@ -192,10 +192,10 @@ class PPO(PolicyGradient):
         stats = {"objective/kl_penalty": rewards.kl_or_zero.sum(-1).mean(),
                  "objective/rlhf_reward": torch.where(mask, token_rewards, 0.0).sum(-1).mean()}  # score - coef * KL
         if hp.whiten_rewards:  # over the global batch (every rank's tokens)
-            token_rewards = masked_whiten(token_rewards, mask, shift_mean=False, over_ranks=self.sum_over_ranks)
+            token_rewards = masked_whiten(token_rewards, mask, shift_mean=False, over_ranks=self.ranks.sum)
         advantages, returns = gae(token_rewards, experience.values, mask, hp.gamma, hp.lam)
         if hp.whiten_advantages:
-            advantages = masked_whiten(advantages, mask, over_ranks=self.sum_over_ranks)
+            advantages = masked_whiten(advantages, mask, over_ranks=self.ranks.sum)
         stats["value/explained_variance"] = explained_variance(experience.values, returns, mask)
         stats["value/mean"] = masked_mean(experience.values, mask)
         return dataclasses.replace(experience, advantages=advantages, returns=returns), stats

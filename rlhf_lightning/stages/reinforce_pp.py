@@ -58,5 +58,5 @@ class REINFORCEPlusPlus(PolicyGradient):
         # Whitened over the global batch (every rank's tokens), which stands in for a baseline; OpenRLHF's biased
         # variance and floor.
         advantages = masked_whiten(returns_to_go(token_rewards, mask, self.hparams.gamma), mask,
-                                   over_ranks=self.sum_over_ranks, unbiased=False, floor=True)
+                                   over_ranks=self.ranks.sum, unbiased=False, floor=True)
         return dataclasses.replace(experience, advantages=advantages), stats

@@ -59,7 +59,7 @@ class RLOO(PolicyGradient):
             stats["objective/rlhf_reward"] = sequence_rewards.mean()
         advantages = rloo_advantages(sequence_rewards, experience.group_size)
         if self.hparams.whiten_advantages:  # over the responses, one value each (not over their tokens)
-            advantages = normalize_advantages(advantages, over_ranks=self.sum_over_ranks)
+            advantages = normalize_advantages(advantages, over_ranks=self.ranks.sum)
         advantages = broadcast_to_tokens(advantages, experience.response_mask)
         stats["objective/frac_zero_std"] = zero_std_fraction(sequence_rewards, experience.group_size)
         return dataclasses.replace(experience, advantages=advantages), stats

@@ -84,7 +84,7 @@ class SFT(SupervisedStage):
         summed, tokens = self.summed_loss(batch)
         # Divided by the ranks' mean token count, not this rank's: DDP and FSDP average the ranks' gradients, so
         # every completion token of the global batch weighs the same wherever it is (one process: the mean).
-        loss = summed / self.mean_over_ranks(tokens.float()).clamp(min=1)
+        loss = summed / self.ranks.mean(tokens.float()).clamp(min=1)
         self.guard_losses({"sft/loss": loss})
         self.log("sft/loss", loss, prog_bar=True, sync_dist=True)  # the global batch's token mean
         self.log("sft/tokens", tokens.float(), reduce_fx="sum", sync_dist=True)

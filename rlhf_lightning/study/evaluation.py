@@ -126,7 +126,7 @@ class HeldOutEvaluation(L.Callback):
         for index, batch in enumerate(self.batches):
             batch = {key: value.to(pl_module.device) if isinstance(value, torch.Tensor) else value
                      for key, value in batch.items()}
-            values, rollout, texts = pl_module.sample_and_measure(batch, index, extra=False)  # scored below
+            values, rollout, texts = pl_module.held_out.sample_and_measure(batch, index, extra=False)  # scored below
             raw = batch.get("raw_prompt") or batch["prompt"]
             scores = self.rewards.combine(self.rewards.score(reward_inputs(
                 rollout.input_ids, rollout.attention_mask, rollout.read_mask, texts, raw, batch.get("columns"),

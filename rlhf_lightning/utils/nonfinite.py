@@ -80,3 +80,13 @@ def score_problems(scores: Tensor, sources: Sequence[Any]) -> tuple[list[str], T
                             f"{listing(rows)} of {column.shape[0]}")
             bad_rows |= bad
     return problems, bad_rows
+
+
+def first_nonfinite_loss(step_losses: list[tuple[str, dict[str, Tensor]]]) -> str | None:
+    """The first non-finite loss of an optimizer step's ``(where, {name: value})`` terms, as one line, or None."""
+    for where, losses in step_losses:
+        bad = {name: float(value.float().mean()) for name, value in losses.items()
+               if not bool(torch.isfinite(value).all())}
+        if bad:
+            return f"{where}: non-finite loss {', '.join(f'{name}={value}' for name, value in bad.items())}"
+    return None

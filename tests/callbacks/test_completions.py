@@ -76,7 +76,7 @@ def test_the_table_is_logged_every_n_iterations_and_at_the_end_with_the_rollouts
     # (no validation data here), the same when sampled again after the fit.
     module, datamodule = trainer.lightning_module, trainer.datamodule
     first = next(iter(datamodule.train_dataloader()["prompts"]))
-    values, _, texts = module.sample_and_measure(first, 0)
+    values, _, texts = module.held_out.sample_and_measure(first, 0)
     final = tables[2]["data"]
     assert [row[0] for row in final] == [ITERATIONS] * 3
     assert [(row[1], row[2]) for row in final] == list(zip(first["prompt"][:3], texts[:3], strict=True))
@@ -132,10 +132,10 @@ def test_a_final_table_that_cannot_be_sampled_is_a_warning_not_a_lost_run(tiny_r
     def unavailable(prompts, batch_idx):
         raise RuntimeError("the reward service returned 503")
 
-    module.sample_and_measure, original = unavailable, module.sample_and_measure
+    module.held_out.sample_and_measure, original = unavailable, module.held_out.sample_and_measure
     try:
         with pytest.warns(UserWarning, match=r"^CompletionsTable: the final policy's table was not written "
                                              r"\(RuntimeError: the reward service returned 503\)$"):
             CompletionsTable().on_train_end(trainer, module)
     finally:
-        module.sample_and_measure = original
+        module.held_out.sample_and_measure = original

@@ -122,10 +122,10 @@ def test_reward_functions_with_trl_signature_columns_weights_and_none(tiny_model
     topics = [t for t in batch["columns"]["topic"] for _ in range(2)]
     lengths = experience.response_mask.sum(-1).float()
     with torch.no_grad():
-        source = module.score_responses(experience.input_ids, experience.attention_mask, experience.response_mask,
-                                        module.decode(experience.responses, experience.response_mask),
-                                        prompts=[p for p in batch["raw_prompt"] for _ in range(2)],
-                                        columns={"topic": topics})
+        source = module.rewards.score(module.reward_inputs(
+            experience.input_ids, experience.attention_mask, experience.response_mask,
+            module.decode(experience.responses, experience.response_mask),
+            prompts=[p for p in batch["raw_prompt"] for _ in range(2)], columns={"topic": topics}))
     expected_bonus = torch.tensor([math.nan if t == "skip" else 0.1 * float(n) for t, n in zip(topics, lengths, strict=True)])
     torch.testing.assert_close(source[:, 1], expected_bonus, equal_nan=True)
     expected = source[:, 0] + 2.0 * torch.nan_to_num(source[:, 1])
