@@ -3,4 +3,4 @@
 padded into batches (``collate``) and served by a loader that resumes mid-epoch (``loader``); the stages' data
 modules (``modules``, the names configs use), built on what they share (``stage_data``): demonstrations and
 step-labelled responses (``demonstrations``), preferences (``preferences``) and prompts (``prompts``); reasoning-gym's
-procedural tasks as prompts and demonstrations (``reasoning_gym``)."""
+procedural tasks as prompts and demonstrations (``reasoning_gym_data``)."""

@@ -1,7 +1,7 @@
 """Rewards: the sources that score responses -- an adapter on the shared base, a separate model or Python functions
 (``sources``), an ensemble of reward adapters (``ensemble``), LLM judges (``judge``: its template ``judge_template``, its parsers ``judge_parsers``, a judge in
 this process ``judge_local`` or behind an endpoint ``judge_endpoint``), a process reward model (``process_reward``),
-reasoning-gym tasks' own checkers (``reasoning_gym``) and a reward server (``remote``, with ``remote_protocol``,
+reasoning-gym tasks' own checkers (``reasoning_gym_reward``) and a reward server (``remote``, with ``remote_protocol``,
 what it and the server agree on) -- what they read (``inputs``), one JSON request with retries (``http``) and how
 their scores combine (``combine``)."""
 

@@ -6,9 +6,9 @@ arithmetic answers, to train a judge) and ``guess_number`` (an OpenEnv game, who
 word-level chat tokenizer that ``calculator`` and ``reasoning_gym`` build is ``chat_tokenizer``.
 ``dataset: <name>`` in a data module generates the task's rows and ``tokenizer: <name>`` in a base model builds its
 tokenizer. reasoning-gym's procedural tasks (an optional package) are rows made from task names, their settings, a
-size and a seed (``reasoning_gym``, whose data modules are ``rlhf_lightning.data.reasoning_gym``), scored by each
-task's own checker (``reasoning_gym_checker``); ``tokenizer: reasoning_gym`` is a character-level one for tiny
-models on them."""
+size and a seed (``reasoning_gym_rows``, whose data modules are ``rlhf_lightning.data.reasoning_gym_data``),
+scored by each task's own checker (``reasoning_gym_checker``); ``tokenizer: reasoning_gym`` is a character-level one
+for tiny models on them."""
 
 from __future__ import annotations
 
@@ -42,5 +42,5 @@ def make_task(name: str, seed: int) -> Any:
 def build_task_tokenizer(name: str):
     """The tokenizer of task ``name`` (one of :data:`TOKENIZERS`)."""
     if name == "reasoning_gym":
-        return importlib.import_module("rlhf_lightning.tasks.reasoning_gym").build_tokenizer()
+        return importlib.import_module("rlhf_lightning.tasks.reasoning_gym_rows").build_tokenizer()
     return _module(name).build_tokenizer()

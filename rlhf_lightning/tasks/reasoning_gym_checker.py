@@ -1,7 +1,7 @@
 """The checker of reasoning-gym rows: each task's own ``score_answer`` on the answer read from a response the way
 reasoning-gym's documentation says (the last ``<answer>...</answer>`` span, its ``extract_answer``), with TRL's
 reward-function signature, so it serves as a reward function and as the gold reward of validation (pass@k, maj@k
-and accuracy per task). The rows are :mod:`rlhf_lightning.tasks.reasoning_gym`'s."""
+and accuracy per task). The rows are :mod:`rlhf_lightning.tasks.reasoning_gym_rows`'s."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from rlhf_lightning.tasks.reasoning_gym import DEFAULT_ANSWER_TAG, reasoning_gym
+from rlhf_lightning.tasks.reasoning_gym_rows import DEFAULT_ANSWER_TAG, reasoning_gym
 
 log = logging.getLogger(__name__)
 
@@ -20,7 +20,7 @@ class ReasoningGymChecker:
     """Scores responses to reasoning-gym rows with each row's task's own checker (``score_answer``, 0 to 1).
 
     Called with TRL's keywords and the rows' columns: ``checker(prompts=..., completions=..., entry=..., **_)``,
-    ``entry`` being reasoning-gym's entry of each row (the data modules of :mod:`rlhf_lightning.data.reasoning_gym`
+    ``entry`` being reasoning-gym's entry of each row (the data modules of :mod:`rlhf_lightning.data.reasoning_gym_data`
     give it as a column). A response without an answer scores what the task's checker gives ``None`` (0 for every
     task).
 
@@ -71,7 +71,7 @@ class ReasoningGymChecker:
                  task: Sequence[str] | None = None, **_: object) -> list[float]:
         if entry is None:
             raise ValueError("reasoning_gym checker: the rows have no 'entry' column (reasoning-gym's entry of each "
-                             "row); serve them with rlhf_lightning.data.reasoning_gym's data modules")
+                             "row); serve them with rlhf_lightning.data.reasoning_gym_data's data modules")
         tasks = task if task is not None else [None] * len(completions)
         return [self.score(completion, row_entry, row, row_task) for row, (completion, row_entry, row_task)
                 in enumerate(zip(completions, entry, tasks, strict=True))]

@@ -40,6 +40,9 @@ _STAGES = ("ppo", "grpo", "rloo", "reinforce_pp", "distill", "online_dpo", "dpo"
 # stages/, cli/, runs/ and utils/ (older entries first); configs, checkpoints and users' code name the old paths.
 MOVED_MODULES: dict[str, str] = {
     "rlhf_lightning.episodes": "rlhf_lightning.environments",
+    "rlhf_lightning.tasks.reasoning_gym": "rlhf_lightning.tasks.reasoning_gym_rows",
+    "rlhf_lightning.data.reasoning_gym": "rlhf_lightning.data.reasoning_gym_data",
+    "rlhf_lightning.rewards.reasoning_gym": "rlhf_lightning.rewards.reasoning_gym_reward",
     **{f"rlhf_lightning.{name}": f"rlhf_lightning.stages.{name}" for name in _STAGES},
     "rlhf_lightning.prm": "rlhf_lightning.stages.process_reward_model",
     "rlhf_lightning.errors": "rlhf_lightning.cli.errors",

@@ -7,8 +7,8 @@ import torch
 
 from rlhf_lightning.core.held_out import gold_scores, takes_columns
 from rlhf_lightning.tasks.arithmetic import exact_match
-from rlhf_lightning.tasks.reasoning_gym import generate_rows, task_list
 from rlhf_lightning.tasks.reasoning_gym_checker import ReasoningGymChecker
+from rlhf_lightning.tasks.reasoning_gym_rows import generate_rows, task_list
 from rlhf_lightning.utils.metrics import GroupMeans
 
 

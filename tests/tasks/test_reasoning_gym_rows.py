@@ -14,8 +14,8 @@ from collections import Counter
 import pytest
 
 from rlhf_lightning.tasks import TOKENIZERS, build_task_tokenizer
-from rlhf_lightning.tasks.reasoning_gym import GymTask, MissingExtra, generate_rows, task_list
 from rlhf_lightning.tasks.reasoning_gym_checker import ReasoningGymChecker
+from rlhf_lightning.tasks.reasoning_gym_rows import GymTask, MissingExtra, generate_rows, task_list
 from tests.helpers.environment import with_repo_on_path
 
 ARITHMETIC = {"name": "basic_arithmetic", "config": {"min_terms": 2, "max_terms": 2, "max_digits": 2,
@@ -57,7 +57,7 @@ def test_a_mix_draws_its_tasks_by_weight():
 @pytest.mark.slow
 def test_rows_are_the_same_in_another_process_with_another_hash_seed():
     """Another rank, or the process that resumes a run, has its own PYTHONHASHSEED: the rows must not depend on it."""
-    code = ("import json, hashlib; from rlhf_lightning.tasks.reasoning_gym import generate_rows, task_list; "
+    code = ("import json, hashlib; from rlhf_lightning.tasks.reasoning_gym_rows import generate_rows, task_list; "
             f"rows = generate_rows(task_list({MIX!r}), 64, 7) + generate_rows(task_list({MIX!r}), 16, 7, True); "
             "print(hashlib.sha256(json.dumps(rows, sort_keys=True, default=str).encode()).hexdigest())")
     digests = {subprocess.run([sys.executable, "-c", code], env=with_repo_on_path(PYTHONHASHSEED=seed),

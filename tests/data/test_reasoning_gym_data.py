@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlhf_lightning.data.reasoning_gym import ReasoningGymPromptDataModule, ReasoningGymSFTDataModule
+from rlhf_lightning.data.reasoning_gym_data import ReasoningGymPromptDataModule, ReasoningGymSFTDataModule
 from rlhf_lightning.tasks import build_task_tokenizer
 
 TASKS = [{"name": "basic_arithmetic", "config": {"min_terms": 2, "max_terms": 2, "max_digits": 2,

@@ -1,6 +1,6 @@
 """reasoning-gym's procedural tasks as data: prompts for RL (:class:`ReasoningGymPromptDataModule`) and the tasks'
 reference answers as demonstrations for SFT (:class:`ReasoningGymSFTDataModule`), generated from task names (one,
-or a weighted mix), their settings, a size and a seed (:mod:`rlhf_lightning.tasks.reasoning_gym`)."""
+or a weighted mix), their settings, a size and a seed (:mod:`rlhf_lightning.tasks.reasoning_gym_rows`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 from rlhf_lightning.data.demonstrations import SFTDataModule
 from rlhf_lightning.data.prompts import PromptDataModule
 from rlhf_lightning.data.sources import Record
-from rlhf_lightning.tasks.reasoning_gym import (
+from rlhf_lightning.tasks.reasoning_gym_rows import (
     DEFAULT_ANSWER_TAG,
     DEFAULT_SYSTEM_PROMPT,
     GymTask,
@@ -63,14 +63,14 @@ class ReasoningGymRows:
                 for index, row in enumerate(rows)]
 
     def row(self, generated: dict[str, Any]) -> dict[str, Any]:
-        """The stage's row of a generated one (see :func:`~rlhf_lightning.tasks.reasoning_gym.generate_rows`)."""
+        """The stage's row of a generated one (see :func:`~rlhf_lightning.tasks.reasoning_gym_rows.generate_rows`)."""
         raise NotImplementedError
 
 
 
 class ReasoningGymPromptDataModule(ReasoningGymRows, PromptDataModule):
     """Prompts of reasoning-gym tasks for RL, with ``task``, ``answer`` (the reference) and ``entry`` (what the
-    task's checker reads) columns for the reward (``rlhf_lightning.rewards.reasoning_gym.ReasoningGymReward``) and
+    task's checker reads) columns for the reward (``rlhf_lightning.rewards.reasoning_gym_reward.ReasoningGymReward``) and
     the gold reward (``rlhf_lightning.tasks.reasoning_gym_checker.ReasoningGymChecker``: held-out accuracy per task,
     ``<stage>/val/gold/<task>``). Rows are generated identically on every rank and after a resume.
 

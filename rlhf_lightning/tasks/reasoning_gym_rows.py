@@ -2,7 +2,7 @@
 task names (one, or a weighted mix), each with its generator settings, a size and a seed in; questions, reference
 answers and the entries the tasks' own checkers read out (:func:`generate_rows`). The checker is
 :mod:`rlhf_lightning.tasks.reasoning_gym_checker`; the data modules that serve the rows are in
-:mod:`rlhf_lightning.data.reasoning_gym`.
+:mod:`rlhf_lightning.data.reasoning_gym_data`.
 
 reasoning-gym is optional (``pip install -e '.[reasoning-gym]'``): it is imported when rows are made or a task name
 is checked, never when this module is.

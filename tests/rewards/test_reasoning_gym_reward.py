@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from rlhf_lightning.rewards.inputs import RewardInputs
-from rlhf_lightning.rewards.reasoning_gym import ReasoningGymReward
-from rlhf_lightning.tasks.reasoning_gym import generate_rows, task_list
+from rlhf_lightning.rewards.reasoning_gym_reward import ReasoningGymReward
+from rlhf_lightning.tasks.reasoning_gym_rows import generate_rows, task_list
 
 
 def _inputs(rows: list[dict], completions: list[str]) -> RewardInputs:
@@ -42,4 +42,4 @@ def test_prompt_data_without_entries_is_refused_before_any_rollout():
         ReasoningGymReward().check_columns(["answer"])
     assert str(error.value) == (
         "reward ReasoningGymReward needs the column 'entry' (reasoning-gym's entry of each row), which the prompt "
-        "data lacks (its columns: answer); use data: rlhf_lightning.data.reasoning_gym.ReasoningGymPromptDataModule")
+        "data lacks (its columns: answer); use data: rlhf_lightning.data.reasoning_gym_data.ReasoningGymPromptDataModule")

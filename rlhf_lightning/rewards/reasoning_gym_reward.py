@@ -12,15 +12,15 @@ from torch import Tensor
 
 from rlhf_lightning.rewards.inputs import RewardInputs
 from rlhf_lightning.rewards.sources import FunctionReward
-from rlhf_lightning.tasks.reasoning_gym import DEFAULT_ANSWER_TAG
 from rlhf_lightning.tasks.reasoning_gym_checker import ReasoningGymChecker
+from rlhf_lightning.tasks.reasoning_gym_rows import DEFAULT_ANSWER_TAG
 
 NEEDED_COLUMNS = ("entry",)
 
 
 class ReasoningGymReward(FunctionReward):
     """The score of each response by its reasoning-gym task's own checker (``score_answer``, 0 to 1), on the rows of
-    ``rlhf_lightning.data.reasoning_gym.ReasoningGymPromptDataModule`` (their ``entry`` column is what the checker
+    ``rlhf_lightning.data.reasoning_gym_data.ReasoningGymPromptDataModule`` (their ``entry`` column is what the checker
     reads). The answers whose checker raised are counted in ``objective/reasoning_gym/checker_errors`` each iteration.
 
     Args:
@@ -45,7 +45,7 @@ class ReasoningGymReward(FunctionReward):
         if missing:
             raise ValueError(f"reward ReasoningGymReward needs the column 'entry' (reasoning-gym's entry of each row), "
                              f"which the prompt data lacks (its columns: {', '.join(columns) or 'only prompt'}); use "
-                             "data: rlhf_lightning.data.reasoning_gym.ReasoningGymPromptDataModule")
+                             "data: rlhf_lightning.data.reasoning_gym_data.ReasoningGymPromptDataModule")
 
     def score(self, inputs: RewardInputs) -> Tensor:
         self.fn.take_errors()  # count this call's answers only (validation scores through here too)
