@@ -137,10 +137,10 @@ def ppo_module(settings: Settings, samples_per_prompt: int = 1, **engine: Any):
     return PPO(**with_options(dict(
         base=base_spec(settings),
         reward=AdapterReward(str(reward_dir(settings))),
-        policy_lora=lora_spec(settings), critic_lora=lora_spec(settings),
+        policy_lora=lora_spec(settings),
         sampling={"max_new_tokens": settings.response_length, "temperature": 1.0, "stop_token": stop_token(settings)},
         samples_per_prompt=samples_per_prompt, epochs=settings.ppo_epochs, num_minibatches=settings.num_minibatches,
-        optimizer={"lr": settings.lr}, critic_lr=settings.lr,
+        optimizer={"lr": settings.lr}, critic={"lora": lora_spec(settings), "lr": settings.lr},
     ), settings.ppo_options), **engine)
 
 

@@ -122,7 +122,7 @@ def command(algorithm: str, ranks: int, rollout: str, model_dir: Path, reward_di
             f"--trainer.callbacks=[{json.dumps(measure)}]", f"--trainer.limit_train_batches={args.iterations}",
             "--trainer.limit_val_batches=0", "--trainer.max_epochs=1",
             f"--model.init_args.base.name_or_path={model_dir}", f"--model.init_args.reward.init_args.path={reward_dir}",
-            "--model.init_args.policy_lora={r: 16, alpha: 32}", *(["--model.init_args.critic_lora={r: 16, alpha: 32}"]
+            "--model.init_args.policy_lora={r: 16, alpha: 32}", *(["--model.init_args.critic.lora={r: 16, alpha: 32}"]
                                                                    if algorithm == "ppo" else []),
             f"--model.init_args.sampling.max_new_tokens={args.response_length}",
             "--model.init_args.sampling.stop_token=null",

@@ -92,7 +92,7 @@ class EnsembleReward(RewardSource):
 
     @property
     def adapter_role(self) -> str | None:
-        """The first member's adapter: what PPO's ``critic_from_reward`` copies."""
+        """The first member's adapter: what PPO's ``critic.from_reward`` copies."""
         return self.roles[0] if self.roles else f"{REWARD_ROLE}_0"
 
     def setup(self, base: SharedBase, tokenizer: PreTrainedTokenizerBase) -> None:

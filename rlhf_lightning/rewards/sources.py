@@ -55,7 +55,7 @@ class RewardSource:
     # A source that scores each step of a response (ProcessReward) has ``step_scores(inputs) -> (scores [B, R],
     # ends [B, R])`` and ``reduce(scores, ends) -> [B]``; PPO trains on the steps' scores at their last tokens.
     scores_steps = False
-    # The adapter on the shared base that PPO's critic_from_reward copies (a reward adapter source's); None: none.
+    # The adapter on the shared base that PPO's critic.from_reward copies (a reward adapter source's); None: none.
     adapter_role: str | None = None
 
     @property

@@ -9,7 +9,7 @@ the rewards shaped per token with the KL penalty.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -45,6 +45,45 @@ class CriticExperience(Experience):
     returns: Tensor | None = None  # [B, R]
 
 
+@dataclass(frozen=True)
+class Critic:
+    """PPO's critic, the ``critic`` argument: a LoRA adapter and a linear value head on the shared base, its value
+    loss and how it is trained. A config sets some fields and keeps the others' defaults
+    (``critic: {lr: 1.0e-3}``); so does a dict of fields from Python (``PPO(critic={"lr": 1e-3}, ...)``).
+
+    Args:
+        lora: the critic adapter (its dropout is forced to 0; its value head is a plain linear layer).
+        from_reward: start the critic from the reward adapter and head (the same LoRA shape needed; an ensemble's
+            first member's).
+        lr: learning rate of the critic adapter and value head.
+        vf_coef: weight of the value loss.
+        clip_range_value: clipping of value predictions around the rollout's; null = unclipped.
+        backward: ``separate`` backpropagates the policy loss before the critic's forward pass, so the two graphs
+            are never held together (less peak memory, same gradients); ``joint`` runs one backward for both, which
+            DDP's reducer needs; ``auto`` = separate on one device, joint when distributed.
+    """
+
+    lora: LoraSpec = dataclasses.field(default_factory=LoraSpec)
+    from_reward: bool = False
+    lr: float = 1e-4
+    vf_coef: float = 0.1
+    clip_range_value: float | None = 0.2
+    backward: Literal["auto", "joint", "separate"] = "auto"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lora, Mapping):  # a dict of its fields, from Python (a config's is parsed already)
+            object.__setattr__(self, "lora", LoraSpec(**self.lora))
+
+    def check(self, name: str = "critic") -> Critic:
+        """Raise a one-line error naming ``name.field`` for a value out of range."""
+        checks.one_of(f"{name}.backward", self.backward, ("auto", "joint", "separate"))
+        checks.positive(f"{name}.lr", self.lr)
+        checks.non_negative(f"{name}.vf_coef", self.vf_coef)
+        checks.non_negative(f"{name}.clip_range_value", self.clip_range_value, optional=True)
+        self.lora.check(f"{name}.lora")
+        return self
+
+
 class PPO(PolicyGradient):
     """Proximal Policy Optimization of a causal LM against a reward, with one frozen base.
 
@@ -54,60 +93,46 @@ class PPO(PolicyGradient):
     rollout; ``epochs`` passes of clipped policy and value losses follow.
 
     Args:
-        critic_lora: the critic adapter (its value head is a plain linear layer).
-        critic_from_reward: start the critic from the reward adapter and head (same LoRA shape needed; an
-            ensemble's first member).
+        critic: the critic (see :class:`Critic`: ``lora``, ``from_reward``, ``lr``, ``vf_coef``,
+            ``clip_range_value``, ``backward``).
         epochs: passes over each rollout batch.
-        clip_range_value: clipping of value predictions around the rollout's; null = unclipped.
-        vf_coef: weight of the value loss.
         whiten_rewards: scale per-token rewards to unit variance (mean kept) before GAE.
         gamma: discount factor.
         lam: GAE lambda.
         whiten_advantages: standardise advantages over the valid tokens of the rollout batch.
-        critic_lr: learning rate of the critic adapter and value head.
-        backward: ``separate`` backpropagates the policy loss before the critic's forward pass, so the two graphs
-            are never held together (less peak memory, same gradients); ``joint`` runs one backward for both, which
-            DDP's reducer needs; ``auto`` = separate on one device, joint when distributed.
     """
 
     metric_prefix = "ppo"
     dense_step_rewards = True  # a process reward model's step scores at their steps' last tokens, credited by GAE
     exported_roles = (POLICY, CRITIC)
 
+    default_critic = Critic()  # the ``critic`` a dict of some of its fields is taken over
+
     def __init__(
         self,
         *args: Any,
-        critic_lora: LoraSpec = LoraSpec(),  # noqa: B008 (never mutated; the CLI shows it as the default)
-        critic_from_reward: bool = False,
+        critic: Critic = default_critic,
         epochs: int = 4,
-        clip_range_value: float | None = 0.2,
-        vf_coef: float = 0.1,
         whiten_rewards: bool = False,
         gamma: float = 1.0,
         lam: float = 0.95,
         whiten_advantages: bool = True,
-        critic_lr: float = 1e-4,
-        backward: Literal["auto", "joint", "separate"] = "auto",
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, epochs=epochs, **kwargs)
-        checks.one_of("backward", backward, ("auto", "joint", "separate"))
         checks.in_range("gamma", gamma, 0.0, 1.0)
         checks.in_range("lam", lam, 0.0, 1.0)
-        checks.positive("critic_lr", critic_lr)
-        checks.non_negative("vf_coef", vf_coef)
-        checks.non_negative("clip_range_value", clip_range_value, optional=True)
-        if critic_from_reward and not any(source.adapter_role for source in self.rewards.sources):
-            raise ValueError("critic_from_reward needs an AdapterReward or an EnsembleReward: the critic copies its "
+        self.critic = self.keep_group("critic", critic, self.default_critic)
+        if self.critic.from_reward and not any(source.adapter_role for source in self.rewards.sources):
+            raise ValueError("critic.from_reward needs an AdapterReward or an EnsembleReward: the critic copies its "
                              "adapter and head (an ensemble's first member's)")
-        self.critic_lora = without_dropout(critic_lora.check("critic_lora"), CRITIC)
-        self.critic_from_reward = critic_from_reward
+        self.critic_lora = without_dropout(self.critic.lora, CRITIC)
 
     def build_model(self, empty: bool) -> SharedBase:
         model = super().build_model(empty)
         model.add_adapter(CRITIC, self.critic_lora)
         model.add_head(CRITIC)
-        if self.critic_from_reward:
+        if self.critic.from_reward:
             model.copy_adapter(next(s.adapter_role for s in self.rewards.sources if s.adapter_role), CRITIC)
         return model
 
@@ -139,14 +164,13 @@ class PPO(PolicyGradient):
         return {**super().step_normalisers(micros), "tokens": self.ranks.mean(tokens.float()).clamp(min=1e-8)}
 
     def critic_losses(self, micro: Experience, normaliser: Tensor) -> tuple[Tensor, Stats]:
-        """``(vf_coef x clipped value loss, its terms)``, a token mean over the optimizer step."""
-        hp = self.hparams
+        """``(critic.vf_coef x clipped value loss, its terms)``, a token mean over the optimizer step."""
         mask = micro.response_mask
         with phase("update/critic forward"):
             values = self.response_values(micro.input_ids, micro.attention_mask, mask)
-        errors, clipped = value_errors(values, micro.values, micro.returns, mask, hp.clip_range_value)
+        errors, clipped = value_errors(values, micro.values, micro.returns, mask, self.critic.clip_range_value)
         loss = aggregate_loss(errors, mask, "token_mean", normaliser)
-        return hp.vf_coef * loss, {"loss/value": loss, "value/clipfrac": masked_mean(clipped.float(), mask)}
+        return self.critic.vf_coef * loss, {"loss/value": loss, "value/clipfrac": masked_mean(clipped.float(), mask)}
 
     def loss(self, micro: CriticExperience, normalisers: dict[str, Tensor],
              ptx: dict[str, Tensor] | None) -> tuple[Tensor, Stats]:
@@ -171,13 +195,13 @@ class PPO(PolicyGradient):
     def joint_backward(self) -> bool:
         """One backward for the policy and critic losses (``backward``; ``auto``: joint under DDP, whose reducer
         needs every gradient in one pass)."""
-        if self.hparams.backward == "auto":
+        if self.critic.backward == "auto":
             return self.ranks.distributed
-        return self.hparams.backward == "joint"
+        return self.critic.backward == "joint"
 
     def parameter_groups(self) -> list[dict[str, Any]]:
         return [*super().parameter_groups(),
-                {"name": CRITIC, "params": self.adapter_parameters(CRITIC), "lr": self.hparams.critic_lr}]
+                {"name": CRITIC, "params": self.adapter_parameters(CRITIC), "lr": self.critic.lr}]
 
     # ---- advantages ---------------------------------------------------------------------------------------
 

@@ -126,7 +126,7 @@ def best_of_n(args: argparse.Namespace, runs: Pipeline, sample: Sample, noise: f
         cli = build_cli(["--config", str(Path(args.configs) / "ppo.yaml"), f"--seed_everything={sample.seed}",
                          f"--data.init_args.seed={sample.seed}",
                          f"--model.init_args.base.name_or_path={runs.output('sft', sample)}",
-                         f"--model.init_args.reward={json.dumps(members)}", "--model.init_args.critic_from_reward=false",
+                         f"--model.init_args.reward={json.dumps(members)}", "--model.init_args.critic.from_reward=false",
                          "--trainer.logger=false", "--trainer.callbacks=[]", "--trainer.enable_checkpointing=false"])
         cli.datamodule.tokenizer = cli.model.tokenizer
         cli.datamodule.setup("fit")

@@ -62,7 +62,7 @@ MOVED_MODULES: dict[str, str] = {
     "rlhf_lightning.rewards.process": "rlhf_lightning.rewards.process_reward",
 }
 
-# Module arguments that became fields of a typed group (``sampling``, ``kl``, ``optimizer``): the old flat names are
+# Module arguments that became fields of a typed group (``sampling``, ``kl``, ``optimizer``, PPO's ``critic``): the old flat names are
 # refused in one line naming the new key, in a config file, on the command line and by the constructors.
 MOVED_ARGUMENTS = {
     **{name: f"sampling.{name}" for name in ("max_new_tokens", "temperature", "top_k", "top_p", "kv_cache",
@@ -73,6 +73,8 @@ MOVED_ARGUMENTS = {
     "policy_lr": "optimizer.lr", "lr": "optimizer.lr", "warmup_steps": "optimizer.warmup",
     "warmup_iterations": "optimizer.warmup", "lr_schedule": "optimizer.schedule",
     **{name: f"optimizer.{name}" for name in ("weight_decay", "adam_eps", "nonfinite")},
+    "critic_lora": "critic.lora", "critic_from_reward": "critic.from_reward", "critic_lr": "critic.lr",
+    **{name: f"critic.{name}" for name in ("vf_coef", "clip_range_value", "backward")},
 }
 
 # Arguments that moved into a group (the policy loss, the engine, and the ones above): the group, and where each is

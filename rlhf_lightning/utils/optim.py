@@ -21,7 +21,7 @@ class OptimizerSettings:
     """AdamW and its learning-rate schedule: the ``optimizer`` argument of every module.
 
     Args:
-        lr: learning rate (of the policy adapter in the online algorithms; PPO's critic has ``critic_lr``).
+        lr: learning rate (of the policy adapter in the online algorithms; PPO's critic has ``critic.lr``).
         weight_decay: AdamW's decoupled weight decay (never applied to biases and norms).
         warmup: length of the linear warm-up: iterations in the online algorithms, optimizer steps in SFT, the
             reward models, DPO and KTO.

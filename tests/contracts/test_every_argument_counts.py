@@ -153,14 +153,14 @@ CASES: dict[str, Case] = {
     "whiten_advantages": case("swap"),
     "baseline": case("group", samples_per_prompt=2),
     "gamma": case(0.5),
-    "critic_lora": case(LoraSpec(r=2, alpha=8), "fit"),
-    "critic_from_reward": case(True),
-    "clip_range_value": case(0.01, **MOVED),
-    "vf_coef": case(0.5),
+    "critic.lora": case(LoraSpec(r=2, alpha=8), "fit"),
+    "critic.from_reward": case(True),
+    "critic.clip_range_value": case(0.01, **MOVED),
+    "critic.vf_coef": case(0.5),
     "whiten_rewards": case(True),
     "lam": case(0.5),
-    "critic_lr": case(1e-2, "fit"),
-    "backward": case("joint", "backward_passes"),
+    "critic.lr": case(1e-2, "fit"),
+    "critic.backward": case("joint", "backward_passes"),
     "teacher": case("other teacher"),
     "teacher_dtype": case("bfloat16", teacher="model"),
     "reward_coef": case(0.5),
@@ -275,7 +275,7 @@ def arguments(cls: type, models: dict[str, Path], setting: dict[str, Any]) -> di
     if cls in (rl.GRPO, rl.RLOO) or (setting.get("groups") and cls is not rl.OnlineDPO):  # online DPO: pairs anyway
         kwargs["samples_per_prompt"] = 2
     if cls is rl.PPO:
-        kwargs |= {"critic_lora": LORA, "epochs": 1}
+        kwargs |= {"critic": {"lora": LORA}, "epochs": 1}
     if cls is rl.OnPolicyDistillation:
         kwargs["teacher"] = str(models["teacher"])
     for name, value in setting.items():
@@ -461,8 +461,8 @@ def observe_once(cls: type, shows: str, models: dict[str, Path], setting: dict[s
 
 
 def cases() -> list[tuple[type, str]]:
-    """Every argument of every module; a typed group's (``sampling``, ``kl``, ``optimizer``) field by field."""
-    groups = {"sampling": Sampling, "kl": KLPenalty, "optimizer": OptimizerSettings}
+    """Every argument of every module; a typed group's (``sampling``, ``kl``, ``optimizer``, ``critic``) field by field."""
+    groups = {"sampling": Sampling, "kl": KLPenalty, "optimizer": OptimizerSettings, "critic": rl.Critic}
     found = []
     for cls in MODULES:
         for name in accepted_arguments(f"{cls.__module__}.{cls.__qualname__}"):

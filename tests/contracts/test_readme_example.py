@@ -33,7 +33,7 @@ def test_length_penalty_example_charges_every_response_token(readme_example, tin
     plain = make_ppo(tiny_model_dir, reward_dir)
     rollout, _ = plain.collect_and_prepare(first_batch(plain))
     penalized = readme_example.LengthPenalizedPPO(
-        base=plain.hparams.base, reward=plain.rewards.sources[0], policy_lora=LORA, critic_lora=LORA, token_cost=0.25)
+        base=plain.hparams.base, reward=plain.rewards.sources[0], policy_lora=LORA, critic={"lora": LORA}, token_cost=0.25)
     expected, _ = plain.shape_rewards(rollout)
     rewards, _ = penalized.shape_rewards(rollout)
     mask = rollout.response_mask.float()
@@ -49,7 +49,7 @@ def test_the_cli_accepts_the_subclass_with_its_new_argument(readme_example, tiny
         "--model.class_path=readme_example.LengthPenalizedPPO", "--model.init_args.token_cost=0.02",
         f"--model.init_args.base.name_or_path={tiny_model_dir}",
         f"--model.init_args.reward.init_args.path={reward_dir}",
-        "--model.init_args.policy_lora={r: 4, alpha: 8}", "--model.init_args.critic_lora={r: 4, alpha: 8}",
+        "--model.init_args.policy_lora={r: 4, alpha: 8}", "--model.init_args.critic.lora={r: 4, alpha: 8}",
         "--trainer.logger=false",
     ], run=False)
     assert type(cli.model).__name__ == "LengthPenalizedPPO"

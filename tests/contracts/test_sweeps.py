@@ -228,11 +228,11 @@ def tiny_overrides(config: str, tiny_model_dir: Path, reward_dir: Path, run: boo
     They are appended after the sweep's arguments, so they must never touch a swept key (checked by
     ``with_tiny_overrides``).
     """
-    lora = "{r: 4, alpha: 8}"  # conftest's reward adapter: critic_from_reward needs the critic to match it
+    lora = "{r: 4, alpha: 8}"  # conftest's reward adapter: critic.from_reward needs the critic to match it
     models = {
         "configs/ppo.yaml": [f"--model.init_args.base.name_or_path={tiny_model_dir}",
                              f"--model.init_args.reward.init_args.path={reward_dir}",
-                             f"--model.init_args.policy_lora={lora}", f"--model.init_args.critic_lora={lora}"],
+                             f"--model.init_args.policy_lora={lora}", f"--model.init_args.critic.lora={lora}"],
         "configs/reward.yaml": [f"--model.init_args.base.name_or_path={tiny_model_dir}"],
         "configs/dpo.yaml": [f"--model.init_args.base.name_or_path={tiny_model_dir}",
                              f"--model.init_args.policy_lora={lora}"],

@@ -62,7 +62,7 @@ def stages(model_dir: Path, reward_dir: Path) -> dict[str, tuple[str, list[str],
         "kto": ("kto.yaml", [base, "--model.init_args.policy_lora={r: 4, alpha: 8}",
                              "--model.init_args.loss_type=apo_zero_unpaired", *OFFLINE], 8, None),
         # two micro-batches per step; log-probs two positions at a time, recomputed in the backward pass
-        "ppo": ("ppo.yaml", [base, reward, *ONLINE, "--model.init_args.critic_lora={r: 4, alpha: 8}",
+        "ppo": ("ppo.yaml", [base, reward, *ONLINE, "--model.init_args.critic.lora={r: 4, alpha: 8}",
                              "--model.init_args.gradient_accumulation=2", "--model.init_args.logprob_chunk=2"], 8, 8),
         "grpo": ("grpo.yaml", [base, reward, *ONLINE, "--model.init_args.sharded_rollout=per_layer"], 4, 8),
         "rloo": ("rloo.yaml", [base, reward, *ONLINE, "--model.init_args.base.gradient_checkpointing=true"], 4, 8),

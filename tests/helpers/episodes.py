@@ -43,7 +43,7 @@ def episodic(algorithm, directory, environment=Feedback, **kwargs):
                            sampling={"max_new_tokens": 6}, reward=FunctionReward(correct_answer),
                            environment=environment, max_turns=3, max_episode_tokens=40, samples_per_prompt=2), kwargs)
     if algorithm is PPO:
-        settings.update(critic_lora=LORA)
+        settings.update(critic={"lora": LORA})
     module = built(algorithm(**settings))
     module.rollouts  # noqa: B018 (the environment and the template's tool-call format, read once)
     return module

@@ -44,7 +44,7 @@ def make(cls: type, model_dir: str | Path, reward: Any = None, defaults: dict[st
     assert accepted, f"the arguments of {cls} cannot be read"
     settings = {"policy_lora": LORA, "optimizer": {"lr": 1e-2}}
     if issubclass(cls, PPO):
-        settings["critic_lora"] = LORA
+        settings["critic"] = {"lora": LORA}
     settings = merged(settings, {name: value for name, value in (defaults or {}).items() if name in accepted})
     if reward is not None:
         settings["reward"] = AdapterReward(str(reward)) if isinstance(reward, (str, Path)) else reward

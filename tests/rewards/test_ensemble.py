@@ -152,7 +152,7 @@ def test_a_path_that_holds_no_ensemble_and_an_adapter_source_given_an_ensemble_a
 
 def test_ppo_holds_one_base_beside_the_members_and_trains_neither(tiny_model_dir, ensemble_dir):
     module = make(PPO, tiny_model_dir, EnsembleReward(str(ensemble_dir)), sampling={"max_new_tokens": 6},
-                  critic_from_reward=True)
+                  critic={"from_reward": True})
     assert sorted(module.model.adapters) == ["critic", "policy", "reward_0", "reward_1", "reward_2"]
     assert_one_copy_of_the_base(module, tiny_model_dir)
     # the critic starts as the first member

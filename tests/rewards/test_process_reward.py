@@ -66,7 +66,7 @@ def _module(cls, tiny_arithmetic_dir, reward, **kwargs):
     defaults = dict(policy_lora=LORA, sampling={"max_new_tokens": 8}, samples_per_prompt=2, epochs=1,
                     num_minibatches=1, optimizer={"lr": 1e-2}, gold_reward=exact_match)
     if cls is PPO:
-        defaults["critic_lora"] = LORA
+        defaults["critic"] = {"lora": LORA}
     return built(cls(base=BaseModelSpec(name_or_path=str(tiny_arithmetic_dir)), reward=reward,
                      **merged(defaults, kwargs)))
 

@@ -311,7 +311,7 @@ def test_a_synchronous_runs_checkpoint_cannot_resume_drawing_ahead(tiny_llama_di
 
 
 ALGORITHMS = {  # the other online algorithms, each on stale samples
-    "ppo": ["--model.init_args.critic_lora={r: 4, alpha: 8}", "--model.init_args.rollout_correction=token_truncate"],
+    "ppo": ["--model.init_args.critic.lora={r: 4, alpha: 8}", "--model.init_args.rollout_correction=token_truncate"],
     "rloo": ["--model.init_args.rollout_correction=token_mask"],
     "reinforce_pp": ["--model.init_args.rollout_correction=token_truncate"],
     "online_dpo": ["--model.init_args.epochs=1"],

@@ -267,7 +267,7 @@ def vllm_fit(config: str, llama: str, reward: str, *extra: str) -> list[str]:
 
 
 ALGORITHMS = {
-    "ppo": ["--model.init_args.critic_lora={r: 4, alpha: 8}"],
+    "ppo": ["--model.init_args.critic.lora={r: 4, alpha: 8}"],
     "grpo": ["--model.init_args.rollout_correction=token_truncate"],  # TIS on vLLM's log-probs
     "rloo": ["--model.init_args.rollout_correction=sequence_mask"],  # MIS
     "reinforce_pp": [],

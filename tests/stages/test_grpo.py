@@ -198,7 +198,7 @@ class DrGRPO(GRPO):
     common = [f"--model.init_args.base.name_or_path={tiny_model_dir}", "--model.init_args.policy_lora={r: 4, alpha: 8}",
               f"--model.init_args.reward.init_args.path={reward_dir}", "--trainer.logger=false"]
     ppo = RLHFCLI(args=["--config", str(REPO / "configs" / "ppo.yaml"), "--model.class_path=fixed_arguments.DiscountedPPO",
-                        "--model.init_args.critic_lora={r: 4, alpha: 8}", *common], run=False).model
+                        "--model.init_args.critic.lora={r: 4, alpha: 8}", *common], run=False).model
     assert ppo.hparams.gamma == 0.99 and ppo.hparams.epochs == 4 and ppo.hparams.sampling["temperature"] == 1.0
     grpo = RLHFCLI(args=["--config", str(REPO / "configs" / "grpo.yaml"), "--model.class_path=fixed_arguments.DrGRPO",
                          *common], run=False).model

@@ -156,12 +156,12 @@ def test_scores_are_normalised_penalised_and_clipped(tiny_model_dir, reward_dir)
 def test_function_reward_scores_texts_and_config_errors_are_clear(tiny_model_dir, reward_dir):
     torch.manual_seed(0)
     module = built(PPO(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), reward=FunctionReward(gold_rewards),
-                       policy_lora=LORA, critic_lora=LORA, sampling={"max_new_tokens": 6}, gold_reward=gold_rewards))
+                       policy_lora=LORA, critic={"lora": LORA}, sampling={"max_new_tokens": 6}, gold_reward=gold_rewards))
     rollout, stats = module.collect_and_prepare(first_batch(module))
     torch.testing.assert_close(stats["objective/score"], stats["objective/gold"])  # the same function
-    with pytest.raises(ValueError, match="critic_from_reward needs an AdapterReward"):
+    with pytest.raises(ValueError, match="critic.from_reward needs an AdapterReward"):
         PPO(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), reward=FunctionReward(gold_rewards),
-            critic_from_reward=True)
+            critic={"from_reward": True})
     unbuilt = PPO(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), reward=AdapterReward("missing/reward"))
     with pytest.raises(FileNotFoundError, match="run the reward stage first"):
         unbuilt.configure_model()  # the reward adapter is read when the model is built
@@ -170,7 +170,7 @@ def test_function_reward_scores_texts_and_config_errors_are_clear(tiny_model_dir
 
 
 def test_critic_can_start_from_the_reward_model(tiny_model_dir, reward_dir):
-    module = make_ppo(tiny_model_dir, reward_dir, critic_from_reward=True)
+    module = make_ppo(tiny_model_dir, reward_dir, critic={"from_reward": True})
     batch = first_batch(module)
     ids, mask = batch["input_ids"], batch["attention_mask"]
     last = torch.full((ids.shape[0],), ids.shape[1] - 1)
@@ -200,13 +200,13 @@ def run_under_ddp(config: str, tmp_path: Path, *overrides: str) -> subprocess.Co
 def test_ppo_runs_under_ddp_on_two_cpu_processes(tiny_model_dir, reward_dir, tmp_path):
     run_under_ddp("ppo.yaml", tmp_path, f"--model.init_args.base.name_or_path={tiny_model_dir}",
                   f"--model.init_args.reward.init_args.path={reward_dir}",
-                  "--model.init_args.policy_lora={r: 4, alpha: 8}", "--model.init_args.critic_lora={r: 4, alpha: 8}",
+                  "--model.init_args.policy_lora={r: 4, alpha: 8}", "--model.init_args.critic.lora={r: 4, alpha: 8}",
                   "--model.init_args.kl.target=1.0", "--data.init_args.batch_size=8")
     assert (tmp_path / "adapters" / "critic" / "head.safetensors").exists()
 
 
 @pytest.mark.parametrize("options", [
-    {"backward": "joint"},  # one backward for both losses, as under DDP
+    {"critic": {"backward": "joint"}},  # one backward for both losses, as under DDP
     {"logprob_chunk": 2},  # log-probs in chunks, logits recomputed in the backward
     {"gradient_accumulation": 2},  # the step's loss is normalised over the whole minibatch, not per micro-batch
 ])
@@ -235,9 +235,9 @@ def test_speed_and_memory_options_leave_the_numbers_unchanged(tiny_model_dir, re
 
 def test_backward_choice(tiny_model_dir, reward_dir):
     assert not make_ppo(tiny_model_dir, reward_dir).joint_backward  # one device: separate backward
-    assert make_ppo(tiny_model_dir, reward_dir, backward="joint").joint_backward
+    assert make_ppo(tiny_model_dir, reward_dir, critic={"backward": "joint"}).joint_backward
     with pytest.raises(ValueError, match="backward must be"):
-        make_ppo(tiny_model_dir, reward_dir, backward="twice")
+        make_ppo(tiny_model_dir, reward_dir, critic={"backward": "twice"})
 
 
 def test_rlhf_reward_is_score_minus_kl_even_with_whitened_rewards_and_adam_eps_is_used(tiny_model_dir, reward_dir):

@@ -125,7 +125,7 @@ def test_every_method_runs_through_the_real_cli_with_its_strength_and_overrides(
     for method in METHODS.values():
         strength = method.strengths[0]
         # the tiny reward adapter has rank 4: PPO's critic starts from it
-        critic = ["--model.init_args.critic_lora={r: 4, alpha: 8}"] if method.name == "ppo" else []
+        critic = ["--model.init_args.critic.lora={r: 4, alpha: 8}"] if method.name == "ppo" else []
         arguments = run_arguments(method, strength, 1, REPO / "configs", tiny_model_dir, reward_dir,
                                   tmp_path / method.name, "group", steps=7, overrides=critic)
         assert arguments[0] == "fit" and "--seed_everything=1" in arguments

@@ -97,7 +97,7 @@ TINY = ["--model.init_args.base.architecture={model_type: gpt2, n_layer: 1, n_em
         "--data.init_args.synthetic_rows=256", "--trainer.max_steps=8", "--trainer.val_check_interval=4"]
 TINY_REWARD = ["--model.init_args.lora={r: 4, alpha: 8}", "--data.init_args.synthetic_rows=160",
                "--data.init_args.batch_size=16", "--trainer.max_steps=4", "--trainer.val_check_interval=4"]
-TINY_PPO = ["--model.init_args.policy_lora={r: 4, alpha: 8}", "--model.init_args.critic_lora={r: 4, alpha: 8}",
+TINY_PPO = ["--model.init_args.policy_lora={r: 4, alpha: 8}", "--model.init_args.critic.lora={r: 4, alpha: 8}",
             "--data.init_args.synthetic_rows=40", "--data.init_args.batch_size=8", "--data.init_args.val_fraction=0.2",
             "--data.init_args.val_batch_size=8", "--trainer.limit_train_batches=2", "--trainer.max_epochs=1",
             "--model.init_args.sampling.max_new_tokens=6"]
