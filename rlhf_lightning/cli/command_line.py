@@ -224,10 +224,15 @@ class RLHFCLI(LightningCLI):
         if subcommand == "fit" and ckpt_path and str(ckpt_path) not in SPECIAL_CKPT_PATHS:
             checkpoint = checkpoint or load_for_comparison(ckpt_path)
             done = finished_run(checkpoint, self.trainer.max_epochs, self.trainer.max_steps)
-            if done:  # a fit would re-export, rewrite the model card without its results and start an empty run
+            export = export_path(self.trainer, getattr(self.model, "hparams", {}).get("export_dir"))
+            if done and (export is None or holds_files(export)):
+                # a fit would re-export, rewrite the model card without its results and start an empty run
                 print(f"nothing to train: checkpoint {shown_path(Path(ckpt_path))} is of a finished run ({done}); raise "
                       "trainer.max_epochs or trainer.max_steps to train further", flush=True)
                 return
+            if done:  # stopped after its last checkpoint, before its fit's end: the fit's end exports, nothing trains
+                print(f"checkpoint {shown_path(Path(ckpt_path))} is of a finished run ({done}) whose export "
+                      f"{shown_path(export)} is missing: exporting it from the checkpoint, nothing trains", flush=True)
         if subcommand == "fit" and not ckpt_path:
             # Before the model is built: a fresh run must not write over another run's exports or checkpoints.
             refuse_overwrite(self.trainer, export_path(self.trainer, getattr(self.model, "hparams", {}).get(

@@ -122,6 +122,27 @@ def test_resuming_a_finished_run_trains_nothing_and_leaves_its_files_alone(tiny_
     assert (run_folder / "model" / "README.md").read_text() == card
 
 
+def test_a_finished_run_whose_export_is_missing_exports_it_from_its_checkpoint_and_trains_nothing(tiny_model_dir,
+                                                                                                 capsys):
+    """A run stopped after its last checkpoint but before its fit's end (killed while exporting) resumes into its
+    fit's end: the export is written from the checkpoint's weights, nothing trains, and the checkpoint stays."""
+    main(sft_arguments(tiny_model_dir))
+    run_folder = Path("outputs/sft")
+    export = run_folder / "model"
+    written = {path.relative_to(export): path.read_bytes() for path in export.rglob("*") if path.is_file()}
+    checkpoint = (run_folder / "checkpoints" / "last.ckpt").read_bytes()
+    shutil.rmtree(export)
+    capsys.readouterr()
+    main([*sft_arguments(tiny_model_dir), "--ckpt_path=last"])
+    assert capsys.readouterr().out.startswith(
+        f"checkpoint {run_folder / 'checkpoints' / 'last.ckpt'} is of a finished run (trainer.max_steps=1 reached after "
+        f"1 optimizer step) whose export {export} is missing: exporting it from the checkpoint, nothing trains\n")
+    again = {path.relative_to(export): path.read_bytes() for path in export.rglob("*") if path.is_file()}
+    weights = [name for name in written if name.suffix == ".safetensors"]
+    assert weights and all(again[name] == written[name] for name in weights)  # the same trained weights
+    assert (run_folder / "checkpoints" / "last.ckpt").read_bytes() == checkpoint  # no step was taken
+
+
 def test_the_lines_show_a_run_folders_files_as_the_user_wrote_the_folder(tiny_model_dir, capsys):
     """Relative stays relative: the checkpoint folder (which the checkpoint callback resolves) is shown under the run
     folder as given, as the docs show it."""
