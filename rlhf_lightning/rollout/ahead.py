@@ -62,9 +62,8 @@ class DrawAhead:
 
     def __init__(self, rollouts: Rollouts, model: SharedBase, group: int, rank: int, staleness: int,
                  timeout: float) -> None:
-        self.group, self.rank, self.staleness, self.timeout = group, rank, staleness, timeout
+        self.group, self.rank, self.staleness = group, rank, staleness
         sampler = rollouts.sampler
-        self.seeds = sampler.seeds
         self.server = sampler.engine(model)
         self.engine = ServedVersion(self.server)
         self.rollouts = Rollouts(Sampler(sampler.settings, sampler.seeds, sampler.pad_token_id, engine=self.engine),
@@ -128,7 +127,7 @@ class DrawAhead:
         for old in [kept for kept in self.snapshots if kept < n - self.staleness]:
             del self.snapshots[old]
         cpu = {key: value.cpu() if isinstance(value, Tensor) else value for key, value in prompts.items()}
-        seeds = self.seeds.ahead(iteration, self.rank, cpu.get("index"), len(cpu["prompt"]), self.group)
+        seeds = self.rollouts.sampler.seeds.ahead(iteration, self.rank, cpu.get("index"), len(cpu["prompt"]), self.group)
         rows = tuple(cpu["index"].tolist()) if "index" in cpu else ()
         self.producer.submit(Job(iteration, drawn_by, version, name, rows, tuple(seeds)), cpu)
 

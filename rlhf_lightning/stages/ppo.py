@@ -122,15 +122,15 @@ class PPO(PolicyGradient):
         super().__init__(*args, epochs=epochs, **kwargs)
         checks.in_range("gamma", gamma, 0.0, 1.0)
         checks.in_range("lam", lam, 0.0, 1.0)
-        self.critic = self.keep_group("critic", critic, self.default_critic)
+        settings = self.keep_group("critic", critic, self.default_critic)
+        self.critic = dataclasses.replace(settings, lora=without_dropout(settings.lora, CRITIC))
         if self.critic.from_reward and not any(source.adapter_role for source in self.rewards.sources):
             raise ValueError("critic.from_reward needs an AdapterReward or an EnsembleReward: the critic copies its "
                              "adapter and head (an ensemble's first member's)")
-        self.critic_lora = without_dropout(self.critic.lora, CRITIC)
 
     def build_model(self, empty: bool) -> SharedBase:
         model = super().build_model(empty)
-        model.add_adapter(CRITIC, self.critic_lora)
+        model.add_adapter(CRITIC, self.critic.lora)
         model.add_head(CRITIC)
         if self.critic.from_reward:
             model.copy_adapter(next(s.adapter_role for s in self.rewards.sources if s.adapter_role), CRITIC)
