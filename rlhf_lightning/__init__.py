@@ -15,6 +15,7 @@ from rlhf_lightning.utils.compatibility import install_old_names
 # Each public name -> the module that defines it.
 _PUBLIC = {
     "KLPenalty": "rlhf_lightning.algorithms.kl",
+    "RolloutCorrection": "rlhf_lightning.algorithms.rollout_correction",
     "PreferenceDataModule": "rlhf_lightning.data.modules",
     "PromptDataModule": "rlhf_lightning.data.modules",
     "SFTDataModule": "rlhf_lightning.data.modules",
@@ -69,6 +70,7 @@ __all__ = [
     "RemoteReward",
     "RewardModel",
     "RewardSource",
+    "RolloutCorrection",
     "Sampling",
     "SFTDataModule",
     "StepwiseDataModule",

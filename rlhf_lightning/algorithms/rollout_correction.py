@@ -6,10 +6,14 @@ from another distribution's samples. The correction weights each token's policy 
 w = pi_trainer / pi_sampler, truncated (TIS) or with the tokens or responses outside the bounds masked out (MIS),
 as TRL 1.16's ``vllm_importance_sampling_mode`` does: ``token_truncate``, ``token_mask``, ``sequence_truncate``,
 ``sequence_mask`` with ``vllm_importance_sampling_clip_min`` / ``_clip_max`` (3.0 by default).
+
+A module takes it as the ``correction`` group (:class:`RolloutCorrection`); the weights reach the policy loss in its
+input (:class:`~rlhf_lightning.algorithms.policy_losses.PolicyLossInput`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
@@ -17,9 +21,52 @@ from torch import Tensor
 
 from rlhf_lightning.algorithms.kl import kl_penalty
 from rlhf_lightning.algorithms.masked import masked_mean
+from rlhf_lightning.utils import checks
 
-RolloutCorrection = Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
-CORRECTIONS: tuple[str, ...] = get_args(RolloutCorrection)
+CorrectionMode = Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+CORRECTIONS: tuple[str, ...] = get_args(CorrectionMode)
+
+
+@dataclass(frozen=True)
+class RolloutCorrection:
+    """The ``correction`` argument: importance-sampling correction of the sampler's log-probs against the
+    trainer's (another precision or kernel, a stale policy). Each token's policy loss is weighted by
+    w = pi_trainer / pi_sampler per token or per response; the mismatch is logged either way
+    (``rollout/mismatch_kl``). A config sets some fields and keeps the others' defaults
+    (``correction: {mode: token_truncate}``).
+
+    Args:
+        mode: ``token_truncate`` / ``sequence_truncate`` clamp w to [``min_weight``, ``max_weight``] (TIS);
+            ``token_mask`` / ``sequence_mask`` zero the tokens or responses outside it (MIS): TRL 1.16's
+            ``vllm_importance_sampling_mode`` names; ``none`` = off.
+        min_weight: lower bound of the weight; null = none. It must be below ``max_weight``.
+        max_weight: upper bound of the weight (TRL's 3.0); null = none.
+    """
+
+    mode: CorrectionMode = "none"
+    min_weight: float | None = None
+    max_weight: float | None = 3.0
+
+    def check(self, name: str = "correction") -> RolloutCorrection:
+        """Raise a one-line error naming ``name.field`` for a value out of range or bounds that leave no weight."""
+        checks.one_of(f"{name}.mode", self.mode, CORRECTIONS)
+        checks.non_negative(f"{name}.min_weight", self.min_weight, optional=True)
+        checks.positive(f"{name}.max_weight", self.max_weight, optional=True)
+        if self.min_weight is not None and self.max_weight is not None and self.min_weight >= self.max_weight:
+            # An empty range masks every token (*_mask) and a single point gives every token the same weight
+            # (*_truncate): nothing would be corrected, and with a mask nothing would train.
+            raise ValueError(f"{name}.min_weight={self.min_weight} is not below {name}.max_weight={self.max_weight}: "
+                             "the correction keeps weights inside [min_weight, max_weight], so every token would be "
+                             "masked out or get the same weight; set the minimum below the maximum (TRL's bounds: "
+                             "none and 3.0)")
+        return self
+
+    def weights(self, trainer_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor) -> Tensor | None:
+        """Detached weights ``[B, T]`` of each token's policy loss (:func:`correction_weights`); None when off."""
+        if self.mode == "none":
+            return None
+        return correction_weights(trainer_logprobs, sampler_logprobs, mask, self.mode, self.min_weight,
+                                  self.max_weight)
 
 
 def weight_dtype(trainer_logprobs: Tensor, sampler_logprobs: Tensor) -> torch.dtype:
@@ -28,7 +75,7 @@ def weight_dtype(trainer_logprobs: Tensor, sampler_logprobs: Tensor) -> torch.dt
     return torch.promote_types(torch.promote_types(trainer_logprobs.dtype, sampler_logprobs.dtype), torch.float32)
 
 
-def correction_weights(trainer_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor, mode: RolloutCorrection,
+def correction_weights(trainer_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor, mode: CorrectionMode,
                        clip_min: float | None = None, clip_max: float | None = 3.0) -> Tensor:
     """Detached weights ``[B, T]`` of each token's policy loss (1 everywhere with ``mode="none"``).
 

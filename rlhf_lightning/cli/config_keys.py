@@ -5,6 +5,7 @@ switched on the command line dropped."""
 from __future__ import annotations
 
 import re
+import typing
 from pathlib import Path
 
 import yaml
@@ -18,9 +19,24 @@ GROUP_FIELD = re.compile(rf"^--((?:\w+\.)*init_args\.(?:{'|'.join(GROUP_CLASSES)
 NULLS = frozenset({"null", "none", "~"})
 
 
+def takes_the_word_none(group: str, field: str) -> bool:
+    """Whether ``group.field`` has the string ``"none"`` among its values (``correction.mode: none``): there the
+    word is the value, not null."""
+    import rlhf_lightning
+
+    cls = getattr(rlhf_lightning, GROUP_CLASSES[group])
+    hint = typing.get_type_hints(cls).get(field)
+    pending, seen = [hint], []
+    while pending:
+        current = pending.pop()
+        seen.append(current)
+        pending += list(typing.get_args(current))
+    return "none" in seen
+
+
 def nulls_in_groups(argv: list[str]) -> list[str]:
     """``argv`` with every ``--<...>.init_args.<group>.<field>=null`` (or ``... null``) given as
-    ``--<...>.init_args.<group>={<field>: null}``."""
+    ``--<...>.init_args.<group>={<field>: null}``; ``none`` too, unless the field takes the word."""
     out: list[str] = []
     index = 0
     while index < len(argv):
@@ -29,7 +45,10 @@ def nulls_in_groups(argv: list[str]) -> list[str]:
         separate = match is not None and value is None and index + 1 < len(argv)
         if separate:
             value = argv[index + 1]
-        if match is not None and value is not None and value.strip().lower() in NULLS:
+        word = None if value is None else value.strip().lower()
+        group = None if match is None else match.group(1).rsplit(".", 1)[-1]
+        if (match is not None and word in NULLS
+                and not (word == "none" and takes_the_word_none(group, match.group(2)))):
             out.append(f"--{match.group(1)}={{{match.group(2)}: null}}")
             index += 2 if separate else 1
             continue

@@ -2,8 +2,8 @@
 entropy bonus and PPO-ptx.
 
 The loss of a micro-batch is built around the registered loss (:mod:`rlhf_lightning.algorithms.policy_losses`),
-each piece applied once: the policy's log-probs, the loss's per-token terms, the importance-sampling correction
-of the sampler's log-probs, ``+ kl.coef x`` the per-token KL (in the loss, GRPO's way; or shaped into the rewards
+each piece applied once: the policy's log-probs, the loss's per-token terms (with the importance-sampling
+correction of the sampler's log-probs, ``correction``, in the loss's input), ``+ kl.coef x`` the per-token KL (in the loss, GRPO's way; or shaped into the rewards
 before the advantages, PPO's), ``- ent_coef x`` the entropy, aggregated over the optimizer step
 (``loss_aggregation``), ``+ ptx_coef x`` the pretraining loss.
 """
@@ -23,13 +23,8 @@ from rlhf_lightning.algorithms import (
     masked_mean,
 )
 from rlhf_lightning.algorithms.kl import KLPenalty
-from rlhf_lightning.algorithms.policy_losses import Clip, PolicyLoss
-from rlhf_lightning.algorithms.rollout_correction import (
-    CORRECTIONS,
-    RolloutCorrection,
-    correction_weights,
-    mismatch_statistics,
-)
+from rlhf_lightning.algorithms.policy_losses import Clip, PolicyLoss, PolicyLossInput
+from rlhf_lightning.algorithms.rollout_correction import RolloutCorrection, mismatch_statistics
 from rlhf_lightning.algorithms.surrogate import (
     LossAggregation,
     aggregate_loss,
@@ -51,9 +46,9 @@ class PolicyGradient(OnlineRL):
 
     Args:
         policy_loss: the registered policy loss and its arguments: ``Clip`` (PPO's clipped surrogate:
-            ``clip_range``, ``clip_range_high``, ``ratio_level``) or ``CISPO`` (``max_weight``, ``min_weight``,
-            ``ratio_level``), or a :class:`~rlhf_lightning.algorithms.policy_losses.PolicyLoss` of your own by
-            import path.
+            ``clip_range``, ``clip_range_high``, ``ratio_level``, ``clip_against``) or ``CISPO`` (``max_weight``,
+            ``min_weight``, ``ratio_level``, ``clip_against``), or a
+            :class:`~rlhf_lightning.algorithms.policy_losses.PolicyLoss` of your own by import path.
         loss_aggregation: ``token_mean`` over every token of the optimizer step (DAPO, verl, OpenRLHF);
             ``sequence_mean`` of per-response token means (the original GRPO); ``constant``: token sum divided
             by responses x ``sampling.max_new_tokens`` (Dr. GRPO).
@@ -64,17 +59,13 @@ class PolicyGradient(OnlineRL):
             own defaults (``default_kl``), which a config's fields override one by one.
         ent_coef: weight of the entropy bonus.
         ptx_coef: weight of the pretraining loss (PPO-ptx) on the data module's ``ptx`` batches; 0 = off.
-        rollout_correction: importance-sampling correction of the sampler's log-probs against the trainer's (another
-            precision or kernel, a stale policy): each token's policy loss times w = pi_trainer / pi_sampler per
-            token or per response, truncated to [``rollout_correction_min``, ``rollout_correction_max``]
-            (``*_truncate``, TIS) or zero outside it (``*_mask``, MIS), TRL 1.16's ``vllm_importance_sampling_mode``
-            names; ``none`` = off. The mismatch is logged either way (``rollout/mismatch_kl``).
-        rollout_correction_min: lower bound of the correction's weight; null = none. It must be below
-            ``rollout_correction_max``.
-        rollout_correction_max: upper bound of the correction's weight (TRL's 3.0); null = none.
-        clip_against: the policy loss's ratio's denominator: ``proximal``, the trainer's log-probs at the start of
-            the update (with ``rollout_correction`` this is AReaL's decoupled objective for stale rollouts:
-            ``max_staleness``), or ``sampler``, the engine's (naive PPO-clip against the behaviour policy).
+        correction: importance-sampling correction of the sampler's log-probs against the trainer's (another
+            precision or kernel, a stale policy): ``mode`` (``token_truncate``, ``token_mask``,
+            ``sequence_truncate``, ``sequence_mask``: TRL 1.16's names; ``none`` = off), ``min_weight``,
+            ``max_weight`` (see :class:`~rlhf_lightning.algorithms.rollout_correction.RolloutCorrection`). Its
+            weights reach the policy loss in its input; with the loss's ``clip_against: proximal`` this is AReaL's
+            decoupled objective for stale rollouts (``max_staleness``). The mismatch is logged either way
+            (``rollout/mismatch_kl``).
     """
 
     default_kl = KLPenalty()  # the k1 estimate shaped into the rewards with coefficient 0.05
@@ -88,10 +79,7 @@ class PolicyGradient(OnlineRL):
         kl: KLPenalty = default_kl,
         ent_coef: float = 0.0,
         ptx_coef: float = 0.0,
-        rollout_correction: RolloutCorrection = "none",
-        rollout_correction_min: float | None = None,
-        rollout_correction_max: float | None = 3.0,
-        clip_against: Literal["proximal", "sampler"] = "proximal",
+        correction: RolloutCorrection = RolloutCorrection(),  # noqa: B008 (frozen; the CLI shows it as the default)
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -100,21 +88,11 @@ class PolicyGradient(OnlineRL):
         self.kl: KLPenalty = self.keep_group("kl", kl, self.default_kl)
         for name, value in {"ent_coef": ent_coef, "ptx_coef": ptx_coef}.items():
             checks.non_negative(name, value)
-        checks.one_of("rollout_correction", rollout_correction, CORRECTIONS)
-        checks.one_of("clip_against", clip_against, ("proximal", "sampler"))
-        if clip_against == "sampler" and rollout_correction != "none":
-            raise ValueError(f"clip_against: sampler with rollout_correction: {rollout_correction}: the ratio is "
-                             "already against the sampler, so the correction would weigh it twice; set one of them")
-        checks.non_negative("rollout_correction_min", rollout_correction_min, optional=True)
-        checks.positive("rollout_correction_max", rollout_correction_max, optional=True)
-        bounds = (rollout_correction_min, rollout_correction_max)
-        if None not in bounds and bounds[0] >= bounds[1]:
-            # An empty range masks every token (*_mask) and a single point gives every token the same weight
-            # (*_truncate): nothing would be corrected, and with a mask nothing would train.
-            raise ValueError(f"rollout_correction_min={rollout_correction_min} is not below rollout_correction_max="
-                             f"{rollout_correction_max}: the correction keeps weights inside [min, max], so every "
-                             "token would be masked out or get the same weight; set the minimum below the maximum "
-                             "(TRL's bounds: none and 3.0)")
+        self.correction: RolloutCorrection = self.keep_group("correction", correction, RolloutCorrection())
+        if policy_loss.clip_against == "sampler" and self.correction.mode != "none":
+            raise ValueError(f"policy_loss.clip_against: sampler with correction.mode: {self.correction.mode}: the "
+                             "ratio is already against the sampler, so the correction would weigh it twice; set one "
+                             "of them")
         if mask_truncated_completions and checks.optional_str(self.sampling.stop_token) is None:
             raise ValueError("mask_truncated_completions needs a sampling.stop_token: without one no response ever stops, "
                              "so every response would be masked and nothing would train")
@@ -211,15 +189,15 @@ class PolicyGradient(OnlineRL):
         # One optimizer step per rollout: the policy has not moved since sampling, so its own pass, detached,
         # gives the old log-probs (ratio 1 in value, the policy gradient in gradient).
         proximal = logprobs.detach() if own_pass else micro.logprobs
-        old_logprobs = micro.sampler_logprobs if hp.clip_against == "sampler" else proximal
-        per_token, statistics = self.policy_loss(logprobs, old_logprobs, micro.advantages, mask)
         # the trainer's log-probs at the update's start against the sampler's (another engine, or a stale policy)
+        weights = self.correction.weights(proximal, micro.sampler_logprobs, mask)
+        inputs = PolicyLossInput(logprobs, proximal, micro.sampler_logprobs, micro.advantages, mask,
+                                 micro.ref_logprobs, weights)
+        per_token, statistics = self.policy_loss(inputs)
+        old_logprobs = inputs.anchor(self.policy_loss.clip_against)
         mismatch = mismatch_statistics(proximal, micro.sampler_logprobs, mask)
         terms: Stats = {f"rollout/mismatch_{name}": value for name, value in mismatch.items()}
-        if hp.rollout_correction != "none":
-            weights = correction_weights(proximal, micro.sampler_logprobs, mask, hp.rollout_correction,
-                                         hp.rollout_correction_min, hp.rollout_correction_max)
-            per_token = per_token * weights
+        if weights is not None:
             terms["rollout/correction_weight"] = masked_mean(weights, mask)
             terms["rollout/corrected_out"] = masked_mean((weights == 0).float(), mask)
         log_ratio = torch.where(mask, logprobs - old_logprobs, 0.0).detach()

@@ -11,7 +11,7 @@ pushed as tensors.
   stops the run instead of training on a stale policy.
 - **Its log-probs are the sampler's** (of the distribution it sampled, after the temperature): the trainer's pass
   stays the truth for the loss, and the gap between the two is logged (``rollout/mismatch_*``) and corrected by
-  ``rollout_correction``.
+  the module's ``correction``.
 - **Seeded per request**: one seed per prompt, from the run's random stream (or the per-response seeds of
   ``seed_scope: prompt``), and vLLM's ``n`` draws the group (its response ``i`` seeded ``seed + i``): a resumed
   run redraws what the uninterrupted one drew.

@@ -58,7 +58,7 @@ METHODS: dict[str, Method] = {method.name: method for method in (
     # KL per token (largest difference ~1e-5), so this row shows what the correction costs and changes without a
     # mismatch to correct.
     Method("tis", "GRPO with truncated IS", "grpo.yaml", "kl.coef", (0.03, 0.1, 0.3), steps=128, every=16,
-           overrides=("--model.init_args.rollout_correction=token_truncate",)),
+           overrides=("--model.init_args.correction.mode=token_truncate",)),
     Method("rloo", "RLOO", "rloo.yaml", "kl.coef", (0.02, 0.05, 0.15), steps=128, every=16),
     Method("reinforce_pp", "REINFORCE++-baseline", "reinforce_pp.yaml", "kl.coef", (0.02, 0.05, 0.15),
            steps=128, every=16),

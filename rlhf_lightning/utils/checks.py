@@ -96,7 +96,8 @@ def check_vllm(kv_cache_gib: float | None, gpu_memory_utilization: float, max_mo
     at_least("engine.init_args.max_model_len", max_model_len, optional=True)
 
 
-GROUP_CLASSES = {"sampling": "Sampling", "kl": "KLPenalty", "optimizer": "OptimizerSettings", "critic": "Critic"}
+GROUP_CLASSES = {"sampling": "Sampling", "kl": "KLPenalty", "optimizer": "OptimizerSettings", "critic": "Critic",
+                 "correction": "RolloutCorrection"}
 
 
 def group_settings(name: str, value: Any, default: Any) -> Any:

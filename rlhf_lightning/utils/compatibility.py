@@ -62,8 +62,9 @@ MOVED_MODULES: dict[str, str] = {
     "rlhf_lightning.rewards.process": "rlhf_lightning.rewards.process_reward",
 }
 
-# Module arguments that became fields of a typed group (``sampling``, ``kl``, ``optimizer``, PPO's ``critic``): the old flat names are
-# refused in one line naming the new key, in a config file, on the command line and by the constructors.
+# Module arguments that became fields of a typed group (``sampling``, ``kl``, ``optimizer``, ``correction``, PPO's
+# ``critic``): the old flat names are refused in one line naming the new key, in a config file, on the command line
+# and by the constructors.
 MOVED_ARGUMENTS = {
     **{name: f"sampling.{name}" for name in ("max_new_tokens", "temperature", "top_k", "top_p", "kv_cache",
                                             "stop_token")},
@@ -75,6 +76,8 @@ MOVED_ARGUMENTS = {
     **{name: f"optimizer.{name}" for name in ("weight_decay", "adam_eps", "nonfinite")},
     "critic_lora": "critic.lora", "critic_from_reward": "critic.from_reward", "critic_lr": "critic.lr",
     **{name: f"critic.{name}" for name in ("vf_coef", "clip_range_value", "backward")},
+    "rollout_correction": "correction.mode", "rollout_correction_min": "correction.min_weight",
+    "rollout_correction_max": "correction.max_weight",
 }
 
 # Arguments that moved into a group (the policy loss, the engine, and the ones above): the group, and where each is
@@ -83,6 +86,7 @@ MOVED_INTO_GROUPS = {
     "clip_range": ("policy_loss", "policy_loss.clip_range"),
     "clip_range_high": ("policy_loss", "policy_loss.clip_range_high"),
     "ratio_level": ("policy_loss", "policy_loss.ratio_level"),
+    "clip_against": ("policy_loss", "policy_loss.clip_against"),
     "cispo_max_weight": ("policy_loss", "policy_loss: CISPO with policy_loss.max_weight"),
     "cispo_min_weight": ("policy_loss", "policy_loss: CISPO with policy_loss.min_weight"),
     "loss_type": ("preference_loss", "preference_loss: Sigmoid, Robust, IPO, Hinge, SigmoidNorm or SimPO (loss_type "

@@ -1,12 +1,12 @@
-"""The decoupled PPO objective of asynchronous RL (AReaL, Fu et al. 2025) is the registered ``Clip`` loss with the
-rollout correction, number for number: the clip is against the proximal policy (the trainer's log-probs at the start
-of the update, our ``old_logprobs``), and each token's loss is weighted by the behaviour importance weight
-w = pi_prox / mu (mu: the sampler's log-probs), detached.
+"""The decoupled PPO objective of asynchronous RL (AReaL, Fu et al. 2025) is the registered ``Clip`` loss
+(``clip_against: proximal``) given the rollout correction's weights in its input, number for number: the clip is
+against the proximal policy (the trainer's log-probs at the start of the update), and each token's loss is weighted
+by the behaviour importance weight w = pi_prox / mu (mu: the sampler's log-probs), detached.
 
-- the formula in the async-training issue, ``w = sg(min(pi_prox / mu, C))``: ``rollout_correction: token_truncate``,
-  ``rollout_correction_max: C``;
+- the formula in the async-training issue, ``w = sg(min(pi_prox / mu, C))``: ``correction: {mode: token_truncate,
+  max_weight: C}``;
 - AReaL's ``ppo_actor_loss_fn`` with ``behav_imp_weight_cap: C`` (its tokens whose weight exceeds C count 0, their
-  positions still in the token mean's denominator): ``rollout_correction: token_mask``, ``rollout_correction_max: C``.
+  positions still in the token mean's denominator): ``correction: {mode: token_mask, max_weight: C}``.
 
 The reference lines below are written from those definitions, independently of the package's code."""
 
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from rlhf_lightning.algorithms.policy_losses import Clip
-from rlhf_lightning.algorithms.rollout_correction import correction_weights
+from rlhf_lightning.algorithms.policy_losses import Clip, PolicyLossInput
+from rlhf_lightning.algorithms.rollout_correction import RolloutCorrection
 
 EPSILON, CAP = 0.2, 2.0
 
@@ -46,9 +46,10 @@ def reference_decoupled(current, proximal, behaviour, advantages, mask, cap, fil
 
 
 def ours(current, proximal, behaviour, advantages, mask, mode):
-    per_token, _ = Clip(clip_range=EPSILON)(current, proximal, advantages, mask)
-    weights = correction_weights(proximal, behaviour, mask, mode, None, CAP)
-    per_token = torch.where(mask, per_token * weights, 0.0)
+    weights = RolloutCorrection(mode, max_weight=CAP).weights(proximal, behaviour, mask)
+    inputs = PolicyLossInput(current, proximal, behaviour, advantages, mask, correction=weights)
+    per_token, _ = Clip(clip_range=EPSILON, clip_against="proximal")(inputs)
+    per_token = torch.where(mask, per_token, 0.0)
     return per_token, per_token.sum() / mask.sum()
 
 
@@ -84,5 +85,5 @@ def test_on_policy_samples_make_it_plain_ppo():
     """Fresh samples (mu = pi_prox): every weight is 1 and the objective is PPO-clip's, as in the synchronous loop."""
     current, proximal, _, advantages, mask = tensors(seed=2)
     got_tokens, _ = ours(current, proximal, proximal, advantages, mask, "token_truncate")
-    plain, _ = Clip(clip_range=EPSILON)(current, proximal, advantages, mask)
+    plain, _ = Clip(clip_range=EPSILON).surrogate(current, proximal, advantages, mask)
     torch.testing.assert_close(got_tokens, torch.where(mask, plain, 0.0), rtol=0, atol=0)

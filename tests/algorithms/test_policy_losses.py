@@ -4,13 +4,14 @@ by defining it and trains a step when a config names it."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from rlhf_lightning.algorithms.policy_losses import CISPO, Clip, PolicyLoss
+from rlhf_lightning.algorithms.policy_losses import CISPO, Clip, LossOutput, PolicyLoss, PolicyLossInput
 from rlhf_lightning.algorithms.surrogate import cispo_surrogate, clipped_surrogate
 from rlhf_lightning.cli import main
 from tests.helpers.cli import logged_keys
@@ -39,7 +40,7 @@ class SAPO(PolicyLoss):
         self.temperature_positive = temperature_positive
         self.temperature_negative = temperature_negative
 
-    def __call__(self, logprobs, old_logprobs, advantages, mask):
+    def surrogate(self, logprobs, old_logprobs, advantages, mask):
         ratio = torch.exp(torch.where(mask, logprobs - old_logprobs, 0.0))
         tau = torch.where(advantages > 0, self.temperature_positive, self.temperature_negative)
         gate = torch.sigmoid(tau * (ratio - 1)) * 4 / tau
@@ -71,23 +72,51 @@ def tokens(seed: int = 0) -> tuple[torch.Tensor, ...]:
 def test_clip_and_cispo_are_the_surrogate_functions_with_their_statistics():
     logprobs, old, advantages, mask = tokens()
     clip = Clip(clip_range=0.1, clip_range_high=0.3, ratio_level="sequence")
-    out = clip(logprobs, old, advantages, mask)
+    out = clip.surrogate(logprobs, old, advantages, mask)
     expected = clipped_surrogate(logprobs, old, advantages, mask, 0.1, 0.3, "sequence")
     torch.testing.assert_close(out.per_token, expected.loss)
     clipped = expected.clipped_low | expected.clipped_high
     assert float(out.statistics["clipfrac"]) == pytest.approx(float(clipped[mask].float().mean()))
     cispo = CISPO(max_weight=1.1, min_weight=0.9)
-    torch.testing.assert_close(cispo(logprobs, old, advantages, mask).per_token,
+    torch.testing.assert_close(cispo.surrogate(logprobs, old, advantages, mask).per_token,
                                cispo_surrogate(logprobs, old, advantages, mask, 1.1, 0.9).loss)
     assert clip.ratio_level == "sequence" and CISPO().ratio_level == "token"
     assert {"Clip", "CISPO"} <= set(PolicyLoss.registry) and PolicyLoss.registry["CISPO"] is CISPO
     assert Clip(0.2) == Clip(0.2) != Clip(0.3) and repr(Clip(0.2)).startswith("Clip(clip_range=0.2")
 
 
+def test_a_loss_sees_one_typed_input_and_takes_its_anchor_and_the_correction_from_it():
+    """The loss's input holds the proximal and the behaviour log-probs; ``clip_against`` picks the ratio's
+    denominator, and the rollout correction's weights multiply each token's loss."""
+    logprobs, proximal, advantages, mask = tokens(2)
+    behaviour = proximal - 0.4 * torch.rand(3, 5, generator=torch.Generator().manual_seed(3))
+    weights = torch.rand(3, 5, generator=torch.Generator().manual_seed(4))
+    inputs = PolicyLossInput(logprobs, proximal, behaviour, advantages, mask, correction=weights)
+    for loss in (Clip(clip_range=0.1), CISPO(max_weight=1.2)):
+        torch.testing.assert_close(loss(inputs).per_token,
+                                   loss.surrogate(logprobs, proximal, advantages, mask).per_token * weights)
+    against_sampler = Clip(clip_range=0.1, clip_against="sampler")
+    plain = dataclasses.replace(inputs, correction=None)
+    torch.testing.assert_close(against_sampler(plain).per_token,
+                               clipped_surrogate(logprobs, behaviour, advantages, mask, 0.1, 0.1, "token").loss)
+    assert not torch.equal(against_sampler(plain).per_token, Clip(clip_range=0.1)(plain).per_token)
+    with pytest.raises(ValueError, match="^policy_loss.clip_against must be one of proximal, sampler"):
+        Clip(clip_against="behaviour")
+
+
+def test_a_loss_written_for_the_old_four_tensor_call_is_refused_in_one_line():
+    with pytest.raises(TypeError, match=r"OldStyle.__call__ takes the loss's tensors one by one: a policy loss now "
+                                        r"receives one PolicyLossInput; rename the method to surrogate\("):
+        class OldStyle(PolicyLoss):
+            def __call__(self, logprobs, old_logprobs, advantages, mask):
+                return LossOutput(-advantages * logprobs, {})
+    assert "OldStyle" not in PolicyLoss.registry
+
+
 def test_a_loss_from_outside_the_package_is_registered_and_is_the_papers_formula(sapo):
     assert PolicyLoss.registry["SAPO"] is sapo  # defining the class registered it
     logprobs, old, advantages, mask = tokens(1)
-    out = sapo()(logprobs, old, advantages, mask)
+    out = sapo().surrogate(logprobs, old, advantages, mask)
     ratio = torch.exp(logprobs.detach() - old)
     for row in range(3):  # the paper's gate, written out token by token
         for t in range(5):
@@ -98,7 +127,7 @@ def test_a_loss_from_outside_the_package_is_registered_and_is_the_papers_formula
             gate = 4 / tau / (1 + torch.exp(-tau * (ratio[row, t] - 1)))
             torch.testing.assert_close(out.per_token[row, t].detach(), -gate * advantages[row, t])
     # On-policy (ratio 1) its gradient is the policy gradient's, -A grad log pi: sigmoid'(0) * 4 = 1.
-    on_policy = sapo()(logprobs, logprobs.detach(), advantages, mask).per_token.sum()
+    on_policy = sapo().surrogate(logprobs, logprobs.detach(), advantages, mask).per_token.sum()
     (gradient,) = torch.autograd.grad(on_policy, logprobs)
     torch.testing.assert_close(gradient, torch.where(mask, -advantages, 0.0))
 

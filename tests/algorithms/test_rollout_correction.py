@@ -11,8 +11,12 @@ import pytest
 import torch
 
 from rlhf_lightning import GRPO, AdapterReward
-from rlhf_lightning.algorithms.policy_losses import Clip
-from rlhf_lightning.algorithms.rollout_correction import correction_weights, mismatch_statistics
+from rlhf_lightning.algorithms.policy_losses import Clip, LossOutput, PolicyLoss, PolicyLossInput
+from rlhf_lightning.algorithms.rollout_correction import (
+    RolloutCorrection,
+    correction_weights,
+    mismatch_statistics,
+)
 from rlhf_lightning.models.spec import BaseModelSpec
 from tests.helpers.cli import grpo as grpo_arguments
 from tests.helpers.cli import one_line
@@ -75,14 +79,14 @@ def test_the_weights_follow_the_log_probs_dtype_float32_at_least(mode):
 def test_a_minimum_not_below_the_maximum_is_refused_with_both_values(capsys, tiny_model_dir, reward_dir):
     # Set on the command line against the default maximum: a mask over an empty range would drop every token.
     line = one_line(capsys, *grpo_arguments(tiny_model_dir, reward_dir,
-                                            "--model.init_args.rollout_correction=token_mask",
-                                            "--model.init_args.rollout_correction_min=5"))
-    assert line == ("error: rollout_correction_min=5.0 is not below rollout_correction_max=3.0: the correction keeps "
-                    "weights inside [min, max], so every token would be masked out or get the same weight; set the "
-                    "minimum below the maximum (TRL's bounds: none and 3.0)")
-    with pytest.raises(ValueError, match=r"^rollout_correction_min=2.0 is not below rollout_correction_max=2.0: "):
+                                            "--model.init_args.correction.mode=token_mask",
+                                            "--model.init_args.correction.min_weight=5"))
+    assert line == ("error: correction.min_weight=5.0 is not below correction.max_weight=3.0: the correction keeps "
+                    "weights inside [min_weight, max_weight], so every token would be masked out or get the same "
+                    "weight; set the minimum below the maximum (TRL's bounds: none and 3.0)")
+    with pytest.raises(ValueError, match=r"^correction.min_weight=2.0 is not below correction.max_weight=2.0: "):
         GRPO(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), reward=AdapterReward(str(reward_dir)),
-             rollout_correction="token_truncate", rollout_correction_min=2.0, rollout_correction_max=2.0)
+             correction={"mode": "token_truncate", "min_weight": 2.0, "max_weight": 2.0})
 
 
 def test_the_mismatch_is_a_kl_and_trls_logprob_difference():
@@ -104,7 +108,7 @@ def grpo(tiny_model_dir, reward_dir, **kwargs):
 
 
 def test_the_sampler_log_probs_are_kept_and_the_loss_is_weighted(tiny_model_dir, reward_dir):
-    module = grpo(tiny_model_dir, reward_dir, rollout_correction="token_truncate", rollout_correction_max=1.5)
+    module = grpo(tiny_model_dir, reward_dir, correction=RolloutCorrection("token_truncate", max_weight=1.5))
     torch.manual_seed(0)
     experience, _ = module.collect_and_prepare(first_batch(module))
     mask = experience.response_mask
@@ -130,20 +134,57 @@ def test_the_sampler_log_probs_are_kept_and_the_loss_is_weighted(tiny_model_dir,
 
 
 def test_clip_against_the_sampler_puts_the_samplers_log_probs_in_the_ratio(tiny_model_dir, reward_dir):
-    """``clip_against: sampler`` (naive PPO-clip against the behaviour policy, the ablation of asynchronous runs):
+    """The loss's ``clip_against: sampler`` (naive PPO-clip against the behaviour policy, the ablation of
+    asynchronous runs):
     the ratio is pi / mu, so the loss is Clip's of the trainer's log-probs against the sampler's, while the mismatch
     is still the trainer's log-probs at the update's start against the sampler's."""
-    module = grpo(tiny_model_dir, reward_dir, clip_against="sampler", epochs=2)
+    module = grpo(tiny_model_dir, reward_dir, policy_loss=Clip(clip_against="sampler"), epochs=2)
     torch.manual_seed(0)
     experience, _ = module.collect_and_prepare(first_batch(module))
     mask = experience.response_mask
     stale = experience.sampler_logprobs + torch.where(mask, torch.linspace(-0.6, 0.6, mask.shape[1]), 0.0)
     terms = module.losses(dataclasses.replace(experience, sampler_logprobs=stale))
     trainer, _ = module.response_logprobs("policy", experience.input_ids, experience.attention_mask, mask)
-    per_token, _ = Clip()(trainer.detach(), stale, experience.advantages, mask)
+    per_token, _ = Clip().surrogate(trainer.detach(), stale, experience.advantages, mask)
     torch.testing.assert_close(terms["loss/policy"], per_token[mask].sum() / mask.sum())
     assert terms["policy/clipfrac"] > 0  # ratios away from 1: the clip acts on them
     torch.testing.assert_close(terms["rollout/mismatch_kl"],
                                mismatch_statistics(experience.logprobs, stale, mask)["kl"])
-    with pytest.raises(ValueError, match="^clip_against: sampler with rollout_correction: token_truncate"):
-        grpo(tiny_model_dir, reward_dir, clip_against="sampler", rollout_correction="token_truncate")
+    with pytest.raises(ValueError, match="^policy_loss.clip_against: sampler with correction.mode: token_truncate"):
+        grpo(tiny_model_dir, reward_dir, policy_loss=Clip(clip_against="sampler"),
+             correction={"mode": "token_truncate"})
+
+
+class Recorded(PolicyLoss):
+    """Clip's loss, keeping the input the loop gave it (a loss that reads the whole input defines ``__call__``)."""
+
+    def __init__(self) -> None:
+        self.seen: list[PolicyLossInput] = []
+
+    def __call__(self, inputs: PolicyLossInput) -> LossOutput:
+        self.seen.append(inputs)
+        return Clip()(inputs)
+
+
+def test_the_loss_receives_the_trainers_the_samplers_and_the_references_log_probs_and_the_weights(
+        tiny_model_dir, reward_dir):
+    """The one typed input holds what a decoupled or reference-anchored loss needs, each from its source."""
+    loss = Recorded()
+    module = grpo(tiny_model_dir, reward_dir, policy_loss=loss, kl={"coef": 0.1, "added_to": "loss"},
+                  correction={"mode": "token_mask", "max_weight": 1.5})
+    torch.manual_seed(0)
+    experience, _ = module.collect_and_prepare(first_batch(module))
+    mask = experience.response_mask
+    stale = experience.sampler_logprobs + torch.where(mask, torch.linspace(-1, 1, mask.shape[1]), 0.0)
+    terms = module.losses(dataclasses.replace(experience, sampler_logprobs=stale))
+    (inputs,) = loss.seen
+    trainer, _ = module.response_logprobs("policy", experience.input_ids, experience.attention_mask, mask)
+    torch.testing.assert_close(inputs.logprobs, trainer)
+    assert inputs.logprobs.requires_grad and not inputs.proximal.requires_grad
+    torch.testing.assert_close(inputs.proximal, trainer.detach())  # one step per rollout: its own pass
+    assert inputs.behaviour is not None and torch.equal(inputs.behaviour, stale)
+    assert inputs.reference is not None and torch.equal(inputs.reference, experience.ref_logprobs)
+    assert torch.equal(inputs.advantages, experience.advantages) and torch.equal(inputs.mask, mask)
+    weights = correction_weights(trainer, stale, mask, "token_mask", None, 1.5)
+    torch.testing.assert_close(inputs.correction, weights)
+    assert 0 < terms["rollout/corrected_out"] < 1  # some tokens masked out, some kept

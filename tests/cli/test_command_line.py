@@ -60,6 +60,16 @@ def test_a_group_field_given_null_on_the_command_line_is_null_and_the_groups_oth
     assert cli.model.kl.coef == 0.07 and cli.model.sampling.max_new_tokens > 1  # the config's, kept
 
 
+def test_the_word_none_is_a_value_where_the_group_field_takes_it_and_null_elsewhere():
+    """``correction.mode=none`` (a mode named ``none``) stays the word; ``kl.target=none`` is null, as before."""
+    cli = RLHFCLI(args=["--config", str(REPO / "configs" / "arithmetic_grpo_async.yaml"),
+                        "--model.init_args.correction.mode=none", "--model.init_args.kl.target=none",
+                        "--model.init_args.engine=rlhf_lightning.rollout.engines.Auto", "--model.init_args.max_staleness=0",
+                        "--trainer.logger=false"], run=False)
+    assert cli.model.correction.mode == "none" and cli.model.correction.max_weight == 3.0  # the config's bound kept
+    assert cli.model.kl.target is None
+
+
 def _fit(config: str, *overrides: str) -> None:
     main(["fit", "--config", str(REPO / "configs" / config), "--trainer.enable_progress_bar=false",
           "--trainer.enable_model_summary=false", "--trainer.log_every_n_steps=1", *overrides])

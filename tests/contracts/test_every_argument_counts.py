@@ -8,7 +8,8 @@ and, for the offline stages, one validation batch with its samples (``fit``: the
 metrics, the KL coefficient, the files written, the phases run), or a named observation for
 the settings that by design change no number (which engine samples, how many micro-batches, how many backward
 passes). A module argument without a row fails the test: a new argument must say how it takes effect. A typed
-group (``sampling``, ``kl``, ``optimizer``) has a row per field, each set alone (``kl.coef``).
+group (``sampling``, ``kl``, ``optimizer``, ``critic``, ``correction``) has a row per field, each set alone
+(``kl.coef``).
 """
 
 from __future__ import annotations
@@ -142,11 +143,11 @@ CASES: dict[str, Case] = {
     "kl.horizon": case(100, "fit", kl={"coef": 0.1, "target": 1.0}, perturb=True),
     "ent_coef": case(0.1),
     "ptx_coef": case(0.5, ptx=True),
-    "rollout_correction": case("token_truncate", stale=True),
-    "clip_against": case("sampler", stale=True),  # the ratio against the sampler's log-probs, not the trainer's
+    "correction.mode": case("token_truncate", stale=True),
+    "policy_loss.clip_against": case(Clip(clip_against="sampler"), stale=True),  # the ratio against the sampler's
     "max_staleness": case(1, "refused"),  # by the default engine; VLLMServer's runs: tests/rollout/test_async_training.py
-    "rollout_correction_min": case(2.0, stale=True, rollout_correction="token_truncate"),
-    "rollout_correction_max": case(1.1, stale=True, rollout_correction="token_truncate"),
+    "correction.min_weight": case(2.0, stale=True, correction={"mode": "token_truncate"}),
+    "correction.max_weight": case(1.1, stale=True, correction={"mode": "token_truncate"}),
     # the algorithms' own
     "scale_rewards": case("none"),
     "std_eps": case(0.5),
@@ -461,8 +462,10 @@ def observe_once(cls: type, shows: str, models: dict[str, Path], setting: dict[s
 
 
 def cases() -> list[tuple[type, str]]:
-    """Every argument of every module; a typed group's (``sampling``, ``kl``, ``optimizer``, ``critic``) field by field."""
-    groups = {"sampling": Sampling, "kl": KLPenalty, "optimizer": OptimizerSettings, "critic": rl.Critic}
+    """Every argument of every module; a typed group's (``sampling``, ``kl``, ``optimizer``, ``critic``,
+    ``correction``) field by field."""
+    groups = {"sampling": Sampling, "kl": KLPenalty, "optimizer": OptimizerSettings, "critic": rl.Critic,
+              "correction": rl.RolloutCorrection}
     found = []
     for cls in MODULES:
         for name in accepted_arguments(f"{cls.__module__}.{cls.__qualname__}"):

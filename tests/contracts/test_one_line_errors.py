@@ -47,6 +47,11 @@ def constant_reward(prompts, completions, completion_ids, **columns):
      "'policy_lr' (it moved: optimizer.lr); --model.help rlhf_lightning.GRPO lists them all"),
     ("--model.init_args.max_new_tokens=8", "error: model.init_args.max_new_tokens: rlhf_lightning.GRPO takes no "
      "argument 'max_new_tokens' (it moved: sampling.max_new_tokens); --model.help rlhf_lightning.GRPO lists them all"),
+    ("--model.init_args.rollout_correction=token_truncate", "error: model.init_args.rollout_correction: "
+     "rlhf_lightning.GRPO takes no argument 'rollout_correction' (it moved: correction.mode); --model.help "
+     "rlhf_lightning.GRPO lists them all"),
+    ("--model.init_args.clip_against=sampler", "error: model.init_args.clip_against: rlhf_lightning.GRPO takes no "
+     "argument 'clip_against' (it moved: policy_loss.clip_against); --model.help rlhf_lightning.GRPO lists them all"),
     ("--model.init_args.beta=0.04", "error: model.init_args.beta: rlhf_lightning.GRPO takes no argument 'beta' "
      "(TRL's beta is kl.coef here); --model.help rlhf_lightning.GRPO lists them all"),
     ("--model.init_args.num_generations=8", "error: model.init_args.num_generations: rlhf_lightning.GRPO takes no "

@@ -311,11 +311,11 @@ def test_a_synchronous_runs_checkpoint_cannot_resume_drawing_ahead(tiny_llama_di
 
 
 ALGORITHMS = {  # the other online algorithms, each on stale samples
-    "ppo": ["--model.init_args.critic.lora={r: 4, alpha: 8}", "--model.init_args.rollout_correction=token_truncate"],
-    "rloo": ["--model.init_args.rollout_correction=token_mask"],
-    "reinforce_pp": ["--model.init_args.rollout_correction=token_truncate"],
+    "ppo": ["--model.init_args.critic.lora={r: 4, alpha: 8}", "--model.init_args.correction.mode=token_truncate"],
+    "rloo": ["--model.init_args.correction.mode=token_mask"],
+    "reinforce_pp": ["--model.init_args.correction.mode=token_truncate"],
     "online_dpo": ["--model.init_args.epochs=1"],
-    "distill": ["--model.init_args.rollout_correction=token_truncate"],
+    "distill": ["--model.init_args.correction.mode=token_truncate"],
 }
 
 
@@ -363,7 +363,7 @@ def test_episodes_are_drawn_ahead_turn_by_turn_on_a_server_the_fit_starts(calcul
                  "--model.init_args.num_minibatches=1", "--data.init_args.batch_size=2",
                  "--data.init_args.synthetic_rows=40", "--trainer.limit_val_batches=0",
                  "--trainer.limit_train_batches=3", "--model.init_args.export_dir=null",
-                 "--model.init_args.max_staleness=1", "--model.init_args.rollout_correction=token_truncate",
+                 "--model.init_args.max_staleness=1", "--model.init_args.correction.mode=token_truncate",
                  "--model.init_args.environment={class_path: tests.helpers.episodes.Feedback}",
                  f"--model.init_args.engine={{class_path: {SERVER}, init_args: {{kv_cache_gib: 0.25}}}}"]
     result = drive(tmp_path, "episodes", [run(tmp_path, "episodes", arguments)])

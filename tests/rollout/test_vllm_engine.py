@@ -268,8 +268,8 @@ def vllm_fit(config: str, llama: str, reward: str, *extra: str) -> list[str]:
 
 ALGORITHMS = {
     "ppo": ["--model.init_args.critic.lora={r: 4, alpha: 8}"],
-    "grpo": ["--model.init_args.rollout_correction=token_truncate"],  # TIS on vLLM's log-probs
-    "rloo": ["--model.init_args.rollout_correction=sequence_mask"],  # MIS
+    "grpo": ["--model.init_args.correction.mode=token_truncate"],  # TIS on vLLM's log-probs
+    "rloo": ["--model.init_args.correction.mode=sequence_mask"],  # MIS
     "reinforce_pp": [],
     "online_dpo": ["--model.init_args.epochs=1"],
     "distill": [],
@@ -299,7 +299,7 @@ def test_every_online_algorithm_trains_on_vllms_samples(tiny_llama_dir, llama_ad
         if name != "online_dpo":
             # iteration 2 samples after an update: the pushed adapter is the trained one
             assert len(mismatch) == 2 and max(mismatch) < 1e-4, (name, mismatch)
-        if "rollout_correction" in " ".join(ALGORITHMS[name]):  # weights of 1 up to the fp32 gap, none masked
+        if "correction.mode" in " ".join(ALGORITHMS[name]):  # weights of 1 up to the fp32 gap, none masked
             weights = [row[key] for row in probe["metrics"] for key in row if key.endswith("correction_weight")]
             masked = [row[key] for row in probe["metrics"] for key in row if key.endswith("corrected_out")]
             assert len(weights) == 2 and all(abs(weight - 1) < 1e-4 for weight in weights), (name, weights)
