@@ -190,6 +190,7 @@ def run_grpo(settings: GRPOSettings, beta: float, profile: bool = False) -> None
 def grpo_module(settings: GRPOSettings, beta: float, **engine: Any):
     """The ``rlhf_lightning.GRPO`` of :func:`run_grpo`, not yet fitted (``engine``: as :func:`ppo_module`'s)."""
     from rlhf_lightning import GRPO, FunctionReward
+    from rlhf_lightning.algorithms.advantage_estimators import GroupRelative
     from rlhf_lightning.algorithms.policy_losses import Clip
 
     return GRPO(**with_options(dict(
@@ -198,7 +199,7 @@ def grpo_module(settings: GRPOSettings, beta: float, **engine: Any):
         policy_lora=lora_spec(settings),
         sampling={"max_new_tokens": settings.response_length, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
                   "stop_token": stop_token(settings)},
-        samples_per_prompt=settings.group_size, scale_rewards="group", std_eps=1e-4,
+        samples_per_prompt=settings.group_size, advantages=GroupRelative(scale_rewards="group", std_eps=1e-4),
         kl={"coef": beta, "estimator": "k3", "added_to": "loss", "ratio_weighting": True},
         loss_aggregation="token_mean",
         epochs=settings.ppo_epochs, num_minibatches=settings.num_minibatches, policy_loss=Clip(clip_range=0.2),

@@ -42,7 +42,7 @@ What both sides are set to compute alike (ours: ``rlhf_lightning.GRPO`` argument
 | old log-probs | a pass when more than one optimizer step | the same condition (``gradient_accumulation_steps % (steps_per_generation x num_iterations) != 0``) |
 | response length | ``sampling.max_new_tokens``, ``sampling.stop_token: null`` | ``max_completion_length``, ``generation_kwargs={"min_new_tokens": R}`` (EOS suppressed, so always R tokens; TRL always stops at EOS otherwise) |
 | sampling | temperature 1, top_k 0, top_p 1 | the same |
-| advantages | ``scale_rewards: group``, ``std_eps`` 1e-4 (Bessel std) | ``scale_rewards="group"`` (its fixed 1e-4) |
+| advantages | ``advantages: GroupRelative`` (``scale_rewards: group``, ``std_eps`` 1e-4, Bessel std) | ``scale_rewards="group"`` (its fixed 1e-4) |
 | KL | ``kl.coef`` = beta, ``kl.estimator: k3``, ``kl.added_to: loss``, ``kl.ratio_weighting: true`` | ``beta``, k3 in the loss, ``use_bias_correction_kl=True`` |
 | loss | clipped surrogate, ``policy_loss: {clip_range: 0.2}``, token ratios, ``loss_aggregation: token_mean`` over the optimizer step | ``epsilon`` 0.2, ``importance_sampling_level="token"``, ``loss_type="dapo"`` (tokens of the step) |
 | no extras | ``ent_coef`` 0, ``mask_truncated_completions`` false | ``entropy_coef`` 0, ``top_entropy_quantile`` 1, ``mask_truncated_completions=False`` |

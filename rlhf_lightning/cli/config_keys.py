@@ -147,6 +147,14 @@ def dropped_model_arguments(files: list[str], class_path: str, init_args: list[s
         return None
     kept = {str(name).split(".")[0] for name in init_args}
     dropped = sorted(name for name in file_args if name not in kept)
+    for name in sorted(kept & file_args.keys()):  # an argument both take, whose fields differ (an estimator's)
+        given = file_args[name]
+        if not isinstance(given, dict):
+            continue
+        fields = given.get("init_args") or {} if "class_path" in given else given
+        taken = {str(key).removeprefix(f"{name}.").removeprefix("init_args.").split(".")[0]
+                 for key in init_args if str(key).startswith(f"{name}.")}
+        dropped += [f"{name}.{field}" for field in fields if field not in taken]
     if not dropped:
         return None
     return (f"model.class_path {class_path} replaces the config's {file_class}: its init_args "

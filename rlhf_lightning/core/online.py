@@ -41,8 +41,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rlhf_lightning.algorithms.shaped_rewards import ShapedRewards
 from rlhf_lightning.core.collect import ExperienceCollector, SkipIteration, Stats
-from rlhf_lightning.core.experience import Experience, FirstPass, ShapedRewards
+from rlhf_lightning.core.experience import Experience, FirstPass
 from rlhf_lightning.core.micro_batches import Extent, check_split, micro_batch_parts, minibatch_sizes
 from rlhf_lightning.core.pass_plan import PassSettings
 from rlhf_lightning.core.policy import POLICY, PolicyModule

@@ -22,9 +22,11 @@ from rlhf_lightning.algorithms import (
     kl_penalty,
     masked_mean,
 )
+from rlhf_lightning.algorithms.advantage_estimators import AdvantageEstimator, AdvantageInput
 from rlhf_lightning.algorithms.kl import KLPenalty
 from rlhf_lightning.algorithms.policy_losses import Clip, PolicyLoss, PolicyLossInput
 from rlhf_lightning.algorithms.rollout_correction import RolloutCorrection, mismatch_statistics
+from rlhf_lightning.algorithms.shaped_rewards import ShapedRewards
 from rlhf_lightning.algorithms.surrogate import (
     LossAggregation,
     aggregate_loss,
@@ -32,7 +34,7 @@ from rlhf_lightning.algorithms.surrogate import (
     loss_normaliser,
 )
 from rlhf_lightning.core.collect import Stats
-from rlhf_lightning.core.experience import Experience, FirstPass, ShapedRewards, sampling_statistics
+from rlhf_lightning.core.experience import Experience, FirstPass, sampling_statistics
 from rlhf_lightning.core.online import OnlineRL
 from rlhf_lightning.core.pass_plan import PassSettings
 from rlhf_lightning.core.policy import POLICY
@@ -42,7 +44,9 @@ from rlhf_lightning.utils.timing import Stopwatch, phase
 
 
 class PolicyGradient(OnlineRL):
-    """The on-policy loop with a policy-gradient loss: subclasses define :meth:`estimate_advantages`.
+    """The on-policy loop with a policy-gradient loss: subclasses take an ``advantages`` argument (a registered
+    :class:`~rlhf_lightning.algorithms.advantage_estimators.AdvantageEstimator`, kept with :meth:`keep_estimator`) or
+    define :meth:`estimate_advantages`.
 
     Args:
         policy_loss: the registered policy loss and its arguments: ``Clip`` (PPO's clipped surrogate:
@@ -69,6 +73,7 @@ class PolicyGradient(OnlineRL):
     """
 
     default_kl = KLPenalty()  # the k1 estimate shaped into the rewards with coefficient 0.05
+    advantages: AdvantageEstimator | None = None  # the subclass's ``advantages`` argument (keep_estimator)
 
     def __init__(
         self,
@@ -147,10 +152,30 @@ class PolicyGradient(OnlineRL):
     def prepare_update(self, experience: Experience, rewards: ShapedRewards) -> tuple[Experience, Stats]:
         return self.estimate_advantages(experience, rewards)
 
+    def keep_estimator(self, estimator: AdvantageEstimator, values: bool = False) -> AdvantageEstimator:
+        """The module's ``advantages`` argument checked against it (a registered estimator; a critic's values only
+        where ``values``; a group size it can work with), to keep as :attr:`advantages`."""
+        AdvantageEstimator.require("advantages", estimator)
+        if estimator.needs_values and not values:
+            raise ValueError(f"advantages: {type(estimator).__name__} needs a critic's values, and "
+                             f"{type(self).__name__} has no critic (PPO has one)")
+        estimator.check_group(self.hparams.samples_per_prompt, type(self).__name__)
+        return estimator
+
+    def advantage_input(self, experience: Experience, rewards: ShapedRewards) -> AdvantageInput:
+        """What the estimator sees of the rollout: its shaped rewards and group size (a critic adds its values)."""
+        return AdvantageInput(rewards, experience.group_size)
+
     def estimate_advantages(self, experience: Experience, rewards: ShapedRewards) -> tuple[Experience, Stats]:
         """The algorithm: the experience with its advantages ``[B, R]`` (and what else its loss reads), and
-        statistics. ``rewards`` holds the scores, the per-token KL and its coefficient in the rewards."""
-        raise NotImplementedError
+        statistics. ``rewards`` holds the scores, the per-token KL and its coefficient in the rewards. By default
+        the module's :attr:`advantages` estimator (its ``advantages`` argument), given the sum over ranks."""
+        if self.advantages is None:
+            raise NotImplementedError(f"{type(self).__name__} names no advantage estimator: take an ``advantages`` "
+                                      "argument (self.advantages = self.keep_estimator(advantages)) or define "
+                                      "estimate_advantages")
+        advantages, stats, _ = self.advantages(self.advantage_input(experience, rewards), self.ranks.sum)
+        return dataclasses.replace(experience, advantages=advantages), stats
 
     # ---- 4. the loss --------------------------------------------------------------------------------------
 

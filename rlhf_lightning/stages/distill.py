@@ -23,8 +23,9 @@ from torch import Tensor
 from rlhf_lightning.algorithms.kl import KLPenalty
 from rlhf_lightning.algorithms.losses import logprobs_from_logits
 from rlhf_lightning.algorithms.masked import masked_mean
+from rlhf_lightning.algorithms.shaped_rewards import ShapedRewards
 from rlhf_lightning.core.collect import Stats
-from rlhf_lightning.core.experience import Experience, ShapedRewards
+from rlhf_lightning.core.experience import Experience
 from rlhf_lightning.core.policy_gradient import PolicyGradient
 from rlhf_lightning.models.shared_base import SharedBase, position_ids_from_mask
 from rlhf_lightning.utils.timing import phase

@@ -22,8 +22,9 @@ from rlhf_lightning.algorithms.dpo import check_beta, dpo_loss, pair_values
 from rlhf_lightning.algorithms.kl import kl_penalty
 from rlhf_lightning.algorithms.masked import masked_mean
 from rlhf_lightning.algorithms.preference_losses import PreferenceLoss, Sigmoid
+from rlhf_lightning.algorithms.shaped_rewards import ShapedRewards
 from rlhf_lightning.core.collect import Stats
-from rlhf_lightning.core.experience import Experience, ShapedRewards
+from rlhf_lightning.core.experience import Experience
 from rlhf_lightning.core.online import OnlineRL
 from rlhf_lightning.core.pass_plan import PassSettings
 from rlhf_lightning.core.policy import POLICY

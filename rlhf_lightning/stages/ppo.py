@@ -16,16 +16,12 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from rlhf_lightning.algorithms import (
-    explained_variance,
-    gae,
-    masked_mean,
-    masked_whiten,
-    value_errors,
-)
+from rlhf_lightning.algorithms import explained_variance, masked_mean, value_errors
+from rlhf_lightning.algorithms.advantage_estimators import GAE, AdvantageInput
+from rlhf_lightning.algorithms.shaped_rewards import ShapedRewards
 from rlhf_lightning.algorithms.surrogate import aggregate_loss, loss_normaliser
 from rlhf_lightning.core.collect import Stats
-from rlhf_lightning.core.experience import Experience, ShapedRewards
+from rlhf_lightning.core.experience import Experience
 from rlhf_lightning.core.pass_plan import PassSettings
 from rlhf_lightning.core.policy import POLICY, without_dropout
 from rlhf_lightning.core.policy_gradient import PolicyGradient
@@ -96,10 +92,9 @@ class PPO(PolicyGradient):
         critic: the critic (see :class:`Critic`: ``lora``, ``from_reward``, ``lr``, ``vf_coef``,
             ``clip_range_value``, ``backward``).
         epochs: passes over each rollout batch.
-        whiten_rewards: scale per-token rewards to unit variance (mean kept) before GAE.
-        gamma: discount factor.
-        lam: GAE lambda.
-        whiten_advantages: standardise advantages over the valid tokens of the rollout batch.
+        advantages: GAE against the critic's values (``gamma``, ``lam``, ``whiten_rewards``,
+            ``whiten_advantages``: see :class:`~rlhf_lightning.algorithms.advantage_estimators.GAE`), or a subclass
+            of it of your own.
     """
 
     metric_prefix = "ppo"
@@ -113,15 +108,11 @@ class PPO(PolicyGradient):
         *args: Any,
         critic: Critic = default_critic,
         epochs: int = 4,
-        whiten_rewards: bool = False,
-        gamma: float = 1.0,
-        lam: float = 0.95,
-        whiten_advantages: bool = True,
+        advantages: GAE = GAE(),  # noqa: B008 (never mutated; the CLI shows it as the default)
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, epochs=epochs, **kwargs)
-        checks.in_range("gamma", gamma, 0.0, 1.0)
-        checks.in_range("lam", lam, 0.0, 1.0)
+        self.advantages = self.keep_estimator(advantages, values=True)
         settings = self.keep_group("critic", critic, self.default_critic)
         self.critic = dataclasses.replace(settings, lora=without_dropout(settings.lora, CRITIC))
         if self.critic.from_reward and not any(source.adapter_role for source in self.rewards.sources):
@@ -205,21 +196,15 @@ class PPO(PolicyGradient):
 
     # ---- advantages ---------------------------------------------------------------------------------------
 
+    def advantage_input(self, experience: CriticExperience, rewards: ShapedRewards) -> AdvantageInput:
+        return AdvantageInput(rewards, experience.group_size, experience.values)
+
     def estimate_advantages(self, experience: CriticExperience, rewards: ShapedRewards
                             ) -> tuple[Experience, Stats]:
         """GAE advantages and returns ``[B, R]`` of the per-token rewards (``-kl.coef * KL_t`` on every token, the
-        score on the last, an episode's turn rewards at the ends of their turns); advantages whitened over the
-        batch's valid tokens."""
-        hp = self.hparams
+        score on the last, an episode's turn rewards at the ends of their turns), and the critic's diagnostics."""
         mask = experience.response_mask
-        token_rewards = rewards.token_rewards()
-        stats = {"objective/kl_penalty": rewards.kl_or_zero.sum(-1).mean(),
-                 "objective/rlhf_reward": torch.where(mask, token_rewards, 0.0).sum(-1).mean()}  # score - coef * KL
-        if hp.whiten_rewards:  # over the global batch (every rank's tokens)
-            token_rewards = masked_whiten(token_rewards, mask, shift_mean=False, over_ranks=self.ranks.sum)
-        advantages, returns = gae(token_rewards, experience.values, mask, hp.gamma, hp.lam)
-        if hp.whiten_advantages:
-            advantages = masked_whiten(advantages, mask, over_ranks=self.ranks.sum)
+        advantages, stats, returns = self.advantages(self.advantage_input(experience, rewards), self.ranks.sum)
         stats["value/explained_variance"] = explained_variance(experience.values, returns, mask)
         stats["value/mean"] = masked_mean(experience.values, mask)
         return dataclasses.replace(experience, advantages=advantages, returns=returns), stats

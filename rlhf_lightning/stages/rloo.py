@@ -2,8 +2,8 @@
 advantages.
 
 Each response's reward is its score minus ``kl.coef`` times its sequence KL to the reference (k1); its advantage
-is that reward minus the mean reward of the other responses to the same prompt; ``whiten_advantages`` is TRL's
-``normalize_advantages``, (A - mean) / (std + 1e-4) over the batch's responses.
+is that reward minus the mean reward of the other responses to the same prompt (``advantages: LeaveOneOut``); its
+``whiten_advantages`` is TRL's ``normalize_advantages``, (A - mean) / (std + 1e-4) over the batch's responses.
 
 The loss. TRL 1.16's RLOOTrainer clips one ratio per response, the exponential of its summed log-ratio, and
 averages over responses: ``policy_loss.ratio_level: sequence_sum`` with ``loss_aggregation: sequence_mean`` here, number for
@@ -15,18 +15,10 @@ product of 30 token ratios leaves the clip range after small moves of each and s
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
-from rlhf_lightning.algorithms.group import (
-    broadcast_to_tokens,
-    normalize_advantages,
-    rloo_advantages,
-    zero_std_fraction,
-)
+from rlhf_lightning.algorithms.advantage_estimators import AdvantageEstimator, LeaveOneOut
 from rlhf_lightning.algorithms.kl import KLPenalty
-from rlhf_lightning.core.collect import Stats
-from rlhf_lightning.core.experience import Experience, ShapedRewards
 from rlhf_lightning.core.policy_gradient import PolicyGradient
 
 
@@ -35,31 +27,16 @@ class RLOO(PolicyGradient):
 
     Args:
         samples_per_prompt: responses per prompt (at least 2: the baseline leaves one out).
+        advantages: the advantage estimator (``LeaveOneOut``: ``whiten_advantages``, standardise the advantages
+            over the batch's responses as TRL's ``normalize_advantages``), or another registered one.
         kl: the KL penalty (``default_kl``: coefficient 0.05 of the sequence KL, the k1 estimate summed over the
             response as TRL, subtracted from each reward).
-        whiten_advantages: standardise the advantages over the batch's responses as TRL's
-            ``normalize_advantages``: (A - mean) / (std + 1e-4), Bessel's std.
     """
 
     metric_prefix = "rloo"
     default_kl = KLPenalty(coef=0.05)
 
     def __init__(self, *args: Any, samples_per_prompt: int = 4, kl: KLPenalty = default_kl,
-                 whiten_advantages: bool = False, **kwargs: Any) -> None:
+                 advantages: AdvantageEstimator = LeaveOneOut(), **kwargs: Any) -> None:  # noqa: B008 (never mutated)
         super().__init__(*args, samples_per_prompt=samples_per_prompt, kl=kl, **kwargs)
-        if samples_per_prompt < 2:
-            raise ValueError(f"RLOO needs samples_per_prompt >= 2 (the baseline leaves one out), got "
-                             f"{samples_per_prompt}")
-
-    def estimate_advantages(self, experience: Experience, rewards: ShapedRewards) -> tuple[Experience, Stats]:
-        """``r_i - mean_{j != i} r_j`` with ``r = score - kl.coef * KL(sequence)``, over each response's tokens."""
-        sequence_rewards = rewards.sequence_rewards()
-        stats: Stats = {}
-        if rewards.kl_coef:
-            stats["objective/rlhf_reward"] = sequence_rewards.mean()
-        advantages = rloo_advantages(sequence_rewards, experience.group_size)
-        if self.hparams.whiten_advantages:  # over the responses, one value each (not over their tokens)
-            advantages = normalize_advantages(advantages, over_ranks=self.ranks.sum)
-        advantages = broadcast_to_tokens(advantages, experience.response_mask)
-        stats["objective/frac_zero_std"] = zero_std_fraction(sequence_rewards, experience.group_size)
-        return dataclasses.replace(experience, advantages=advantages), stats
+        self.advantages = self.keep_estimator(advantages)

@@ -80,13 +80,15 @@ MOVED_ARGUMENTS = {
     "rollout_correction_max": "correction.max_weight",
 }
 
-# Arguments that moved into a group (the policy loss, the engine, and the ones above): the group, and where each is
+# Arguments that moved into a group (the policy loss, the advantage estimator, the engine, and the ones above): the group, and where each is
 # now, for the command line's one line about a class that takes the group.
 MOVED_INTO_GROUPS = {
     "clip_range": ("policy_loss", "policy_loss.clip_range"),
     "clip_range_high": ("policy_loss", "policy_loss.clip_range_high"),
     "ratio_level": ("policy_loss", "policy_loss.ratio_level"),
     "clip_against": ("policy_loss", "policy_loss.clip_against"),
+    **{name: ("advantages", f"advantages.{name}") for name in ("gamma", "lam", "whiten_rewards", "whiten_advantages",
+                                                               "scale_rewards", "std_eps", "baseline")},
     "cispo_max_weight": ("policy_loss", "policy_loss: CISPO with policy_loss.max_weight"),
     "cispo_min_weight": ("policy_loss", "policy_loss: CISPO with policy_loss.min_weight"),
     "loss_type": ("preference_loss", "preference_loss: Sigmoid, Robust, IPO, Hinge, SigmoidNorm or SimPO (loss_type "

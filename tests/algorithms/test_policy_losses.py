@@ -13,8 +13,7 @@ import torch
 
 from rlhf_lightning.algorithms.policy_losses import CISPO, Clip, LossOutput, PolicyLoss, PolicyLossInput
 from rlhf_lightning.algorithms.surrogate import cispo_surrogate, clipped_surrogate
-from rlhf_lightning.cli import main
-from tests.helpers.cli import logged_keys
+from tests.helpers.cli import logged_keys, one_logged_grpo_step
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -136,12 +135,7 @@ def test_a_config_names_the_loss_and_a_step_trains_with_it(sapo, tiny_model_dir,
     config = tmp_path / "sapo.yaml"
     config.write_text("model:\n  init_args:\n    policy_loss:\n      class_path: my_losses.SAPO\n"
                       "      init_args: {temperature_negative: 2.0}\n")
-    main(["fit", "--config", str(REPO / "configs" / "grpo.yaml"), "--config", str(config),
-          f"--model.init_args.base.name_or_path={tiny_model_dir}",
-          f"--model.init_args.reward.init_args.path={reward_dir}", "--model.init_args.policy_lora={r: 4, alpha: 8}",
-          "--model.init_args.sampling.max_new_tokens=4", "--data.init_args.synthetic_rows=24", "--data.init_args.batch_size=2",
-          "--trainer.limit_train_batches=1", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
-          "--trainer.default_root_dir=sapo"])
+    one_logged_grpo_step(tiny_model_dir, reward_dir, config, "sapo")
     expected = {"grpo/policy/gate", "grpo/loss/policy", "grpo/grad_norm"}
     keys = logged_keys(tmp_path / "sapo", expected)
     assert expected <= keys and "grpo/policy/clipfrac" not in keys

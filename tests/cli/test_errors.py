@@ -219,7 +219,7 @@ def test_a_model_class_switched_on_the_command_line_says_which_arguments_it_drop
                       "--trainer.logger=false"], run=False)
     said = [str(w.message) for w in caught if "replaces" in str(w.message)]
     assert said == ["model.class_path rlhf_lightning.PPO replaces the config's rlhf_lightning.GRPO: its init_args "
-                    "scale_rewards is not an argument of PPO and was dropped"]
+                    "advantages.scale_rewards is not an argument of PPO and was dropped"]  # GRPO's estimator's field, not GAE's
     with warnings.catch_warnings(record=True) as caught:  # the same class: nothing dropped, nothing said
         warnings.simplefilter("always")
         RLHFCLI(args=["--config", str(REPO / "configs" / "grpo.yaml"), "--trainer.logger=false"], run=False)

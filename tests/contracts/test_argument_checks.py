@@ -24,6 +24,7 @@ from rlhf_lightning import (
     RewardModel,
     SFTDataModule,
 )
+from rlhf_lightning.algorithms.advantage_estimators import GAE, GroupRelative, WhitenedReturns
 from rlhf_lightning.algorithms.policy_losses import CISPO, Clip
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
 from tests.helpers.models import LORA, tiny_spec
@@ -46,8 +47,6 @@ BAD_MODULE_ARGUMENTS = [
      "micro_batch_tokens: null"),
     (PPO, dict(samples_per_prompt=0), "samples_per_prompt must be an integer >= 1, got 0"),
     (PPO, dict(critic={"clip_range_value": -0.2}), "critic.clip_range_value must be >= 0 or null, got -0.2"),
-    (PPO, dict(gamma=1.5), r"gamma must lie in [0.0, 1.0], got 1.5"),
-    (PPO, dict(lam=-0.1), r"lam must lie in [0.0, 1.0], got -0.1"),
     (PPO, dict(kl={"coef": -0.05}), "kl.coef must be >= 0, got -0.05"),
     (PPO, dict(kl={"target": 0.0}), "kl.target must be > 0 or null, got 0.0"),
     (PPO, dict(kl={"horizon": 0}), "kl.horizon must be an integer >= 1, got 0"),
@@ -72,11 +71,10 @@ BAD_MODULE_ARGUMENTS = [
     (GRPO, dict(samples_per_prompt=1), "GRPO needs samples_per_prompt >= 2"),
     (GRPO, dict(kl={"target": 1.0}), "kl.target=1.0 with kl.coef=0: the adaptive controller multiplies the "
      "coefficient"),
-    (GRPO, dict(std_eps=-1e-4), "std_eps must be >= 0, got -0.0001"),
-    (GRPO, dict(scale_rewards="mean"), "scale_rewards must be one of group, batch, none, got 'mean'"),
     (RLOO, dict(samples_per_prompt=1), "RLOO needs samples_per_prompt >= 2"),
-    (REINFORCEPlusPlus, dict(gamma=2.0), r"gamma must lie in [0.0, 1.0], got 2.0"),
-    (REINFORCEPlusPlus, dict(baseline="group"), "baseline: group needs samples_per_prompt >= 2, got 1"),
+    (REINFORCEPlusPlus, dict(advantages=WhitenedReturns(baseline="group")),
+     "advantages.baseline: group needs samples_per_prompt >= 2, got 1"),
+    (GRPO, dict(advantages=GAE()), "advantages: GAE needs a critic's values, and GRPO has no critic (PPO has one)"),
     (DPO, dict(optimizer={"lr": -1.0}), "optimizer.lr must be > 0, got -1.0"),
     (DPO, dict(beta=-1.0), "beta must be > 0, got -1.0."),
     (DPO, dict(optimizer={"warmup": -1}), "optimizer.warmup must be an integer >= 0, got -1"),
@@ -177,8 +175,14 @@ def test_bad_data_arguments_fail_in_the_constructor(cls, bad, message):
     (lambda: Clip(ratio_level="group"), "policy_loss.ratio_level must be one of token, sequence, sequence_sum, got"),
     (lambda: CISPO(max_weight=0.0), "policy_loss.max_weight must be > 0, got 0.0"),
     (lambda: CISPO(max_weight=2.0, min_weight=3.0), "policy_loss: min_weight=3.0 must be below max_weight=2.0"),
+    (lambda: GAE(gamma=1.5), "advantages.gamma must lie in [0.0, 1.0], got 1.5"),
+    (lambda: GAE(lam=-0.1), "advantages.lam must lie in [0.0, 1.0], got -0.1"),
+    (lambda: GroupRelative(std_eps=-1e-4), "advantages.std_eps must be >= 0, got -0.0001"),
+    (lambda: GroupRelative(scale_rewards="mean"), "advantages.scale_rewards must be one of group, batch, none, got 'mean'"),
+    (lambda: WhitenedReturns(gamma=2.0), "advantages.gamma must lie in [0.0, 1.0], got 2.0"),
+    (lambda: WhitenedReturns(baseline="mean"), "advantages.baseline must be one of none, group, got 'mean'"),
 ])
-def test_bad_model_specs_and_policy_losses_fail_when_checked_or_used(make, message):
+def test_bad_model_specs_policy_losses_and_advantage_estimators_fail_when_checked_or_used(make, message):
     with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
         make()
 
@@ -186,6 +190,11 @@ def test_bad_model_specs_and_policy_losses_fail_when_checked_or_used(make, messa
 def test_a_policy_loss_that_is_not_one_is_refused_before_the_model_loads():
     with pytest.raises(TypeError, match=r"^policy_loss must be a PolicyLoss \(one of Clip, CISPO"):
         PPO(base=MISSING, reward=REWARD, policy_loss="cispo")
+
+
+def test_an_advantage_estimator_that_is_not_one_is_refused_before_the_model_loads():
+    with pytest.raises(TypeError, match=r"^advantages must be a AdvantageEstimator \(one of GAE, GroupRelative, "):
+        GRPO(base=MISSING, reward=REWARD, advantages="gae")
 
 
 def test_a_preference_loss_that_is_not_one_is_refused_before_the_model_loads():

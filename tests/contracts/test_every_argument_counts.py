@@ -15,6 +15,7 @@ group (``sampling``, ``kl``, ``optimizer``, ``critic``, ``correction``) has a ro
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 import shutil
 from collections import Counter
@@ -27,6 +28,7 @@ import pytest
 import torch
 
 import rlhf_lightning as rl
+from rlhf_lightning.algorithms.advantage_estimators import GAE, GroupRelative, LeaveOneOut, WhitenedReturns
 from rlhf_lightning.algorithms.kl import KLPenalty
 from rlhf_lightning.algorithms.policy_losses import CISPO, Clip
 from rlhf_lightning.algorithms.preference_losses import IPO, Sigmoid, SimPO
@@ -148,18 +150,20 @@ CASES: dict[str, Case] = {
     "max_staleness": case(1, "refused"),  # by the default engine; VLLMServer's runs: tests/rollout/test_async_training.py
     "correction.min_weight": case(2.0, stale=True, correction={"mode": "token_truncate"}),
     "correction.max_weight": case(1.1, stale=True, correction={"mode": "token_truncate"}),
-    # the algorithms' own
-    "scale_rewards": case("none"),
-    "std_eps": case(0.5),
-    "whiten_advantages": case("swap"),
-    "baseline": case("group", samples_per_prompt=2),
-    "gamma": case(0.5),
+    # the algorithms' own; an advantage estimator's fields, each on the estimator a module takes by default
+    "advantages.GroupRelative.scale_rewards": case(GroupRelative(scale_rewards="none")),
+    "advantages.GroupRelative.std_eps": case(GroupRelative(std_eps=0.5)),
+    "advantages.LeaveOneOut.whiten_advantages": case(LeaveOneOut(whiten_advantages=True)),
+    "advantages.WhitenedReturns.baseline": case(WhitenedReturns(baseline="group"), samples_per_prompt=2),
+    "advantages.WhitenedReturns.gamma": case(WhitenedReturns(gamma=0.5)),
+    "advantages.GAE.gamma": case(GAE(gamma=0.5)),
+    "advantages.GAE.lam": case(GAE(lam=0.5)),
+    "advantages.GAE.whiten_rewards": case(GAE(whiten_rewards=True)),
+    "advantages.GAE.whiten_advantages": case(GAE(whiten_advantages=False)),
     "critic.lora": case(LoraSpec(r=2, alpha=8), "fit"),
     "critic.from_reward": case(True),
     "critic.clip_range_value": case(0.01, **MOVED),
     "critic.vf_coef": case(0.5),
-    "whiten_rewards": case(True),
-    "lam": case(0.5),
     "critic.lr": case(1e-2, "fit"),
     "critic.backward": case("joint", "backward_passes"),
     "teacher": case("other teacher"),
@@ -471,6 +475,10 @@ def cases() -> list[tuple[type, str]]:
         for name in accepted_arguments(f"{cls.__module__}.{cls.__qualname__}"):
             if name in groups:
                 found += [(cls, f"{name}.{field.name}") for field in dataclasses.fields(groups[name])]
+                continue
+            if name == "advantages":  # each field of the module's own estimator
+                estimator = type(inspect.signature(cls).parameters[name].default).__name__
+                found += [(cls, key) for key in CASES if key.startswith(f"advantages.{estimator}.")]
                 continue
             found.append((cls, name))
             if name in ("policy_loss", "preference_loss"):  # each field of the registered loss too

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rlhf_lightning import GRPO, PPO, SFT, AdapterReward, FunctionReward, SFTDataModule
+from rlhf_lightning.algorithms.advantage_estimators import GAE
 from rlhf_lightning.callbacks import IterationCheckpoint
 from rlhf_lightning.models.shared_base import adapter_of
 from rlhf_lightning.models.spec import LoraSpec
@@ -126,7 +127,7 @@ def test_skip_skips_the_iteration_counts_its_steps_and_training_goes_on(tiny_mod
 def test_an_infinite_loss_term_is_named(tiny_model_dir, tmp_path):
     """A finite but huge score overflows PPO's value loss (returns squared): the error names that term."""
     module = make_small(PPO, tiny_model_dir, BrokenReward(3e38, [0, 1, 2, 3], {1}), samples_per_prompt=1, num_minibatches=1,
-                  whiten_advantages=False, critic={"clip_range_value": None})
+                  advantages=GAE(whiten_advantages=False), critic={"clip_range_value": None})
     with pytest.raises(NonFiniteError, match=r"^iteration 1, optimizer step 1 of 1, micro-batch 1 of 1: "
                                              r"non-finite loss loss/policy=-inf, loss/value=inf, loss/total=nan"):
         fit(module, tmp_path, iterations=1, prefix="ppo/")

@@ -137,7 +137,7 @@ def test_a_non_finite_loss_at_the_first_step_is_one_line(capsys, tiny_model_dir,
     source = json.dumps({"class_path": "rlhf_lightning.FunctionReward",
                          "init_args": {"fn": "tests.contracts.test_one_line_errors.constant_reward"}})
     line = one_line(capsys, *grpo(tiny_model_dir, reward_dir, f"--model.init_args.reward={source}",
-                                  "--model.init_args.std_eps=0", "--model.init_args.scale_rewards=group"))
+                                  "--model.init_args.advantages.std_eps=0", "--model.init_args.advantages.scale_rewards=group"))
     assert line.startswith("error: iteration 1, optimizer step 1 of 4, micro-batch 1 of 1: non-finite loss "), line
     assert line.endswith("; set optimizer.nonfinite: skip to skip such optimizer steps instead")
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from rlhf_lightning.algorithms import token_rewards
-from rlhf_lightning.core.experience import Experience, ShapedRewards, sequence_kl
+from rlhf_lightning.algorithms.shaped_rewards import ShapedRewards
+from rlhf_lightning.core.experience import Experience, sequence_kl
 from rlhf_lightning.stages.ppo import CriticExperience
 
 

@@ -53,6 +53,17 @@ def one_line(capsys, *arguments: str, code: int = 1) -> str:
     return lines[0]
 
 
+def one_logged_grpo_step(tiny_model_dir, reward_dir, config: Path, root: str) -> None:
+    """One GRPO iteration of ``configs/grpo.yaml`` with ``config`` over it, on the tiny model, logged to W&B (offline)
+    under ``root``."""
+    main(["fit", "--config", str(REPO / "configs" / "grpo.yaml"), "--config", str(config),
+          f"--model.init_args.base.name_or_path={tiny_model_dir}",
+          f"--model.init_args.reward.init_args.path={reward_dir}", "--model.init_args.policy_lora={r: 4, alpha: 8}",
+          "--model.init_args.sampling.max_new_tokens=4", "--data.init_args.synthetic_rows=24",
+          "--data.init_args.batch_size=2", "--trainer.limit_train_batches=1", "--trainer.limit_val_batches=0",
+          "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={root}"])
+
+
 def grpo(tiny_model_dir, reward_dir, *overrides: str) -> list[str]:
     return ["fit", "--config", str(REPO / "configs" / "grpo.yaml"), f"--model.init_args.base.name_or_path={tiny_model_dir}",
             f"--model.init_args.reward.init_args.path={reward_dir}", "--model.init_args.policy_lora={r: 4, alpha: 8}",

@@ -177,20 +177,21 @@ def test_a_subclass_that_fixes_a_parent_argument_keeps_it_under_the_cli(tiny_mod
     in the config) must still reach ``hparams``, at every level of the class chain."""
     (tmp_path / "fixed_arguments.py").write_text('''
 from rlhf_lightning import GRPO, PPO
+from rlhf_lightning.algorithms.advantage_estimators import GAE, GroupRelative
 
 
 class DiscountedPPO(PPO):
     """PPO with gamma fixed."""
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, gamma=0.99, **kwargs)
+        super().__init__(*args, advantages=GAE(gamma=0.99), **kwargs)
 
 
 class DrGRPO(GRPO):
     """Dr. GRPO as a class."""
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, scale_rewards="none", loss_aggregation="constant", **kwargs)
+        super().__init__(*args, advantages=GroupRelative(scale_rewards="none"), loss_aggregation="constant", **kwargs)
 ''')
     monkeypatch.syspath_prepend(str(tmp_path))
     from rlhf_lightning.cli import RLHFCLI
@@ -199,10 +200,11 @@ class DrGRPO(GRPO):
               f"--model.init_args.reward.init_args.path={reward_dir}", "--trainer.logger=false"]
     ppo = RLHFCLI(args=["--config", str(REPO / "configs" / "ppo.yaml"), "--model.class_path=fixed_arguments.DiscountedPPO",
                         "--model.init_args.critic.lora={r: 4, alpha: 8}", *common], run=False).model
-    assert ppo.hparams.gamma == 0.99 and ppo.hparams.epochs == 4 and ppo.hparams.sampling["temperature"] == 1.0
+    assert ppo.hparams.advantages.gamma == ppo.advantages.gamma == 0.99 and ppo.hparams.epochs == 4 and ppo.hparams.sampling["temperature"] == 1.0
     grpo = RLHFCLI(args=["--config", str(REPO / "configs" / "grpo.yaml"), "--model.class_path=fixed_arguments.DrGRPO",
                          *common], run=False).model
-    assert grpo.hparams.scale_rewards == "none" and grpo.hparams.loss_aggregation == "constant"
+    assert grpo.hparams.advantages.scale_rewards == grpo.advantages.scale_rewards == "none"
+    assert grpo.hparams.loss_aggregation == "constant"
     grpo.configure_model()
     experience, _ = grpo.collect_and_prepare(prompt_batch(grpo))  # reads both during the iteration
     assert experience.advantages is not None

@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlhf_lightning import PPO, AdapterReward, FunctionReward
+from rlhf_lightning.algorithms.advantage_estimators import GAE
 from rlhf_lightning.cli.merge_command import merge_adapter
 from rlhf_lightning.models.shared_base import adapter_of, position_ids_from_mask
 from rlhf_lightning.models.spec import BaseModelSpec
@@ -241,7 +242,7 @@ def test_backward_choice(tiny_model_dir, reward_dir):
 
 
 def test_rlhf_reward_is_score_minus_kl_even_with_whitened_rewards_and_adam_eps_is_used(tiny_model_dir, reward_dir):
-    module = make_ppo(tiny_model_dir, reward_dir, whiten_rewards=True, kl={"coef": 0.5},
+    module = make_ppo(tiny_model_dir, reward_dir, advantages=GAE(whiten_rewards=True), kl={"coef": 0.5},
                       optimizer={"adam_eps": 1e-5})
     perturb(module, "policy")
     experience, stats = module.collect_and_prepare(first_batch(module))

@@ -34,8 +34,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def setting(arguments, key: str):
-    """The value of a dotted key (``kl.coef``, ``optimizer.lr``) in nested init args (hparams, a config's)."""
+    """The value of a dotted key (``kl.coef``, ``optimizer.lr``, ``advantages.scale_rewards``) in nested init args
+    (hparams, a config's; a class given by ``class_path`` holds its fields in ``init_args``)."""
     for part in key.split("."):
+        if isinstance(arguments, dict) and part not in arguments and "init_args" in arguments:
+            arguments = arguments["init_args"]
         arguments = arguments[part]
     return arguments
 
