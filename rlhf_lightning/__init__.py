@@ -16,6 +16,7 @@ from rlhf_lightning.utils.compatibility import install_old_names
 _PUBLIC = {
     "KLPenalty": "rlhf_lightning.algorithms.kl",
     "RolloutCorrection": "rlhf_lightning.algorithms.rollout_correction",
+    "RewardShaping": "rlhf_lightning.rewards.combine",
     "PreferenceDataModule": "rlhf_lightning.data.modules",
     "PromptDataModule": "rlhf_lightning.data.modules",
     "SFTDataModule": "rlhf_lightning.data.modules",
@@ -69,6 +70,7 @@ __all__ = [
     "REINFORCEPlusPlus",
     "RemoteReward",
     "RewardModel",
+    "RewardShaping",
     "RewardSource",
     "RolloutCorrection",
     "Sampling",

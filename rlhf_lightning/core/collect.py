@@ -22,7 +22,7 @@ from rlhf_lightning.core.pass_plan import PassPlan, plan_passes
 from rlhf_lightning.core.policy import POLICY, PolicyModule
 from rlhf_lightning.environments.environment import Environment
 from rlhf_lightning.models.shared_base import REFERENCE, SharedBase
-from rlhf_lightning.rewards.combine import RewardSet
+from rlhf_lightning.rewards.combine import RewardSet, RewardShaping
 from rlhf_lightning.rewards.inputs import RewardInputs, reward_inputs
 from rlhf_lightning.rewards.sources import RewardSource
 from rlhf_lightning.rollout.ahead import DrawAhead, loader_ahead
@@ -46,13 +46,11 @@ class ExperienceCollector(PolicyModule):
     Args:
         reward: how responses are scored: ``AdapterReward`` (the reward stage's adapter on this base),
             ``ModelReward`` (a separate model), ``FunctionReward`` (a Python function with TRL's signature),
-            or a list of them, summed with ``reward_weights``.
-        reward_weights: weight of each reward source; null = 1 each.
+            or a list of them, summed with ``reward_shaping.weights``.
+        reward_shaping: how the sources' scores become the trained score: ``weights`` of the sources,
+            ``normalize`` (each by its saved mean and std), ``missing_eos_penalty``, ``clip`` (see
+            :class:`~rlhf_lightning.rewards.combine.RewardShaping`).
         samples_per_prompt: responses sampled per prompt (the group size of group baselines).
-        missing_eos_penalty: subtracted from the score of a response that never emits the stop token; null = off.
-        reward_normalize: standardise each reward model's scores with its validation mean and std (saved by the
-            reward stage).
-        reward_clip: clip scores to [-reward_clip, reward_clip]; null = off.
         environment: multi-turn episodes instead of one response per prompt: the episode's environment
             (``class_path`` + ``init_args``, made anew for every episode), e.g.
             ``rlhf_lightning.environments.ToolEnvironment`` with ``tools: [my_tools.search]``. Each assistant turn
@@ -83,11 +81,8 @@ class ExperienceCollector(PolicyModule):
         self,
         *args: Any,
         reward: RewardSource | list[RewardSource],
-        reward_weights: list[float] | None = None,
+        reward_shaping: RewardShaping = RewardShaping(),  # noqa: B008 (frozen; the CLI shows it as the default)
         samples_per_prompt: int = 1,
-        missing_eos_penalty: float | None = None,
-        reward_normalize: bool = False,
-        reward_clip: float | None = None,
         environment: Callable[[], Environment] | None = None,
         max_turns: int = 4,
         max_episode_tokens: int | None = None,
@@ -103,11 +98,8 @@ class ExperienceCollector(PolicyModule):
             raise ValueError(refusal)
         checks.at_least("samples_per_prompt", samples_per_prompt)
         checks.at_least("max_turns", max_turns)
-        checks.non_negative("missing_eos_penalty", missing_eos_penalty, optional=True)
-        checks.positive("reward_clip", reward_clip, optional=True)
         checks.positive("max_episode_tokens", max_episode_tokens, optional=True)
-        for index, weight in enumerate(reward_weights or []):
-            checks.finite(f"reward_weights[{index}]", weight)
+        shaping: RewardShaping = self.keep_group("reward_shaping", reward_shaping, RewardShaping())
         step_sources = [type(source).__name__ for source in (reward if isinstance(reward, list | tuple) else [reward])
                         if source.scores_steps]
         if environment is not None and step_sources:
@@ -116,8 +108,8 @@ class ExperienceCollector(PolicyModule):
         if environment is None and (max_turns != 4 or max_episode_tokens is not None):
             raise ValueError(f"max_turns={max_turns}, max_episode_tokens={max_episode_tokens}: they bound episodes, "
                              "and there is no environment; set environment, or leave them at 4 and null")
-        self.rewards = RewardSet(reward if isinstance(reward, list | tuple) else [reward], reward_weights,
-                                 reward_normalize, missing_eos_penalty, reward_clip)
+        self.rewards = RewardSet(reward if isinstance(reward, list | tuple) else [reward], shaping.weights,
+                                 shaping.normalize, shaping.missing_eos_penalty, shaping.clip)
         self.environment = environment
         self.share_prompt = share_prompt
         self.last_samples: Samples | None = None  # the latest rollout as text (see callbacks.CompletionsTable)
@@ -281,7 +273,8 @@ class ExperienceCollector(PolicyModule):
         scores = self.rewards.response_scores(source_scores, rollout.is_stopped, without_steps=step_rewards is not None)
         bad = ~torch.isfinite(scores)
         self.guard_scores([f"the combined reward is non-finite for rows {listing(bad.nonzero().flatten().tolist())} "
-                           f"of {bad.shape[0]} (reward_normalize statistics or reward_weights?)"] if bad.any() else [])
+                           f"of {bad.shape[0]} (reward_shaping.normalize statistics or reward_shaping.weights?)"]
+                          if bad.any() else [])
         experience = Experience(ids, attention, mask, scores, rollout.is_stopped, rollout.sampler_logprobs, logprobs,
                                 ref_logprobs, rollout.turn_rewards, group_size=group, step_rewards=step_rewards,
                                 entropy=entropy)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -11,6 +12,34 @@ from transformers import PreTrainedTokenizerBase
 from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.rewards.inputs import RewardInputs
 from rlhf_lightning.rewards.sources import RewardSource
+from rlhf_lightning.utils import checks
+
+
+@dataclass(frozen=True)
+class RewardShaping:
+    """The ``reward_shaping`` argument: how the scores of the reward sources become the score a response trains on.
+    A config sets some fields and keeps the others' defaults (``reward_shaping: {missing_eos_penalty: 1.0}``).
+
+    Args:
+        weights: weight of each reward source (``reward`` a list), their scores summed with them; null = 1 each.
+        normalize: standardise each reward model's scores with its validation mean and std (saved by the reward
+            stage) before they are summed.
+        missing_eos_penalty: subtracted from the score of a response that never emits the stop token; null = off.
+        clip: clip scores to [-clip, clip]; null = off.
+    """
+
+    weights: list[float] | None = None
+    normalize: bool = False
+    missing_eos_penalty: float | None = None
+    clip: float | None = None
+
+    def check(self, name: str = "reward_shaping") -> RewardShaping:
+        """Raise a one-line error naming ``name.field`` for a value out of range."""
+        checks.non_negative(f"{name}.missing_eos_penalty", self.missing_eos_penalty, optional=True)
+        checks.positive(f"{name}.clip", self.clip, optional=True)
+        for index, weight in enumerate(self.weights or []):
+            checks.finite(f"{name}.weights[{index}]", weight)
+        return self
 
 
 class RewardSet:
@@ -21,7 +50,7 @@ class RewardSet:
     Args:
         sources: the reward sources.
         weights: one weight per source; None = 1 each.
-        normalize: standardise each source's scores with its validation mean and std (``reward_normalize``).
+        normalize: standardise each source's scores with its validation mean and std (``reward_shaping.normalize``).
         missing_eos_penalty: subtracted from the score of a response that never stops; None = off.
         clip: clip scores to [-clip, clip]; None = off.
     """
@@ -35,7 +64,8 @@ class RewardSet:
         self.sources = list(sources)
         self.weights = [1.0] * len(self.sources) if weights is None else [float(w) for w in weights]
         if len(self.weights) != len(self.sources):
-            raise ValueError(f"reward_weights has {len(self.weights)} entries for {len(self.sources)} reward sources")
+            raise ValueError(f"reward_shaping.weights has {len(self.weights)} entries for {len(self.sources)} reward "
+                             "sources")
         self.normalize_scores = normalize
         self.missing_eos_penalty = missing_eos_penalty
         self.clip = clip
@@ -50,7 +80,7 @@ class RewardSet:
             source.setup(base, tokenizer)
         lacking = [source.name for source in self.sources if source.statistics is None]
         if self.normalize_scores and lacking:
-            raise ValueError(f"reward_normalize needs each reward source's mean/std (reward_stats.json), which "
+            raise ValueError(f"reward_shaping.normalize needs each reward source's mean/std (reward_stats.json), which "
                              f"{lacking} lack")
 
     def score(self, inputs: RewardInputs) -> Tensor:

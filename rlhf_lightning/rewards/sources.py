@@ -1,7 +1,7 @@
 """Where the reward comes from: an adapter on the shared base, a separate model, or Python functions.
 
 Each source is configured by ``class_path`` under the module's ``reward:`` argument (one source, or a list whose
-scores are summed with ``reward_weights``, :mod:`rlhf_lightning.rewards.combine`); subclass :class:`RewardSource`
+scores are summed with ``reward_shaping.weights``, :mod:`rlhf_lightning.rewards.combine`); subclass :class:`RewardSource`
 for anything else (a verifier, an ensemble, an API).
 """
 
@@ -47,7 +47,7 @@ class RewardSource:
     """Scores a batch of responses. ``setup`` is called once with the policy's shared base and tokenizer.
 
     ``statistics`` is the ``(mean, std)`` of the source's scores on the reward stage's validation data, when
-    known; ``reward_normalize`` uses it. ``name`` labels the source's metrics (``objective/score/<name>``).
+    known; ``reward_shaping.normalize`` uses it. ``name`` labels the source's metrics (``objective/score/<name>``).
     """
 
     statistics: tuple[float, float] | None = None

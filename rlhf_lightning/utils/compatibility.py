@@ -62,9 +62,9 @@ MOVED_MODULES: dict[str, str] = {
     "rlhf_lightning.rewards.process": "rlhf_lightning.rewards.process_reward",
 }
 
-# Module arguments that became fields of a typed group (``sampling``, ``kl``, ``optimizer``, ``correction``, PPO's
-# ``critic``): the old flat names are refused in one line naming the new key, in a config file, on the command line
-# and by the constructors.
+# Module arguments that became fields of a typed group (``sampling``, ``kl``, ``optimizer``, ``correction``,
+# ``reward_shaping``, PPO's ``critic``): the old flat names are refused in one line naming the new key, in a config
+# file, on the command line and by the constructors.
 MOVED_ARGUMENTS = {
     **{name: f"sampling.{name}" for name in ("max_new_tokens", "temperature", "top_k", "top_p", "kv_cache",
                                             "stop_token")},
@@ -78,6 +78,8 @@ MOVED_ARGUMENTS = {
     **{name: f"critic.{name}" for name in ("vf_coef", "clip_range_value", "backward")},
     "rollout_correction": "correction.mode", "rollout_correction_min": "correction.min_weight",
     "rollout_correction_max": "correction.max_weight",
+    "reward_weights": "reward_shaping.weights", "reward_normalize": "reward_shaping.normalize",
+    "missing_eos_penalty": "reward_shaping.missing_eos_penalty", "reward_clip": "reward_shaping.clip",
 }
 
 # Arguments that moved into a group (the policy loss, the advantage estimator, the engine, and the ones above): the group, and where each is

@@ -105,11 +105,11 @@ CASES: dict[str, Case] = {
     "pass_at_k": case(PassAtK(samples=2), "validation", gold_reward=gold_rewards),
     # collection
     "reward": case(rl.FunctionReward(gold_rewards)),
-    "reward_weights": case([2.0]),
+    "reward_shaping.weights": case([2.0]),
     "samples_per_prompt": case(4),
-    "missing_eos_penalty": case(1.0),
-    "reward_normalize": case(True),
-    "reward_clip": case(0.01),
+    "reward_shaping.missing_eos_penalty": case(1.0),
+    "reward_shaping.normalize": case(True),
+    "reward_shaping.clip": case(0.01),
     "environment": case(lambda: ToolEnvironment(["rlhf_lightning.tasks.calculator.add"]), calculator=True),
     "max_turns": case(2, **EPISODES),
     "max_episode_tokens": case(12, **EPISODES),
@@ -467,9 +467,9 @@ def observe_once(cls: type, shows: str, models: dict[str, Path], setting: dict[s
 
 def cases() -> list[tuple[type, str]]:
     """Every argument of every module; a typed group's (``sampling``, ``kl``, ``optimizer``, ``critic``,
-    ``correction``) field by field."""
+    ``correction``, ``reward_shaping``) field by field."""
     groups = {"sampling": Sampling, "kl": KLPenalty, "optimizer": OptimizerSettings, "critic": rl.Critic,
-              "correction": rl.RolloutCorrection}
+              "correction": rl.RolloutCorrection, "reward_shaping": rl.RewardShaping}
     found = []
     for cls in MODULES:
         for name in accepted_arguments(f"{cls.__module__}.{cls.__qualname__}"):

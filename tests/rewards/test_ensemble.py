@@ -97,7 +97,7 @@ def test_the_ensemble_scores_as_its_members_scored_one_by_one_then_combined(rule
     metrics = source.batch_metrics()
     torch.testing.assert_close(metrics["reward_disagreement"], disagreement.mean())
     torch.testing.assert_close(metrics["reward_member_1"], expected[:, 1].mean())
-    assert source.statistics == (0.0, 1.0)  # standardised: reward_normalize leaves it as it is
+    assert source.statistics == (0.0, 1.0)  # standardised: reward_shaping.normalize leaves it as it is
 
 
 def test_members_given_as_a_list_of_adapters_and_raw_scores(ensemble_dir, tiny_model_dir):

@@ -122,7 +122,7 @@ def test_each_step_is_read_as_the_prm_was_trained(tiny_arithmetic_dir, prm_dir):
 
 def test_ppo_trains_on_each_step_at_its_last_token_beside_a_weighted_checker(tiny_arithmetic_dir, prm_dir):
     reward = [ProcessReward(str(prm_dir)), FunctionReward(exact_match)]
-    module = _module(PPO, tiny_arithmetic_dir, reward, reward_weights=[0.5, 2.0], kl={"coef": 0.1})
+    module = _module(PPO, tiny_arithmetic_dir, reward, reward_shaping={"weights": [0.5, 2.0]}, kl={"coef": 0.1})
     batch = _prompts(module)
     experience, _ = module.collect_and_prepare(batch)
     mask = experience.response_mask

@@ -115,7 +115,8 @@ def test_reward_functions_with_trl_signature_columns_weights_and_none(tiny_model
     data_file.write_text("\n".join(json.dumps(row) for row in rows))
     module = built(GRPO(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), policy_lora=LORA,
                         sampling={"max_new_tokens": 5}, samples_per_prompt=2,
-                        reward=[AdapterReward(str(reward_dir)), FunctionReward(length_bonus)], reward_weights=[1.0, 2.0]))
+                        reward=[AdapterReward(str(reward_dir)), FunctionReward(length_bonus)],
+                        reward_shaping={"weights": [1.0, 2.0]}))
     batch = next(iter(prompts(module, dataset=str(data_file), batch_size=2).train_dataloader()["prompts"]))
     assert batch["columns"] == {"topic": ["skip", "animals"]} or batch["columns"] == {"topic": ["animals", "skip"]}
     experience, stats = module.collect_and_prepare(batch)
@@ -162,7 +163,7 @@ def test_the_cli_takes_a_list_of_weighted_reward_sources(tiny_model_dir, reward_
         init_args: {{path: {reward_dir}}}
       - class_path: rlhf_lightning.FunctionReward
         init_args: {{fn: rlhf_lightning.tasks.synthetic.gold_rewards}}
-    reward_weights: [1.0, 0.5]
+    reward_shaping: {{weights: [1.0, 0.5]}}
 """)
     from rlhf_lightning.cli import RLHFCLI
 

@@ -147,7 +147,8 @@ def test_export_and_merge_give_the_policy(tiny_model_dir, reward_dir, tmp_path):
 
 
 def test_scores_are_normalised_penalised_and_clipped(tiny_model_dir, reward_dir):
-    module = make_ppo(tiny_model_dir, reward_dir, reward_normalize=True, missing_eos_penalty=1.0, reward_clip=1.2)
+    module = make_ppo(tiny_model_dir, reward_dir,
+                      reward_shaping={"normalize": True, "missing_eos_penalty": 1.0, "clip": 1.2})
     scores = module.rewards.response_scores(torch.tensor([[0.5], [4.5], [-5.5], [2.5]]),
                                             torch.tensor([True, True, True, False]))
     # (s - 0.5) / 2, minus 1 where the response never stopped, clipped to +-1.2
