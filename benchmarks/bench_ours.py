@@ -139,7 +139,7 @@ def ppo_module(settings: Settings, samples_per_prompt: int = 1, **engine: Any):
         reward=AdapterReward(str(reward_dir(settings))),
         policy_lora=lora_spec(settings),
         sampling={"max_new_tokens": settings.response_length, "temperature": 1.0, "stop_token": stop_token(settings)},
-        samples_per_prompt=samples_per_prompt, epochs=settings.ppo_epochs, num_minibatches=settings.num_minibatches,
+        samples_per_prompt=samples_per_prompt, update={"epochs": settings.ppo_epochs, "num_minibatches": settings.num_minibatches},
         optimizer={"lr": settings.lr}, critic={"lora": lora_spec(settings), "lr": settings.lr},
     ), settings.ppo_options), **engine)
 
@@ -202,8 +202,8 @@ def grpo_module(settings: GRPOSettings, beta: float, **engine: Any):
         samples_per_prompt=settings.group_size, advantages=GroupRelative(scale_rewards="group", std_eps=1e-4),
         kl={"coef": beta, "estimator": "k3", "added_to": "loss", "ratio_weighting": True},
         loss_aggregation="token_mean",
-        epochs=settings.ppo_epochs, num_minibatches=settings.num_minibatches, policy_loss=Clip(clip_range=0.2),
-        max_grad_norm=1.0,
+        update={"epochs": settings.ppo_epochs, "num_minibatches": settings.num_minibatches, "max_grad_norm": 1.0},
+        policy_loss=Clip(clip_range=0.2),
         optimizer={"lr": settings.lr, "adam_eps": 1e-8, "weight_decay": 0.0, "schedule": "constant"},
         seed=settings.seed,
     ), settings.ppo_options), **engine)

@@ -17,6 +17,7 @@ _PUBLIC = {
     "KLPenalty": "rlhf_lightning.algorithms.kl",
     "RolloutCorrection": "rlhf_lightning.algorithms.rollout_correction",
     "RewardShaping": "rlhf_lightning.rewards.combine",
+    "UpdateSettings": "rlhf_lightning.core.micro_batches",
     "PreferenceDataModule": "rlhf_lightning.data.modules",
     "PromptDataModule": "rlhf_lightning.data.modules",
     "SFTDataModule": "rlhf_lightning.data.modules",
@@ -77,6 +78,7 @@ __all__ = [
     "SFTDataModule",
     "StepwiseDataModule",
     "UnpairedPreferenceDataModule",
+    "UpdateSettings",
 ]
 __version__ = "0.1.0"
 

@@ -139,12 +139,12 @@ TRL_NAMES = {
     "epsilon": "policy_loss.clip_range",
     "cliprange": "policy_loss.clip_range",
     "epsilon_high": "policy_loss.clip_range_high",
-    "num_iterations": "epochs",
-    "num_ppo_epochs": "epochs",
+    "num_iterations": "update.epochs",
+    "num_ppo_epochs": "update.epochs",
     "importance_sampling_level": "policy_loss.ratio_level",
     "per_device_train_batch_size": "data.init_args.batch_size",
-    "gradient_accumulation_steps": "gradient_accumulation",
-    "cliprange_value": "clip_range_value",
+    "gradient_accumulation_steps": "update.gradient_accumulation",
+    "cliprange_value": "critic.clip_range_value",
     "output_dir": "trainer.default_root_dir",
 }
 

@@ -1,6 +1,6 @@
 """How a rollout is split into minibatches, and a minibatch into micro-batches (equal parts, or by a token budget,
-``micro_batch_tokens``): plain lists in, lists of positions out, no model and no tensors, so every rule is checked
-number by number.
+``micro_batch_tokens``), as the ``update`` group (:class:`UpdateSettings`) says: plain lists in, lists of positions
+out, no model and no tensors, so every rule is checked number by number.
 
 A row's cost is the columns it needs, ``(opening, response)``: its prompt's real tokens (prompts are left-padded)
 and its response's (right-padded). A micro-batch is cut to its own longest opening plus its own longest response,
@@ -16,23 +16,62 @@ changes a gradient: the loss is normalised over the whole optimizer step, whatev
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from rlhf_lightning.utils import checks
 
 Extent = tuple[int, int]  # (opening columns, response columns) a row needs
 
 
-def check_split(epochs: int, num_minibatches: int, gradient_accumulation: int, micro_batch_tokens: int | None) -> None:
-    """The update's passes and how each splits the rollout: at least 1 of each; micro-batches by tokens or into
-    equal parts, not both."""
-    for name, value in {"epochs": epochs, "num_minibatches": num_minibatches,
-                        "gradient_accumulation": gradient_accumulation}.items():
-        checks.at_least(name, value)
-    checks.at_least("micro_batch_tokens", micro_batch_tokens, optional=True)
-    if micro_batch_tokens is not None and gradient_accumulation != 1:
-        raise ValueError(f"micro_batch_tokens={micro_batch_tokens} and gradient_accumulation={gradient_accumulation} "
-                         "both split each minibatch into micro-batches: by tokens, or into equal parts; set "
-                         "gradient_accumulation: 1 or micro_batch_tokens: null")
+@dataclass(frozen=True)
+class UpdateSettings:
+    """The ``update`` argument of every online module: how the policy trains on each rollout -- its passes,
+    minibatches and micro-batches, the early stop on KL and gradient clipping. A config sets some fields and keeps
+    the module's defaults for the others (``update: {epochs: 2, num_minibatches: 2}``).
+
+    Args:
+        epochs: passes over each rollout batch.
+        num_minibatches: minibatches, hence optimizer steps, per pass.
+        gradient_accumulation: micro-batches per minibatch (less memory; same result).
+        micro_batch_tokens: instead of ``gradient_accumulation`` equal micro-batches, pack each minibatch's rows,
+            longest first, into micro-batches of at most this many tokens, padding included (a longer row alone);
+            same result; null = off.
+        target_kl: stop an iteration's epochs once a minibatch's approximate KL to the sampling policy exceeds
+            this; null = never.
+        max_grad_norm: clip the gradient norm to this; null = off.
+    """
+
+    epochs: int = 1
+    num_minibatches: int = 1
+    gradient_accumulation: int = 1
+    micro_batch_tokens: int | None = None
+    target_kl: float | None = None
+    max_grad_norm: float | None = 1.0
+
+    def check(self, name: str = "update") -> UpdateSettings:
+        """Raise a one-line error naming ``name.field``: at least 1 of each split, micro-batches by tokens or into
+        equal parts (not both), positive bounds."""
+        for field in ("epochs", "num_minibatches", "gradient_accumulation"):
+            checks.at_least(f"{name}.{field}", getattr(self, field))
+        checks.at_least(f"{name}.micro_batch_tokens", self.micro_batch_tokens, optional=True)
+        if self.micro_batch_tokens is not None and self.gradient_accumulation != 1:
+            raise ValueError(f"{name}.micro_batch_tokens={self.micro_batch_tokens} and {name}.gradient_accumulation="
+                             f"{self.gradient_accumulation} both split each minibatch into micro-batches: by tokens, "
+                             f"or into equal parts; set {name}.gradient_accumulation: 1 or {name}.micro_batch_tokens: "
+                             "null")
+        checks.positive(f"{name}.target_kl", self.target_kl, optional=True)
+        checks.positive(f"{name}.max_grad_norm", self.max_grad_norm, optional=True)
+        return self
+
+    @property
+    def steps_per_rollout(self) -> int:
+        """Optimizer steps made on one rollout (before any target-KL stop)."""
+        return self.epochs * self.num_minibatches
+
+    @property
+    def whole_first_step(self) -> bool:
+        """The first optimizer step is one micro-batch of the whole rollout."""
+        return self.num_minibatches == 1 and self.gradient_accumulation == 1 and self.micro_batch_tokens is None
 
 
 def padded_size(extents: Sequence[Extent]) -> int:
@@ -90,8 +129,8 @@ def minibatch_sizes(batch_size: int, num_minibatches: int, gradient_accumulation
             or (batch_size // num_minibatches // gradient_accumulation) % unit):
         raise ValueError(
             f"the rollout batch of {batch_size} responses{f' ({origin})' if origin else ''} must split into "
-            f"num_minibatches={num_minibatches} "
-            f"minibatches of gradient_accumulation={gradient_accumulation} equal micro-batches"
+            f"update.num_minibatches={num_minibatches} "
+            f"minibatches of update.gradient_accumulation={gradient_accumulation} equal micro-batches"
             f"{f' of whole groups of {unit} rows' if unit > 1 else ''}; "
             "change data.init_args.batch_size, samples_per_prompt or these two"
         )

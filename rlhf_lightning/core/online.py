@@ -44,11 +44,11 @@ from torch import Tensor
 from rlhf_lightning.algorithms.shaped_rewards import ShapedRewards
 from rlhf_lightning.core.collect import ExperienceCollector, SkipIteration, Stats
 from rlhf_lightning.core.experience import Experience, FirstPass
-from rlhf_lightning.core.micro_batches import Extent, check_split, micro_batch_parts, minibatch_sizes
+from rlhf_lightning.core.micro_batches import Extent, UpdateSettings, micro_batch_parts, minibatch_sizes
 from rlhf_lightning.core.pass_plan import PassSettings
 from rlhf_lightning.core.policy import POLICY, PolicyModule
 from rlhf_lightning.core.update_statistics import UpdateStatistics, gradient_norm, shuffled_minibatches
-from rlhf_lightning.utils import checks, compatibility
+from rlhf_lightning.utils import compatibility
 from rlhf_lightning.utils.flops import TokenCounts
 from rlhf_lightning.utils.optim import OptimizerSettings
 from rlhf_lightning.utils.timing import Stopwatch, phase
@@ -64,15 +64,10 @@ class OnlineRL(ExperienceCollector):
     :class:`~rlhf_lightning.core.policy_gradient.PolicyGradient` instead and defines its advantages.
 
     Args:
-        epochs: passes over each rollout batch.
-        num_minibatches: minibatches, hence optimizer steps, per pass.
-        gradient_accumulation: micro-batches per minibatch (less memory; same result).
-        micro_batch_tokens: instead of ``gradient_accumulation`` equal micro-batches, pack each minibatch's rows,
-            longest first, into micro-batches of at most this many tokens, padding included (a longer row alone);
-            same result; null = off.
-        target_kl: stop an iteration's epochs once a minibatch's approximate KL to the sampling policy exceeds
-            this; null = never.
-        max_grad_norm: clip the gradient norm to this; null = off.
+        update: how the policy trains on each rollout (``epochs``, ``num_minibatches``, ``gradient_accumulation``,
+            ``micro_batch_tokens``, ``target_kl``, ``max_grad_norm``: see
+            :class:`~rlhf_lightning.core.micro_batches.UpdateSettings`); each algorithm has its own defaults
+            (``default_update``), which a config's fields override one by one.
         optimizer: AdamW and its schedule for the policy adapter (``lr``, ``weight_decay``, ``warmup`` in
             iterations, ``schedule`` over the run's iterations, ``adam_eps``, ``nonfinite``: see
             :class:`~rlhf_lightning.utils.optim.OptimizerSettings`).
@@ -83,16 +78,12 @@ class OnlineRL(ExperienceCollector):
     STEP_LOSSES = frozenset({"loss/policy", "loss/total"})
     # Consecutive rows that minibatches and micro-batches never split (a pair of online DPO).
     rows_kept_together = 1
+    default_update = UpdateSettings()  # one pass, one minibatch, gradients clipped at 1.0
 
     def __init__(
         self,
         *args: Any,
-        epochs: int = 1,
-        num_minibatches: int = 1,
-        gradient_accumulation: int = 1,
-        micro_batch_tokens: int | None = None,
-        target_kl: float | None = None,
-        max_grad_norm: float | None = 1.0,
+        update: UpdateSettings = default_update,
         optimizer: OptimizerSettings = PolicyModule.default_optimizer,
         **kwargs: Any,
     ) -> None:
@@ -103,10 +94,8 @@ class OnlineRL(ExperienceCollector):
                 "temperature), so sampling from a truncated one would make every ratio and KL wrong; set "
                 "sampling.top_k: 0, sampling.top_p: 1.0"
             )
-        check_split(epochs, num_minibatches, gradient_accumulation, micro_batch_tokens)
+        self.update_settings: UpdateSettings = self.keep_group("update", update, self.default_update)
         self.optimizer_settings = self.keep_group("optimizer", optimizer, self.default_optimizer)
-        for name, value in {"target_kl": target_kl, "max_grad_norm": max_grad_norm}.items():
-            checks.positive(name, value, optional=True)
         self.automatic_optimization = False
         self._iteration_tokens = TokenCounts()  # what the last iteration processed (tokens_processed)
 
@@ -139,14 +128,12 @@ class OnlineRL(ExperienceCollector):
     @property
     def steps_per_rollout(self) -> int:
         """Optimizer steps made on one rollout (before any target-KL stop)."""
-        return self.hparams.epochs * self.hparams.num_minibatches
+        return self.update_settings.steps_per_rollout
 
     def pass_settings(self) -> PassSettings:
         """What decides which passes an iteration runs (:func:`~rlhf_lightning.core.pass_plan.plan_passes`): the
         update's shape here; an algorithm adds its KL (``kl.added_to``, whether it is charged or measured)."""
-        hp = self.hparams
-        return PassSettings(self.steps_per_rollout, whole_first_step=hp.num_minibatches == 1
-                            and hp.gradient_accumulation == 1 and hp.micro_batch_tokens is None)
+        return PassSettings(self.steps_per_rollout, whole_first_step=self.update_settings.whole_first_step)
 
     # ---- the iteration ------------------------------------------------------------------------------------
 
@@ -214,13 +201,13 @@ class OnlineRL(ExperienceCollector):
         """``epochs`` passes of minibatch updates; ``first_pass``: the first optimizer step's forward pass made before
         the rewards (:meth:`early_first_pass`), handed to that step. Returns the statistics of
         :class:`~rlhf_lightning.core.update_statistics.UpdateStatistics`."""
-        hp = self.hparams
+        settings = self.update_settings
         optimizer = self.optimizers()
         minibatch_size, _ = self.minibatch_sizes(experience.response_mask.shape[0])
         extents = list(zip(*(columns.tolist() for columns in experience.row_extents()), strict=True))
         statistics = UpdateStatistics(self.STEP_LOSSES, self.device)
         attempted, epochs_run, early_stopped, sync_seconds = 0, 0, False, 0.0
-        while epochs_run < hp.epochs and not early_stopped:
+        while epochs_run < settings.epochs and not early_stopped:
             epochs_run += 1
             for minibatch in shuffled_minibatches(experience.response_mask.shape[0], minibatch_size,
                                                   self.rows_kept_together, self.device):
@@ -243,15 +230,15 @@ class OnlineRL(ExperienceCollector):
                 if not self.guard_step(where):
                     continue  # nothing of a skipped step enters the statistics
                 statistics.add_step(step_terms, shares, gradient_norm(self.parameters(), self.device))
-                if hp.max_grad_norm is not None:
-                    self.clip_gradients(optimizer, gradient_clip_val=hp.max_grad_norm,
+                if settings.max_grad_norm is not None:
+                    self.clip_gradients(optimizer, gradient_clip_val=settings.max_grad_norm,
                                         gradient_clip_algorithm="norm")
                 with phase("update/optimizer step"):
                     optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 sync_seconds += self.sampler.sync_roles(self.model, self.sampled_roles, self.trainer.global_step)
                 # Every rank must take the same decision, or DDP would wait for a backward that never comes.
-                if hp.target_kl is not None and float(self.ranks.mean(minibatch_kl)) > hp.target_kl:
+                if settings.target_kl is not None and float(self.ranks.mean(minibatch_kl)) > settings.target_kl:
                     early_stopped = True
                     break
         return {**statistics.means(), "skipped_steps": torch.tensor(float(self.skipped_steps)),
@@ -263,10 +250,10 @@ class OnlineRL(ExperienceCollector):
         """A minibatch's micro-batches (its ``rows`` of ``experience``, whose rows need the columns ``extents``), each
         cut to the columns its own rows need: ``gradient_accumulation`` equal parts, or packed by
         ``micro_batch_tokens``, as many on every rank (each backward pass is a collective under DDP and FSDP2)."""
-        hp = self.hparams
+        settings = self.update_settings
         needed = [extents[row] for row in rows]
         micros = []
-        for part in micro_batch_parts(needed, hp.gradient_accumulation, hp.micro_batch_tokens,
+        for part in micro_batch_parts(needed, settings.gradient_accumulation, settings.micro_batch_tokens,
                                       self.rows_kept_together, self.ranks.most):
             micro = experience.select(torch.tensor([rows[p] for p in part], device=self.device))
             micros.append(micro.cut(max(needed[p][0] for p in part), max(needed[p][1] for p in part)))
@@ -301,9 +288,9 @@ class OnlineRL(ExperienceCollector):
     def minibatch_sizes(self, batch_size: int, origin: str | None = None) -> tuple[int, int]:
         """``(minibatch size, micro-batch size)`` of a rollout of ``batch_size`` responses (``origin``: where that
         number comes from, for the message)."""
-        hp = self.hparams
-        return minibatch_sizes(batch_size, hp.num_minibatches, hp.gradient_accumulation, self.rows_kept_together,
-                               origin)
+        settings = self.update_settings
+        return minibatch_sizes(batch_size, settings.num_minibatches, settings.gradient_accumulation,
+                               self.rows_kept_together, origin)
 
     # ---- 5. log -------------------------------------------------------------------------------------------
 

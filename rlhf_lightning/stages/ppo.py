@@ -22,6 +22,7 @@ from rlhf_lightning.algorithms.shaped_rewards import ShapedRewards
 from rlhf_lightning.algorithms.surrogate import aggregate_loss, loss_normaliser
 from rlhf_lightning.core.collect import Stats
 from rlhf_lightning.core.experience import Experience
+from rlhf_lightning.core.micro_batches import UpdateSettings
 from rlhf_lightning.core.pass_plan import PassSettings
 from rlhf_lightning.core.policy import POLICY, without_dropout
 from rlhf_lightning.core.policy_gradient import PolicyGradient
@@ -86,12 +87,13 @@ class PPO(PolicyGradient):
     The policy and the critic are LoRA adapters on the base (the SFT model); the reference is the same base
     with adapters disabled; the reward model is by default the reward stage's adapter on it too. Each response
     token gets ``-kl.coef * KL_t``, its last token the score; GAE turns these into advantages, whitened over the
-    rollout; ``epochs`` passes of clipped policy and value losses follow.
+    rollout; ``update.epochs`` passes of clipped policy and value losses follow.
 
     Args:
         critic: the critic (see :class:`Critic`: ``lora``, ``from_reward``, ``lr``, ``vf_coef``,
             ``clip_range_value``, ``backward``).
-        epochs: passes over each rollout batch.
+        update: how the policy and the critic train on each rollout (``default_update``: 4 ``epochs``; see
+            :class:`~rlhf_lightning.core.micro_batches.UpdateSettings`).
         advantages: GAE against the critic's values (``gamma``, ``lam``, ``whiten_rewards``,
             ``whiten_advantages``: see :class:`~rlhf_lightning.algorithms.advantage_estimators.GAE`), or a subclass
             of it of your own.
@@ -102,16 +104,17 @@ class PPO(PolicyGradient):
     exported_roles = (POLICY, CRITIC)
 
     default_critic = Critic()  # the ``critic`` a dict of some of its fields is taken over
+    default_update = UpdateSettings(epochs=4)  # the ``update`` likewise
 
     def __init__(
         self,
         *args: Any,
         critic: Critic = default_critic,
-        epochs: int = 4,
+        update: UpdateSettings = default_update,
         advantages: GAE = GAE(),  # noqa: B008 (never mutated; the CLI shows it as the default)
         **kwargs: Any,
     ) -> None:
-        super().__init__(*args, epochs=epochs, **kwargs)
+        super().__init__(*args, update=update, **kwargs)
         self.advantages = self.keep_estimator(advantages, values=True)
         settings = self.keep_group("critic", critic, self.default_critic)
         self.critic = dataclasses.replace(settings, lora=without_dropout(settings.lora, CRITIC))

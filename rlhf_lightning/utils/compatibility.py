@@ -63,7 +63,7 @@ MOVED_MODULES: dict[str, str] = {
 }
 
 # Module arguments that became fields of a typed group (``sampling``, ``kl``, ``optimizer``, ``correction``,
-# ``reward_shaping``, PPO's ``critic``): the old flat names are refused in one line naming the new key, in a config
+# ``reward_shaping``, ``update``, PPO's ``critic``): the old flat names are refused in one line naming the new key, in a config
 # file, on the command line and by the constructors.
 MOVED_ARGUMENTS = {
     **{name: f"sampling.{name}" for name in ("max_new_tokens", "temperature", "top_k", "top_p", "kv_cache",
@@ -80,6 +80,8 @@ MOVED_ARGUMENTS = {
     "rollout_correction_max": "correction.max_weight",
     "reward_weights": "reward_shaping.weights", "reward_normalize": "reward_shaping.normalize",
     "missing_eos_penalty": "reward_shaping.missing_eos_penalty", "reward_clip": "reward_shaping.clip",
+    **{name: f"update.{name}" for name in ("epochs", "num_minibatches", "gradient_accumulation", "micro_batch_tokens",
+                                          "target_kl", "max_grad_norm")},
 }
 
 # Arguments that moved into a group (the policy loss, the advantage estimator, the engine, and the ones above): the group, and where each is

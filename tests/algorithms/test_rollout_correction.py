@@ -138,7 +138,7 @@ def test_clip_against_the_sampler_puts_the_samplers_log_probs_in_the_ratio(tiny_
     asynchronous runs):
     the ratio is pi / mu, so the loss is Clip's of the trainer's log-probs against the sampler's, while the mismatch
     is still the trainer's log-probs at the update's start against the sampler's."""
-    module = grpo(tiny_model_dir, reward_dir, policy_loss=Clip(clip_against="sampler"), epochs=2)
+    module = grpo(tiny_model_dir, reward_dir, policy_loss=Clip(clip_against="sampler"), update={"epochs": 2})
     torch.manual_seed(0)
     experience, _ = module.collect_and_prepare(first_batch(module))
     mask = experience.response_mask

@@ -21,7 +21,7 @@ from tests.helpers.models import tiny_spec
 from tests.helpers.online import Recorder, make_ppo, prompts
 
 ITERATIONS = 3
-STEPS_PER_ITERATION = 4  # epochs=2 x num_minibatches=2 (make_ppo's defaults)
+STEPS_PER_ITERATION = 4  # update.epochs=2 x update.num_minibatches=2 (make_ppo's defaults)
 
 
 class SimulatedKill(BaseException):

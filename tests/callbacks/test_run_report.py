@@ -114,7 +114,7 @@ def test_the_validation_warning_knows_the_run_length(settings, warned, tmp_path)
 
 @pytest.mark.slow
 def test_an_online_fit_counts_iterations_and_reports_gold_and_kl(tiny_model_dir, reward_dir, tmp_path, capsys):
-    module = make_online(GRPO, tiny_model_dir, reward_dir, epochs=1, num_minibatches=1, kl={"coef": 0.05})
+    module = make_online(GRPO, tiny_model_dir, reward_dir, update={"epochs": 1, "num_minibatches": 1}, kl={"coef": 0.05})
     recorder = Recorder("grpo/")
     data = prompts(module, n=24, batch_size=4, val_fraction=0.25)
     trainer = L.Trainer(max_epochs=2, limit_train_batches=3, limit_val_batches=1, val_check_interval=2,
@@ -208,7 +208,7 @@ class MovedPolicy(L.Callback):
 
 def grpo_fit(tiny_model_dir, reward_dir, tmp_path, check, reward=None, callbacks=(), **kwargs):
     """A 3-iteration GRPO fit of the tiny model with ``check``, progress lines and the summary."""
-    module = make_online(GRPO, tiny_model_dir, reward_dir, epochs=1, num_minibatches=1, **kwargs)
+    module = make_online(GRPO, tiny_model_dir, reward_dir, update={"epochs": 1, "num_minibatches": 1}, **kwargs)
     if reward is not None:  # the same module scored by ``reward`` instead of the reward adapter
         module = built(GRPO(**{**module.hparams, "reward": reward}))
     trainer = L.Trainer(max_epochs=1, limit_train_batches=3, limit_val_batches=0, logger=False,
@@ -279,7 +279,7 @@ def test_every_row_carries_the_iteration_and_the_optimizer_steps(tiny_model_dir,
     from rlhf_lightning.cli.loggers import WandbLogger
     from rlhf_lightning.runs.wandb_offline import read_history
 
-    module = make_online(GRPO, tiny_model_dir, reward_dir, epochs=2, num_minibatches=1)  # 2 optimizer steps per iteration
+    module = make_online(GRPO, tiny_model_dir, reward_dir, update={"epochs": 2, "num_minibatches": 1})  # 2 optimizer steps per iteration
     logger = WandbLogger(save_dir=str(tmp_path), offline=True)
     trainer = L.Trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=1, val_check_interval=1,
                         check_val_every_n_epoch=None, logger=logger, log_every_n_steps=1, enable_progress_bar=False,

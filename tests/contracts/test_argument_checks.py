@@ -38,13 +38,13 @@ BAD_MODULE_ARGUMENTS = [
     (PPO, dict(optimizer={"lr": 0.0}), "optimizer.lr must be > 0, got 0.0"),
     (PPO, dict(optimizer={"lr": -1e-4}), "optimizer.lr must be > 0, got -0.0001"),
     (PPO, dict(critic={"lr": 0.0}), "critic.lr must be > 0, got 0.0"),
-    (PPO, dict(epochs=0), "epochs must be an integer >= 1, got 0"),
-    (PPO, dict(num_minibatches=0), "num_minibatches must be an integer >= 1, got 0"),
-    (PPO, dict(gradient_accumulation=0), "gradient_accumulation must be an integer >= 1, got 0"),
-    (PPO, dict(micro_batch_tokens=0), "micro_batch_tokens must be an integer >= 1 or null, got 0"),
-    (PPO, dict(micro_batch_tokens=512, gradient_accumulation=2), "micro_batch_tokens=512 and gradient_accumulation=2 "
-     "both split each minibatch into micro-batches: by tokens, or into equal parts; set gradient_accumulation: 1 or "
-     "micro_batch_tokens: null"),
+    (PPO, dict(update={"epochs": 0}), "update.epochs must be an integer >= 1, got 0"),
+    (PPO, dict(update={"num_minibatches": 0}), "update.num_minibatches must be an integer >= 1, got 0"),
+    (PPO, dict(update={"gradient_accumulation": 0}), "update.gradient_accumulation must be an integer >= 1, got 0"),
+    (PPO, dict(update={"micro_batch_tokens": 0}), "update.micro_batch_tokens must be an integer >= 1 or null, got 0"),
+    (PPO, dict(update={"micro_batch_tokens": 512, "gradient_accumulation": 2}), "update.micro_batch_tokens=512 and "
+     "update.gradient_accumulation=2 both split each minibatch into micro-batches: by tokens, or into equal parts; "
+     "set update.gradient_accumulation: 1 or update.micro_batch_tokens: null"),
     (PPO, dict(samples_per_prompt=0), "samples_per_prompt must be an integer >= 1, got 0"),
     (PPO, dict(critic={"clip_range_value": -0.2}), "critic.clip_range_value must be >= 0 or null, got -0.2"),
     (PPO, dict(kl={"coef": -0.05}), "kl.coef must be >= 0, got -0.05"),
@@ -54,8 +54,8 @@ BAD_MODULE_ARGUMENTS = [
     (PPO, dict(critic={"vf_coef": -0.1}), "critic.vf_coef must be >= 0, got -0.1"),
     (PPO, dict(ent_coef=-0.01), "ent_coef must be >= 0, got -0.01"),
     (PPO, dict(ptx_coef=-1.0), "ptx_coef must be >= 0, got -1.0"),
-    (PPO, dict(target_kl=0.0), "target_kl must be > 0 or null, got 0.0"),
-    (PPO, dict(max_grad_norm=0.0), "max_grad_norm must be > 0 or null, got 0.0"),
+    (PPO, dict(update={"target_kl": 0.0}), "update.target_kl must be > 0 or null, got 0.0"),
+    (PPO, dict(update={"max_grad_norm": 0.0}), "update.max_grad_norm must be > 0 or null, got 0.0"),
     (PPO, dict(reward_shaping={"clip": -1.0}), "reward_shaping.clip must be > 0 or null, got -1.0"),
     (PPO, dict(reward_shaping={"missing_eos_penalty": -1.0}),
      "reward_shaping.missing_eos_penalty must be >= 0 or null, got -1.0"),
@@ -205,12 +205,12 @@ def test_a_preference_loss_that_is_not_one_is_refused_before_the_model_loads():
 
 def test_a_rollout_that_does_not_split_fails_at_setup(tiny_model_dir, reward_dir):
     module = GRPO(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), reward=AdapterReward(str(reward_dir)),
-                  policy_lora=LORA, samples_per_prompt=2, num_minibatches=4, sampling={"max_new_tokens": 4})
+                  policy_lora=LORA, samples_per_prompt=2, update={"num_minibatches": 4}, sampling={"max_new_tokens": 4})
     data = PromptDataModule(synthetic_rows=12, batch_size=3, val_fraction=0.0)
     trainer = L.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0)
     with pytest.raises(ValueError, match=re.escape(
             "the rollout batch of 6 responses (data.init_args.batch_size=3 prompts x samples_per_prompt=2) must "
-            "split into num_minibatches=4 minibatches of gradient_accumulation=1 equal micro-batches")):
+            "split into update.num_minibatches=4 minibatches of update.gradient_accumulation=1 equal micro-batches")):
         trainer.fit(module, datamodule=data)
     assert module.last_samples is None  # no rollout was sampled

@@ -34,6 +34,7 @@ from rlhf_lightning.algorithms.rollout_correction import RolloutCorrection
 from rlhf_lightning.cli import RLHFCLI
 from rlhf_lightning.cli.errors import accepted_arguments, user_error
 from rlhf_lightning.core.held_out_pass_at_k import PassAtK
+from rlhf_lightning.core.micro_batches import UpdateSettings
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
 from rlhf_lightning.rewards.combine import RewardShaping
 from rlhf_lightning.rollout.settings import Sampling
@@ -47,7 +48,7 @@ CONFIGS = {SFT: "sft.yaml", RewardModel: "reward.yaml", PPO: "ppo.yaml", GRPO: "
 DATA = {SFTDataModule: "sft.yaml", PreferenceDataModule: "reward.yaml", PromptDataModule: "grpo.yaml",
         UnpairedPreferenceDataModule: "kto.yaml", StepwiseDataModule: "arithmetic_prm.yaml"}
 # The typed groups of arguments: each of their fields is an argument of its own here, by its dotted key (kl.coef).
-GROUP_TYPES = (Sampling, KLPenalty, OptimizerSettings, Critic, RolloutCorrection, RewardShaping)
+GROUP_TYPES = (Sampling, KLPenalty, OptimizerSettings, Critic, RolloutCorrection, RewardShaping, UpdateSettings)
 # (argument, value) pairs that are valid although they look odd, and why.
 VALID = {
     ("seed", "-1"): "any integer seeds the sampler",

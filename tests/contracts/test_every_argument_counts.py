@@ -115,12 +115,12 @@ CASES: dict[str, Case] = {
     "max_episode_tokens": case(12, **EPISODES),
     "share_prompt": case(False, "decoded_tokens", groups=True),  # the same numbers, each prompt read twice
     # the loop's update
-    "epochs": case(2, "fit"),
-    "num_minibatches": case(2, "fit"),
-    "gradient_accumulation": case(2, "micro_batches"),
-    "micro_batch_tokens": case(8, "micro_batches"),  # every row (or pair) is longer: a micro-batch each
-    "target_kl": case(1e-9, "fit", epochs=2),
-    "max_grad_norm": case(1e-4, "fit"),
+    "update.epochs": case(2, "fit"),
+    "update.num_minibatches": case(2, "fit"),
+    "update.gradient_accumulation": case(2, "micro_batches"),
+    "update.micro_batch_tokens": case(8, "micro_batches"),  # every row (or pair) is longer: a micro-batch each
+    "update.target_kl": case(1e-9, "fit", update={"epochs": 2}),
+    "update.max_grad_norm": case(1e-4, "fit"),
     "optimizer.lr": case(1e-2, "fit"),
     "optimizer.adam_eps": case(0.1, "fit"),
     "optimizer.weight_decay": case(0.5, "fit"),
@@ -280,7 +280,7 @@ def arguments(cls: type, models: dict[str, Path], setting: dict[str, Any]) -> di
     if cls in (rl.GRPO, rl.RLOO) or (setting.get("groups") and cls is not rl.OnlineDPO):  # online DPO: pairs anyway
         kwargs["samples_per_prompt"] = 2
     if cls is rl.PPO:
-        kwargs |= {"critic": {"lora": LORA}, "epochs": 1}
+        kwargs |= {"critic": {"lora": LORA}, "update": {"epochs": 1}}
     if cls is rl.OnPolicyDistillation:
         kwargs["teacher"] = str(models["teacher"])
     for name, value in setting.items():
@@ -467,9 +467,9 @@ def observe_once(cls: type, shows: str, models: dict[str, Path], setting: dict[s
 
 def cases() -> list[tuple[type, str]]:
     """Every argument of every module; a typed group's (``sampling``, ``kl``, ``optimizer``, ``critic``,
-    ``correction``, ``reward_shaping``) field by field."""
+    ``correction``, ``reward_shaping``, ``update``) field by field."""
     groups = {"sampling": Sampling, "kl": KLPenalty, "optimizer": OptimizerSettings, "critic": rl.Critic,
-              "correction": rl.RolloutCorrection, "reward_shaping": rl.RewardShaping}
+              "correction": rl.RolloutCorrection, "reward_shaping": rl.RewardShaping, "update": rl.UpdateSettings}
     found = []
     for cls in MODULES:
         for name in accepted_arguments(f"{cls.__module__}.{cls.__qualname__}"):

@@ -229,7 +229,7 @@ def test_sft_reward_ppo_and_merge_through_the_cli(family_dir, tmp_path):
                                 "reward": {"class_path": "rlhf_lightning.AdapterReward",
                                            "init_args": {"path": "reward/reward"}},
                                 "policy_lora": lora, "critic": {"lora": lora}, "sampling": {"max_new_tokens": 8},
-                                "epochs": 1, "num_minibatches": 1, "export_dir": "ppo"}},
+                                "update": {"epochs": 1, "num_minibatches": 1}, "export_dir": "ppo"}},
         "data": {"class_path": "rlhf_lightning.PromptDataModule",
                  "init_args": {"dataset": data["prompts"], "batch_size": 4, "max_length": 64, "val_fraction": 0.0}}})
     main(["merge", "--adapter", str(tmp_path / "ppo/policy"), "--out", str(tmp_path / "merged")])
@@ -279,7 +279,8 @@ def test_every_stage_runs_in_bf16_with_the_static_cache(precision, dtype, tmp_pa
           "PreferenceDataModule", data["pairs"], max_steps=2)
     online = {"base": base("sft"), "policy_lora": lora, "sampling": {"max_new_tokens": 8, "kv_cache": "static"},
               "reward": {"class_path": "rlhf_lightning.AdapterReward", "init_args": {"path": "reward/reward"}}}
-    stage("ppo", "PPO", {**online, "critic": {"lora": lora}, "epochs": 2, "num_minibatches": 1, "export_dir": "ppo"},
+    stage("ppo", "PPO", {**online, "critic": {"lora": lora}, "update": {"epochs": 2, "num_minibatches": 1},
+                  "export_dir": "ppo"},
           "PromptDataModule", data["prompts"], max_epochs=1, limit_train_batches=2)
     stage("grpo", "GRPO", {**online, "samples_per_prompt": 2, "kl": {"coef": 0.1}, "export_dir": "grpo"},
           "PromptDataModule", data["prompts"], max_epochs=1, limit_train_batches=2)

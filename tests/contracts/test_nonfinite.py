@@ -46,7 +46,7 @@ class BrokenReward(RewardSource):
 
 
 # One epoch of two minibatches, 2 responses per prompt (PPO: one).
-make_small = functools.partial(make, defaults=dict(sampling={"max_new_tokens": 4}, epochs=1, num_minibatches=2,
+make_small = functools.partial(make, defaults=dict(sampling={"max_new_tokens": 4}, update={"epochs": 1, "num_minibatches": 2},
                                                    samples_per_prompt=2))
 
 
@@ -126,7 +126,7 @@ def test_skip_skips_the_iteration_counts_its_steps_and_training_goes_on(tiny_mod
 
 def test_an_infinite_loss_term_is_named(tiny_model_dir, tmp_path):
     """A finite but huge score overflows PPO's value loss (returns squared): the error names that term."""
-    module = make_small(PPO, tiny_model_dir, BrokenReward(3e38, [0, 1, 2, 3], {1}), samples_per_prompt=1, num_minibatches=1,
+    module = make_small(PPO, tiny_model_dir, BrokenReward(3e38, [0, 1, 2, 3], {1}), samples_per_prompt=1, update={"num_minibatches": 1},
                   advantages=GAE(whiten_advantages=False), critic={"clip_range_value": None})
     with pytest.raises(NonFiniteError, match=r"^iteration 1, optimizer step 1 of 1, micro-batch 1 of 1: "
                                              r"non-finite loss loss/policy=-inf, loss/value=inf, loss/total=nan"):

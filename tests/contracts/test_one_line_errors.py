@@ -78,19 +78,22 @@ def test_a_misspelled_key_or_class_names_the_closest_valid_ones(capsys, argument
 
 
 @pytest.mark.parametrize("argument, expected", [
-    ("--model.init_args.micro_batch_tokens=512.5",
-     "error: model.init_args.micro_batch_tokens: expected an integer or null, got 512.5"),
-    ("--model.init_args.target_kl=abc", "error: model.init_args.target_kl: expected a number or null, got abc"),
+    ("--model.init_args.update.micro_batch_tokens=512.5",
+     "error: model.init_args.update.micro_batch_tokens: expected an integer or null, got 512.5"),
+    ("--model.init_args.update.target_kl=abc",
+     "error: model.init_args.update.target_kl: expected a number or null, got abc"),
 ])
 def test_a_value_an_optional_argument_cannot_take_says_what_it_takes(capsys, argument, expected):
     assert one_line(capsys, *grpo("unused", "unused", argument), code=2) == expected
 
 
 @pytest.mark.parametrize("overrides, expected", [
-    (["--model.init_args.micro_batch_tokens=0"], "error: micro_batch_tokens must be an integer >= 1 or null, got 0"),
-    (["--model.init_args.micro_batch_tokens=512", "--model.init_args.gradient_accumulation=2"],
-     "error: micro_batch_tokens=512 and gradient_accumulation=2 both split each minibatch into micro-batches: by "
-     "tokens, or into equal parts; set gradient_accumulation: 1 or micro_batch_tokens: null"),
+    (["--model.init_args.update.micro_batch_tokens=0"],
+     "error: update.micro_batch_tokens must be an integer >= 1 or null, got 0"),
+    (["--model.init_args.update.micro_batch_tokens=512", "--model.init_args.update.gradient_accumulation=2"],
+     "error: update.micro_batch_tokens=512 and update.gradient_accumulation=2 both split each minibatch into "
+     "micro-batches: by tokens, or into equal parts; set update.gradient_accumulation: 1 or "
+     "update.micro_batch_tokens: null"),
 ])
 def test_a_token_budget_of_zero_or_beside_gradient_accumulation_is_refused(capsys, tiny_model_dir, reward_dir,
                                                                            overrides, expected):

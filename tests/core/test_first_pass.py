@@ -66,12 +66,12 @@ def test_the_first_update_pass_gives_the_old_logprobs_with_one_policy_pass_fewer
 
 
 @pytest.mark.parametrize("options, reuses, rollout_pass", [
-    ({"epochs": 2}, True, False),
-    ({"epochs": 2, "gradient_accumulation": 2}, False, True),  # the first step is two micro-batches
-    ({"epochs": 2, "micro_batch_tokens": 1000}, False, True),
-    ({"epochs": 2, "num_minibatches": 2}, False, True),
-    ({"epochs": 1, "kl": {"added_to": "loss"}}, False, False),  # one step, nothing read before it: its own pass gives them
-    ({"epochs": 1}, True, False),  # one step, but the KL penalty in the rewards reads them first
+    ({"update": {"epochs": 2}}, True, False),
+    ({"update": {"epochs": 2, "gradient_accumulation": 2}}, False, True),  # the first step is two micro-batches
+    ({"update": {"epochs": 2, "micro_batch_tokens": 1000}}, False, True),
+    ({"update": {"epochs": 2, "num_minibatches": 2}}, False, True),
+    ({"update": {"epochs": 1}, "kl": {"added_to": "loss"}}, False, False),  # one step, nothing read before it
+    ({"update": {"epochs": 1}}, True, False),  # one step, but the KL penalty in the rewards reads them first
 ])
 def test_which_updates_reuse_their_first_pass(options, reuses, rollout_pass, stopping_model_dir):
     module = make_stopping(PPO, stopping_model_dir, **options)

@@ -140,7 +140,7 @@ PER_MICRO_BATCH = ("approx_kl", "clipfrac", "ratio", "entropy", "mismatch", "los
 ], ids=["token_mean", "sequence_mean", "constant", "PPO", "OnlineDPO"])
 def test_cut_and_packed_micro_batches_train_as_one_whole_batch(cls, options, stopping_model_dir, tmp_path):
     one = fit(cls, stopping_model_dir, tmp_path / "one", **options)  # one micro-batch per step
-    for name, split in {"equal": {"gradient_accumulation": 4}, "packed": {"micro_batch_tokens": 40}}.items():
+    for name, split in {"equal": {"update": {"gradient_accumulation": 4}}, "packed": {"update": {"micro_batch_tokens": 40}}}.items():
         other = fit(cls, stopping_model_dir, tmp_path / name, **options, **split)
         assert len(other["widths"]) > len(one["widths"]), name  # several micro-batches per step...
         assert min(other["widths"]) < min(one["widths"]), name  # ...each cut to its own rows

@@ -9,6 +9,7 @@ travels as a value (nothing with a graph is left on the module) and its time cou
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 
@@ -94,12 +95,12 @@ def test_the_plans_that_matter(settings, expected):
 
 @pytest.mark.parametrize("cls, kwargs, expected", [
     (PPO, {}, PassPlan("first_update_pass", True, True)),  # 4 epochs of one minibatch
-    (PPO, {"num_minibatches": 2}, PassPlan("rollout", True, True)),  # configs/ppo.yaml's shape
-    (PPO, {"num_minibatches": 1, "epochs": 1, "kl": {"added_to": "loss"}}, PassPlan("update", True, False)),
+    (PPO, {"update": {"num_minibatches": 2}}, PassPlan("rollout", True, True)),  # configs/ppo.yaml's shape
+    (PPO, {"update": {"num_minibatches": 1, "epochs": 1}, "kl": {"added_to": "loss"}}, PassPlan("update", True, False)),
     (GRPO, {}, PassPlan("update", False, False)),  # 1 epoch, 1 minibatch, kl.coef 0
-    (GRPO, {"kl": {"coef": 0.04}, "epochs": 2}, PassPlan("first_update_pass", True, False)),
+    (GRPO, {"kl": {"coef": 0.04}, "update": {"epochs": 2}}, PassPlan("first_update_pass", True, False)),
     (RLOO, {}, PassPlan("first_update_pass", True, True)),
-    (REINFORCEPlusPlus, {"gradient_accumulation": 2}, PassPlan("rollout", True, True)),
+    (REINFORCEPlusPlus, {"update": {"gradient_accumulation": 2}}, PassPlan("rollout", True, True)),
     (OnlineDPO, {}, PassPlan("rollout", True, False)),
 ])
 def test_each_algorithm_plans_from_its_own_settings(cls, kwargs, expected):
@@ -109,9 +110,10 @@ def test_each_algorithm_plans_from_its_own_settings(cls, kwargs, expected):
 
 
 def test_the_plan_is_made_at_setup_from_the_final_settings():
-    made = unbuilt(GRPO, epochs=2)
+    made = unbuilt(GRPO, update={"epochs": 2})
     early = made.pass_plan
-    made.hparams.num_minibatches = 2  # a setting changed after construction: setup reads the final ones
+    # a setting changed after construction: setup reads the final ones
+    made.update_settings = dataclasses.replace(made.update_settings, num_minibatches=2)
     made._trainer = None
     made.setup("validate")
     assert early.reuse_first_pass and made.pass_plan.rollout_logprobs
@@ -121,7 +123,7 @@ def test_the_plan_is_made_at_setup_from_the_final_settings():
 
 
 def test_the_first_update_pass_is_handed_along_not_kept(stopping_model_dir):
-    grpo = make_stopping(GRPO, stopping_model_dir, epochs=2, kl={"coef": 0.1})
+    grpo = make_stopping(GRPO, stopping_model_dir, update={"epochs": 2}, kl={"coef": 0.1})
     assert grpo.pass_plan.reuse_first_pass
     experience, first_pass = grpo.early_first_pass(grpo.collect_experience(prompt_batch(grpo))[0])
     assert isinstance(first_pass, FirstPass) and first_pass.logprobs.grad_fn is not None
@@ -149,7 +151,7 @@ def test_the_first_update_pass_counts_in_time_update(slow_step, counted_in, stop
         return original(self, *args)
 
     setattr(Slow, slow_step, slowed)
-    grpo = make_stopping(Slow, stopping_model_dir, epochs=2, kl={"coef": 0.1})
+    grpo = make_stopping(Slow, stopping_model_dir, update={"epochs": 2}, kl={"coef": 0.1})
     assert grpo.pass_plan.reuse_first_pass
     trainer = L.Trainer(max_epochs=1, limit_train_batches=1, limit_val_batches=0, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,

@@ -247,7 +247,7 @@ def test_a_tool_that_never_returns_costs_its_timeout_and_the_fit_exits(calculato
         tmp_path, "fit", "--config", str(REPO / "configs" / "calculator_grpo.yaml"), "--config", "stuck.yaml",
         f"--model.init_args.base.name_or_path={calculator_model_dir}", "--model.init_args.samples_per_prompt=2",
         "--model.init_args.max_turns=2", "--model.init_args.sampling.max_new_tokens=16", "--model.init_args.max_episode_tokens=64",
-        "--model.init_args.num_minibatches=1", "--data.init_args.batch_size=1", "--data.init_args.synthetic_rows=4",
+        "--model.init_args.update.num_minibatches=1", "--data.init_args.batch_size=1", "--data.init_args.synthetic_rows=4",
         "--data.init_args.val_fraction=0", "--trainer.max_steps=1", "--trainer.logger=false",
         "--trainer.callbacks=[]", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false")
     elapsed = time.perf_counter() - start

@@ -32,8 +32,8 @@ COMMON = ["--trainer.accelerator=cpu", "--trainer.logger=false", "--trainer.enab
 
 
 ONLINE = ["--model.init_args.policy_lora={r: 4, alpha: 8}", "--model.init_args.sampling.max_new_tokens=6",
-          "--model.init_args.seed_scope=prompt", "--model.init_args.num_minibatches=1", "--model.init_args.epochs=2",
-          "--model.init_args.target_kl=null", "--trainer.limit_train_batches=2", "--trainer.val_check_interval=2",
+          "--model.init_args.seed_scope=prompt", "--model.init_args.update.num_minibatches=1", "--model.init_args.update.epochs=2",
+          "--model.init_args.update.target_kl=null", "--trainer.limit_train_batches=2", "--trainer.val_check_interval=2",
           "--trainer.limit_val_batches=1"]
 
 
@@ -63,12 +63,12 @@ def stages(model_dir: Path, reward_dir: Path) -> dict[str, tuple[str, list[str],
                              "--model.init_args.loss_type=apo_zero_unpaired", *OFFLINE], 8, None),
         # two micro-batches per step; log-probs two positions at a time, recomputed in the backward pass
         "ppo": ("ppo.yaml", [base, reward, *ONLINE, "--model.init_args.critic.lora={r: 4, alpha: 8}",
-                             "--model.init_args.gradient_accumulation=2", "--model.init_args.logprob_chunk=2"], 8, 8),
+                             "--model.init_args.update.gradient_accumulation=2", "--model.init_args.logprob_chunk=2"], 8, 8),
         "grpo": ("grpo.yaml", [base, reward, *ONLINE, "--model.init_args.sharded_rollout=per_layer"], 4, 8),
         "rloo": ("rloo.yaml", [base, reward, *ONLINE, "--model.init_args.base.gradient_checkpointing=true"], 4, 8),
         # micro-batches packed by tokens: rows of 8 to 10 tokens pack three or two to a micro-batch, so the ranks
         # pack different counts, and the rank with fewer splits its largest until both run as many backward passes
-        "reinforce_pp": ("reinforce_pp.yaml", [base, reward, *ONLINE, "--model.init_args.micro_batch_tokens=27"], 4, 8),
+        "reinforce_pp": ("reinforce_pp.yaml", [base, reward, *ONLINE, "--model.init_args.update.micro_batch_tokens=27"], 4, 8),
         "online_dpo": ("online_dpo.yaml", [base, reward, *ONLINE], 4, 8),  # a prompt's pair stays on one rank
     }
 

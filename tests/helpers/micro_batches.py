@@ -9,7 +9,7 @@ from rlhf_lightning import FunctionReward
 from rlhf_lightning.core.online import OnlineRL
 from rlhf_lightning.models.shared_prompt import cache_keyword
 from rlhf_lightning.tasks.synthetic import gold_rewards
-from tests.helpers.modules import make
+from tests.helpers.modules import make, merged
 from tests.helpers.online import Recorder, perturb, prompts
 
 TOLERANCE = dict(rtol=1e-6, atol=1e-6)  # one pass
@@ -43,7 +43,7 @@ def fit(cls, model_dir, tmp_path, **options) -> dict:
     """Two iterations of two epochs, one minibatch each (so the update's minibatch is the whole rollout, as narrow
     as its rows): the logged rows, each step's gradients, the trained weights and the widths of the update's
     forward passes."""
-    module = make_stopping(cls, model_dir, epochs=2, num_minibatches=1, **options)
+    module = make_stopping(cls, model_dir, **merged({"update": {"epochs": 2, "num_minibatches": 1}}, options))
     perturb(module, "policy", "critic")
     widths: list[int] = []
     decoder = module.model.hf_model.get_decoder()

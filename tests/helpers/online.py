@@ -18,7 +18,7 @@ from tests.helpers.models import LORA, built
 from tests.helpers.modules import make, merged
 
 # PPO of the stage tests: 6 new tokens, two epochs of two minibatches, the gold reward logged.
-PPO_SETTINGS = dict(sampling={"max_new_tokens": 6}, epochs=2, num_minibatches=2, critic={"lr": 1e-2}, gold_reward=gold_rewards)
+PPO_SETTINGS = dict(sampling={"max_new_tokens": 6}, update={"epochs": 2, "num_minibatches": 2}, critic={"lr": 1e-2}, gold_reward=gold_rewards)
 make_ppo = functools.partial(make, PPO, defaults=PPO_SETTINGS)
 
 
@@ -80,7 +80,7 @@ def fit_iterations(module, data, tmp_path, iterations, ckpt_path=None, prefix="p
 
 
 # The on-policy family's tests: PPO's settings without its critic's rate, 4 responses per prompt.
-ONLINE_SETTINGS = dict(sampling={"max_new_tokens": 6}, samples_per_prompt=4, epochs=2, num_minibatches=2, gold_reward=gold_rewards)
+ONLINE_SETTINGS = dict(sampling={"max_new_tokens": 6}, samples_per_prompt=4, update={"epochs": 2, "num_minibatches": 2}, gold_reward=gold_rewards)
 make_online = functools.partial(make, defaults=ONLINE_SETTINGS)
 
 

@@ -21,7 +21,7 @@ COMMON = ["--trainer.accelerator=cpu", "--trainer.logger=false", "--trainer.enab
 
 
 ONLINE = ["--model.init_args.policy_lora={r: 4, alpha: 8}", "--model.init_args.sampling.max_new_tokens=6",
-          "--model.init_args.num_minibatches=1", "--model.init_args.epochs=2", "--data.init_args.batch_size=2",
+          "--model.init_args.update.num_minibatches=1", "--model.init_args.update.epochs=2", "--data.init_args.batch_size=2",
           "--data.init_args.synthetic_rows=64", "--data.init_args.val_fraction=0.25", "--data.init_args.val_batch_size=4"]
 
 

@@ -122,7 +122,7 @@ def test_grpo_fits_the_same_with_and_without_shared_prompts(tiny_model_dir, rewa
     """GRPO (4 responses per prompt, one minibatch, two epochs, two micro-batches that split groups): sharing off
     in one process against sharing on in one process, under DDP and under FSDP2 (two CPU ranks)."""
     args = ["--config", str(REPO / "configs" / "grpo.yaml"), *COMMON, *ONLINE, f"--model.init_args.base.name_or_path={tiny_model_dir}",
-            f"--model.init_args.reward.init_args.path={reward_dir}", "--model.init_args.gradient_accumulation=2",
+            f"--model.init_args.reward.init_args.path={reward_dir}", "--model.init_args.update.gradient_accumulation=2",
             "--model.init_args.sharded_rollout=per_layer"]  # under FSDP2, every forward pass all-gathers its layers
     runs = {"off": ["--model.init_args.share_prompt=false", "--data.init_args.batch_size=4", "--trainer.devices=1"],
             "on": ["--data.init_args.batch_size=4", "--trainer.devices=1"],

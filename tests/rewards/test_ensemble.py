@@ -176,7 +176,7 @@ class Last(L.Callback):
 @pytest.mark.parametrize("cls", [PPO, GRPO, RLOO, REINFORCEPlusPlus, OnlineDPO])
 def test_every_online_algorithm_trains_on_an_ensemble_and_logs_its_disagreement(cls, tiny_model_dir, ensemble_dir):
     module = make(cls, tiny_model_dir, EnsembleReward(str(ensemble_dir), combine="uwo"),
-                  defaults={**ONLINE_SETTINGS, "samples_per_prompt": 2, "num_minibatches": 1})
+                  defaults={**ONLINE_SETTINGS, "samples_per_prompt": 2, "update": {"epochs": 2, "num_minibatches": 1}})
     policy = {n: p.clone() for n, p in module.named_parameters() if adapter_of(n) == "policy"}
     members = {n: p.clone() for n, p in module.named_parameters() if (adapter_of(n) or "").startswith("reward")}
     data = prompts(module, n=12, batch_size=4, val_fraction=0.34, val_batch_size=4)

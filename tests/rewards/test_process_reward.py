@@ -63,8 +63,8 @@ def test_steps_end_at_separators_and_at_the_last_token_of_an_open_last_step():
 
 def _module(cls, tiny_arithmetic_dir, reward, **kwargs):
     torch.manual_seed(0)
-    defaults = dict(policy_lora=LORA, sampling={"max_new_tokens": 8}, samples_per_prompt=2, epochs=1,
-                    num_minibatches=1, optimizer={"lr": 1e-2}, gold_reward=exact_match)
+    defaults = dict(policy_lora=LORA, sampling={"max_new_tokens": 8}, samples_per_prompt=2,
+                    update={"epochs": 1, "num_minibatches": 1}, optimizer={"lr": 1e-2}, gold_reward=exact_match)
     if cls is PPO:
         defaults["critic"] = {"lora": LORA}
     return built(cls(base=BaseModelSpec(name_or_path=str(tiny_arithmetic_dir)), reward=reward,

@@ -314,7 +314,7 @@ ALGORITHMS = {  # the other online algorithms, each on stale samples
     "ppo": ["--model.init_args.critic.lora={r: 4, alpha: 8}", "--model.init_args.correction.mode=token_truncate"],
     "rloo": ["--model.init_args.correction.mode=token_mask"],
     "reinforce_pp": ["--model.init_args.correction.mode=token_truncate"],
-    "online_dpo": ["--model.init_args.epochs=1"],
+    "online_dpo": ["--model.init_args.update.epochs=1"],
     "distill": ["--model.init_args.correction.mode=token_truncate"],
 }
 
@@ -360,7 +360,7 @@ def test_episodes_are_drawn_ahead_turn_by_turn_on_a_server_the_fit_starts(calcul
                  f"--model.init_args.base.name_or_path={calculator_llama_dir}", *COMMON,
                  "--model.init_args.policy_lora={r: 4, alpha: 8}", "--model.init_args.sampling.max_new_tokens=6",
                  "--model.init_args.max_episode_tokens=40", "--model.init_args.samples_per_prompt=2",
-                 "--model.init_args.num_minibatches=1", "--data.init_args.batch_size=2",
+                 "--model.init_args.update.num_minibatches=1", "--data.init_args.batch_size=2",
                  "--data.init_args.synthetic_rows=40", "--trainer.limit_val_batches=0",
                  "--trainer.limit_train_batches=3", "--model.init_args.export_dir=null",
                  "--model.init_args.max_staleness=1", "--model.init_args.correction.mode=token_truncate",

@@ -49,8 +49,8 @@ ENGINE = "--model.init_args.engine=tests.rollout.test_engines.PlainSampling"
 def test_an_engine_of_ones_own_is_one_class_chosen_by_its_class_path_and_synced_after_every_step(
         tiny_model_dir, reward_dir, tmp_path, capsys):
     PlainSampling.calls.clear()
-    main(grpo(tiny_model_dir, reward_dir, ENGINE, "--trainer.limit_train_batches=2", "--model.init_args.epochs=2",
-              "--model.init_args.num_minibatches=2", "--model.init_args.target_kl=null",
+    main(grpo(tiny_model_dir, reward_dir, ENGINE, "--trainer.limit_train_batches=2", "--model.init_args.update.epochs=2",
+              "--model.init_args.update.num_minibatches=2", "--model.init_args.update.target_kl=null",
               f"--trainer.default_root_dir={tmp_path}"))
     draws = [call for call in PlainSampling.calls if call[0] == "draw"]
     syncs = [call for call in PlainSampling.calls if call[0] == "sync"]

@@ -152,7 +152,7 @@ def test_every_online_algorithm_trains_on_episodes(algorithm, calculator_model_d
 
 def test_a_grpo_run_on_episodes_resumes_exactly(calculator_model_dir, tmp_path):
     def module():
-        return episodic(GRPO, calculator_model_dir, kl={"coef": 0.1}, num_minibatches=2)
+        return episodic(GRPO, calculator_model_dir, kl={"coef": 0.1}, update={"num_minibatches": 2})
 
     first = module()
     _, whole = fit_iterations(first, prompts(first, n=8, dataset="calculator", batch_size=2), tmp_path / "whole", 4,

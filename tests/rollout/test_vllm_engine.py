@@ -271,7 +271,7 @@ ALGORITHMS = {
     "grpo": ["--model.init_args.correction.mode=token_truncate"],  # TIS on vLLM's log-probs
     "rloo": ["--model.init_args.correction.mode=sequence_mask"],  # MIS
     "reinforce_pp": [],
-    "online_dpo": ["--model.init_args.epochs=1"],
+    "online_dpo": ["--model.init_args.update.epochs=1"],
     "distill": [],
 }
 

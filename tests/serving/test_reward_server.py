@@ -297,7 +297,7 @@ def test_a_ppo_fit_through_the_server_logs_the_in_process_scores(server, tiny_mo
         f"--model.init_args.base.name_or_path={tiny_model_dir}", f"--model.init_args.reward={sources}",
         "--model.init_args.reward_shaping.weights=[1.0, 0.0]", "--model.init_args.policy_lora={r: 4, alpha: 8}",
         "--model.init_args.critic.lora={r: 4, alpha: 8}", "--model.init_args.sampling.max_new_tokens=6",
-        "--model.init_args.epochs=1", "--data.init_args.synthetic_rows=16", "--data.init_args.val_fraction=0.0",
+        "--model.init_args.update.epochs=1", "--data.init_args.synthetic_rows=16", "--data.init_args.val_fraction=0.0",
         "--data.init_args.batch_size=8", "--trainer.max_epochs=1", "--trainer.limit_val_batches=0",
         "--validate_at_start.enabled=false", "--trainer.callbacks=[]", "--trainer.enable_progress_bar=false",
         "--trainer.logger=lightning.pytorch.loggers.CSVLogger", "--trainer.logger.init_args.save_dir=logs",

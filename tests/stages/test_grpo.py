@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_grpo_single_step_skips_the_old_logprob_pass_and_beta_zero_the_reference(tiny_model_dir, reward_dir):
-    module = make_online(GRPO, tiny_model_dir, reward_dir, epochs=1, num_minibatches=1, kl={"coef": 0.0})
+    module = make_online(GRPO, tiny_model_dir, reward_dir, update={"epochs": 1, "num_minibatches": 1}, kl={"coef": 0.0})
     calls = []
     original = module.response_logprobs
     module.response_logprobs = lambda role, *a, **k: calls.append(role) or original(role, *a, **k)
@@ -30,7 +30,7 @@ def test_grpo_single_step_skips_the_old_logprob_pass_and_beta_zero_the_reference
     assert terms["policy/ratio"].item() == 1.0 and terms["policy/clipfrac"].item() == 0.0
     assert calls == ["policy"]
     # with beta > 0 the reference is scored in the rollout, the policy still only once
-    module = make_online(GRPO, tiny_model_dir, reward_dir, epochs=1, num_minibatches=1, kl={"coef": 0.1})
+    module = make_online(GRPO, tiny_model_dir, reward_dir, update={"epochs": 1, "num_minibatches": 1}, kl={"coef": 0.1})
     experience, _ = module.collect_and_prepare(prompt_batch(module))
     assert experience.logprobs is None and experience.ref_logprobs is not None
 
@@ -58,7 +58,7 @@ def test_kl_in_the_loss_is_k3_times_the_ratio(tiny_model_dir, reward_dir):
 def test_the_step_loss_does_not_depend_on_the_micro_batch_split(aggregation, tiny_model_dir, reward_dir):
     """Two micro-batches of unequal token counts accumulate exactly the gradient of the whole batch."""
     module = make_online(GRPO, tiny_model_dir, reward_dir, loss_aggregation=aggregation, kl={"coef": 0.1},
-                         epochs=1, num_minibatches=1)
+                         update={"epochs": 1, "num_minibatches": 1})
     perturb(module, "policy")
     experience, _ = module.collect_and_prepare(prompt_batch(module))
     split = [torch.arange(0, 5), torch.arange(5, 16)]  # unequal rows, hence unequal token counts
@@ -101,7 +101,7 @@ def test_lora_dropout_is_forced_to_zero_and_top_k_is_refused(tiny_model_dir, rew
     with pytest.raises(ValueError, match="samples_per_prompt >= 2"):
         make_online(RLOO, tiny_model_dir, reward_dir, samples_per_prompt=1)
     with pytest.raises(ValueError, match="epochs must be an integer >= 1, got 0"):
-        make_online(GRPO, tiny_model_dir, reward_dir, epochs=0)
+        make_online(GRPO, tiny_model_dir, reward_dir, update={"epochs": 0})
 
 
 def length_bonus(prompts, completions, completion_ids, topic, **kwargs):
@@ -201,7 +201,7 @@ class DrGRPO(GRPO):
               f"--model.init_args.reward.init_args.path={reward_dir}", "--trainer.logger=false"]
     ppo = RLHFCLI(args=["--config", str(REPO / "configs" / "ppo.yaml"), "--model.class_path=fixed_arguments.DiscountedPPO",
                         "--model.init_args.critic.lora={r: 4, alpha: 8}", *common], run=False).model
-    assert ppo.hparams.advantages.gamma == ppo.advantages.gamma == 0.99 and ppo.hparams.epochs == 4 and ppo.hparams.sampling["temperature"] == 1.0
+    assert ppo.hparams.advantages.gamma == ppo.advantages.gamma == 0.99 and ppo.hparams["update"]["epochs"] == 4 and ppo.hparams.sampling["temperature"] == 1.0
     grpo = RLHFCLI(args=["--config", str(REPO / "configs" / "grpo.yaml"), "--model.class_path=fixed_arguments.DrGRPO",
                          *common], run=False).model
     assert grpo.hparams.advantages.scale_rewards == grpo.advantages.scale_rewards == "none"

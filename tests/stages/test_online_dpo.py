@@ -79,7 +79,7 @@ def test_the_loss_is_the_dpo_loss_of_the_untied_pairs(tiny_model_dir, reward_dir
 
 
 def test_an_iteration_keeps_pairs_whole_and_trains_only_the_policy_adapter(tiny_model_dir, reward_dir, tmp_path):
-    module = make_online_dpo(tiny_model_dir, reward_dir, num_minibatches=2, gradient_accumulation=2)
+    module = make_online_dpo(tiny_model_dir, reward_dir, update={"num_minibatches": 2, "gradient_accumulation": 2})
     seen = []  # every micro-batch's rows, as (pair weights, prompt tokens)
     loss = module.loss
 

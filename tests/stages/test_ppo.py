@@ -19,6 +19,7 @@ from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.tasks.synthetic import gold_rewards
 from tests.helpers.environment import with_repo_on_path
 from tests.helpers.models import LORA, built
+from tests.helpers.modules import merged
 from tests.helpers.online import (
     assert_one_copy_of_the_base,
     first_batch,
@@ -66,7 +67,7 @@ def test_every_role_reads_the_same_base_weights_and_the_process_holds_one_copy(t
 
 
 def test_policy_loss_reaches_only_the_policy_and_value_loss_only_the_critic(tiny_model_dir, reward_dir):
-    module = make_ppo(tiny_model_dir, reward_dir, num_minibatches=1)
+    module = make_ppo(tiny_model_dir, reward_dir, update={"num_minibatches": 1})
     perturb(module, "policy", "critic")  # non-zero B, so that A gets gradient too
     rollout, _ = module.collect_and_prepare(first_batch(module))
     terms = module.losses(rollout, None)
@@ -167,8 +168,8 @@ def test_function_reward_scores_texts_and_config_errors_are_clear(tiny_model_dir
     unbuilt = PPO(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), reward=AdapterReward("missing/reward"))
     with pytest.raises(FileNotFoundError, match="run the reward stage first"):
         unbuilt.configure_model()  # the reward adapter is read when the model is built
-    with pytest.raises(ValueError, match="must split into num_minibatches=3"):
-        make_ppo(tiny_model_dir, reward_dir, num_minibatches=3).minibatch_sizes(8)
+    with pytest.raises(ValueError, match="must split into update.num_minibatches=3"):
+        make_ppo(tiny_model_dir, reward_dir, update={"num_minibatches": 3}).minibatch_sizes(8)
 
 
 def test_critic_can_start_from_the_reward_model(tiny_model_dir, reward_dir):
@@ -183,7 +184,7 @@ def run_under_ddp(config: str, tmp_path: Path, *overrides: str) -> subprocess.Co
     """``fit`` of ``configs/<config>`` on two CPU processes (gloo), tiny and short, from a fresh interpreter."""
     command = [
         sys.executable, "-m", "rlhf_lightning", "fit", "--config", str(REPO / "configs" / config), *overrides,
-        "--model.init_args.sampling.max_new_tokens=6", "--model.init_args.target_kl=0.02",  # early stop decided alike on ranks
+        "--model.init_args.sampling.max_new_tokens=6", "--model.init_args.update.target_kl=0.02",  # early stop decided alike on ranks
         f"--model.init_args.export_dir={tmp_path / 'adapters'}",
         "--data.init_args.synthetic_rows=64", "--data.init_args.val_fraction=0.25", "--data.init_args.val_batch_size=8",
         "--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.strategy=ddp", "--trainer.max_epochs=1",
@@ -210,14 +211,14 @@ def test_ppo_runs_under_ddp_on_two_cpu_processes(tiny_model_dir, reward_dir, tmp
 @pytest.mark.parametrize("options", [
     {"critic": {"backward": "joint"}},  # one backward for both losses, as under DDP
     {"logprob_chunk": 2},  # log-probs in chunks, logits recomputed in the backward
-    {"gradient_accumulation": 2},  # the step's loss is normalised over the whole minibatch, not per micro-batch
+    {"update": {"gradient_accumulation": 2}},  # the step's loss is normalised over the whole minibatch, not per micro-batch
 ])
 def test_speed_and_memory_options_leave_the_numbers_unchanged(tiny_model_dir, reward_dir, tmp_path, options):
     """The default (separate backward on one device, one micro-batch) and every alternative reach the same
     metrics and adapter weights."""
     runs = []
     for kwargs in ({}, options):
-        module = make_ppo(tiny_model_dir, reward_dir, num_minibatches=1, ent_coef=0.01, **kwargs)
+        module = make_ppo(tiny_model_dir, reward_dir, **merged({"update": {"num_minibatches": 1}, "ent_coef": 0.01}, kwargs))
         _, rows = fit_iterations(module, prompts(module, n=16), tmp_path / str(len(runs)), iterations=2)
         trained = {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
         runs.append((rows, trained, module.last_samples))
@@ -227,7 +228,7 @@ def test_speed_and_memory_options_leave_the_numbers_unchanged(tiny_model_dir, re
     per_micro = ("/clipfrac", "/approx_kl", "/ratio", "/entropy", "/kl_loss")
     for row, other in zip(rows, other_rows, strict=True):
         for name in row:
-            if "gradient_accumulation" in options and name.endswith(per_micro):
+            if "gradient_accumulation" in options.get("update", {}) and name.endswith(per_micro):
                 continue
             assert row[name] == pytest.approx(other[name], rel=1e-4, abs=1e-5), name
     for name, parameter in trained.items():

@@ -106,7 +106,7 @@ def test_tiny_study_end_to_end_writes_the_figure_and_the_summary(tiny_model_dir,
                                                                  capsys):
     tiny = [
         "--model.init_args.policy_lora={r: 4, alpha: 8}", "--model.init_args.critic.lora={r: 4, alpha: 8}",
-        "--model.init_args.sampling.max_new_tokens=12", "--model.init_args.epochs=1",
+        "--model.init_args.sampling.max_new_tokens=12", "--model.init_args.update.epochs=1",
         # large steps and 4 evaluations: each fit needs two points with a positive KL, and the k1 estimate on 8
         # prompts is noisy (one evaluation can come out negative)
         "--model.init_args.optimizer.lr=0.05",
