@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rlhf_lightning import GRPO, PPO, RLOO, OnlineDPO, REINFORCEPlusPlus
+from rlhf_lightning.algorithms.advantage_estimators import WhitenedReturns
 from tests.helpers.micro_batches import make_stopping
 from tests.helpers.online import first_batch, prompt_batch, student
 
@@ -28,7 +29,7 @@ def prepared(module, prompts, cost: float):
 
 
 @pytest.mark.parametrize("cls, options", [
-    (PPO, {}), (GRPO, {}), (RLOO, {}), (REINFORCEPlusPlus, {}), (REINFORCEPlusPlus, {"baseline": "group"}),
+    (PPO, {}), (GRPO, {}), (RLOO, {}), (REINFORCEPlusPlus, {}), (REINFORCEPlusPlus, {"advantages": WhitenedReturns(baseline="group")}),
 ], ids=["PPO", "GRPO", "RLOO", "REINFORCE++", "REINFORCE++-baseline"])
 def test_a_per_token_cost_moves_the_advantages(cls, options, stopping_model_dir):
     module = make_stopping(cls, stopping_model_dir, **options)

@@ -84,7 +84,7 @@ class Feedback(Environment):
 
 
 KL = {"kl": {"coef": 0.5}, "perturb": True}
-MOVED = {"moved": True, "perturb": True, "epochs": 2}  # the update's policy is not the sampler's: ratios away from 1
+MOVED = {"moved": True, "perturb": True, "update": {"epochs": 2}}  # the update's policy is not the sampler's: ratios away from 1
 EPISODES = {"calculator": True, "environment": Feedback}
 CASES: dict[str, Case] = {
     # the policy, its sampling and its base
