@@ -5,6 +5,7 @@ and checkpoints."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -39,6 +40,12 @@ from rlhf_lightning.utils.timing import phase
 log = logging.getLogger(__name__)
 
 
+def constructor_arguments(cls: type) -> set[str]:
+    """The keyword arguments of ``cls``'s constructors along its chain of classes (each passes the rest on)."""
+    return {name for klass in cls.__mro__ if "__init__" in vars(klass)
+            for name in inspect.signature(vars(klass)["__init__"]).parameters}
+
+
 class StageModule(L.LightningModule):
     """Base class of the stage modules.
 
@@ -64,7 +71,8 @@ class StageModule(L.LightningModule):
     default_optimizer = OptimizerSettings()  # the ``optimizer`` a dict of some of its fields is taken over
 
     def __new__(cls, *args: Any, **kwargs: Any) -> StageModule:
-        compatibility.moved_arguments(cls.__name__, kwargs)  # before __init__'s own TypeError, which names no new key
+        # before __init__'s own TypeError, which names no new key
+        compatibility.moved_arguments(cls.__name__, kwargs, constructor_arguments(cls))
         return super().__new__(cls)
 
     def __init__(self, base: BaseModelSpec) -> None:

@@ -126,10 +126,13 @@ def moved_module(module: str) -> str | None:
                 None)
 
 
-def moved_arguments(owner: str, given: Iterable[str]) -> None:
-    """Refuse, in one line, module arguments ``given`` to ``owner`` (a class name) under their old flat names."""
+def moved_arguments(owner: str, given: Iterable[str], groups: Iterable[str] | None = None) -> None:
+    """Refuse, in one line, module arguments ``given`` to ``owner`` (a class name) under their old flat names;
+    ``groups``: the owner's arguments, when known, so that only a name whose group it takes is said to have moved
+    (``DPO(epochs=...)`` is left to the constructor's own error: DPO has no ``update``)."""
+    groups = None if groups is None else set(groups)
     for name in given:
-        if name in MOVED_ARGUMENTS:
+        if name in MOVED_ARGUMENTS and (groups is None or MOVED_ARGUMENTS[name].split(".")[0] in groups):
             group, field = MOVED_ARGUMENTS[name].split(".")
             raise TypeError(f"{owner}({name}=...): {name} is now {group}.{field}; pass {group}={{'{field}': ...}} (its "
                             f"other fields keep the module's defaults) or a {GROUP_CLASSES[group]}, or write "

@@ -127,6 +127,15 @@ def test_an_old_flat_argument_is_refused_in_one_line_naming_its_new_key(cls, old
     assert "\n" not in str(raised.value)
 
 
+def test_an_old_flat_name_of_a_group_the_class_does_not_take_is_not_said_to_have_moved():
+    """DPO has no ``update`` group: ``DPO(epochs=3)`` is an unknown argument, not one that moved to update.epochs."""
+    with pytest.raises(TypeError, match="unexpected keyword argument 'epochs'") as raised:
+        DPO(base=MISSING, epochs=3)
+    assert "update" not in str(raised.value)
+    with pytest.raises(TypeError, match=r"^PPO\(epochs=\.\.\.\): epochs is now update\.epochs"):
+        PPO(base=MISSING, reward=REWARD, epochs=3)
+
+
 def test_a_dict_of_some_fields_keeps_the_modules_other_defaults():
     grpo = unbuilt(GRPO, kl={"coef": 0.1})
     assert grpo.kl == dataclasses.replace(GRPO.default_kl, coef=0.1)
