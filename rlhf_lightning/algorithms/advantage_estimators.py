@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import ClassVar, Literal, NamedTuple
+from typing import ClassVar, Literal, NamedTuple, get_args
 
 import torch
 from torch import Tensor
@@ -69,14 +69,17 @@ class AdvantageOutput(NamedTuple):
 class AdvantageEstimator(Registered):
     """Base of the advantage estimators. Subclass it, take the estimator's arguments in ``__init__`` (checked
     there, one line each) and define ``__call__``; set ``needs_values`` when it reads a critic's values and
-    override :meth:`check_group` when it needs groups of responses."""
+    ``needs_groups`` (why) when it compares a response with the others to its prompt."""
 
     registry: ClassVar[dict[str, type[AdvantageEstimator]]] = {}
     family = "advantage estimator"
     needs_values: ClassVar[bool] = False
+    needs_groups: ClassVar[str | None] = None  # why two responses per prompt at least are needed; None: they are not
 
     def check_group(self, samples_per_prompt: int, owner: str) -> None:
         """Refuse, in one line, a group size the estimator cannot work with (``owner``: the module's name)."""
+        if self.needs_groups is not None and samples_per_prompt < 2:
+            raise ValueError(f"{owner} needs samples_per_prompt >= 2 ({self.needs_groups}), got {samples_per_prompt}")
 
     def __call__(self, inputs: AdvantageInput, sum_over_ranks: SumOverRanks) -> AdvantageOutput:
         """The advantages of ``inputs``; every batch statistic summed over ranks with ``sum_over_ranks``."""
@@ -131,16 +134,13 @@ class GroupRelative(AdvantageEstimator):
         std_eps: added to the std before dividing (TRL's 1e-4).
     """
 
+    needs_groups = "a group of one has zero advantage"
+
     def __init__(self, scale_rewards: ScaleRewards = "group", std_eps: float = 1e-4) -> None:
-        checks.one_of("advantages.scale_rewards", scale_rewards, ("group", "batch", "none"))
+        checks.one_of("advantages.scale_rewards", scale_rewards, get_args(ScaleRewards))
         checks.non_negative("advantages.std_eps", std_eps)
         self.scale_rewards = scale_rewards
         self.std_eps = std_eps
-
-    def check_group(self, samples_per_prompt: int, owner: str) -> None:
-        if samples_per_prompt < 2:
-            raise ValueError(f"{owner} needs samples_per_prompt >= 2 (a group of one has zero advantage), got "
-                             f"{samples_per_prompt}")
 
     def __call__(self, inputs: AdvantageInput, sum_over_ranks: SumOverRanks) -> AdvantageOutput:
         sequence_rewards = inputs.rewards.sequence_rewards()
@@ -160,13 +160,10 @@ class LeaveOneOut(AdvantageEstimator):
             ``normalize_advantages``: (A - mean) / (std + 1e-4), Bessel's std.
     """
 
+    needs_groups = "the baseline leaves one out"
+
     def __init__(self, whiten_advantages: bool = False) -> None:
         self.whiten_advantages = whiten_advantages
-
-    def check_group(self, samples_per_prompt: int, owner: str) -> None:
-        if samples_per_prompt < 2:
-            raise ValueError(f"{owner} needs samples_per_prompt >= 2 (the baseline leaves one out), got "
-                             f"{samples_per_prompt}")
 
     def __call__(self, inputs: AdvantageInput, sum_over_ranks: SumOverRanks) -> AdvantageOutput:
         sequence_rewards = inputs.rewards.sequence_rewards()

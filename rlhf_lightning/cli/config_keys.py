@@ -151,7 +151,7 @@ def dropped_model_arguments(files: list[str], class_path: str, init_args: list[s
         given = file_args[name]
         if not isinstance(given, dict):
             continue
-        fields = given.get("init_args") or {} if "class_path" in given else given
+        fields = (given.get("init_args") or {}) if "class_path" in given else given
         taken = {str(key).removeprefix(f"{name}.").removeprefix("init_args.").split(".")[0]
                  for key in init_args if str(key).startswith(f"{name}.")}
         dropped += [f"{name}.{field}" for field in fields if field not in taken]

@@ -99,7 +99,6 @@ class ExperienceCollector(PolicyModule):
         checks.at_least("samples_per_prompt", samples_per_prompt)
         checks.at_least("max_turns", max_turns)
         checks.positive("max_episode_tokens", max_episode_tokens, optional=True)
-        shaping: RewardShaping = self.keep_group("reward_shaping", reward_shaping, RewardShaping())
         step_sources = [type(source).__name__ for source in (reward if isinstance(reward, list | tuple) else [reward])
                         if source.scores_steps]
         if environment is not None and step_sources:
@@ -108,8 +107,8 @@ class ExperienceCollector(PolicyModule):
         if environment is None and (max_turns != 4 or max_episode_tokens is not None):
             raise ValueError(f"max_turns={max_turns}, max_episode_tokens={max_episode_tokens}: they bound episodes, "
                              "and there is no environment; set environment, or leave them at 4 and null")
-        self.rewards = RewardSet(reward if isinstance(reward, list | tuple) else [reward], shaping.weights,
-                                 shaping.normalize, shaping.missing_eos_penalty, shaping.clip)
+        self.rewards = RewardSet(reward if isinstance(reward, list | tuple) else [reward],
+                                 self.keep_group("reward_shaping", reward_shaping, RewardShaping()))
         self.environment = environment
         self.share_prompt = share_prompt
         self.last_samples: Samples | None = None  # the latest rollout as text (see callbacks.CompletionsTable)

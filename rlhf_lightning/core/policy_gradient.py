@@ -3,8 +3,8 @@ entropy bonus and PPO-ptx.
 
 The loss of a micro-batch is built around the registered loss (:mod:`rlhf_lightning.algorithms.policy_losses`),
 each piece applied once: the policy's log-probs, the loss's per-token terms (with the importance-sampling
-correction of the sampler's log-probs, ``correction``, in the loss's input), ``+ kl.coef x`` the per-token KL (in the loss, GRPO's way; or shaped into the rewards
-before the advantages, PPO's), ``- ent_coef x`` the entropy, aggregated over the optimizer step
+correction of the sampler's log-probs, ``correction``, in the loss's input), ``+ kl.coef x`` the per-token KL (in
+the loss, GRPO's way; or shaped into the rewards before the advantages, PPO's), ``- ent_coef x`` the entropy, aggregated over the optimizer step
 (``loss_aggregation``), ``+ ptx_coef x`` the pretraining loss.
 """
 

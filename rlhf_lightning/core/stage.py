@@ -72,7 +72,8 @@ class StageModule(L.LightningModule):
 
     def __new__(cls, *args: Any, **kwargs: Any) -> StageModule:
         # before __init__'s own TypeError, which names no new key
-        compatibility.moved_arguments(cls.__name__, kwargs, constructor_arguments(cls))
+        if compatibility.MOVED_ARGUMENTS.keys() & kwargs.keys():
+            compatibility.moved_arguments(cls.__name__, kwargs, constructor_arguments(cls))
         return super().__new__(cls)
 
     def __init__(self, base: BaseModelSpec) -> None:

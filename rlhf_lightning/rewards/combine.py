@@ -49,26 +49,20 @@ class RewardSet:
 
     Args:
         sources: the reward sources.
-        weights: one weight per source; None = 1 each.
-        normalize: standardise each source's scores with its validation mean and std (``reward_shaping.normalize``).
-        missing_eos_penalty: subtracted from the score of a response that never stops; None = off.
-        clip: clip scores to [-clip, clip]; None = off.
+        shaping: their weights, normalisation, missing-EOS penalty and clip (:class:`RewardShaping`).
     """
 
-    def __init__(self, sources: Sequence[RewardSource], weights: Sequence[float] | None = None,
-                 normalize: bool = False, missing_eos_penalty: float | None = None,
-                 clip: float | None = None) -> None:
+    def __init__(self, sources: Sequence[RewardSource],
+                 shaping: RewardShaping = RewardShaping()) -> None:  # noqa: B008 (frozen, never mutated)
         if not sources:
             raise ValueError("reward: no reward source given (an empty list); give at least one, e.g. "
                              "{class_path: rlhf_lightning.AdapterReward, init_args: {path: ...}}")
         self.sources = list(sources)
-        self.weights = [1.0] * len(self.sources) if weights is None else [float(w) for w in weights]
+        self.shaping = shaping
+        self.weights = [1.0] * len(self.sources) if shaping.weights is None else [float(w) for w in shaping.weights]
         if len(self.weights) != len(self.sources):
             raise ValueError(f"reward_shaping.weights has {len(self.weights)} entries for {len(self.sources)} reward "
                              "sources")
-        self.normalize_scores = normalize
-        self.missing_eos_penalty = missing_eos_penalty
-        self.clip = clip
 
     @property
     def names(self) -> list[str]:
@@ -79,7 +73,7 @@ class RewardSet:
         for source in self.sources:
             source.setup(base, tokenizer)
         lacking = [source.name for source in self.sources if source.statistics is None]
-        if self.normalize_scores and lacking:
+        if self.shaping.normalize and lacking:
             raise ValueError(f"reward_shaping.normalize needs each reward source's mean/std (reward_stats.json), which "
                              f"{lacking} lack")
 
@@ -129,11 +123,12 @@ class RewardSet:
         """The score ``[B]`` each response is trained on, from the sources' ``[B, S]``: normalised (``normalize``),
         weighted and summed (without the step-scoring sources' with ``without_steps``), less
         ``missing_eos_penalty`` where the response never stopped (``is_stopped`` ``[B]``), clipped."""
-        combined = self.combine(self.normalize(scores) if self.normalize_scores else scores, without_steps)
-        if self.missing_eos_penalty is not None:
-            combined = combined - self.missing_eos_penalty * (~is_stopped).float()
-        if self.clip is not None:
-            combined = combined.clamp(-self.clip, self.clip)
+        shaping = self.shaping
+        combined = self.combine(self.normalize(scores) if shaping.normalize else scores, without_steps)
+        if shaping.missing_eos_penalty is not None:
+            combined = combined - shaping.missing_eos_penalty * (~is_stopped).float()
+        if shaping.clip is not None:
+            combined = combined.clamp(-shaping.clip, shaping.clip)
         return combined
 
     def response_values(self) -> dict[str, Tensor]:

@@ -110,7 +110,7 @@ class EnsembleReward(RewardSource):
                                     f"{', '.join(lacking)} lack (written by the reward stage); or set standardize: false")
         self.member_statistics = statistics
         self.base = base
-        # Standardised members combine to scores of about that scale: reward_shaping.normalize leaves them as they are.
+        # Standardised members combine to scores of about that scale: reward_shaping.normalize leaves them alone.
         self.statistics = (0.0, 1.0) if self.standardize else None
 
     def member_scores(self, inputs: RewardInputs) -> Tensor:

@@ -1,8 +1,8 @@
 """Where the reward comes from: an adapter on the shared base, a separate model, or Python functions.
 
 Each source is configured by ``class_path`` under the module's ``reward:`` argument (one source, or a list whose
-scores are summed with ``reward_shaping.weights``, :mod:`rlhf_lightning.rewards.combine`); subclass :class:`RewardSource`
-for anything else (a verifier, an ensemble, an API).
+scores are summed with ``reward_shaping.weights``, :mod:`rlhf_lightning.rewards.combine`); subclass
+:class:`RewardSource` for anything else (a verifier, an ensemble, an API).
 """
 
 from __future__ import annotations

@@ -63,8 +63,8 @@ MOVED_MODULES: dict[str, str] = {
 }
 
 # Module arguments that became fields of a typed group (``sampling``, ``kl``, ``optimizer``, ``correction``,
-# ``reward_shaping``, ``update``, PPO's ``critic``): the old flat names are refused in one line naming the new key, in a config
-# file, on the command line and by the constructors.
+# ``reward_shaping``, ``update``, PPO's ``critic``): the old flat names are refused in one line naming the new key,
+# in a config file, on the command line and by the constructors.
 MOVED_ARGUMENTS = {
     **{name: f"sampling.{name}" for name in ("max_new_tokens", "temperature", "top_k", "top_p", "kv_cache",
                                             "stop_token")},
@@ -84,8 +84,8 @@ MOVED_ARGUMENTS = {
                                           "target_kl", "max_grad_norm")},
 }
 
-# Arguments that moved into a group (the policy loss, the advantage estimator, the engine, and the ones above): the group, and where each is
-# now, for the command line's one line about a class that takes the group.
+# Arguments that moved into a group (the policy loss, the advantage estimator, the engine, and the ones above): the
+# group, and where each is now, for the command line's one line about a class that takes the group.
 MOVED_INTO_GROUPS = {
     "clip_range": ("policy_loss", "policy_loss.clip_range"),
     "clip_range_high": ("policy_loss", "policy_loss.clip_range_high"),

@@ -4,7 +4,6 @@ advantages, and an estimator defined outside the package trains a step when a co
 
 from __future__ import annotations
 
-import sys
 import threading
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from rlhf_lightning.algorithms.group import (
 from rlhf_lightning.algorithms.masked import masked_whiten
 from rlhf_lightning.algorithms.shaped_rewards import ShapedRewards
 from tests.helpers.cli import logged_keys, one_logged_grpo_step
+from tests.helpers.user_code import user_module
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -148,13 +148,8 @@ class MeanBaseline(AdvantageEstimator):
 
 @pytest.fixture
 def mean_baseline(tmp_path, monkeypatch):
-    (tmp_path / "my_estimators.py").write_text(MY_ESTIMATOR)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    sys.modules.pop("my_estimators", None)
-    import my_estimators
-
-    yield my_estimators.MeanBaseline
-    sys.modules.pop("my_estimators", None)
+    with user_module(tmp_path, monkeypatch, "my_estimators", MY_ESTIMATOR) as my_estimators:
+        yield my_estimators.MeanBaseline
     AdvantageEstimator.registry.pop("MeanBaseline", None)
 
 

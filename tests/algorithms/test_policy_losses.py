@@ -5,7 +5,6 @@ by defining it and trains a step when a config names it."""
 from __future__ import annotations
 
 import dataclasses
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ import torch
 from rlhf_lightning.algorithms.policy_losses import CISPO, Clip, LossOutput, PolicyLoss, PolicyLossInput
 from rlhf_lightning.algorithms.surrogate import cispo_surrogate, clipped_surrogate
 from tests.helpers.cli import logged_keys, one_logged_grpo_step
+from tests.helpers.user_code import user_module
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,13 +49,8 @@ class SAPO(PolicyLoss):
 
 @pytest.fixture
 def sapo(tmp_path, monkeypatch):
-    (tmp_path / "my_losses.py").write_text(SAPO_MODULE)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    sys.modules.pop("my_losses", None)
-    import my_losses
-
-    yield my_losses.SAPO
-    sys.modules.pop("my_losses", None)
+    with user_module(tmp_path, monkeypatch, "my_losses", SAPO_MODULE) as my_losses:
+        yield my_losses.SAPO
     PolicyLoss.registry.pop("SAPO", None)
 
 

@@ -19,6 +19,7 @@ from rlhf_lightning.models.spec import BaseModelSpec
 from tests.helpers.cli import logged_keys
 from tests.helpers.models import LORA, built
 from tests.helpers.online import perturb, prompt_batch
+from tests.helpers.user_code import user_module
 
 REPO = Path(__file__).resolve().parents[2]
 PAGE = (REPO / "docs" / "new-algorithm.md").read_text()
@@ -31,13 +32,8 @@ def blocks(language: str) -> list[str]:
 @pytest.fixture
 def my_gpg(tmp_path, monkeypatch):
     """The page's module, importable as ``my_gpg`` (as the page tells the reader to save it)."""
-    (tmp_path / "my_gpg.py").write_text(blocks("python")[0])
-    monkeypatch.syspath_prepend(str(tmp_path))
-    sys.modules.pop("my_gpg", None)
-    import my_gpg
-
-    yield my_gpg
-    sys.modules.pop("my_gpg", None)
+    with user_module(tmp_path, monkeypatch, "my_gpg", blocks("python")[0]) as my_gpg:
+        yield my_gpg
 
 
 def test_the_page_adds_an_algorithm_in_under_60_lines():
