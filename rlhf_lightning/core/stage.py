@@ -72,7 +72,7 @@ class StageModule(L.LightningModule):
 
     def __new__(cls, *args: Any, **kwargs: Any) -> StageModule:
         # before __init__'s own TypeError, which names no new key
-        if compatibility.MOVED_ARGUMENTS.keys() & kwargs.keys():
+        if compatibility.MOVED_INTO_GROUPS.keys() & kwargs.keys():
             compatibility.moved_arguments(cls.__name__, kwargs, constructor_arguments(cls))
         return super().__new__(cls)
 

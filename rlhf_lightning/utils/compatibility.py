@@ -132,11 +132,15 @@ def moved_arguments(owner: str, given: Iterable[str], groups: Iterable[str] | No
     (``DPO(epochs=...)`` is left to the constructor's own error: DPO has no ``update``)."""
     groups = None if groups is None else set(groups)
     for name in given:
-        if name in MOVED_ARGUMENTS and (groups is None or MOVED_ARGUMENTS[name].split(".")[0] in groups):
-            group, field = MOVED_ARGUMENTS[name].split(".")
+        group, place = MOVED_INTO_GROUPS.get(name, (None, None))
+        if group is None or (groups is not None and (group not in groups or name in groups)):
+            continue
+        if name in MOVED_ARGUMENTS:  # a field of a typed group: a dict of some fields is enough
+            field = place.split(".")[1]
             raise TypeError(f"{owner}({name}=...): {name} is now {group}.{field}; pass {group}={{'{field}': ...}} (its "
                             f"other fields keep the module's defaults) or a {GROUP_CLASSES[group]}, or write "
                             f"{group}: {{{field}: ...}} in a config")
+        raise TypeError(f"{owner}({name}=...): {name} moved into the {group} argument: {place}")
 
 
 def renamed_hooks(cls: type) -> None:

@@ -127,6 +127,20 @@ def test_an_old_flat_argument_is_refused_in_one_line_naming_its_new_key(cls, old
     assert "\n" not in str(raised.value)
 
 
+@pytest.mark.parametrize("cls, old, message", [
+    (PPO, dict(gamma=0.9), "PPO(gamma=...): gamma moved into the advantages argument: advantages.gamma"),
+    (GRPO, dict(clip_against="sampler"),
+     "GRPO(clip_against=...): clip_against moved into the policy_loss argument: policy_loss.clip_against"),
+    (DPO, dict(simpo_gamma=0.5),
+     "DPO(simpo_gamma=...): simpo_gamma moved into the preference_loss argument: preference_loss: SimPO with "
+     "preference_loss.gamma"),
+], ids=["PPO-gamma", "GRPO-clip_against", "DPO-simpo_gamma"])
+def test_an_old_name_of_a_registered_class_s_argument_is_refused_in_one_line_naming_where_it_went(cls, old, message):
+    with pytest.raises(TypeError) as raised:
+        unbuilt(cls, **old)
+    assert str(raised.value) == message
+
+
 def test_an_old_flat_name_of_a_group_the_class_does_not_take_is_not_said_to_have_moved():
     """DPO has no ``update`` group: ``DPO(epochs=3)`` is an unknown argument, not one that moved to update.epochs."""
     with pytest.raises(TypeError, match="unexpected keyword argument 'epochs'") as raised:
