@@ -1,6 +1,6 @@
-"""Asynchronous overlap: GRPO's iterations per hour at ``max_staleness`` S = 0 (synchronous), 1 and 2, on vLLM's own
-server bound to some cores and the trainer to the others, on two workloads; the same model, prompts, seeds and
-update for every S, each S in fresh processes.
+"""Asynchronous overlap: GRPO's iterations per hour at ``asynchronous.max_staleness`` S = 0 (synchronous), 1 and 2,
+on vLLM's own server bound to some cores and the trainer to the others, on two workloads; the same model, prompts,
+seeds and update for every S, each S in fresh processes.
 
     python benchmarks/async_overlap.py                          # both workloads, S = 0,1,2; server core 0, trainer 1
     python benchmarks/async_overlap.py --workloads balanced --staleness 0,1 --repeats 3 --iterations 8
@@ -108,7 +108,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workloads", default=None, help=f"default {','.join(WORKLOADS)} (--dry-run: balanced)")
     parser.add_argument("--balanced", type=workload, default=WORKLOADS["balanced"], help="workload (a)")
     parser.add_argument("--generation", type=workload, default=WORKLOADS["generation"], help="workload (b)")
-    parser.add_argument("--staleness", default="0,1,2", help="the max_staleness values; 0 is the reference")
+    parser.add_argument("--staleness", default="0,1,2", help="the asynchronous.max_staleness values; 0 is the reference")
     parser.add_argument("--iterations", type=int, default=4, help="measured iterations, after 1 + S warm-up ones")
     parser.add_argument("--repeats", type=int, default=2, help="rounds of every side")
     parser.add_argument("--server-cores", default=None, help="the server's cores (default: 0 on CPU, unbound on CUDA)")
@@ -235,11 +235,11 @@ OPTIONS = "RLHF_LIGHTNING_ASYNC_OVERLAP"  # the environment variable that hands 
 
 
 def side_settings(base: GRPOSettings, args: argparse.Namespace, side: str) -> GRPOSettings:
-    """The settings of side ``workload/S<s>``: the workload's shape, ``max_staleness`` s, ``1 + s`` warm-up
-    iterations."""
+    """The settings of side ``workload/S<s>``: the workload's shape, ``asynchronous.max_staleness`` s, ``1 + s``
+    warm-up iterations."""
     name, staleness = side.split("/S")
     return dataclasses.replace(base, **getattr(args, name), warmup=1 + int(staleness),
-                               ppo_options={"max_staleness": int(staleness)})
+                               ppo_options={"asynchronous": {"max_staleness": int(staleness)}})
 
 
 def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -100,13 +100,15 @@ def stop_token(settings: Settings) -> str | None:
     return None if settings.lengths == "equal" else "eos"
 
 
-GROUPS = ("sampling", "kl", "optimizer")  # the modules' argument groups: dicts of some of their fields
+# the modules' argument groups (rlhf_lightning.utils.checks.GROUP_CLASSES): dicts of some of their fields
+GROUPS = ("sampling", "kl", "optimizer", "critic", "correction", "reward_shaping", "update", "episodes", "asynchronous",
+          "loss")
 
 
 def with_options(arguments: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
     """A module's ``arguments`` with the user's ``options`` (``--ppo-options`` and the like) over them; a group
-    (``sampling``, ``kl``, ``optimizer``) is merged field by field, so that ``{"optimizer": {"adam_eps": 1e-5}}``
-    keeps the benchmark's learning rate."""
+    (``sampling``, ``kl``, ``optimizer``, ``update``, ``loss``, ...) is merged field by field, so that
+    ``{"optimizer": {"adam_eps": 1e-5}}`` keeps the benchmark's learning rate."""
     merged = {**arguments, **options}
     for group in GROUPS:
         if isinstance(arguments.get(group), dict) and isinstance(options.get(group), dict):
@@ -201,7 +203,7 @@ def grpo_module(settings: GRPOSettings, beta: float, **engine: Any):
                   "stop_token": stop_token(settings)},
         samples_per_prompt=settings.group_size, advantages=GroupRelative(scale_rewards="group", std_eps=1e-4),
         kl={"coef": beta, "estimator": "k3", "added_to": "loss", "ratio_weighting": True},
-        loss_aggregation="token_mean",
+        loss={"aggregation": "token_mean"},
         update={"epochs": settings.ppo_epochs, "num_minibatches": settings.num_minibatches, "max_grad_norm": 1.0},
         policy_loss=Clip(clip_range=0.2),
         optimizer={"lr": settings.lr, "adam_eps": 1e-8, "weight_decay": 0.0, "schedule": "constant"},

@@ -44,8 +44,8 @@ What both sides are set to compute alike (ours: ``rlhf_lightning.GRPO`` argument
 | sampling | temperature 1, top_k 0, top_p 1 | the same |
 | advantages | ``advantages: GroupRelative`` (``scale_rewards: group``, ``std_eps`` 1e-4, Bessel std) | ``scale_rewards="group"`` (its fixed 1e-4) |
 | KL | ``kl.coef`` = beta, ``kl.estimator: k3``, ``kl.added_to: loss``, ``kl.ratio_weighting: true`` | ``beta``, k3 in the loss, ``use_bias_correction_kl=True`` |
-| loss | clipped surrogate, ``policy_loss: {clip_range: 0.2}``, token ratios, ``loss_aggregation: token_mean`` over the optimizer step | ``epsilon`` 0.2, ``importance_sampling_level="token"``, ``loss_type="dapo"`` (tokens of the step) |
-| no extras | ``ent_coef`` 0, ``mask_truncated_completions`` false | ``entropy_coef`` 0, ``top_entropy_quantile`` 1, ``mask_truncated_completions=False`` |
+| loss | clipped surrogate, ``policy_loss: {clip_range: 0.2}``, token ratios, ``loss.aggregation: token_mean`` over the optimizer step | ``epsilon`` 0.2, ``importance_sampling_level="token"``, ``loss_type="dapo"`` (tokens of the step) |
+| no extras | ``loss.ent_coef`` 0, ``loss.mask_truncated_completions`` false | ``entropy_coef`` 0, ``top_entropy_quantile`` 1, ``mask_truncated_completions=False`` |
 | optimizer | AdamW, lr, eps 1e-8, no weight decay, constant schedule, grad norm clipped to 1 | ``optim="adamw_torch"``, ``learning_rate``, ``adam_epsilon`` 1e-8, ``weight_decay`` 0, ``lr_scheduler_type="constant"``, ``max_grad_norm`` 1 |
 | dropout | off | ``disable_dropout=True`` (TRL's default leaves GPT-2's 0.1 on) |
 | gradient checkpointing | none | ``gradient_checkpointing=False`` (GRPOConfig's default is True: ``--trl-gradient-checkpointing`` measures it) |

@@ -1,13 +1,13 @@
-"""RLHF math as pure tensor functions, no model and no Lightning, each checked number by number in tests:
-statistics over unpadded entries (``masked``), the KL penalty and its controllers (``kl``), a rollout's rewards with
-the KL penalty (``shaped_rewards``), GAE (``advantages``), the critic-free family's group advantages (``group``), the
+"""RLHF math as pure tensor functions, no model and no Lightning, each checked number by number in tests: statistics
+over unpadded entries (``masked``), the KL penalty and its controllers (``kl``), a rollout's rewards with the KL
+penalty (``shaped_rewards``), GAE (``advantages``), the critic-free family's group advantages (``group``), the
 registry of advantage estimators built on them (``advantage_estimators``), per-token log-probs, entropies and the
-value error (``losses``), the clipped surrogate and loss aggregation (``surrogate``), the registry of policy losses
-(``policy_losses``), importance-sampling correction of another engine's log-probs (``rollout_correction``), the DPO
-family (``dpo``) and the registry of its per-pair losses (``preference_losses``), the loss families behind both
-registries, whose members a config names by class name (``registered``), KTO (``kto``), the Bradley-Terry loss
-(``preference``), how a reward-model ensemble's members combine and which pairs each trains on (``ensemble``) and
-pass@k / maj@k (``pass_at_k``)."""
+value error (``losses``), the clipped surrogate and loss aggregation (``surrogate``), the policy-gradient modules'
+``loss`` group of settings (``loss_settings``), the registry of policy losses (``policy_losses``), importance-
+sampling correction of another engine's log-probs (``rollout_correction``), the DPO family (``dpo``) and the
+registry of its per-pair losses (``preference_losses``), the loss families behind both registries, whose members a
+config names by class name (``registered``), KTO (``kto``), the Bradley-Terry loss (``preference``), how a reward-
+model ensemble's members combine and which pairs each trains on (``ensemble``) and pass@k / maj@k (``pass_at_k``)."""
 
 from __future__ import annotations
 

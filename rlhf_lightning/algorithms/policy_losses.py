@@ -127,7 +127,7 @@ class Clip(PolicyLoss):
             token ratios (GSPO); or ``sequence_sum``, the product of its token ratios (TRL's RLOO).
         clip_against: the ratio's denominator: ``proximal``, the trainer's log-probs at the start of the update
             (with the ``correction`` group this is AReaL's decoupled objective for stale rollouts:
-            ``max_staleness``), or ``sampler``, the engine's (naive PPO-clip against the behaviour policy).
+            ``asynchronous.max_staleness``), or ``sampler``, the engine's (naive PPO-clip against the behaviour policy).
     """
 
     def __init__(self, clip_range: float = 0.2, clip_range_high: float | None = None,

@@ -44,9 +44,17 @@ CAUSES = (
           "the two responses of every pair scored alike, so no pair was ordered (check the reward source)",
           no_signal=True),
     Cause("response/eos_frac", lambda value: value <= 0.0,
-          "no response stopped: with mask_truncated_completions every response is masked (raise sampling.max_new_tokens)",
-          setting="mask_truncated_completions"),
+          "no response stopped: with loss.mask_truncated_completions every response is masked (raise "
+          "sampling.max_new_tokens)", setting="loss.mask_truncated_completions"),
 )
+
+
+def setting_of(hparams: Mapping[str, Any], key: str) -> Any:
+    """A hyper-parameter by its config key, a group's field by ``group.field`` (None where absent)."""
+    value: Any = hparams
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, Mapping) else None
+    return value
 
 
 @dataclass
@@ -167,7 +175,7 @@ class LearningCheck(Callback):
         for cause in CAUSES:
             value = metrics.get(f"{prefix}/{cause.metric}")
             if (value is not None and cause.applies(float(value))
-                    and (cause.setting is None or pl_module.hparams.get(cause.setting))):
+                    and (cause.setting is None or setting_of(pl_module.hparams, cause.setting))):
                 return f"{cause.text} ({prefix}/{cause.metric} {float(value):.4g})"
         skipped = metrics.get(f"{prefix}/skipped_steps")
         if skipped is not None and float(skipped) > 0:

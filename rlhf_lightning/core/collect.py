@@ -25,9 +25,10 @@ from rlhf_lightning.models.shared_base import REFERENCE, SharedBase
 from rlhf_lightning.rewards.combine import RewardSet, RewardShaping
 from rlhf_lightning.rewards.inputs import RewardInputs, reward_inputs
 from rlhf_lightning.rewards.sources import RewardSource
-from rlhf_lightning.rollout.ahead import DrawAhead, loader_ahead
+from rlhf_lightning.rollout.ahead import Asynchronous, DrawAhead, loader_ahead
 from rlhf_lightning.rollout.episodes import episode_statistics, episode_values, transcript_text
 from rlhf_lightning.rollout.rollouts import Rollout, Rollouts
+from rlhf_lightning.rollout.settings import Episodes
 from rlhf_lightning.utils import checks
 from rlhf_lightning.utils.nonfinite import SKIP_HINT, NonFiniteError, listing, score_problems
 from rlhf_lightning.utils.timing import phase
@@ -51,22 +52,16 @@ class ExperienceCollector(PolicyModule):
             ``normalize`` (each by its saved mean and std), ``missing_eos_penalty``, ``clip`` (see
             :class:`~rlhf_lightning.rewards.combine.RewardShaping`).
         samples_per_prompt: responses sampled per prompt (the group size of group baselines).
-        environment: multi-turn episodes instead of one response per prompt: the episode's environment
-            (``class_path`` + ``init_args``, made anew for every episode), e.g.
-            ``rlhf_lightning.environments.ToolEnvironment`` with ``tools: [my_tools.search]``. Each assistant turn
-            (up to ``sampling.max_new_tokens``) ends at the turn-end token; the environment answers; its tokens are
-            context only. Reward sources score the whole transcript; null = single-turn.
-        max_turns: assistant turns per episode at most.
-        max_episode_tokens: tokens per episode after its opening (the policy's and the environment's) at most;
-            null = ``max_turns`` x ``sampling.max_new_tokens``. A turn can decode ``sampling.max_new_tokens`` after ``max_episode_tokens
-            - 1`` of them, so the longest opening plus both must fit the model's positions (checked at setup).
+        episodes: multi-turn episodes instead of one response per prompt: ``environment`` (made anew for every
+            episode; null = single-turn), ``max_turns``, ``max_tokens`` (see
+            :class:`~rlhf_lightning.rollout.settings.Episodes`).
         share_prompt: encode a group's prompt once in every pass after sampling (log-probs, reference, values,
             reward adapter, the update's forward) and reuse its keys/values for its responses: the same numbers up to
             rounding; rows with equal prompt tokens are found in each batch, so nothing changes where none share.
-        max_staleness: asynchronous training: the rollouts of the next ``max_staleness`` iterations are drawn while
-            the policy trains (iteration n on the policy iteration n - max_staleness started from), on an engine
-            that overlaps (``VLLMServer``); 0 = synchronous. See ``docs/async.md``.
-        rollout_timeout: seconds an iteration waits for its rollout drawn ahead before the fit stops.
+        asynchronous: drawing the rollouts of the next ``max_staleness`` iterations while the policy trains, on an
+            engine that draws ahead (``VLLMServer``), and the ``rollout_timeout`` (see
+            :class:`~rlhf_lightning.rollout.ahead.Asynchronous` and ``docs/async.md``); ``max_staleness: 0`` = the
+            synchronous loop.
     """
 
     # Whether a reward source that scores steps (ProcessReward) gives each step's score at its step's last token
@@ -83,33 +78,26 @@ class ExperienceCollector(PolicyModule):
         reward: RewardSource | list[RewardSource],
         reward_shaping: RewardShaping = RewardShaping(),  # noqa: B008 (frozen; the CLI shows it as the default)
         samples_per_prompt: int = 1,
-        environment: Callable[[], Environment] | None = None,
-        max_turns: int = 4,
-        max_episode_tokens: int | None = None,
+        episodes: Episodes = Episodes(),  # noqa: B008 (frozen; the CLI shows it as the default)
         share_prompt: bool = True,
-        max_staleness: int = 0,
-        rollout_timeout: float = 1800.0,
+        asynchronous: Asynchronous = Asynchronous(),  # noqa: B008 (frozen; the CLI shows it as the default)
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        checks.non_negative("max_staleness", max_staleness)
-        checks.positive("rollout_timeout", rollout_timeout)
-        if max_staleness and (refusal := self.engine.overlap_refusal(max_staleness)):
+        self.asynchronous: Asynchronous = self.keep_group("asynchronous", asynchronous, Asynchronous())
+        staleness = self.asynchronous.max_staleness
+        if staleness and (refusal := self.engine.overlap_refusal(staleness)):
             raise ValueError(refusal)
         checks.at_least("samples_per_prompt", samples_per_prompt)
-        checks.at_least("max_turns", max_turns)
-        checks.positive("max_episode_tokens", max_episode_tokens, optional=True)
+        self.episodes: Episodes = checks.group_settings("episodes", episodes, Episodes())
+        self.hparams["episodes"] = self.episodes.hyperparameters()  # the environment is code, named by the config
         step_sources = [type(source).__name__ for source in (reward if isinstance(reward, list | tuple) else [reward])
                         if source.scores_steps]
-        if environment is not None and step_sources:
-            raise ValueError(f"reward: {step_sources[0]} scores the steps of single-turn responses, and environment "
-                             "is set (episodes); drop one of them")
-        if environment is None and (max_turns != 4 or max_episode_tokens is not None):
-            raise ValueError(f"max_turns={max_turns}, max_episode_tokens={max_episode_tokens}: they bound episodes, "
-                             "and there is no environment; set environment, or leave them at 4 and null")
+        if self.environment is not None and step_sources:
+            raise ValueError(f"reward: {step_sources[0]} scores the steps of single-turn responses, and "
+                             "episodes.environment is set; drop one of them")
         self.rewards = RewardSet(reward if isinstance(reward, list | tuple) else [reward],
                                  self.keep_group("reward_shaping", reward_shaping, RewardShaping()))
-        self.environment = environment
         self.share_prompt = share_prompt
         self.last_samples: Samples | None = None  # the latest rollout as text (see callbacks.CompletionsTable)
         self._pass_plan: PassPlan | None = None
@@ -121,9 +109,14 @@ class ExperienceCollector(PolicyModule):
         self.rewards.setup(model, self.tokenizer)
         return model
 
+    @property
+    def environment(self) -> Callable[[], Environment] | None:
+        """The episodes' environment (``episodes.environment``); None = single-turn responses."""
+        return self.episodes.environment
+
     def make_rollouts(self) -> Rollouts:
-        hp = self.hparams
-        return Rollouts(self.sampler, self.tokenizer, self.environment, hp.max_turns, hp.max_episode_tokens)
+        episodes = self.episodes
+        return Rollouts(self.sampler, self.tokenizer, episodes.environment, episodes.max_turns, episodes.max_tokens)
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
@@ -147,7 +140,7 @@ class ExperienceCollector(PolicyModule):
         examples = [*(datamodule.train_set or []), *datamodule.val_set]
         longest = max(examples, key=datamodule.length)
         self.check_positions(*self.rollouts.reach(longest.raw if longest.raw is not None else longest.text),
-                             "lower max_episode_tokens (null = max_turns x sampling.max_new_tokens), "
+                             "lower episodes.max_tokens (null = episodes.max_turns x sampling.max_new_tokens), "
                              "sampling.max_new_tokens or data.init_args.max_length")
 
     @property
@@ -162,16 +155,18 @@ class ExperienceCollector(PolicyModule):
 
     @property
     def draw_ahead(self) -> DrawAhead | None:
-        """The fixed-lag schedule of ``max_staleness`` > 0, made at the first training rollout; None if synchronous."""
-        hp = self.hparams
-        if self._draw_ahead is None and hp.max_staleness and self.model is not None:
-            self._draw_ahead = DrawAhead(self.rollouts, self.model, hp.samples_per_prompt, self.global_rank,
-                                         hp.max_staleness, hp.rollout_timeout)
+        """The fixed-lag schedule of ``asynchronous.max_staleness`` > 0, made at the first training rollout; None if
+        synchronous."""
+        settings = self.asynchronous
+        if self._draw_ahead is None and settings.max_staleness and self.model is not None:
+            self._draw_ahead = DrawAhead(self.rollouts, self.model, self.hparams.samples_per_prompt, self.global_rank,
+                                         settings.max_staleness, settings.rollout_timeout)
         return self._draw_ahead
 
     def training_rollout(self, prompts: dict[str, Any], group: int) -> tuple[Rollout, Stats]:
         """The current training iteration's rollout of ``group`` responses to each prompt, with statistics: drawn
-        now, or drawn ahead by the policy of ``max_staleness`` iterations ago (and the statistics of its age)."""
+        now, or drawn ahead by the policy of ``asynchronous.max_staleness`` iterations ago (and the statistics of its
+        age)."""
         if self.draw_ahead is not None:
             return self.draw_ahead.rollout(prompts, self.iteration, self.trainer.global_step,
                                            loader_ahead(self.trainer.train_dataloader), self.device)

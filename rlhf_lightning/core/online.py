@@ -115,14 +115,15 @@ class OnlineRL(ExperienceCollector):
                                  f"{self.hparams.samples_per_prompt}")
         no_text = getattr(datamodule, "ptx", None) is None  # pretraining text and a loss on it come together
         if stage == "fit" and datamodule is not None and no_text != (self.ptx_coef == 0):
-            raise ValueError(f"ptx_coef={self.ptx_coef} needs pretraining text: set data.init_args.ptx_dataset" if no_text
+            raise ValueError(f"loss.ptx_coef={self.ptx_coef} needs pretraining text: set data.init_args.ptx_dataset"
+                             if no_text
                              else f"data.init_args.ptx_dataset is set, but {type(self).__name__} has no pretraining "
-                             "loss on it (ptx_coef 0): its batches would never be trained on; drop it")
+                             "loss on it (loss.ptx_coef 0): its batches would never be trained on; drop it")
 
     @property
     def ptx_coef(self) -> float:
         """Weight of a pretraining loss on the data module's ``ptx`` batches: none in the loop itself
-        (:class:`~rlhf_lightning.core.policy_gradient.PolicyGradient` has ``ptx_coef``)."""
+        (:class:`~rlhf_lightning.core.policy_gradient.PolicyGradient` has ``loss.ptx_coef``)."""
         return 0.0
 
     @property

@@ -124,13 +124,13 @@ class PolicyModule(StageModule):
         checks.one_of("seed_scope", seed_scope, ("rank", "prompt"))
         checks.one_of("sharded_rollout", sharded_rollout, ("gathered", "per_layer"))
         super().__init__(base)
-        self.save_hyperparameters(ignore=["reward", "gold_reward", "environment", "engine"])
+        self.save_hyperparameters(ignore=["reward", "gold_reward", "episodes", "engine"])
         # Under LightningCLI the saved hyper-parameters are the config's, which lack what a subclass passes to its
         # parent itself (e.g. PPO(gamma=0.99) fixed in a subclass): add every __init__ level's own arguments.
         for level in collect_init_args(inspect.currentframe(), []):
             self.hparams.update({name: value for name, value in level.items()
                                  if name not in self.hparams
-                                 and name not in ("reward", "gold_reward", "environment", "engine")})
+                                 and name not in ("reward", "gold_reward", "episodes", "engine")})
         self.sampling = self.keep_group("sampling", sampling, self.default_sampling)
         self.policy_lora = without_dropout(policy_lora.check("policy_lora"), POLICY)
         self.gold_reward = gold_reward

@@ -4,15 +4,15 @@ entropy bonus and PPO-ptx.
 The loss of a micro-batch is built around the registered loss (:mod:`rlhf_lightning.algorithms.policy_losses`),
 each piece applied once: the policy's log-probs, the loss's per-token terms (with the importance-sampling
 correction of the sampler's log-probs, ``correction``, in the loss's input), ``+ kl.coef x`` the per-token KL (in
-the loss, GRPO's way; or shaped into the rewards before the advantages, PPO's), ``- ent_coef x`` the entropy, aggregated over the optimizer step
-(``loss_aggregation``), ``+ ptx_coef x`` the pretraining loss.
+the loss, GRPO's way; or shaped into the rewards before the advantages, PPO's), ``- loss.ent_coef x`` the entropy,
+aggregated over the optimizer step (``loss.aggregation``), ``+ loss.ptx_coef x`` the pretraining loss.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -24,11 +24,11 @@ from rlhf_lightning.algorithms import (
 )
 from rlhf_lightning.algorithms.advantage_estimators import AdvantageEstimator, AdvantageInput
 from rlhf_lightning.algorithms.kl import KLPenalty
+from rlhf_lightning.algorithms.loss_settings import LossSettings
 from rlhf_lightning.algorithms.policy_losses import Clip, PolicyLoss, PolicyLossInput
 from rlhf_lightning.algorithms.rollout_correction import RolloutCorrection, mismatch_statistics
 from rlhf_lightning.algorithms.shaped_rewards import ShapedRewards
 from rlhf_lightning.algorithms.surrogate import (
-    LossAggregation,
     aggregate_loss,
     log_importance_ratio,
     loss_normaliser,
@@ -53,54 +53,47 @@ class PolicyGradient(OnlineRL):
             ``clip_range``, ``clip_range_high``, ``ratio_level``, ``clip_against``) or ``CISPO`` (``max_weight``,
             ``min_weight``, ``ratio_level``, ``clip_against``), or a
             :class:`~rlhf_lightning.algorithms.policy_losses.PolicyLoss` of your own by import path.
-        loss_aggregation: ``token_mean`` over every token of the optimizer step (DAPO, verl, OpenRLHF);
-            ``sequence_mean`` of per-response token means (the original GRPO); ``constant``: token sum divided
-            by responses x ``sampling.max_new_tokens`` (Dr. GRPO).
-        mask_truncated_completions: responses that never stop carry no loss (DAPO): a cut-off answer is no
-            evidence for or against its tokens.
+        loss: how the per-token terms become the loss, and what is added to it: ``aggregation`` (``token_mean``,
+            ``sequence_mean``, ``constant``), ``mask_truncated_completions``, ``ent_coef``, ``ptx_coef`` (see
+            :class:`~rlhf_lightning.algorithms.loss_settings.LossSettings`); each algorithm's defaults in
+            ``default_loss``.
         kl: the KL penalty to the reference (``coef``, ``estimator``, ``clamp``, ``added_to``, ``ratio_weighting``,
             ``target``, ``horizon``: see :class:`~rlhf_lightning.algorithms.kl.KLPenalty`); each algorithm has its
             own defaults (``default_kl``), which a config's fields override one by one.
-        ent_coef: weight of the entropy bonus.
-        ptx_coef: weight of the pretraining loss (PPO-ptx) on the data module's ``ptx`` batches; 0 = off.
         correction: importance-sampling correction of the sampler's log-probs against the trainer's (another
             precision or kernel, a stale policy): ``mode`` (``token_truncate``, ``token_mask``,
             ``sequence_truncate``, ``sequence_mask``: TRL 1.16's names; ``none`` = off), ``min_weight``,
             ``max_weight`` (see :class:`~rlhf_lightning.algorithms.rollout_correction.RolloutCorrection`). Its
             weights reach the policy loss in its input; with the loss's ``clip_against: proximal`` this is AReaL's
-            decoupled objective for stale rollouts (``max_staleness``). The mismatch is logged either way
+            decoupled objective for stale rollouts (``asynchronous.max_staleness``). The mismatch is logged either way
             (``rollout/mismatch_kl``).
     """
 
     default_kl = KLPenalty()  # the k1 estimate shaped into the rewards with coefficient 0.05
+    default_loss = LossSettings()  # the ``loss`` a dict of some of its fields is taken over
     advantages: AdvantageEstimator | None = None  # the subclass's ``advantages`` argument (keep_estimator)
 
     def __init__(
         self,
         *args: Any,
         policy_loss: PolicyLoss = Clip(),  # noqa: B008 (never mutated; the CLI shows it as the default)
-        loss_aggregation: LossAggregation = "token_mean",
-        mask_truncated_completions: bool = False,
+        loss: LossSettings = default_loss,
         kl: KLPenalty = default_kl,
-        ent_coef: float = 0.0,
-        ptx_coef: float = 0.0,
         correction: RolloutCorrection = RolloutCorrection(),  # noqa: B008 (frozen; the CLI shows it as the default)
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         PolicyLoss.require("policy_loss", policy_loss)
-        checks.one_of("loss_aggregation", loss_aggregation, get_args(LossAggregation))
+        self.loss_settings: LossSettings = self.keep_group("loss", loss, self.default_loss)
         self.kl: KLPenalty = self.keep_group("kl", kl, self.default_kl)
-        for name, value in {"ent_coef": ent_coef, "ptx_coef": ptx_coef}.items():
-            checks.non_negative(name, value)
         self.correction: RolloutCorrection = self.keep_group("correction", correction, RolloutCorrection())
         if policy_loss.clip_against == "sampler" and self.correction.mode != "none":
             raise ValueError(f"policy_loss.clip_against: sampler with correction.mode: {self.correction.mode}: the "
                              "ratio is already against the sampler, so the correction would weigh it twice; set one "
                              "of them")
-        if mask_truncated_completions and checks.optional_str(self.sampling.stop_token) is None:
-            raise ValueError("mask_truncated_completions needs a sampling.stop_token: without one no response ever stops, "
-                             "so every response would be masked and nothing would train")
+        if self.loss_settings.mask_truncated_completions and checks.optional_str(self.sampling.stop_token) is None:
+            raise ValueError("loss.mask_truncated_completions needs a sampling.stop_token: without one no response "
+                             "ever stops, so every response would be masked and nothing would train")
         self.policy_loss = policy_loss
         self.kl_controller = self.kl.controller()
 
@@ -114,7 +107,7 @@ class PolicyGradient(OnlineRL):
 
     @property
     def ptx_coef(self) -> float:
-        return self.hparams.ptx_coef
+        return self.loss_settings.ptx_coef
 
     def pass_settings(self) -> PassSettings:
         """The loop's, with the KL penalty (``kl.added_to``; charged when the coefficient is > 0, or adaptive) and a loss
@@ -132,7 +125,7 @@ class PolicyGradient(OnlineRL):
         with phase("update/policy forward"):
             logprobs, entropy = self.response_logprobs(POLICY, experience.input_ids, experience.attention_mask,
                                                        experience.response_mask, with_entropy=True,
-                                                       entropy_grad=bool(self.hparams.ent_coef))
+                                                       entropy_grad=bool(self.loss_settings.ent_coef))
         return FirstPass(logprobs, entropy)
 
     # ---- 2. rewards, 3. advantages -------------------------------------------------------------------------
@@ -181,15 +174,15 @@ class PolicyGradient(OnlineRL):
 
     def loss_mask(self, experience: Experience) -> Tensor:
         """``[B, R]`` tokens that carry loss: the responses, less those that never stopped when
-        ``mask_truncated_completions`` is set."""
-        if not self.hparams.mask_truncated_completions:
+        ``loss.mask_truncated_completions`` is set."""
+        if not self.loss_settings.mask_truncated_completions:
             return experience.response_mask
         return experience.response_mask & experience.is_stopped[:, None]
 
     def step_normalisers(self, micros: Sequence[Experience]) -> dict[str, Tensor]:
-        """The policy loss's denominator over the step (``loss_aggregation`` of the tokens that carry loss)."""
-        hp = self.hparams
-        policy = sum(loss_normaliser(self.loss_mask(m), hp.loss_aggregation, self.sampling.max_new_tokens) for m in micros)
+        """The policy loss's denominator over the step (``loss.aggregation`` of the tokens that carry loss)."""
+        aggregation = self.loss_settings.aggregation
+        policy = sum(loss_normaliser(self.loss_mask(m), aggregation, self.sampling.max_new_tokens) for m in micros)
         return {"policy": self.ranks.mean(policy.float()).clamp(min=1e-8)}
 
     def loss(self, micro: Experience, normalisers: dict[str, Tensor],
@@ -201,7 +194,7 @@ class PolicyGradient(OnlineRL):
         """``(policy part of the loss, its terms)``: the registered loss, corrected for the sampler, + the KL term
         at this iteration's coefficient in the loss, - the entropy bonus, aggregated over the step
         (``normaliser``); + PPO-ptx."""
-        hp = self.hparams
+        settings = self.loss_settings
         mask, loss_mask = micro.response_mask, self.loss_mask(micro)
         own_pass = micro.logprobs is None  # its own pass gives the rollout's log-probs (PassPlan.logprobs_pass)
         if micro.first_pass is not None:
@@ -210,7 +203,7 @@ class PolicyGradient(OnlineRL):
             with phase("update/policy forward"):
                 logprobs, entropy = self.response_logprobs(
                     POLICY, micro.input_ids, micro.attention_mask, mask,
-                    with_entropy=bool(hp.ent_coef) or own_pass, entropy_grad=bool(hp.ent_coef))
+                    with_entropy=bool(settings.ent_coef) or own_pass, entropy_grad=bool(settings.ent_coef))
         # One optimizer step per rollout: the policy has not moved since sampling, so its own pass, detached,
         # gives the old log-probs (ratio 1 in value, the policy gradient in gradient).
         proximal = logprobs.detach() if own_pass else micro.logprobs
@@ -230,7 +223,7 @@ class PolicyGradient(OnlineRL):
         terms |= {f"policy/{name}": value for name, value in statistics.items()}
         if own_pass:  # the statistics of the policy at sampling time, of this pass
             terms |= sampling_statistics(logprobs.detach(), entropy.detach(), micro.ref_logprobs, mask)[0]
-        terms["loss/policy"] = aggregate_loss(per_token, loss_mask, hp.loss_aggregation, normaliser)
+        terms["loss/policy"] = aggregate_loss(per_token, loss_mask, settings.aggregation, normaliser)
         kl_coef = self.kl_coef_in("loss")
         if kl_coef > 0:
             # Padding gets the reference's own log-prob (KL 0 there): garbage could overflow k3's exp and turn
@@ -241,13 +234,13 @@ class PolicyGradient(OnlineRL):
                 kl = kl * torch.exp(log_importance_ratio(logprobs, old_logprobs, mask, self.policy_loss.ratio_level))
             per_token = per_token + kl_coef * kl
             terms["loss/kl"] = masked_mean(kl.detach(), mask)
-        if hp.ent_coef:
-            per_token = per_token - hp.ent_coef * entropy
+        if settings.ent_coef:
+            per_token = per_token - settings.ent_coef * entropy
             terms["loss/entropy"] = masked_mean(entropy.detach(), mask)
-        total = aggregate_loss(per_token, loss_mask, hp.loss_aggregation, normaliser)
-        if hp.ptx_coef and ptx is not None:
+        total = aggregate_loss(per_token, loss_mask, settings.aggregation, normaliser)
+        if settings.ptx_coef and ptx is not None:
             terms["loss/ptx"] = self.ptx_loss(ptx)
-            total = total + hp.ptx_coef * terms["loss/ptx"]
+            total = total + settings.ptx_coef * terms["loss/ptx"]
         return total, terms
 
     def ptx_loss(self, batch: dict[str, Tensor]) -> Tensor:

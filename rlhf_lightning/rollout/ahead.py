@@ -1,12 +1,13 @@
-"""Drawing ahead (asynchronous training with a fixed lag): the rollouts of the next ``max_staleness`` iterations are
-drawn while the policy trains, on an engine whose server names and serves policy versions (``VLLMServer``; an engine
-draws ahead when its :meth:`~rlhf_lightning.rollout.engines.Engine.overlap_refusal` is None).
+"""Drawing ahead (asynchronous training with a fixed lag): the rollouts of the next ``asynchronous.max_staleness``
+iterations are drawn while the policy trains, on an engine whose server names and serves policy versions
+(``VLLMServer``; an engine draws ahead when its :meth:`~rlhf_lightning.rollout.engines.Engine.overlap_refusal` is
+None).
 
-The schedule (``S`` = ``max_staleness``): iteration ``m`` trains on a rollout drawn by the policy that iteration
-``d(m) = max(0, m - S)`` started from. When iteration ``n`` starts, the rollout of iteration ``n + S`` is submitted
-to the :class:`~rlhf_lightning.rollout.producer.RolloutProducer`, drawn by the current adapter, on the prompts the
-training loader will hand out then (:meth:`~rlhf_lightning.data.loader.ResumableLoader.ahead`); iteration ``n``
-takes its own rollout, submitted ``S`` iterations earlier (the first ``S`` iterations of a run are drawn by the
+The schedule (``S`` = ``asynchronous.max_staleness``): iteration ``m`` trains on a rollout drawn by the policy that
+iteration ``d(m) = max(0, m - S)`` started from. When iteration ``n`` starts, the rollout of iteration ``n + S`` is
+submitted to the :class:`~rlhf_lightning.rollout.producer.RolloutProducer`, drawn by the current adapter, on the
+prompts the training loader will hand out then (:meth:`~rlhf_lightning.data.loader.ResumableLoader.ahead`); iteration
+``n`` takes its own rollout, submitted ``S`` iterations earlier (the first ``S`` iterations of a run are drawn by the
 starting policy, all at once). This is the admission bound of AReaL and SkyRL (at policy version ``v``, at most
 ``(S + v + 1) B`` prompts admitted) at the granularity of a batch; nothing is dropped.
 
@@ -39,8 +40,32 @@ from rlhf_lightning.rollout.rollouts import Rollout, Rollouts
 from rlhf_lightning.rollout.sampler import Sampler
 from rlhf_lightning.rollout.vllm_server import ServedVersion
 from rlhf_lightning.rollout.vllm_support import adapter_tensors
+from rlhf_lightning.utils import checks
 from rlhf_lightning.utils.atomic_io import CheckpointError
 from rlhf_lightning.utils.timing import phase
+
+
+@dataclasses.dataclass(frozen=True)
+class Asynchronous:
+    """The ``asynchronous`` argument of every online module: drawing the rollouts of the coming iterations while the
+    policy trains (``docs/async.md``).
+
+    Args:
+        max_staleness: the rollouts of the next ``max_staleness`` iterations are drawn while the policy trains
+            (iteration n on the policy iteration n - max_staleness started from), on an engine that draws ahead
+            (``VLLMServer``); 0 = the synchronous loop.
+        rollout_timeout: seconds an iteration waits for its rollout drawn ahead before the fit stops.
+    """
+
+    max_staleness: int = 0
+    rollout_timeout: float = 1800.0
+
+    def check(self, name: str = "asynchronous") -> Asynchronous:
+        """Raise a one-line error naming ``name.field`` for a value out of range."""
+        checks.at_least(f"{name}.max_staleness", self.max_staleness, minimum=0)
+        checks.positive(f"{name}.rollout_timeout", self.rollout_timeout)
+        return self
+
 
 STATE_KEY = "rollouts_ahead"  # a checkpoint's entry: the adapters the untrained rollouts were drawn by
 POLICY = "policy"  # the adapter drawn from (rlhf_lightning.core.policy.POLICY)
@@ -56,8 +81,8 @@ class DrawAhead:
         model: the shared base whose policy adapter is drawn from (its engine must draw ahead).
         group: responses drawn per prompt (``samples_per_prompt``).
         rank: this process's rank (the seeds of its requests).
-        staleness: ``max_staleness``, at least 1.
-        timeout: seconds the trainer waits for a rollout before the fit stops (``rollout_timeout``).
+        staleness: ``asynchronous.max_staleness``, at least 1.
+        timeout: seconds the trainer waits for a rollout before the fit stops (``asynchronous.rollout_timeout``).
     """
 
     def __init__(self, rollouts: Rollouts, model: SharedBase, group: int, rank: int, staleness: int,
@@ -123,7 +148,7 @@ class DrawAhead:
         else:
             raise RuntimeError(f"iteration {iteration + 1} is drawn by the policy of iteration {drawn_by + 1}, which "
                                f"the checkpoint does not hold (it keeps iterations {sorted(self.snapshots)}): resume "
-                               "with the max_staleness the checkpoint was written with")
+                               "with the asynchronous.max_staleness the checkpoint was written with")
         for old in [kept for kept in self.snapshots if kept < n - self.staleness]:
             del self.snapshots[old]
         cpu = {key: value.cpu() if isinstance(value, Tensor) else value for key, value in prompts.items()}
@@ -151,7 +176,7 @@ class DrawAhead:
         refused."""
         if STATE_KEY not in checkpoint:
             raise CheckpointError(f"{where}: written by a synchronous run, which kept no adapters to redraw the "
-                                  "rollouts drawn ahead from; resume it with max_staleness: 0")
+                                  "rollouts drawn ahead from; resume it with asynchronous.max_staleness: 0")
         self.snapshots = {int(iteration): (int(kept["version"]), kept["tensors"])
                           for iteration, kept in checkpoint[STATE_KEY]["snapshots"].items()}
         self.started = False
@@ -165,7 +190,7 @@ def loader_ahead(loaders: Any) -> Callable[[int], dict[str, Any]]:
     ``prompts`` loader of a dict)."""
     loader = loaders["prompts"] if isinstance(loaders, dict) else loaders
     if not hasattr(loader, "ahead"):
-        raise TypeError(f"max_staleness needs a training loader that can hand out its next batches ahead "
+        raise TypeError(f"asynchronous.max_staleness needs a training loader that can hand out its next batches ahead "
                         f"(rlhf_lightning.data.loader.ResumableLoader), not {type(loader).__name__}")
     return loader.ahead
 

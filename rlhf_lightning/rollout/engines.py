@@ -20,8 +20,8 @@ The hooks besides :meth:`Engine.draw`: :meth:`Engine.refusal` (what it cannot se
 model is built), :meth:`Engine.prepare` (what it keeps of the fit's setup: the run folder), :meth:`Engine.sync`
 (called by the training loop after every optimizer step that changed a sampled role: an engine with its own copy of
 the weights brings it up to date there, never inside ``draw``), :meth:`Engine.overlap_refusal` (whether it can
-draw ahead of the trainer: ``max_staleness``), and :meth:`Engine.rest` / :meth:`Engine.close`. A new engine subclasses :class:`Engine`; nothing else
-changes (``tests/rollout/test_engines.py`` trains with one defined in the test).
+draw ahead of the trainer: ``asynchronous.max_staleness``), and :meth:`Engine.rest` / :meth:`Engine.close`. A new
+engine subclasses :class:`Engine`; nothing else changes (``tests/rollout/test_engines.py`` trains with one defined in the test).
 """
 
 from __future__ import annotations
@@ -75,10 +75,12 @@ class Engine:
 
     def overlap_refusal(self, staleness: int) -> str | None:
         """Why this engine cannot draw the rollouts of later iterations while the trainer updates the policy
-        (``max_staleness`` > 0), in one line; None when it can (it then keeps ``staleness`` versions drawable)."""
-        return (f"max_staleness={staleness}: the engine {type(self).__name__} draws in the trainer's own process, "
-                "from its model (one active adapter for the whole model) and on its cores, so generation cannot "
-                "overlap the update; use the engine rlhf_lightning.rollout.vllm_server.VLLMServer, or max_staleness: 0")
+        (``asynchronous.max_staleness`` > 0), in one line; None when it can (it then keeps ``staleness`` versions
+        drawable)."""
+        return (f"asynchronous.max_staleness={staleness}: the engine {type(self).__name__} draws in the trainer's "
+                "own process, from its model (one active adapter for the whole model) and on its cores, so generation "
+                "cannot overlap the update; use the engine rlhf_lightning.rollout.vllm_server.VLLMServer, or "
+                "asynchronous.max_staleness: 0")
 
     def draw(self, model: SharedBase, role: str | None, input_ids: Tensor, attention_mask: Tensor, group: int,
              settings: SamplingSettings, pad_token_id: int, seeds: Sequence[int] | None = None,

@@ -88,7 +88,7 @@ class RolloutProducer:
         except concurrent.futures.TimeoutError:
             raise ProducerError(
                 f"waited {self.timeout:g} s for {job.describe()} from {self.where()}, and it is still being drawn: "
-                "is the server stuck or overloaded (its log)? rollout_timeout raises the wait") from None
+                "is the server stuck or overloaded (its log)? asynchronous.rollout_timeout raises the wait") from None
         except Exception as error:  # noqa: BLE001 (any failure of the producer stops the fit with its cause)
             self._failed(job, error)
         del self.jobs[iteration]

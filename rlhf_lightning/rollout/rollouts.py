@@ -90,7 +90,7 @@ class Rollouts:
             probe = environment()
             if not isinstance(probe, Environment):
                 made = type(probe)
-                raise TypeError(f"environment: {not_an_environment(f'{made.__module__}.{made.__qualname__}')}")
+                raise TypeError(f"episodes.environment: {not_an_environment(f'{made.__module__}.{made.__qualname__}')}")
             self._probe = probe
             try:
                 self.tool_format = detect_format(tokenizer) if probe.tools else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -11,6 +12,8 @@ from transformers import PreTrainedTokenizerBase
 
 from rlhf_lightning.algorithms.masked import last_marked_index
 from rlhf_lightning.data.tokenize import completion_end_id
+from rlhf_lightning.environments.environment import Environment
+from rlhf_lightning.utils import checks
 from rlhf_lightning.utils.checks import check_sampling
 
 
@@ -77,6 +80,44 @@ class Sampling:
         """What the engines read: these settings with ``stop_token`` resolved to ids of ``tokenizer``."""
         return SamplingSettings(self.max_new_tokens, self.temperature, self.top_k, self.top_p, self.kv_cache,
                                 stop_token_ids(tokenizer, self.stop_token))
+
+
+@dataclass(frozen=True)
+class Episodes:
+    """The ``episodes`` argument of every online module: multi-turn episodes instead of one response per prompt, and
+    their bounds. A config sets some fields and keeps the defaults for the others (``episodes: {environment:
+    {class_path: rlhf_lightning.environments.ToolEnvironment, init_args: {tools: [my_tools.search]}}, max_turns:
+    3}``).
+
+    Args:
+        environment: the episode's environment (``class_path`` + ``init_args``, made anew for every episode), e.g.
+            ``rlhf_lightning.environments.ToolEnvironment`` with ``tools: [my_tools.search]``. Each assistant turn
+            (up to ``sampling.max_new_tokens``) ends at the turn-end token; the environment answers; its tokens are
+            context only. Reward sources score the whole transcript; null = single-turn.
+        max_turns: assistant turns per episode at most.
+        max_tokens: tokens per episode after its opening (the policy's and the environment's) at most; null =
+            ``max_turns`` x ``sampling.max_new_tokens``. A turn can decode ``sampling.max_new_tokens`` after
+            ``max_tokens - 1`` of them, so the longest opening plus both must fit the model's positions (checked at
+            setup).
+    """
+
+    environment: Callable[[], Environment] | None = None
+    max_turns: int = 4
+    max_tokens: int | None = None
+
+    def check(self, name: str = "episodes") -> Episodes:
+        """Raise a one-line error naming ``name.field``: at least one turn, a positive budget, and bounds only with
+        an environment."""
+        checks.at_least(f"{name}.max_turns", self.max_turns)
+        checks.positive(f"{name}.max_tokens", self.max_tokens, optional=True)
+        if self.environment is None and (self.max_turns != 4 or self.max_tokens is not None):
+            raise ValueError(f"{name}.max_turns={self.max_turns}, {name}.max_tokens={self.max_tokens}: they bound "
+                             f"episodes, and there is no {name}.environment; set it, or leave them at 4 and null")
+        return self
+
+    def hyperparameters(self) -> dict[str, int | None]:
+        """What checkpoints and loggers keep: the bounds (the environment is code, named by the config)."""
+        return {"max_turns": self.max_turns, "max_tokens": self.max_tokens}
 
 
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase, stop_token: str | None) -> tuple[int, ...]:

@@ -93,7 +93,7 @@ class VLLMServer(Engine):
         self.max_model_len: int | None = None
         self.loaded: dict[str, int] = {}  # role -> the version this rank's server holds as the current one
         self.resident: dict[str, set[int]] = {}  # role -> every version this rank's server holds
-        self.staleness = 0  # the fit's max_staleness: older versions kept loaded while drawn from
+        self.staleness = 0  # the fit's asynchronous.max_staleness: older versions kept loaded while drawn from
         self._pins: Counter[tuple[str, int]] = Counter()  # versions drawn from by requests in flight
         self._pins_lock = threading.Lock()
         self.synced: dict[str, tuple[int, tuple]] = {}  # role -> (version, fingerprint) at its last sync
@@ -174,9 +174,9 @@ class VLLMServer(Engine):
     def sync(self, model: SharedBase, role: str, version: int) -> None:
         """Write ``role``'s adapter as ``version`` (rank 0; every rank takes part in gathering FSDP2's shards) and
         load it into this rank's server; before the first draw only the version is recorded (the first draw loads
-        it). When rollouts are drawn ahead (``max_staleness``) only the version is recorded too: the producer draws
-        from the version an iteration starts from and loads it then, and a push of every optimizer step's version
-        would load, then unload, versions nothing draws from, on a server busy drawing."""
+        it). When rollouts are drawn ahead (``asynchronous.max_staleness``) only the version is recorded too: the
+        producer draws from the version an iteration starts from and loads it then, and a push of every optimizer
+        step's version would load, then unload, versions nothing draws from, on a server busy drawing."""
         tensors = adapter_tensors(model, role)  # FSDP2: each shard gathered, a collective on every rank
         self.synced[role] = (version, fingerprint(tensors))
         if self.url is not None and not self.staleness:

@@ -6,9 +6,9 @@ the reference goes into the loss (k3), with coefficient 0 by default, which skip
 
 | variant | options |
 |---|---|
-| GRPO (DeepSeekMath) | ``advantages.scale_rewards: group``, ``loss_aggregation: sequence_mean``, ``kl.coef: 0.04`` |
-| Dr. GRPO | ``advantages.scale_rewards: none``, ``loss_aggregation: constant`` |
-| DAPO | ``policy_loss.clip_range_high: 0.28``, ``loss_aggregation: token_mean``, ``mask_truncated_completions: true`` |
+| GRPO (DeepSeekMath) | ``advantages.scale_rewards: group``, ``loss.aggregation: sequence_mean``, ``kl.coef: 0.04`` |
+| Dr. GRPO | ``advantages.scale_rewards: none``, ``loss.aggregation: constant`` |
+| DAPO | ``policy_loss.clip_range_high: 0.28``, ``loss: {aggregation: token_mean, mask_truncated_completions: true}`` |
 | GSPO | ``policy_loss.ratio_level: sequence`` (with its small clip ranges, e.g. 3e-4 / 4e-4) |
 | CISPO | ``policy_loss: CISPO`` |
 """
@@ -19,7 +19,6 @@ from typing import Any
 
 from rlhf_lightning.algorithms.advantage_estimators import AdvantageEstimator, GroupRelative
 from rlhf_lightning.algorithms.kl import KLPenalty
-from rlhf_lightning.algorithms.surrogate import LossAggregation
 from rlhf_lightning.core.policy_gradient import PolicyGradient
 
 
@@ -33,8 +32,6 @@ class GRPO(PolicyGradient):
             ``WhitenedReturns``, one of your own).
         kl: the KL penalty (``default_kl``: beta 0 as TRL's default = no reference pass at all, the k3 estimator
             as GRPO, in the ``loss``; ``added_to: reward`` subtracts each response's sequence KL from its reward).
-        loss_aggregation: ``token_mean`` (DAPO, TRL's default), ``sequence_mean`` (original GRPO) or
-            ``constant`` (Dr. GRPO).
     """
 
     metric_prefix = "grpo"
@@ -46,9 +43,7 @@ class GRPO(PolicyGradient):
         samples_per_prompt: int = 8,
         advantages: AdvantageEstimator = GroupRelative(),  # noqa: B008 (never mutated; the CLI shows it as the default)
         kl: KLPenalty = default_kl,
-        loss_aggregation: LossAggregation = "token_mean",
         **kwargs: Any,
     ) -> None:
-        super().__init__(*args, samples_per_prompt=samples_per_prompt, kl=kl, loss_aggregation=loss_aggregation,
-                         **kwargs)
+        super().__init__(*args, samples_per_prompt=samples_per_prompt, kl=kl, **kwargs)
         self.advantages = self.keep_estimator(advantages)

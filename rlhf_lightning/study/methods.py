@@ -52,7 +52,7 @@ METHODS: dict[str, Method] = {method.name: method for method in (
     Method("grpo", "GRPO", "grpo.yaml", "kl.coef", (0.03, 0.1, 0.3), steps=128, every=16),
     Method("dr_grpo", "Dr. GRPO", "grpo.yaml", "kl.coef", (0.03, 0.1, 0.3), steps=128, every=16,
            overrides=("--model.init_args.advantages.scale_rewards=none",
-                      "--model.init_args.loss_aggregation=constant")),
+                      "--model.init_args.loss.aggregation=constant")),
     Method("cispo", "GRPO with CISPO", "grpo.yaml", "kl.coef", (0.03, 0.1, 0.3), steps=128, every=16,
            overrides=("--model.init_args.policy_loss=CISPO",)),
     # The sampler's log-probs against the trainer's, truncated at 3 (TIS): on CPU in fp32 they agree to ~1e-13 nats of

@@ -97,7 +97,8 @@ def check_vllm(kv_cache_gib: float | None, gpu_memory_utilization: float, max_mo
 
 
 GROUP_CLASSES = {"sampling": "Sampling", "kl": "KLPenalty", "optimizer": "OptimizerSettings", "critic": "Critic",
-                 "correction": "RolloutCorrection", "reward_shaping": "RewardShaping", "update": "UpdateSettings"}
+                 "correction": "RolloutCorrection", "reward_shaping": "RewardShaping", "update": "UpdateSettings",
+                 "episodes": "Episodes", "asynchronous": "Asynchronous", "loss": "LossSettings"}
 
 
 def group_settings(name: str, value: Any, default: Any) -> Any:

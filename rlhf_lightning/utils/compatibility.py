@@ -63,7 +63,7 @@ MOVED_MODULES: dict[str, str] = {
 }
 
 # Module arguments that became fields of a typed group (``sampling``, ``kl``, ``optimizer``, ``correction``,
-# ``reward_shaping``, ``update``, PPO's ``critic``): the old flat names are refused in one line naming the new key,
+# ``reward_shaping``, ``update``, ``episodes``, ``asynchronous``, ``loss``, PPO's ``critic``): the old flat names are refused in one line naming the new key,
 # in a config file, on the command line and by the constructors.
 MOVED_ARGUMENTS = {
     **{name: f"sampling.{name}" for name in ("max_new_tokens", "temperature", "top_k", "top_p", "kv_cache",
@@ -82,6 +82,11 @@ MOVED_ARGUMENTS = {
     "missing_eos_penalty": "reward_shaping.missing_eos_penalty", "reward_clip": "reward_shaping.clip",
     **{name: f"update.{name}" for name in ("epochs", "num_minibatches", "gradient_accumulation", "micro_batch_tokens",
                                           "target_kl", "max_grad_norm")},
+    "environment": "episodes.environment", "max_turns": "episodes.max_turns",
+    "max_episode_tokens": "episodes.max_tokens",
+    "max_staleness": "asynchronous.max_staleness", "rollout_timeout": "asynchronous.rollout_timeout",
+    "loss_aggregation": "loss.aggregation",
+    **{name: f"loss.{name}" for name in ("mask_truncated_completions", "ent_coef", "ptx_coef")},
 }
 
 # Arguments that moved into a group (the policy loss, the advantage estimator, the engine, and the ones above): the

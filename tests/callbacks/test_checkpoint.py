@@ -117,8 +117,8 @@ def test_an_explicit_broken_checkpoint_is_named_in_the_error(tiny_model_dir, rew
 def test_a_checkpoint_that_names_the_class_by_its_path_before_the_move_resumes_the_run(
         tiny_model_dir, reward_dir, uninterrupted, tmp_path, monkeypatch):
     """A checkpoint of the last release records ``rlhf_lightning.ppo.PPO`` (the module before stages/) and its
-    hyper-parameters by their flat names (``kl_target``, ``max_new_tokens``, ``policy_lr``: before the typed
-    groups): it still resumes a PPO run, number for number."""
+    hyper-parameters by their flat names (``kl_target``, ``max_new_tokens``, ``policy_lr``, ``max_turns``,
+    ``ent_coef``: before the typed groups): it still resumes a PPO run, number for number."""
     full_rows, full_dir = uninterrupted
     checkpoint = torch.load(step_file(full_dir, 1), weights_only=False)
     assert checkpoint[CLASS_KEY] == "rlhf_lightning.stages.ppo.PPO"
@@ -128,9 +128,12 @@ def test_a_checkpoint_that_names_the_class_by_its_path_before_the_move_resumes_t
         group, field = new.split(".")
         if field in saved.get(group, {}):
             saved[old] = saved[group][field]
-    for group in ("sampling", "kl", "optimizer"):
+    for group in {new.split(".")[0] for new in MOVED_ARGUMENTS.values()} & saved.keys():
         del saved[group]
     assert saved["kl_target"] == 0.5 and "kl" not in saved
+    assert (saved["max_turns"], saved["max_episode_tokens"], saved["max_staleness"], saved["loss_aggregation"]) == (
+        4, None, 0, "token_mean")
+    assert not {"episodes", "asynchronous", "loss"} & saved.keys()
     torch.save(checkpoint, tmp_path / "old.ckpt")
     # the warning comes with the old module's first import: not one an earlier test in this process made
     monkeypatch.delitem(sys.modules, "rlhf_lightning.ppo", raising=False)

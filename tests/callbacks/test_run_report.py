@@ -413,6 +413,22 @@ def test_a_subclass_is_named_by_its_own_prefix_or_else_its_class():
     assert LearningCheck.message(mine, Stall(1, 3, "why")).startswith("[MyGRPO] not learning: ")
 
 
+def test_no_response_stopping_is_the_cause_only_with_loss_mask_truncated_completions():
+    """Responses that never stop leave no loss only when ``loss.mask_truncated_completions`` masks them: the cause
+    reads the group's field from the hyper-parameters (``loss: {mask_truncated_completions: ...}``)."""
+    from types import SimpleNamespace
+
+    from tests.helpers.modules import unbuilt
+
+    trainer = SimpleNamespace(callback_metrics={"grpo/response/eos_frac": torch.tensor(0.0)})
+    masked = unbuilt(GRPO, loss={"mask_truncated_completions": True})
+    assert masked.hparams["loss"]["mask_truncated_completions"] is True
+    assert LearningCheck.cause(trainer, masked) == (
+        "no response stopped: with loss.mask_truncated_completions every response is masked (raise "
+        "sampling.max_new_tokens) (grpo/response/eos_frac 0)")
+    assert LearningCheck.cause(trainer, unbuilt(GRPO)).startswith("every optimizer step's gradient was 0")
+
+
 def test_the_summary_repeats_the_kl_spikes(tmp_path):
     from rlhf_lightning.callbacks import SpikeCheck
     from tests.callbacks.test_spikes import APPROX_KL, KL, Iterations

@@ -64,7 +64,8 @@ def test_the_word_none_is_a_value_where_the_group_field_takes_it_and_null_elsewh
     """``correction.mode=none`` (a mode named ``none``) stays the word; ``kl.target=none`` is null, as before."""
     cli = RLHFCLI(args=["--config", str(REPO / "configs" / "arithmetic_grpo_async.yaml"),
                         "--model.init_args.correction.mode=none", "--model.init_args.kl.target=none",
-                        "--model.init_args.engine=rlhf_lightning.rollout.engines.Auto", "--model.init_args.max_staleness=0",
+                        "--model.init_args.engine=rlhf_lightning.rollout.engines.Auto",
+                        "--model.init_args.asynchronous.max_staleness=0",
                         "--trainer.logger=false"], run=False)
     assert cli.model.correction.mode == "none" and cli.model.correction.max_weight == 3.0  # the config's bound kept
     assert cli.model.kl.target is None

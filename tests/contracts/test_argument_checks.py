@@ -18,6 +18,11 @@ from rlhf_lightning import (
     RLOO,
     SFT,
     AdapterReward,
+    Asynchronous,
+    Episodes,
+    LossSettings,
+    OnlineDPO,
+    OnPolicyDistillation,
     PreferenceDataModule,
     PromptDataModule,
     REINFORCEPlusPlus,
@@ -27,6 +32,7 @@ from rlhf_lightning import (
 from rlhf_lightning.algorithms.advantage_estimators import GAE, GroupRelative, WhitenedReturns
 from rlhf_lightning.algorithms.policy_losses import CISPO, Clip
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
+from tests.helpers.episodes import Feedback
 from tests.helpers.models import LORA, tiny_spec
 from tests.helpers.modules import unbuilt
 
@@ -52,8 +58,21 @@ BAD_MODULE_ARGUMENTS = [
     (PPO, dict(kl={"horizon": 0}), "kl.horizon must be an integer >= 1, got 0"),
     (PPO, dict(kl={"estimator": "k4"}), "kl.estimator must be one of k1, k2, k3, got 'k4'"),
     (PPO, dict(critic={"vf_coef": -0.1}), "critic.vf_coef must be >= 0, got -0.1"),
-    (PPO, dict(ent_coef=-0.01), "ent_coef must be >= 0, got -0.01"),
-    (PPO, dict(ptx_coef=-1.0), "ptx_coef must be >= 0, got -1.0"),
+    (PPO, dict(loss={"ent_coef": -0.01}), "loss.ent_coef must be >= 0, got -0.01"),
+    (PPO, dict(loss={"ptx_coef": -1.0}), "loss.ptx_coef must be >= 0, got -1.0"),
+    (GRPO, dict(loss={"aggregation": "sum"}),
+     "loss.aggregation must be one of token_mean, sequence_mean, constant, got 'sum'"),
+    (GRPO, dict(loss={"mask_truncated_completions": True}, sampling={"stop_token": None}),
+     "loss.mask_truncated_completions needs a sampling.stop_token: without one no response ever stops"),
+    (GRPO, dict(episodes={"max_turns": 0}), "episodes.max_turns must be an integer >= 1, got 0"),
+    (GRPO, dict(episodes={"max_tokens": 0}), "episodes.max_tokens must be > 0 or null, got 0"),
+    (GRPO, dict(episodes={"max_turns": 3}), "episodes.max_turns=3, episodes.max_tokens=None: they bound episodes, and "
+     "there is no episodes.environment; set it, or leave them at 4 and null"),
+    (RLOO, dict(episodes={"max_tokens": 64}), "episodes.max_turns=4, episodes.max_tokens=64: they bound episodes"),
+    (PPO, dict(asynchronous={"max_staleness": -1}), "asynchronous.max_staleness must be an integer >= 0, got -1"),
+    (PPO, dict(asynchronous={"rollout_timeout": 0.0}), "asynchronous.rollout_timeout must be > 0, got 0.0"),
+    (GRPO, dict(asynchronous={"max_staleness": 1}), "asynchronous.max_staleness=1: the engine Auto draws in the "
+     "trainer's own process"),
     (PPO, dict(update={"target_kl": 0.0}), "update.target_kl must be > 0 or null, got 0.0"),
     (PPO, dict(update={"max_grad_norm": 0.0}), "update.max_grad_norm must be > 0 or null, got 0.0"),
     (PPO, dict(reward_shaping={"clip": -1.0}), "reward_shaping.clip must be > 0 or null, got -1.0"),
@@ -115,6 +134,15 @@ OLD_FLAT_NAMES = [
      "sampling: {temperature: ...} in a config"),
     (SFT, dict(lr=1e-3), "SFT(lr=...): lr is now optimizer.lr; pass optimizer={'lr': ...} (its other fields keep the "
      "module's defaults) or a OptimizerSettings, or write optimizer: {lr: ...} in a config"),
+    (GRPO, dict(max_turns=3), "GRPO(max_turns=...): max_turns is now episodes.max_turns; pass episodes={'max_turns': "
+     "...} (its other fields keep the module's defaults) or a Episodes, or write episodes: {max_turns: ...} in a "
+     "config"),
+    (PPO, dict(max_staleness=1), "PPO(max_staleness=...): max_staleness is now asynchronous.max_staleness; pass "
+     "asynchronous={'max_staleness': ...} (its other fields keep the module's defaults) or a Asynchronous, or write "
+     "asynchronous: {max_staleness: ...} in a config"),
+    (RLOO, dict(loss_aggregation="constant"), "RLOO(loss_aggregation=...): loss_aggregation is now loss.aggregation; "
+     "pass loss={'aggregation': ...} (its other fields keep the module's defaults) or a LossSettings, or write loss: "
+     "{aggregation: ...} in a config"),
 ]
 
 
@@ -150,6 +178,35 @@ def test_an_old_flat_name_of_a_group_the_class_does_not_take_is_not_said_to_have
         PPO(base=MISSING, reward=REWARD, epochs=3)
 
 
+# The nine arguments that became fields of episodes, asynchronous and loss: old flat name -> its new key.
+EPISODES_ASYNCHRONOUS_AND_LOSS = {
+    "environment": "episodes.environment", "max_turns": "episodes.max_turns", "max_episode_tokens": "episodes.max_tokens",
+    "max_staleness": "asynchronous.max_staleness", "rollout_timeout": "asynchronous.rollout_timeout",
+    "loss_aggregation": "loss.aggregation", "mask_truncated_completions": "loss.mask_truncated_completions",
+    "ent_coef": "loss.ent_coef", "ptx_coef": "loss.ptx_coef"}
+
+
+@pytest.mark.parametrize("cls", [PPO, GRPO, RLOO, REINFORCEPlusPlus, OnPolicyDistillation, OnlineDPO],
+                         ids=lambda cls: cls.__name__)
+@pytest.mark.parametrize("old", sorted(EPISODES_ASYNCHRONOUS_AND_LOSS))
+def test_each_old_name_of_episodes_asynchronous_and_loss_is_refused_naming_its_new_key(cls, old):
+    """Every online module takes ``episodes`` and ``asynchronous``; the policy-gradient ones ``loss`` too. Online DPO
+    has no ``loss`` group (its loss is the preference loss): ``OnlineDPO(ent_coef=...)`` is an unknown argument, not
+    one that moved."""
+    new = EPISODES_ASYNCHRONOUS_AND_LOSS[old]
+    group, field = new.split(".")
+    value = 0.1
+    with pytest.raises(TypeError) as raised:
+        cls(base=MISSING, reward=REWARD, **({"teacher": "/nonexistent/teacher"} if cls is OnPolicyDistillation else {}),
+            **{old: value})
+    if cls is OnlineDPO and group == "loss":
+        assert f"unexpected keyword argument '{old}'" in str(raised.value) and new not in str(raised.value)
+        return
+    assert str(raised.value).startswith(f"{cls.__name__}({old}=...): {old} is now {new}; pass {group}={{'{field}': ...}} ")
+    assert str(raised.value).endswith(f", or write {group}: {{{field}: ...}} in a config")
+    assert "\n" not in str(raised.value)
+
+
 def test_a_dict_of_some_fields_keeps_the_modules_other_defaults():
     grpo = unbuilt(GRPO, kl={"coef": 0.1})
     assert grpo.kl == dataclasses.replace(GRPO.default_kl, coef=0.1)
@@ -167,6 +224,46 @@ def test_an_unknown_field_of_a_group_is_one_line_naming_it_and_the_fields():
         unbuilt(GRPO, kl={"coeff": 1})
     assert str(raised.value) == ("kl.coeff: KLPenalty has no such field (its fields: coef, estimator, clamp, added_to, "
                                  "ratio_weighting, target, horizon)")
+    with pytest.raises(ValueError) as raised:
+        unbuilt(GRPO, episodes={"max_episode_tokens": 40})
+    assert str(raised.value) == ("episodes.max_episode_tokens: Episodes has no such field (its fields: environment, "
+                                 "max_turns, max_tokens)")
+    with pytest.raises(ValueError) as raised:
+        unbuilt(PPO, asynchronous={"staleness": 1})
+    assert str(raised.value) == ("asynchronous.staleness: Asynchronous has no such field (its fields: max_staleness, "
+                                 "rollout_timeout)")
+    with pytest.raises(ValueError) as raised:
+        unbuilt(RLOO, loss={"loss_aggregation": "constant"})
+    assert str(raised.value) == ("loss.loss_aggregation: LossSettings has no such field (its fields: aggregation, "
+                                 "mask_truncated_completions, ent_coef, ptx_coef)")
+
+
+def test_episodes_asynchronous_and_loss_are_kept_typed_and_saved_plain():
+    """A dict of some fields, or the dataclass itself: kept typed on the module (``episodes``, ``asynchronous``,
+    ``loss_settings``: ``loss`` is the module's loss method), saved plain in the hyper-parameters; the episodes'
+    environment is code, named by the config, so only their bounds are saved, and ``environment`` reads it."""
+    grpo = unbuilt(GRPO, episodes={"environment": Feedback, "max_turns": 3}, loss={"aggregation": "constant"},
+                   asynchronous={"rollout_timeout": 60.0})
+    assert grpo.episodes == Episodes(environment=Feedback, max_turns=3)
+    assert grpo.environment is Feedback and grpo.episodes.max_tokens is None
+    assert grpo.hparams["episodes"] == {"max_turns": 3, "max_tokens": None}  # the bounds, not the environment
+    assert "environment" not in grpo.hparams
+    assert grpo.loss_settings == LossSettings(aggregation="constant") and callable(grpo.loss)
+    assert grpo.hparams["loss"] == {"aggregation": "constant", "mask_truncated_completions": False, "ent_coef": 0.0,
+                                    "ptx_coef": 0.0}
+    assert grpo.asynchronous == Asynchronous(rollout_timeout=60.0)
+    assert grpo.hparams["asynchronous"] == {"max_staleness": 0, "rollout_timeout": 60.0}
+    with pytest.raises(AttributeError):
+        grpo.environment = None  # read-only: episodes.environment is the one place it is set
+
+    given = Episodes(environment=Feedback, max_turns=2, max_tokens=30)
+    ppo = unbuilt(PPO, episodes=given, loss=LossSettings(ent_coef=0.01), asynchronous=Asynchronous())
+    assert ppo.episodes is given and ppo.hparams["episodes"] == {"max_turns": 2, "max_tokens": 30}
+    assert ppo.loss_settings.ent_coef == 0.01 and ppo.hparams["loss"]["ent_coef"] == 0.01
+    single = unbuilt(OnlineDPO)  # single-turn: the defaults, saved too; no loss group
+    assert single.episodes == Episodes() and single.environment is None
+    assert single.hparams["episodes"] == {"max_turns": 4, "max_tokens": None} and "loss" not in single.hparams
+    assert single.hparams["asynchronous"] == {"max_staleness": 0, "rollout_timeout": 1800.0}
 
 
 BAD_DATA_ARGUMENTS = [

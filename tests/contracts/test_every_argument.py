@@ -30,6 +30,7 @@ from rlhf_lightning import (
     UnpairedPreferenceDataModule,
 )
 from rlhf_lightning.algorithms.kl import KLPenalty
+from rlhf_lightning.algorithms.loss_settings import LossSettings
 from rlhf_lightning.algorithms.rollout_correction import RolloutCorrection
 from rlhf_lightning.cli import RLHFCLI
 from rlhf_lightning.cli.errors import accepted_arguments, user_error
@@ -37,8 +38,10 @@ from rlhf_lightning.core.held_out_pass_at_k import PassAtK
 from rlhf_lightning.core.micro_batches import UpdateSettings
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
 from rlhf_lightning.rewards.combine import RewardShaping
-from rlhf_lightning.rollout.settings import Sampling
+from rlhf_lightning.rollout.ahead import Asynchronous
+from rlhf_lightning.rollout.settings import Episodes, Sampling
 from rlhf_lightning.stages.ppo import Critic
+from rlhf_lightning.utils.checks import GROUP_CLASSES
 from rlhf_lightning.utils.optim import OptimizerSettings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,7 +51,8 @@ CONFIGS = {SFT: "sft.yaml", RewardModel: "reward.yaml", PPO: "ppo.yaml", GRPO: "
 DATA = {SFTDataModule: "sft.yaml", PreferenceDataModule: "reward.yaml", PromptDataModule: "grpo.yaml",
         UnpairedPreferenceDataModule: "kto.yaml", StepwiseDataModule: "arithmetic_prm.yaml"}
 # The typed groups of arguments: each of their fields is an argument of its own here, by its dotted key (kl.coef).
-GROUP_TYPES = (Sampling, KLPenalty, OptimizerSettings, Critic, RolloutCorrection, RewardShaping, UpdateSettings)
+GROUP_TYPES = (Sampling, KLPenalty, OptimizerSettings, Critic, RolloutCorrection, RewardShaping, UpdateSettings,
+               Episodes, Asynchronous, LossSettings)
 # (argument, value) pairs that are valid although they look odd, and why.
 VALID = {
     ("seed", "-1"): "any integer seeds the sampler",
@@ -125,3 +129,12 @@ def test_a_bad_value_of_every_argument_is_refused_in_one_line(capsys, cls, confi
         assert name in lines[0] or "init_args" in lines[0], lines[0]
     else:
         assert "\n" not in message and (name in message or name.replace("_", " ") in message), message
+
+
+def test_every_typed_group_is_checked_field_by_field():
+    """Each group the modules take has its class above, so that its fields (``episodes.max_turns``,
+    ``asynchronous.max_staleness``, ``loss.ent_coef``) get bad values of their own."""
+    assert sorted(cls.__name__ for cls in GROUP_TYPES) == sorted(GROUP_CLASSES.values())
+    keys = {name for cls, _, name, _ in cases() if cls is GRPO}
+    assert {"episodes.max_turns", "episodes.max_tokens", "asynchronous.max_staleness", "asynchronous.rollout_timeout",
+            "loss.aggregation", "loss.mask_truncated_completions", "loss.ent_coef", "loss.ptx_coef"} <= keys

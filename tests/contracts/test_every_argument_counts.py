@@ -8,8 +8,8 @@ and, for the offline stages, one validation batch with its samples (``fit``: the
 metrics, the KL coefficient, the files written, the phases run), or a named observation for
 the settings that by design change no number (which engine samples, how many micro-batches, how many backward
 passes). A module argument without a row fails the test: a new argument must say how it takes effect. A typed
-group (``sampling``, ``kl``, ``optimizer``, ``critic``, ``correction``) has a row per field, each set alone
-(``kl.coef``).
+group (``sampling``, ``kl``, ``optimizer``, ``critic``, ``correction``, ``reward_shaping``, ``update``,
+``episodes``, ``asynchronous``, ``loss``) has a row per field, each set alone (``kl.coef``).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from rlhf_lightning.rollout.engines import Generate
 from rlhf_lightning.rollout.settings import Sampling
 from rlhf_lightning.tasks.calculator import correct_answer
 from rlhf_lightning.tasks.synthetic import gold_rewards
+from rlhf_lightning.utils.checks import GROUP_CLASSES
 from rlhf_lightning.utils.optim import OptimizerSettings
 from rlhf_lightning.utils.timing import record_phases
 from tests.helpers.models import LORA, built, make_likely, with_random_adapter
@@ -53,8 +54,9 @@ MODULES = ONLINE + OFFLINE
 ELSEWHERE = {
     "sharded_rollout": "only under FSDP2 (ignored without sharding, as documented): tests/contracts/test_distributed_equivalence.py runs "
                        "GRPO with per_layer and checks it equals one process",
-    "rollout_timeout": "only with max_staleness > 0, which needs vLLM's server: tests/rollout/test_async_training.py::"
-                       "test_a_stuck_server_and_a_draw_from_a_version_it_does_not_hold_are_one_line times a wait out",
+    "asynchronous.rollout_timeout": (
+        "only with asynchronous.max_staleness > 0, which needs vLLM's server: tests/rollout/test_async_training.py::"
+        "test_a_stuck_server_and_a_draw_from_a_version_it_does_not_hold_are_one_line times a wait out"),
     "export_format": "only in the files of the export: tests/rewards/test_judge.py::"
                      "test_the_sft_stage_exports_a_judge_adapter_for_the_same_base reads the adapter it writes",
 }
@@ -77,7 +79,7 @@ def case(value: Any, shows: str = "rollout", **setting: Any) -> Case:
 
 
 class Feedback(Environment):
-    """Answers every turn and never ends an episode: only ``max_turns`` and ``max_episode_tokens`` do."""
+    """Answers every turn and never ends an episode: only ``episodes.max_turns`` and ``episodes.max_tokens`` do."""
 
     def step(self, messages):
         return Step([{"role": "user", "content": "try again"}], reward=0.25)
@@ -85,7 +87,7 @@ class Feedback(Environment):
 
 KL = {"kl": {"coef": 0.5}, "perturb": True}
 MOVED = {"moved": True, "perturb": True, "update": {"epochs": 2}}  # the update's policy is not the sampler's: ratios away from 1
-EPISODES = {"calculator": True, "environment": Feedback}
+EPISODES = {"calculator": True, "episodes": {"environment": Feedback}}
 CASES: dict[str, Case] = {
     # the policy, its sampling and its base
     "base": case("other base"),
@@ -110,9 +112,9 @@ CASES: dict[str, Case] = {
     "reward_shaping.missing_eos_penalty": case(1.0),
     "reward_shaping.normalize": case(True),
     "reward_shaping.clip": case(0.01),
-    "environment": case(lambda: ToolEnvironment(["rlhf_lightning.tasks.calculator.add"]), calculator=True),
-    "max_turns": case(2, **EPISODES),
-    "max_episode_tokens": case(12, **EPISODES),
+    "episodes.environment": case(lambda: ToolEnvironment(["rlhf_lightning.tasks.calculator.add"]), calculator=True),
+    "episodes.max_turns": case(2, **EPISODES),
+    "episodes.max_tokens": case(12, **EPISODES),
     "share_prompt": case(False, "decoded_tokens", groups=True),  # the same numbers, each prompt read twice
     # the loop's update
     "update.epochs": case(2, "fit"),
@@ -134,8 +136,8 @@ CASES: dict[str, Case] = {
     "policy_loss.ratio_level": case(Clip(ratio_level="sequence"), **MOVED),
     "policy_loss.max_weight": case(CISPO(max_weight=1.01), **MOVED, policy_loss=CISPO()),
     "policy_loss.min_weight": case(CISPO(min_weight=0.99), **MOVED, policy_loss=CISPO()),
-    "loss_aggregation": case("sequence_mean"),
-    "mask_truncated_completions": case(True),
+    "loss.aggregation": case("sequence_mean"),
+    "loss.mask_truncated_completions": case(True),
     "kl.coef": case(0.5, perturb=True),
     "kl.estimator": case("k2", **KL),
     "kl.clamp": case(1e-3, **KL),
@@ -143,11 +145,12 @@ CASES: dict[str, Case] = {
     "kl.ratio_weighting": case(False, **{**KL, **MOVED, "kl": {"coef": 0.5, "added_to": "loss"}}),
     "kl.target": case(1.0, "fit", kl={"coef": 0.1}, perturb=True),
     "kl.horizon": case(100, "fit", kl={"coef": 0.1, "target": 1.0}, perturb=True),
-    "ent_coef": case(0.1),
-    "ptx_coef": case(0.5, ptx=True),
+    "loss.ent_coef": case(0.1),
+    "loss.ptx_coef": case(0.5, ptx=True),
     "correction.mode": case("token_truncate", stale=True),
     "policy_loss.clip_against": case(Clip(clip_against="sampler"), stale=True),  # the ratio against the sampler's
-    "max_staleness": case(1, "refused"),  # by the default engine; VLLMServer's runs: tests/rollout/test_async_training.py
+    # refused by the default engine; VLLMServer's runs: tests/rollout/test_async_training.py
+    "asynchronous.max_staleness": case(1, "refused"),
     "correction.min_weight": case(2.0, stale=True, correction={"mode": "token_truncate"}),
     "correction.max_weight": case(1.1, stale=True, correction={"mode": "token_truncate"}),
     # the algorithms' own; an advantage estimator's fields, each on the estimator a module takes by default
@@ -465,11 +468,16 @@ def observe_once(cls: type, shows: str, models: dict[str, Path], setting: dict[s
         else observation(module, setting)
 
 
+# Each typed group's class: its fields are rows of their own (``episodes.max_turns``).
+GROUP_TYPES = {"sampling": Sampling, "kl": KLPenalty, "optimizer": OptimizerSettings, "critic": rl.Critic,
+               "correction": rl.RolloutCorrection, "reward_shaping": rl.RewardShaping, "update": rl.UpdateSettings,
+               "episodes": rl.Episodes, "asynchronous": rl.Asynchronous, "loss": rl.LossSettings}
+
+
 def cases() -> list[tuple[type, str]]:
     """Every argument of every module; a typed group's (``sampling``, ``kl``, ``optimizer``, ``critic``,
-    ``correction``, ``reward_shaping``, ``update``) field by field."""
-    groups = {"sampling": Sampling, "kl": KLPenalty, "optimizer": OptimizerSettings, "critic": rl.Critic,
-              "correction": rl.RolloutCorrection, "reward_shaping": rl.RewardShaping, "update": rl.UpdateSettings}
+    ``correction``, ``reward_shaping``, ``update``, ``episodes``, ``asynchronous``, ``loss``) field by field."""
+    groups = GROUP_TYPES
     found = []
     for cls in MODULES:
         for name in accepted_arguments(f"{cls.__module__}.{cls.__qualname__}"):
@@ -516,6 +524,27 @@ def test_every_argument_changes_the_run_or_is_refused(cls, name, models, tmp_pat
     after = observe(cls, row.shows, models, changed, tmp_path / "after")
     print(f"{cls.__name__}.{name}={value!r}: {row.shows} differs")
     assert before != after, f"{cls.__name__}.{name}={value!r} changed nothing ({row.shows}: {before})"
+
+
+def test_every_typed_group_is_taken_field_by_field():
+    """A group the modules take (``rlhf_lightning.utils.checks.GROUP_CLASSES``) without its class here would be one
+    row for the whole group, and its fields would go unchecked; the flat names the groups replaced are no
+    arguments any more."""
+    assert {name: cls.__name__ for name, cls in GROUP_TYPES.items()} == dict(GROUP_CLASSES)
+    found = set(cases())
+    moved = {"episodes": ("environment", "max_turns", "max_tokens"), "asynchronous": ("max_staleness", "rollout_timeout"),
+             "loss": ("aggregation", "mask_truncated_completions", "ent_coef", "ptx_coef")}
+    for cls in ONLINE:
+        for group, fields in moved.items():
+            taken = cls is not rl.OnlineDPO or group != "loss"  # online DPO's loss is its preference loss
+            for field in fields:
+                key = f"{group}.{field}"
+                assert ((cls, key) in found) == taken, (cls.__name__, key)
+                assert key in CASES or key in ELSEWHERE, key
+    flat = {"environment", "max_turns", "max_episode_tokens", "max_staleness", "rollout_timeout", "loss_aggregation",
+            "mask_truncated_completions", "ent_coef", "ptx_coef"}
+    assert not [(cls.__name__, name) for cls, name in found if name in flat]
+    assert not flat & set(CASES)
 
 
 def test_every_module_the_package_exports_is_in_the_table():

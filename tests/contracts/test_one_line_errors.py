@@ -40,7 +40,9 @@ def constant_reward(prompts, completions, completion_ids, **columns):
 
 @pytest.mark.parametrize("argument, expected", [
     ("--model.init_args.kl_coeff=0.1", "error: model.init_args.kl_coeff: rlhf_lightning.GRPO takes no argument "
-     "'kl_coeff' (did you mean kl.coef, ptx_coef or ent_coef?); --model.help rlhf_lightning.GRPO lists them all"),
+     "'kl_coeff' (did you mean kl.coef?); --model.help rlhf_lightning.GRPO lists them all"),
+    ("--model.init_args.ent_coeff=0.1", "error: model.init_args.ent_coeff: rlhf_lightning.GRPO takes no argument "
+     "'ent_coeff' (did you mean loss.ent_coef?); --model.help rlhf_lightning.GRPO lists them all"),
     ("--model.init_args.kl_coef=0.1", "error: model.init_args.kl_coef: rlhf_lightning.GRPO takes no argument "
      "'kl_coef' (it moved: kl.coef); --model.help rlhf_lightning.GRPO lists them all"),
     ("--model.init_args.policy_lr=1e-3", "error: model.init_args.policy_lr: rlhf_lightning.GRPO takes no argument "
@@ -77,6 +79,33 @@ def test_a_misspelled_key_or_class_names_the_closest_valid_ones(capsys, argument
     assert one_line(capsys, "fit", "--config", str(REPO / "configs" / "grpo.yaml"), argument, code=2) == expected
 
 
+# The flat arguments that became the fields of episodes, asynchronous and loss: old name, a value, the new key.
+MOVED_TO_EPISODES_ASYNCHRONOUS_AND_LOSS = [
+    ("max_turns", "3", "episodes.max_turns"), ("max_episode_tokens", "40", "episodes.max_tokens"),
+    ("max_staleness", "1", "asynchronous.max_staleness"), ("rollout_timeout", "60", "asynchronous.rollout_timeout"),
+    ("loss_aggregation", "constant", "loss.aggregation"),
+    ("mask_truncated_completions", "true", "loss.mask_truncated_completions"), ("ent_coef", "0.01", "loss.ent_coef"),
+    ("ptx_coef", "0.1", "loss.ptx_coef"),
+]
+
+
+@pytest.mark.parametrize("old, value, new", MOVED_TO_EPISODES_ASYNCHRONOUS_AND_LOSS,
+                         ids=[old for old, _, _ in MOVED_TO_EPISODES_ASYNCHRONOUS_AND_LOSS])
+def test_an_old_flat_name_of_episodes_asynchronous_or_loss_names_its_new_key(capsys, old, value, new):
+    line = one_line(capsys, "fit", "--config", str(REPO / "configs" / "grpo.yaml"), f"--model.init_args.{old}={value}",
+                    code=2)
+    assert line == (f"error: model.init_args.{old}: rlhf_lightning.GRPO takes no argument '{old}' (it moved: {new}); "
+                    "--model.help rlhf_lightning.GRPO lists them all")
+
+
+def test_the_old_environment_argument_names_its_new_key(capsys):
+    """``environment`` was given as a class (``class_path`` + ``init_args``): its line names the new key too."""
+    line = one_line(capsys, "fit", "--config", str(REPO / "configs" / "grpo.yaml"),
+                    "--model.init_args.environment={class_path: tests.helpers.episodes.Feedback}", code=2)
+    assert line.startswith("error: model.init_args.environment") and "rlhf_lightning.GRPO takes no argument" in line
+    assert line.endswith("(it moved: episodes.environment); --model.help rlhf_lightning.GRPO lists them all"), line
+
+
 @pytest.mark.parametrize("argument, expected", [
     ("--model.init_args.update.micro_batch_tokens=512.5",
      "error: model.init_args.update.micro_batch_tokens: expected an integer or null, got 512.5"),
@@ -98,6 +127,24 @@ def test_a_value_an_optional_argument_cannot_take_says_what_it_takes(capsys, arg
 def test_a_token_budget_of_zero_or_beside_gradient_accumulation_is_refused(capsys, tiny_model_dir, reward_dir,
                                                                            overrides, expected):
     assert one_line(capsys, *grpo(tiny_model_dir, reward_dir, *overrides)) == expected
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["--model.init_args.episodes.max_turns=0"], "error: episodes.max_turns must be an integer >= 1, got 0"),
+    (["--model.init_args.episodes.max_turns=3"], "error: episodes.max_turns=3, episodes.max_tokens=None: they bound "
+     "episodes, and there is no episodes.environment; set it, or leave them at 4 and null"),
+    (["--model.init_args.asynchronous.max_staleness=-1"],
+     "error: asynchronous.max_staleness must be an integer >= 0, got -1"),
+    (["--model.init_args.asynchronous.rollout_timeout=0"], "error: asynchronous.rollout_timeout must be > 0, got 0.0"),
+    (["--model.init_args.loss.ent_coef=-0.1"], "error: loss.ent_coef must be >= 0, got -0.1"),
+    (["--model.init_args.loss.mask_truncated_completions=true", "--model.init_args.sampling.stop_token=null"],
+     "error: loss.mask_truncated_completions needs a sampling.stop_token: without one no response ever stops, so "
+     "every response would be masked and nothing would train"),
+], ids=["episodes.max_turns", "episodes-without-environment", "asynchronous.max_staleness",
+        "asynchronous.rollout_timeout", "loss.ent_coef", "loss.mask_truncated_completions"])
+def test_a_bad_field_of_episodes_asynchronous_or_loss_is_one_line_naming_its_dotted_key(capsys, overrides, expected):
+    """Refused by the constructor, before the model loads (the base named here does not exist)."""
+    assert one_line(capsys, *grpo("/nonexistent/model", "/nonexistent/reward", *overrides)) == expected
 
 
 def test_a_misspelled_key_in_a_config_file_is_named_at_its_line_too(capsys, tmp_path):
@@ -249,3 +296,27 @@ def test_an_argument_that_moved_into_a_group_is_refused_at_its_line_of_the_confi
     line = one_line(capsys, "fit", "--config", str(REPO / "configs" / "grpo.yaml"), "--config", str(old), code=2)
     assert line.startswith(f"error: {old}:4: model.init_args.kl_coef: rlhf_lightning.GRPO takes no argument "
                            "'kl_coef' (it moved: kl.coef)"), line
+
+
+@pytest.mark.parametrize("old, text, line_number, new", [
+    ("max_turns", "max_turns: 3", 4, "episodes.max_turns"),
+    ("max_staleness", "max_staleness: 1", 4, "asynchronous.max_staleness"),
+    ("loss_aggregation", "loss_aggregation: constant", 4, "loss.aggregation"),
+    ("ent_coef", "ent_coef: 0.01", 4, "loss.ent_coef"),
+], ids=["max_turns", "max_staleness", "loss_aggregation", "ent_coef"])
+def test_an_old_name_of_episodes_asynchronous_or_loss_in_a_config_file_is_refused_at_its_line(capsys, tmp_path, old,
+                                                                                              text, line_number, new):
+    old_config = tmp_path / "old.yaml"  # written before episodes, asynchronous and loss were groups
+    old_config.write_text(f"model:\n  init_args:\n    samples_per_prompt: 4\n    {text}\n")
+    line = one_line(capsys, "fit", "--config", str(REPO / "configs" / "grpo.yaml"), "--config", str(old_config), code=2)
+    assert line == (f"error: {old_config}:{line_number}: model.init_args.{old}: rlhf_lightning.GRPO takes no argument "
+                    f"'{old}' (it moved: {new}); --model.help rlhf_lightning.GRPO lists them all")
+
+
+def test_an_old_environment_in_a_config_file_is_refused_naming_its_new_key(capsys, tmp_path):
+    old_config = tmp_path / "old.yaml"  # the episodes' environment as configs gave it before the episodes group
+    old_config.write_text("model:\n  init_args:\n    environment:\n      class_path: tests.helpers.episodes.Feedback\n"
+                          "    max_turns: 3\n")
+    line = one_line(capsys, "fit", "--config", str(REPO / "configs" / "grpo.yaml"), "--config", str(old_config), code=2)
+    assert line.startswith(f"error: {old_config}:") and "model.init_args.environment" in line, line
+    assert line.endswith("(it moved: episodes.environment); --model.help rlhf_lightning.GRPO lists them all"), line

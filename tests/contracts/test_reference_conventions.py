@@ -105,11 +105,11 @@ def test_kl_clamp_is_openrlhf_compute_approx_kl(estimator):
 
 
 def test_rloo_with_trl_settings_computes_trl_loss_on_a_rollout(tiny_model_dir, reward_dir):
-    """The RLOO module with ``policy_loss.ratio_level: sequence_sum`` and ``loss_aggregation: sequence_mean``,
+    """The RLOO module with ``policy_loss.ratio_level: sequence_sum`` and ``loss.aggregation: sequence_mean``,
     off-policy (a policy moved since sampling): its loss is TRL's formula on the module's own log-probs and
     advantages."""
     module = make_online(RLOO, tiny_model_dir, reward_dir, policy_loss=Clip(clip_range=0.2, ratio_level="sequence_sum"),
-                  loss_aggregation="sequence_mean", kl={"coef": 0.0}, update={"epochs": 2})
+                  loss={"aggregation": "sequence_mean"}, kl={"coef": 0.0}, update={"epochs": 2})
     experience, _ = module.collect_and_prepare(prompt_batch(module))
     perturb(module, "policy")  # the update's policy is not the sampler's: ratios away from 1
     terms = module.losses(experience)

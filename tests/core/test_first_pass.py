@@ -40,7 +40,7 @@ def counting(cls: type, reuse: bool) -> type:
 
 
 @pytest.mark.parametrize("cls, options", [
-    (PPO, {"ent_coef": 0.01}),  # the KL penalty in the rewards reads the old log-probs before the advantages
+    (PPO, {"loss": {"ent_coef": 0.01}}),  # the KL penalty in the rewards reads the old log-probs before the advantages
     (GRPO, {"kl": {"coef": 0.1, "added_to": "loss"}}),
 ], ids=["PPO", "GRPO"])
 def test_the_first_update_pass_gives_the_old_logprobs_with_one_policy_pass_fewer(cls, options, stopping_model_dir,

@@ -73,10 +73,10 @@ def test_the_rollout_is_as_narrow_as_its_rows(stopping_model_dir):
 
 
 @pytest.mark.parametrize("cls, options", [
-    (GRPO, {"loss_aggregation": "token_mean", "kl": {"coef": 0.1}, "ent_coef": 0.01}),
-    (GRPO, {"loss_aggregation": "sequence_mean", "kl": {"coef": 0.1}}),
-    (GRPO, {"loss_aggregation": "constant", "kl": {"coef": 0.1}}),
-    (PPO, {"ent_coef": 0.01}),
+    (GRPO, {"loss": {"aggregation": "token_mean", "ent_coef": 0.01}, "kl": {"coef": 0.1}}),
+    (GRPO, {"loss": {"aggregation": "sequence_mean"}, "kl": {"coef": 0.1}}),
+    (GRPO, {"loss": {"aggregation": "constant"}, "kl": {"coef": 0.1}}),
+    (PPO, {"loss": {"ent_coef": 0.01}}),
 ], ids=["token_mean", "sequence_mean", "constant", "PPO"])
 def test_a_micro_batch_cut_to_its_rows_gives_the_same_losses_and_gradients(cls, options, stopping_model_dir):
     module = make_stopping(cls, stopping_model_dir, **options)
@@ -132,10 +132,10 @@ PER_MICRO_BATCH = ("approx_kl", "clipfrac", "ratio", "entropy", "mismatch", "los
 
 
 @pytest.mark.parametrize("cls, options", [
-    (GRPO, {"loss_aggregation": "token_mean", "kl": {"coef": 0.1}, "ent_coef": 0.01}),
-    (GRPO, {"loss_aggregation": "sequence_mean", "kl": {"coef": 0.1}}),
-    (GRPO, {"loss_aggregation": "constant", "kl": {"coef": 0.1}}),
-    (PPO, {"ent_coef": 0.01}),
+    (GRPO, {"loss": {"aggregation": "token_mean", "ent_coef": 0.01}, "kl": {"coef": 0.1}}),
+    (GRPO, {"loss": {"aggregation": "sequence_mean"}, "kl": {"coef": 0.1}}),
+    (GRPO, {"loss": {"aggregation": "constant"}, "kl": {"coef": 0.1}}),
+    (PPO, {"loss": {"ent_coef": 0.01}}),
     (OnlineDPO, {}),
 ], ids=["token_mean", "sequence_mean", "constant", "PPO", "OnlineDPO"])
 def test_cut_and_packed_micro_batches_train_as_one_whole_batch(cls, options, stopping_model_dir, tmp_path):

@@ -45,7 +45,7 @@ def test_rollout_advantages_are_the_pure_functions_on_the_experience(cls, tiny_m
 @pytest.mark.parametrize("cls", [*CRITIC_FREE, PPO], ids=lambda cls: cls.__name__)
 def test_gradients_reach_exactly_the_policy_adapter(cls, tiny_model_dir, reward_dir):
     kwargs = {} if cls is PPO else {"kl": {"coef": 0.1}}
-    module = make_online(cls, tiny_model_dir, reward_dir, ent_coef=0.01, **kwargs)
+    module = make_online(cls, tiny_model_dir, reward_dir, loss={"ent_coef": 0.01}, **kwargs)
     perturb(module, "policy", "critic")
     experience, _ = module.collect_and_prepare(prompt_batch(module))
     terms = module.losses(experience)

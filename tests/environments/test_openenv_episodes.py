@@ -21,9 +21,10 @@ GAME = "rlhf_lightning.environments.guess_number.GuessNumberEnvironment"
 
 
 def game_module(directory, **environment):
-    return episodic(GRPO, directory, environment=lambda: OpenEnvEnvironment(env=GAME, **environment),
-                    reward=FunctionReward(solved), gold_reward=solved, max_turns=3, max_episode_tokens=40,
-                    kl={"coef": 0.1}, update={"num_minibatches": 2})
+    return episodic(GRPO, directory,
+                    episodes={"environment": lambda: OpenEnvEnvironment(env=GAME, **environment), "max_turns": 3,
+                              "max_tokens": 40},
+                    reward=FunctionReward(solved), gold_reward=solved, kl={"coef": 0.1}, update={"num_minibatches": 2})
 
 
 def game_batch(module, n=4):

@@ -240,13 +240,14 @@ class CallsEveryTurn(ToolEnvironment):
 def test_a_tool_that_never_returns_costs_its_timeout_and_the_fit_exits(calculator_model_dir, tmp_path):  # noqa: F811
     (tmp_path / "stuck.py").write_text(STUCK_TOOL)
     (tmp_path / "stuck.yaml").write_text(
-        "model:\n  init_args:\n    environment:\n      class_path: stuck.CallsEveryTurn\n"
-        "      init_args: {tools: [stuck.never_returns], timeout: 1.0}\n")
+        "model:\n  init_args:\n    episodes:\n      environment:\n        class_path: stuck.CallsEveryTurn\n"
+        "        init_args: {tools: [stuck.never_returns], timeout: 1.0}\n")
     start = time.perf_counter()
     result = cli_subprocess(
         tmp_path, "fit", "--config", str(REPO / "configs" / "calculator_grpo.yaml"), "--config", "stuck.yaml",
         f"--model.init_args.base.name_or_path={calculator_model_dir}", "--model.init_args.samples_per_prompt=2",
-        "--model.init_args.max_turns=2", "--model.init_args.sampling.max_new_tokens=16", "--model.init_args.max_episode_tokens=64",
+        "--model.init_args.episodes.max_turns=2", "--model.init_args.sampling.max_new_tokens=16",
+        "--model.init_args.episodes.max_tokens=64",
         "--model.init_args.update.num_minibatches=1", "--data.init_args.batch_size=1", "--data.init_args.synthetic_rows=4",
         "--data.init_args.val_fraction=0", "--trainer.max_steps=1", "--trainer.logger=false",
         "--trainer.callbacks=[]", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false")
@@ -278,13 +279,13 @@ NOT_AN_ENVIRONMENT = ("is not an rlhf_lightning Environment: an environment must
 @pytest.mark.slow
 def test_a_gym_style_environment_class_is_told_what_an_environment_must_be(tmp_path):
     (tmp_path / "gym_style.py").write_text(GYM_STYLE)
-    (tmp_path / "env.yaml").write_text("model:\n  init_args:\n    environment:\n      class_path: "
-                                       "gym_style.GuessTheNumber\n      init_args: {high: 10}\n")
+    (tmp_path / "env.yaml").write_text("model:\n  init_args:\n    episodes:\n      environment:\n        class_path: "
+                                       "gym_style.GuessTheNumber\n        init_args: {high: 10}\n")
     result = cli_subprocess(tmp_path, "fit", "--config", str(REPO / "configs" / "calculator_grpo.yaml"),
                             "--config", "env.yaml", "--trainer.logger=false")
     assert result.returncode == 2, result.stderr[-2000:]
     assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == [
-        f"error: env.yaml:3: model.init_args.environment: gym_style.GuessTheNumber {NOT_AN_ENVIRONMENT}"]
+        f"error: env.yaml:4: model.init_args.episodes.environment: gym_style.GuessTheNumber {NOT_AN_ENVIRONMENT}"]
     assert "Traceback" not in result.stderr
 
 
@@ -292,5 +293,5 @@ def test_a_gym_style_environment_given_through_the_api_gets_the_same_line(calcul
     gym_style = types.ModuleType("gym_style")
     exec(GYM_STYLE, gym_style.__dict__)  # noqa: S102 (the class as a user's module defines it)
     with pytest.raises(TypeError) as error:
-        episodic(GRPO, calculator_model_dir, environment=gym_style.GuessTheNumber)
-    assert str(error.value) == f"environment: gym_style.GuessTheNumber {NOT_AN_ENVIRONMENT}"
+        episodic(GRPO, calculator_model_dir, episodes={"environment": gym_style.GuessTheNumber})
+    assert str(error.value) == f"episodes.environment: gym_style.GuessTheNumber {NOT_AN_ENVIRONMENT}"

@@ -16,7 +16,7 @@ from tests.helpers.online import prompts
 
 
 class Feedback(Environment):
-    """Answers every turn with feedback and a reward of 0.25, never ends: episodes run to max_turns."""
+    """Answers every turn with feedback and a reward of 0.25, never ends: episodes run to episodes.max_turns."""
 
     def step(self, messages):
         return Step([{"role": "user", "content": "try again"}], reward=0.25)
@@ -38,10 +38,13 @@ def calculator_model_dir(tmp_path_factory):
     return directory
 
 
-def episodic(algorithm, directory, environment=Feedback, **kwargs):
+def episodic(algorithm, directory, **kwargs):
+    """``algorithm`` built on the calculator's model, its episodes answered by :class:`Feedback` (3 turns, 40 tokens
+    at most) unless ``kwargs`` give ``episodes={...}`` fields of their own (merged field by field)."""
     settings = merged(dict(base=BaseModelSpec(name_or_path=str(directory)), policy_lora=LORA,
                            sampling={"max_new_tokens": 6}, reward=FunctionReward(correct_answer),
-                           environment=environment, max_turns=3, max_episode_tokens=40, samples_per_prompt=2), kwargs)
+                           episodes={"environment": Feedback, "max_turns": 3, "max_tokens": 40},
+                           samples_per_prompt=2), kwargs)
     if algorithm is PPO:
         settings.update(critic={"lora": LORA})
     module = built(algorithm(**settings))

@@ -160,9 +160,9 @@ def test_grpo_trains_on_the_named_reduction_of_the_steps(tiny_arithmetic_dir, pr
 
 def test_a_prm_with_an_environment_is_refused(tiny_arithmetic_dir, prm_dir):
     with pytest.raises(ValueError, match=r"^reward: ProcessReward scores the steps of single-turn responses, and "
-                                         r"environment is set \(episodes\); drop one of them$"):
+                                         r"episodes\.environment is set; drop one of them$"):
         GRPO(base=BaseModelSpec(name_or_path=str(tiny_arithmetic_dir)), reward=ProcessReward(str(prm_dir)),
-             environment=lambda: None)
+             episodes={"environment": lambda: None})
 
 
 def rl_cli(config: str, tiny_arithmetic_dir, prm_dir, *extra: str) -> list[str]:

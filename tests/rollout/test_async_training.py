@@ -1,8 +1,9 @@
-"""Asynchronous training (``max_staleness``): the rollouts of later iterations drawn on the vLLM server while the
-policy trains. Everywhere: the refusals, the producer's waits and failures, the seeds and the loader's batches drawn
-ahead. With vLLM (the tests marked ``vllm``, on the session's server of ``tests/rollout/conftest.py``): a fit at
-S = 1 whose first iteration is the synchronous one's bit for bit and whose samples are one iteration old, versions
-kept loaded while drawn from, a stuck server and a failed draw in one line, and the exact resume after kill -9."""
+"""Asynchronous training (``asynchronous.max_staleness``): the rollouts of later iterations drawn on the vLLM server
+while the policy trains. Everywhere: the ``asynchronous`` group's checks, the refusals, the producer's waits and
+failures, the seeds and the loader's batches drawn ahead. With vLLM (the tests marked ``vllm``, on the session's
+server of ``tests/rollout/conftest.py``): a fit at S = 1 whose first iteration is the synchronous one's bit for bit
+and whose samples are one iteration old, versions kept loaded while drawn from, a stuck server and a failed draw in
+one line, and the exact resume after kill -9."""
 
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ import torch
 
 from rlhf_lightning.core.policy import POLICY
 from rlhf_lightning.data.loader import ResumableLoader
+from rlhf_lightning.rollout.ahead import Asynchronous, loader_ahead
 from rlhf_lightning.rollout.engines import Auto, EagerDecoder
 from rlhf_lightning.rollout.producer import Job, ProducerError, RolloutProducer
 from rlhf_lightning.rollout.seeds import Seeds, derive_seed
 from rlhf_lightning.rollout.vllm_server import VLLMServer
+from tests.helpers.group_checks import assert_check_names_the_field
 
 with_vllm = pytest.mark.vllm
 SERVER = "rlhf_lightning.rollout.vllm_server.VLLMServer"
@@ -33,12 +36,31 @@ def test_only_an_engine_with_its_own_devices_draws_ahead_the_others_refuse_in_on
 
     for engine in (Auto(), EagerDecoder()):
         refusal = engine.overlap_refusal(2)
-        assert refusal.startswith(f"max_staleness=2: the engine {type(engine).__name__} draws in the trainer's own "
-                                  "process") and "VLLMServer" in refusal
+        assert refusal.startswith(f"asynchronous.max_staleness=2: the engine {type(engine).__name__} draws in the "
+                                  "trainer's own process") and "VLLMServer" in refusal
+        assert refusal.endswith("or asynchronous.max_staleness: 0")
     server = VLLMServer(urls=["http://127.0.0.1:9"])
     assert server.overlap_refusal(2) is None and server.staleness == 2
-    line = one_line(capsys, *grpo(tiny_llama_dir, reward_dir, "--model.init_args.max_staleness=1"))
-    assert line.startswith("error: max_staleness=1: the engine Auto draws in the trainer's own process")
+    line = one_line(capsys, *grpo(tiny_llama_dir, reward_dir, "--model.init_args.asynchronous.max_staleness=1"))
+    assert line.startswith("error: asynchronous.max_staleness=1: the engine Auto draws in the trainer's own process")
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(max_staleness=-1), "asynchronous.max_staleness must be an integer >= 0, got -1"),
+    (dict(max_staleness=1.5), "asynchronous.max_staleness must be an integer >= 0, got 1.5"),
+    (dict(rollout_timeout=0.0), "asynchronous.rollout_timeout must be > 0, got 0.0"),
+    (dict(rollout_timeout=-5.0), "asynchronous.rollout_timeout must be > 0, got -5.0"),
+])
+def test_the_asynchronous_group_names_its_dotted_key(bad, message):
+    assert_check_names_the_field(Asynchronous(**bad), message, "asynchronous", "ahead")
+    assert Asynchronous().check() == Asynchronous(max_staleness=0, rollout_timeout=1800.0)  # synchronous by default
+    assert Asynchronous(max_staleness=2, rollout_timeout=5.0).check() == Asynchronous(2, 5.0)
+
+
+def test_a_loader_that_cannot_hand_out_batches_ahead_names_the_setting():
+    with pytest.raises(TypeError, match=r"^asynchronous\.max_staleness needs a training loader that can hand out its "
+                                        r"next batches ahead \(rlhf_lightning\.data\.loader\.ResumableLoader\), not list$"):
+        loader_ahead([[1, 2]])
 
 
 def job(iteration: int) -> Job:
@@ -87,7 +109,7 @@ def test_a_wait_for_the_producer_times_out_in_one_line_naming_what_it_waited_for
     assert time.monotonic() - start < 5
     assert str(waited.value) == ("waited 0.2 s for iteration 1's rollout (drawn by the policy of iteration 1, adapter "
                                  "version 0) from the server at X, and it is still being drawn: is the server stuck or "
-                                 "overloaded (its log)? rollout_timeout raises the wait")
+                                 "overloaded (its log)? asynchronous.rollout_timeout raises the wait")
     release.set()
     producer.close()
 
@@ -121,7 +143,8 @@ def test_the_loader_hands_out_ahead_the_batches_it_will_hand_out_across_epochs()
 def fit_arguments(tiny_llama_dir, reward, url: str, staleness: int, *extra: str) -> list[str]:
     from tests.rollout.test_vllm_server import server_fit
 
-    return server_fit(tiny_llama_dir, reward, url, f"--model.init_args.max_staleness={staleness}", *extra)
+    return server_fit(tiny_llama_dir, reward, url, f"--model.init_args.asynchronous.max_staleness={staleness}",
+                      *extra)
 
 
 @with_vllm
@@ -222,7 +245,7 @@ def test_a_run_drawing_two_iterations_ahead_resumes_exactly_after_kill_9(served,
                               "--trainer.enable_checkpointing=true")
     full, resumed = kill_and_resume(tmp_path, arguments)
     assert [row["grpo/rollout/staleness_mean"] for row in full["metrics"]] == [0.0, 1.0, 2.0, 2.0]
-    print(f"\nmax_staleness 2, killed with SIGKILL in iteration 3 and resumed: "
+    print(f"\nasynchronous.max_staleness 2, killed with SIGKILL in iteration 3 and resumed: "
           f"{sum(len(row) for row in resumed['metrics'])} logged values equal the uninterrupted run's")
 
 
@@ -230,9 +253,9 @@ def test_a_run_drawing_two_iterations_ahead_resumes_exactly_after_kill_9(served,
 @pytest.mark.slow
 def test_two_ddp_or_fsdp2_ranks_drawing_ahead_train_as_one_process_does(served, server_url, tiny_llama_dir,
                                                                         tmp_path):
-    """At max_staleness 1, one process on the whole batch, then two CPU ranks (DDP, then FSDP2: the adapters kept
-    for the producer gathered from their shards on every rank) on its halves, each with its own producer sending
-    its prompts to the same server, seeded per prompt."""
+    """At asynchronous.max_staleness 1, one process on the whole batch, then two CPU ranks (DDP, then FSDP2: the
+    adapters kept for the producer gathered from their shards on every rank) on its halves, each with its own
+    producer sending its prompts to the same server, seeded per prompt."""
     from tests.helpers.distributed import STRATEGIES, largest_differences
     from tests.helpers.models import save_reward_adapter
     from tests.helpers.preemption import drive, run
@@ -249,16 +272,16 @@ def test_two_ddp_or_fsdp2_ranks_drawing_ahead_train_as_one_process_does(served, 
                                                                  *STRATEGIES[layout]])])
         assert ranks.returncode == 0, ranks.stderr[-4000:]
         largest = largest_differences(full, torch.load(tmp_path / f"{layout}.pt"))
-        print(f"\nmax_staleness 1 on two {layout} ranks against one process: largest differences {largest}")
+        print(f"\nasynchronous.max_staleness 1 on two {layout} ranks against one process: largest differences {largest}")
 
 
 @with_vllm
 @pytest.mark.slow
 def test_sigterm_while_two_iterations_are_drawn_ahead_skips_no_prompt_and_trains_none_twice(
         served, server_url, tiny_llama_dir, tmp_path):
-    """SIGTERM in iteration 3 of 5 at max_staleness 2 (iterations 4 and 5 drawn ahead or being drawn): the checkpoint
-    of iteration 3 holds the adapters that drew them, the resumed run redraws them, and the prompts trained before
-    and after the stop are the uninterrupted run's, each once, with the same logged values."""
+    """SIGTERM in iteration 3 of 5 at asynchronous.max_staleness 2 (iterations 4 and 5 drawn ahead or being drawn):
+    the checkpoint of iteration 3 holds the adapters that drew them, the resumed run redraws them, and the prompts
+    trained before and after the stop are the uninterrupted run's, each once, with the same logged values."""
     import json
 
     from tests.helpers.models import save_reward_adapter
@@ -302,11 +325,12 @@ def test_a_synchronous_runs_checkpoint_cannot_resume_drawing_ahead(tiny_llama_di
     def module(staleness: int) -> GRPO:
         return built(GRPO(base=BaseModelSpec(name_or_path=str(tiny_llama_dir)), policy_lora=LORA, samples_per_prompt=2,
                           reward=FunctionReward(exact_match),
-                          engine=VLLMServer(urls=["http://127.0.0.1:9"]), max_staleness=staleness))
+                          engine=VLLMServer(urls=["http://127.0.0.1:9"]), asynchronous={"max_staleness": staleness}))
 
     checkpoint = {"state_dict": module(0).state_dict()}
     module(0).on_save_checkpoint(checkpoint)
-    with pytest.raises(CheckpointError, match="^the checkpoint: written by a synchronous run, which kept no adapters"):
+    with pytest.raises(CheckpointError, match=r"^the checkpoint: written by a synchronous run, which kept no adapters "
+                                              r".*; resume it with asynchronous\.max_staleness: 0$"):
         module(1).on_load_checkpoint(checkpoint)
 
 
@@ -334,7 +358,7 @@ def test_every_online_algorithm_trains_on_rollouts_drawn_one_iteration_ahead(ser
                      f"--model.init_args.reward.init_args.path={reward}", *COMMON, *ONLINE,
                      f"--model.init_args.engine={{class_path: {SERVER}, init_args: {{urls: [{server_url}]}}}}",
                      "--model.init_args.export_dir=null", "--trainer.limit_val_batches=0",
-                     "--trainer.limit_train_batches=3", "--model.init_args.max_staleness=1", *extra,
+                     "--trainer.limit_train_batches=3", "--model.init_args.asynchronous.max_staleness=1", *extra,
                      *([f"--model.init_args.teacher={teacher}"] if name == "distill" else [])]
         runs.append(run(tmp_path, name, arguments))
     result = drive(tmp_path, "algorithms", runs)
@@ -359,12 +383,12 @@ def test_episodes_are_drawn_ahead_turn_by_turn_on_a_server_the_fit_starts(calcul
     arguments = ["--config", str(REPO / "configs" / "calculator_grpo.yaml"),
                  f"--model.init_args.base.name_or_path={calculator_llama_dir}", *COMMON,
                  "--model.init_args.policy_lora={r: 4, alpha: 8}", "--model.init_args.sampling.max_new_tokens=6",
-                 "--model.init_args.max_episode_tokens=40", "--model.init_args.samples_per_prompt=2",
+                 "--model.init_args.episodes.max_tokens=40", "--model.init_args.samples_per_prompt=2",
                  "--model.init_args.update.num_minibatches=1", "--data.init_args.batch_size=2",
                  "--data.init_args.synthetic_rows=40", "--trainer.limit_val_batches=0",
                  "--trainer.limit_train_batches=3", "--model.init_args.export_dir=null",
-                 "--model.init_args.max_staleness=1", "--model.init_args.correction.mode=token_truncate",
-                 "--model.init_args.environment={class_path: tests.helpers.episodes.Feedback}",
+                 "--model.init_args.asynchronous.max_staleness=1", "--model.init_args.correction.mode=token_truncate",
+                 "--model.init_args.episodes.environment={class_path: tests.helpers.episodes.Feedback}",
                  f"--model.init_args.engine={{class_path: {SERVER}, init_args: {{kv_cache_gib: 0.25}}}}"]
     result = drive(tmp_path, "episodes", [run(tmp_path, "episodes", arguments)])
     assert result.returncode == 0, result.stderr[-4000:]

@@ -140,7 +140,7 @@ def test_every_online_algorithm_trains_on_episodes(algorithm, calculator_model_d
     for name in ("episode/turns", "episode/policy_tokens", "episode/env_tokens", "episode/tool_calls",
                  "episode/env_reward"):
         assert name in stats
-    assert stats["episode/turns"] > 1.0  # Feedback never ends an episode: only max_turns or the token budget do
+    assert stats["episode/turns"] > 1.0  # Feedback never ends an episode: only episodes.max_turns or max_tokens do
     # the completions table shows whole transcripts, the environment's parts marked
     assert any("[[user try again" in text for text in module.last_samples.responses)
     losses = module.losses(experience)
@@ -169,12 +169,31 @@ def test_a_grpo_run_on_episodes_resumes_exactly(calculator_model_dir, tmp_path):
     for before, after in zip(whole[2:], resumed, strict=True):
         assert all(abs(before[key] - after[key]) < 1e-6 for key in noise)
     assert {"grpo/episode/turns", "grpo/episode/env_tokens"} <= set(whole[0])
+    saved = torch.load(checkpoint, map_location="cpu", weights_only=False)["hyper_parameters"]
+    assert saved["episodes"] == {"max_turns": 3, "max_tokens": 40} and "environment" not in saved  # the bounds only
+
+
+def test_the_hyper_parameters_keep_the_episode_bounds_but_not_the_environment(calculator_model_dir):
+    """The environment is code (a factory, named by the config's ``class_path``): ``hparams["episodes"]`` holds the
+    bounds, from Python and from a config, and ``module.environment`` reads ``episodes.environment``."""
+    from rlhf_lightning.cli import RLHFCLI
+    from rlhf_lightning.environments import ToolEnvironment
+
+    module = episodic(GRPO, calculator_model_dir, episodes={"max_turns": 2})
+    assert module.hparams["episodes"] == {"max_turns": 2, "max_tokens": 40}
+    assert "environment" not in module.hparams and module.environment is module.episodes.environment is Feedback
+    cli = RLHFCLI(args=["--config", str(REPO / "configs" / "calculator_grpo.yaml"), "--trainer.logger=false",
+                        f"--model.init_args.base.name_or_path={calculator_model_dir}",
+                        "--model.init_args.episodes.max_turns=2"], run=False)
+    assert cli.model.hparams["episodes"] == {"max_turns": 2, "max_tokens": 96}  # the config's budget kept
+    assert "environment" not in cli.model.hparams
+    assert isinstance(cli.model.environment(), ToolEnvironment)  # the config's environment, made anew per episode
 
 
 def test_episodes_whose_turns_could_pass_the_model_positions_are_refused_before_training(calculator_model_dir):
     # The calculator's longest prompt is 19 tokens, its opening 25 (the template's markers); n_positions is 160.
-    module = episodic(GRPO, calculator_model_dir, max_episode_tokens=141, sampling={"max_new_tokens": 12},
-                      max_turns=40, samples_per_prompt=4)
+    module = episodic(GRPO, calculator_model_dir, episodes={"max_tokens": 141, "max_turns": 40},
+                      sampling={"max_new_tokens": 12}, samples_per_prompt=4)
     data = prompts(module, n=8, dataset="calculator", batch_size=8)
     assert data.longest() + 141 == 160  # what the check once counted: it passed, and a late turn crashed
     with pytest.raises(ValueError) as error:
@@ -182,11 +201,11 @@ def test_episodes_whose_turns_could_pass_the_model_positions_are_refused_before_
     assert str(error.value) == (
         "the longest prompt's opening (25 tokens) and an episode of 141 tokens (a turn can start after 140 of them "
         f"and decode 12 more: sampling.max_new_tokens) reach 177 positions, beyond the 160 of model "
-        f"{calculator_model_dir} (n_positions), whose learned position embeddings stop there; lower max_episode_tokens "
-        "(null = max_turns x sampling.max_new_tokens), sampling.max_new_tokens or data.init_args.max_length")
+        f"{calculator_model_dir} (n_positions), whose learned position embeddings stop there; lower episodes.max_tokens "
+        "(null = episodes.max_turns x sampling.max_new_tokens), sampling.max_new_tokens or data.init_args.max_length")
     # The largest budget it accepts (25 + 123 + 12 = 160) runs episodes that never end to their budget.
-    module = episodic(GRPO, calculator_model_dir, environment=Feedback, max_episode_tokens=124,
-                      sampling={"max_new_tokens": 12}, max_turns=40)
+    module = episodic(GRPO, calculator_model_dir, sampling={"max_new_tokens": 12},
+                      episodes={"environment": Feedback, "max_tokens": 124, "max_turns": 40})
     module.check_lengths(data)
     torch.manual_seed(0)
     batch = sample_episodes(module, calculator_batch(module, 2), 2)

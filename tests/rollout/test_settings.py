@@ -1,13 +1,15 @@
 """How responses are sampled and where they stop (``rlhf_lightning.rollout.settings``): the ``sampling`` group's
-checks and its stop token resolved to ids, and truncation at stop tokens, by hand."""
+checks and its stop token resolved to ids, the ``episodes`` group's checks and what it saves, and truncation at stop
+tokens, by hand."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from rlhf_lightning.rollout.settings import Sampling, SamplingSettings, stopped, truncate_after_stop
+from rlhf_lightning.rollout.settings import Episodes, Sampling, SamplingSettings, stopped, truncate_after_stop
 from rlhf_lightning.tasks.calculator import build_tokenizer
+from tests.helpers.episodes import Feedback
 
 STOP, PAD = 1, 0
 
@@ -58,3 +60,31 @@ def test_the_sampling_group_names_its_dotted_key_and_resolves_its_stop_token_to_
     with pytest.raises(ValueError) as error:
         Sampling(stop_token="not a token").settings(tokenizer)
     assert str(error.value) == "sampling.stop_token 'not a token' is not a single token of the tokenizer"
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(max_turns=0), "episodes.max_turns must be an integer >= 1, got 0"),
+    (dict(environment=Feedback, max_turns=0), "episodes.max_turns must be an integer >= 1, got 0"),
+    (dict(environment=Feedback, max_turns=2.5), "episodes.max_turns must be an integer >= 1, got 2.5"),
+    (dict(environment=Feedback, max_tokens=0), "episodes.max_tokens must be > 0 or null, got 0"),
+    (dict(max_turns=3), "episodes.max_turns=3, episodes.max_tokens=None: they bound episodes, and there is no "
+     "episodes.environment; set it, or leave them at 4 and null"),
+    (dict(max_tokens=64), "episodes.max_turns=4, episodes.max_tokens=64: they bound episodes, and there is no "
+     "episodes.environment; set it, or leave them at 4 and null"),
+])
+def test_the_episodes_group_names_its_dotted_key(bad, message):
+    episodes = Episodes(**bad)
+    with pytest.raises(ValueError) as error:
+        episodes.check()
+    assert str(error.value) == message
+    with pytest.raises(ValueError) as error:  # the name given to check prefixes every field it names
+        episodes.check("rollout")
+    assert str(error.value) == message.replace("episodes.", "rollout.")
+
+
+def test_the_episodes_group_passes_its_defaults_and_bounds_with_an_environment_and_saves_only_the_bounds():
+    assert Episodes().check() == Episodes()  # single-turn: no environment, the bounds at 4 and null
+    bounded = Episodes(environment=Feedback, max_turns=3, max_tokens=40)
+    assert bounded.check() is bounded
+    assert bounded.hyperparameters() == {"max_turns": 3, "max_tokens": 40}  # the environment is code, named by the config
+    assert Episodes().hyperparameters() == {"max_turns": 4, "max_tokens": None}

@@ -236,8 +236,9 @@ def test_multi_turn_episodes_are_drawn_turn_by_turn_by_vllm(calculator_llama_dir
     from tests.helpers.episodes import Feedback, calculator_batch
 
     module = built(GRPO(base=BaseModelSpec(name_or_path=str(calculator_llama_dir)), policy_lora=LORA,
-                        sampling={"max_new_tokens": 6}, reward=FunctionReward(correct_answer), environment=Feedback,
-                        max_turns=3, max_episode_tokens=40, samples_per_prompt=2, kl={"coef": 0.1},
+                        sampling={"max_new_tokens": 6}, reward=FunctionReward(correct_answer),
+                        episodes={"environment": Feedback, "max_turns": 3, "max_tokens": 40}, samples_per_prompt=2,
+                        kl={"coef": 0.1},
                         engine=VLLMEngine(kv_cache_gib=KV_CACHE_GIB)))
     module.trainer = None
     try:

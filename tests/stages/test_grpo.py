@@ -57,7 +57,7 @@ def test_kl_in_the_loss_is_k3_times_the_ratio(tiny_model_dir, reward_dir):
 @pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean", "constant"])
 def test_the_step_loss_does_not_depend_on_the_micro_batch_split(aggregation, tiny_model_dir, reward_dir):
     """Two micro-batches of unequal token counts accumulate exactly the gradient of the whole batch."""
-    module = make_online(GRPO, tiny_model_dir, reward_dir, loss_aggregation=aggregation, kl={"coef": 0.1},
+    module = make_online(GRPO, tiny_model_dir, reward_dir, loss={"aggregation": aggregation}, kl={"coef": 0.1},
                          update={"epochs": 1, "num_minibatches": 1})
     perturb(module, "policy")
     experience, _ = module.collect_and_prepare(prompt_batch(module))
@@ -72,7 +72,7 @@ def test_the_step_loss_does_not_depend_on_the_micro_batch_split(aggregation, tin
 
 
 def test_truncated_completions_carry_no_loss(tiny_model_dir, reward_dir):
-    module = make_online(GRPO, tiny_model_dir, reward_dir, mask_truncated_completions=True,
+    module = make_online(GRPO, tiny_model_dir, reward_dir, loss={"mask_truncated_completions": True},
                          sampling={"max_new_tokens": 3})
     experience, stats = module.collect_and_prepare(prompt_batch(module))
     loss_mask = module.loss_mask(experience)
@@ -85,8 +85,8 @@ def test_truncated_completions_carry_no_loss(tiny_model_dir, reward_dir):
     assert total.item() == 0.0
     policy = [p for n, p in module.named_parameters() if adapter_of(n) == "policy"]
     assert all(g.abs().sum() == 0 for g in torch.autograd.grad(total, policy, allow_unused=False))
-    with pytest.raises(ValueError, match="mask_truncated_completions needs a sampling.stop_token"):
-        make_online(GRPO, tiny_model_dir, reward_dir, mask_truncated_completions=True,
+    with pytest.raises(ValueError, match="^loss.mask_truncated_completions needs a sampling.stop_token"):
+        make_online(GRPO, tiny_model_dir, reward_dir, loss={"mask_truncated_completions": True},
                     sampling={"stop_token": None})
 
 
@@ -135,7 +135,7 @@ def test_reward_functions_with_trl_signature_columns_weights_and_none(tiny_model
 
 
 def test_grpo_fit_logs_its_terms_and_resumes_exactly(tiny_model_dir, reward_dir, tmp_path):
-    kwargs = dict(kl={"coef": 0.05}, policy_loss=Clip(clip_range_high=0.28), ent_coef=0.01)
+    kwargs = dict(kl={"coef": 0.05}, policy_loss=Clip(clip_range_high=0.28), loss={"ent_coef": 0.01})
     module = make_online(GRPO, tiny_model_dir, reward_dir, **kwargs)
     trainer, uninterrupted = fit_iterations(module, prompts(module, n=24, batch_size=4), tmp_path / "full", iterations=4,
                                   prefix="grpo/")
@@ -192,7 +192,8 @@ class DrGRPO(GRPO):
     """Dr. GRPO as a class."""
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, advantages=GroupRelative(scale_rewards="none"), loss_aggregation="constant", **kwargs)
+        super().__init__(*args, advantages=GroupRelative(scale_rewards="none"), loss={"aggregation": "constant"},
+                         **kwargs)
 ''')
     monkeypatch.syspath_prepend(str(tmp_path))
     from rlhf_lightning.cli import RLHFCLI
@@ -205,24 +206,24 @@ class DrGRPO(GRPO):
     grpo = RLHFCLI(args=["--config", str(REPO / "configs" / "grpo.yaml"), "--model.class_path=fixed_arguments.DrGRPO",
                          *common], run=False).model
     assert grpo.hparams.advantages.scale_rewards == grpo.advantages.scale_rewards == "none"
-    assert grpo.hparams.loss_aggregation == "constant"
+    assert grpo.hparams["loss"]["aggregation"] == grpo.loss_settings.aggregation == "constant"
     grpo.configure_model()
     experience, _ = grpo.collect_and_prepare(prompt_batch(grpo))  # reads both during the iteration
     assert experience.advantages is not None
 
 
 @pytest.mark.parametrize("ptx_coef, ptx_dataset, message", [
-    (0.5, None, "ptx_coef=0.5 needs pretraining text: set data.init_args.ptx_dataset"),
-    (0.0, "synthetic", "data.init_args.ptx_dataset is set, but GRPO has no pretraining loss on it"),
+    (0.5, None, r"^loss\.ptx_coef=0\.5 needs pretraining text: set data\.init_args\.ptx_dataset$"),
+    (0.0, "synthetic", r"^data\.init_args\.ptx_dataset is set, but GRPO has no pretraining loss on it \(loss\.ptx_coef 0\)"),
 ])
 def test_pretraining_text_and_its_loss_come_together(tiny_model_dir, reward_dir, ptx_coef, ptx_dataset, message):
-    """A ptx_coef without ptx data would train without the term; ptx data without a ptx_coef would be read and
+    """A loss.ptx_coef without ptx data would train without the term; ptx data without one would be read and
     never trained on: both are refused before the first rollout."""
     import lightning as L
 
     module = GRPO(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), reward=AdapterReward(str(reward_dir)),
                   policy_lora=LORA, samples_per_prompt=2, sampling={"max_new_tokens": 4},
-                  ptx_coef=ptx_coef)
+                  loss={"ptx_coef": ptx_coef})
     data = prompts(module, n=8, batch_size=2, ptx_dataset=ptx_dataset)
     trainer = L.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0)

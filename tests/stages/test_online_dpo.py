@@ -141,5 +141,6 @@ def test_from_python_too_a_pair_size_and_episode_bounds_without_episodes_are_ref
     arguments = dict(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), reward=AdapterReward(str(reward_dir)))
     with pytest.raises(ValueError, match=r"^samples_per_prompt=3: online DPO samples exactly 2 responses"):
         OnlineDPO(**arguments, samples_per_prompt=3)
-    with pytest.raises(ValueError, match=r"^max_turns=2, max_episode_tokens=None: they bound episodes"):
-        OnlineDPO(**arguments, max_turns=2)
+    with pytest.raises(ValueError, match=r"^episodes\.max_turns=2, episodes\.max_tokens=None: they bound episodes, "
+                                         r"and there is no episodes\.environment; set it, or leave them at 4 and null$"):
+        OnlineDPO(**arguments, episodes={"max_turns": 2})

@@ -86,7 +86,7 @@ def test_policy_loss_reaches_only_the_policy_and_value_loss_only_the_critic(tiny
 
 
 def test_training_updates_adapters_never_the_base_and_logs_every_term(tiny_model_dir, reward_dir, tmp_path):
-    module = make_ppo(tiny_model_dir, reward_dir, ent_coef=0.01, ptx_coef=0.1, kl={"target": 1.0})
+    module = make_ppo(tiny_model_dir, reward_dir, loss={"ent_coef": 0.01, "ptx_coef": 0.1}, kl={"target": 1.0})
     base_before = {n: p.clone() for n, p in module.model.base_parameters()}
     policy_before = {n: p.clone() for n, p in module.model.model.named_parameters() if adapter_of(n) == "policy"}
     data = prompts(module, n=32, ptx_dataset="synthetic", ptx_batch_size=4)
@@ -218,7 +218,8 @@ def test_speed_and_memory_options_leave_the_numbers_unchanged(tiny_model_dir, re
     metrics and adapter weights."""
     runs = []
     for kwargs in ({}, options):
-        module = make_ppo(tiny_model_dir, reward_dir, **merged({"update": {"num_minibatches": 1}, "ent_coef": 0.01}, kwargs))
+        settings = merged({"update": {"num_minibatches": 1}, "loss": {"ent_coef": 0.01}}, kwargs)
+        module = make_ppo(tiny_model_dir, reward_dir, **settings)
         _, rows = fit_iterations(module, prompts(module, n=16), tmp_path / str(len(runs)), iterations=2)
         trained = {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
         runs.append((rows, trained, module.last_samples))

@@ -16,6 +16,7 @@ from packaging.version import Version
 
 import rlhf_lightning
 from rlhf_lightning.cli.errors import unknown_class
+from rlhf_lightning.utils.checks import GROUP_CLASSES
 from rlhf_lightning.utils.compatibility import (
     MOVED_ARGUMENTS,
     MOVED_INTO_GROUPS,
@@ -120,6 +121,30 @@ def test_every_moved_argument_is_refused_in_one_line_naming_its_new_key(old):
     assert "\n" not in str(error.value) and f"write {group}: {{{field}: ...}} in a config" in str(error.value)
     assert MOVED_INTO_GROUPS[old] == (group, MOVED_ARGUMENTS[old])  # the command line names the same key
     moved_arguments("PPO", ["beta", group])  # the new names pass
+
+
+# The flat arguments that became the fields of episodes, asynchronous and loss, and their new keys.
+EPISODES_ASYNCHRONOUS_AND_LOSS = {
+    "environment": "episodes.environment", "max_turns": "episodes.max_turns", "max_episode_tokens": "episodes.max_tokens",
+    "max_staleness": "asynchronous.max_staleness", "rollout_timeout": "asynchronous.rollout_timeout",
+    "loss_aggregation": "loss.aggregation", "mask_truncated_completions": "loss.mask_truncated_completions",
+    "ent_coef": "loss.ent_coef", "ptx_coef": "loss.ptx_coef",
+}
+
+
+@pytest.mark.parametrize("old", sorted(EPISODES_ASYNCHRONOUS_AND_LOSS))
+def test_the_old_names_of_episodes_asynchronous_and_loss_are_refused_naming_their_new_keys(old):
+    """The table holds each of them (the test above reads the table, so it cannot miss one the table lacks), a
+    class that takes the group is told the new key, and one that does not (online DPO has no ``loss``) is not."""
+    new = EPISODES_ASYNCHRONOUS_AND_LOSS[old]
+    group, field = new.split(".")
+    assert MOVED_ARGUMENTS[old] == new and MOVED_INTO_GROUPS[old] == (group, new)
+    with pytest.raises(TypeError) as error:
+        moved_arguments("GRPO", [old], ["base", "episodes", "asynchronous", "loss"])
+    assert str(error.value) == (f"GRPO({old}=...): {old} is now {new}; pass {group}={{'{field}': ...}} (its other "
+                                f"fields keep the module's defaults) or a {GROUP_CLASSES[group]}, or write "
+                                f"{group}: {{{field}: ...}} in a config")
+    moved_arguments("NoGroups", [old], ["base", "beta"])  # a class without the group: its own error, not this one
 
 
 def test_every_renamed_hook_is_refused_in_one_line_naming_what_took_its_place():

@@ -9,6 +9,7 @@ import torch
 from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
 
 from rlhf_lightning.utils.optim import OptimizerSettings, lr_lambda
+from tests.helpers.group_checks import assert_check_names_the_field
 
 
 def transformers_multipliers(factory, warmup: int, total: int) -> list[float]:
@@ -59,11 +60,5 @@ def test_a_lazy_total_is_read_once_and_only_by_a_decay():
     (dict(nonfinite="ignore"), "optimizer.nonfinite must be one of raise, skip, got 'ignore'"),
 ])
 def test_the_optimizer_settings_checks_name_the_dotted_key(bad, message):
-    settings = OptimizerSettings(**bad)
-    with pytest.raises(ValueError) as error:
-        settings.check()
-    assert str(error.value) == message
-    with pytest.raises(ValueError) as error:  # the name given to check prefixes the field
-        settings.check("settings")
-    assert str(error.value) == message.replace("optimizer.", "settings.", 1)
+    assert_check_names_the_field(OptimizerSettings(**bad), message, "optimizer")
     assert OptimizerSettings().check() == OptimizerSettings()  # the defaults pass, and check returns the settings
