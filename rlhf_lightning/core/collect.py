@@ -86,8 +86,10 @@ class ExperienceCollector(PolicyModule):
         super().__init__(*args, **kwargs)
         self.asynchronous: Asynchronous = self.keep_group("asynchronous", asynchronous, Asynchronous())
         staleness = self.asynchronous.max_staleness
-        if staleness and (refusal := self.engine.overlap_refusal(staleness)):
+        if staleness and (refusal := self.engine.ahead_refusal(staleness)):
             raise ValueError(refusal)
+        if staleness:
+            self.engine.keep_versions(staleness)
         checks.at_least("samples_per_prompt", samples_per_prompt)
         self.episodes: Episodes = checks.group_settings("episodes", episodes, Episodes())
         self.hparams["episodes"] = self.episodes.hyperparameters()  # the environment is code, named by the config

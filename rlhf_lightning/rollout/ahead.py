@@ -1,7 +1,8 @@
 """Drawing ahead (asynchronous training with a fixed lag): the rollouts of the next ``asynchronous.max_staleness``
-iterations are drawn while the policy trains, on an engine whose server names and serves policy versions
-(``VLLMServer``; an engine draws ahead when its :meth:`~rlhf_lightning.rollout.engines.Engine.overlap_refusal` is
-None).
+iterations are drawn while the policy trains, on an engine that draws ahead: one whose
+:meth:`~rlhf_lightning.rollout.engines.Engine.ahead_refusal` is None and that hands out an immutable handle per
+policy version (:meth:`~rlhf_lightning.rollout.engines.Engine.serve_version`), as ``VLLMServer`` does. This module
+names no engine.
 
 The schedule (``S`` = ``asynchronous.max_staleness``): iteration ``m`` trains on a rollout drawn by the policy that
 iteration ``d(m) = max(0, m - S)`` started from. When iteration ``n`` starts, the rollout of iteration ``n + S`` is
@@ -15,7 +16,7 @@ A run is a function of its seed: every request's seed comes from the run's strea
 (:meth:`~rlhf_lightning.rollout.seeds.Seeds.ahead`, the synchronous loop's own seeds for the iteration), the
 prompts from the loader's seeded order, the weights from the schedule. A checkpoint holds the adapters of the
 policies the untrained rollouts were drawn by (the last ``S + 1`` iterations' starting adapters, LoRA weights only);
-a resumed run loads them into the server again and redraws those rollouts, the same requests as before, so it goes
+a resumed run hands them to the engine again and redraws those rollouts, the same requests as before, so it goes
 on as the uninterrupted run would have.
 
 After the rollout, everything is as in the synchronous loop: the trainer's log-probs (the proximal policy, the
@@ -35,10 +36,10 @@ import torch
 from torch import Tensor
 
 from rlhf_lightning.models.shared_base import SharedBase
+from rlhf_lightning.rollout.engines import PolicyVersion
 from rlhf_lightning.rollout.producer import Job, RolloutProducer
 from rlhf_lightning.rollout.rollouts import Rollout, Rollouts
 from rlhf_lightning.rollout.sampler import Sampler
-from rlhf_lightning.rollout.vllm_server import ServedVersion
 from rlhf_lightning.rollout.vllm_support import adapter_tensors
 from rlhf_lightning.utils import checks
 from rlhf_lightning.utils.atomic_io import CheckpointError
@@ -75,9 +76,9 @@ class DrawAhead:
     """The fixed-lag schedule of a fit's training rollouts (see the module docstring).
 
     Args:
-        rollouts: the fit's turn loop; the producer draws with a copy of it on the engine's versions (its own
-            sampler, and its own tokenizer: a fast tokenizer used by two threads at once can fail, "Already
-            borrowed").
+        rollouts: the fit's turn loop; the producer draws with a copy of it on each job's version of the policy (a
+            sampler of its own, and a tokenizer of its own: a fast tokenizer used by two threads at once can fail,
+            "Already borrowed").
         model: the shared base whose policy adapter is drawn from (its engine must draw ahead).
         group: responses drawn per prompt (``samples_per_prompt``).
         rank: this process's rank (the seeds of its requests).
@@ -88,14 +89,11 @@ class DrawAhead:
     def __init__(self, rollouts: Rollouts, model: SharedBase, group: int, rank: int, staleness: int,
                  timeout: float) -> None:
         self.group, self.rank, self.staleness = group, rank, staleness
-        sampler = rollouts.sampler
-        self.server = sampler.engine(model)
-        self.engine = ServedVersion(self.server)
-        self.rollouts = Rollouts(Sampler(sampler.settings, sampler.seeds, sampler.pad_token_id, engine=self.engine),
-                                 copy.deepcopy(rollouts.tokenizer), rollouts.environment, rollouts.max_turns,
-                                 rollouts.max_tokens)
-        self.producer = RolloutProducer(self._draw, lambda job: self.server.unpin(POLICY, job.version), timeout,
-                                        lambda: f"the vLLM server at {self.server.url}")
+        self.sampler = rollouts.sampler
+        self.engine = self.sampler.engine(model)  # the trainer's engine, which hands out the versions
+        self.tokenizer = copy.deepcopy(rollouts.tokenizer)
+        self.episodes = (rollouts.environment, rollouts.max_turns, rollouts.max_tokens)
+        self.producer = RolloutProducer(self._draw, lambda job: job.source.release(), timeout, self.engine.where)
         self.model = model
         self.snapshots: dict[int, tuple[int, dict[str, Tensor]]] = {}  # iteration -> its starting adapter
         self.started = False
@@ -113,7 +111,7 @@ class DrawAhead:
         with phase("rollout/generate"):  # the trainer's share of generation: submitting, then waiting
             if not self.started:  # a fresh run, or a resumed one: fill the pipeline
                 self.started = True
-                self.server.sync(self.model, POLICY, step)  # the version names the weights
+                self.engine.sync(self.model, POLICY, step)  # the version names the weights
                 for later in range(n, n + self.staleness + 1):
                     self.submit(later, prompts if later == n else coming(later - n), n, step)
             else:
@@ -141,10 +139,10 @@ class DrawAhead:
             version = step
             tensors = adapter_tensors(self.model, POLICY)  # FSDP2: gathered on every rank
             self.snapshots[n] = (version, tensors)
-            name = self.server.serve_version(self.model, POLICY, version, tensors)
+            source = self.engine.serve_version(self.model, POLICY, version, tensors)
         elif drawn_by in self.snapshots:
             version, tensors = self.snapshots[drawn_by]
-            name = self.server.serve_version(self.model, POLICY, version, tensors, current=False)
+            source = self.engine.serve_version(self.model, POLICY, version, tensors, current=False)
         else:
             raise RuntimeError(f"iteration {iteration + 1} is drawn by the policy of iteration {drawn_by + 1}, which "
                                f"the checkpoint does not hold (it keeps iterations {sorted(self.snapshots)}): resume "
@@ -152,15 +150,19 @@ class DrawAhead:
         for old in [kept for kept in self.snapshots if kept < n - self.staleness]:
             del self.snapshots[old]
         cpu = {key: value.cpu() if isinstance(value, Tensor) else value for key, value in prompts.items()}
-        seeds = self.rollouts.sampler.seeds.ahead(iteration, self.rank, cpu.get("index"), len(cpu["prompt"]), self.group)
+        seeds = self.sampler.seeds.ahead(iteration, self.rank, cpu.get("index"), len(cpu["prompt"]), self.group)
         rows = tuple(cpu["index"].tolist()) if "index" in cpu else ()
-        self.producer.submit(Job(iteration, drawn_by, version, name, rows, tuple(seeds)), cpu)
+        self.producer.submit(Job(iteration, drawn_by, source, rows, tuple(seeds)), cpu)
 
     def _draw(self, job: Job, prompts: dict[str, Any]) -> Rollout:
-        """On the producer's thread: ``job``'s rollout, from the version it names."""
-        self.engine.name = job.name
-        return self.rollouts.run(self.model, POLICY, prompts, self.group, f"train {job.iteration}",
-                                 first_turn_seeds=list(job.seeds))
+        """On the producer's thread: ``job``'s rollout, drawn from the version it holds."""
+        return self.rollouts_from(job.source).run(self.model, POLICY, prompts, self.group, f"train {job.iteration}",
+                                                  first_turn_seeds=list(job.seeds))
+
+    def rollouts_from(self, source: PolicyVersion) -> Rollouts:
+        """The fit's turn loop drawing from ``source`` (the sampler's settings and seeds, the producer's tokenizer)."""
+        sampler = Sampler(self.sampler.settings, self.sampler.seeds, self.sampler.pad_token_id, engine=source)
+        return Rollouts(sampler, self.tokenizer, *self.episodes)
 
     # ---- checkpoints --------------------------------------------------------------------------------------
 

@@ -19,9 +19,11 @@ seeds:
 The hooks besides :meth:`Engine.draw`: :meth:`Engine.refusal` (what it cannot serve, in one line, before the
 model is built), :meth:`Engine.prepare` (what it keeps of the fit's setup: the run folder), :meth:`Engine.sync`
 (called by the training loop after every optimizer step that changed a sampled role: an engine with its own copy of
-the weights brings it up to date there, never inside ``draw``), :meth:`Engine.overlap_refusal` (whether it can
-draw ahead of the trainer: ``asynchronous.max_staleness``), and :meth:`Engine.rest` / :meth:`Engine.close`. A new
-engine subclasses :class:`Engine`; nothing else changes (``tests/rollout/test_engines.py`` trains with one defined in the test).
+the weights brings it up to date there, never inside ``draw``), :meth:`Engine.ahead_refusal` (whether it can
+draw ahead of the trainer, ``asynchronous.max_staleness``, handing out a :class:`PolicyVersion` per version), and
+:meth:`Engine.rest` / :meth:`Engine.close`. A new engine subclasses :class:`Engine`; nothing else changes
+(``tests/rollout/test_engines.py`` trains with one defined in the test, ``tests/rollout/test_engine_ahead.py`` with
+one that draws ahead).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from rlhf_lightning.models.spec import LoraSpec
 from rlhf_lightning.ops.sampling import row_draws, sampling_processors, sampling_warpers
 from rlhf_lightning.rollout.decode import Decoder
 from rlhf_lightning.rollout.settings import SamplingSettings
+from rlhf_lightning.utils import compatibility
 from rlhf_lightning.utils.flops import uncounted
 
 
@@ -73,14 +76,35 @@ class Engine:
     def prepare(self, setup: EngineSetup) -> None:
         """When the fit is set up, after :meth:`refusal`: keep what the engine needs of ``setup`` (nothing here)."""
 
-    def overlap_refusal(self, staleness: int) -> str | None:
-        """Why this engine cannot draw the rollouts of later iterations while the trainer updates the policy
-        (``asynchronous.max_staleness`` > 0), in one line; None when it can (it then keeps ``staleness`` versions
-        drawable)."""
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        compatibility.renamed_hooks(cls, compatibility.RENAMED_ENGINE_METHODS)
+
+    # ---- drawing ahead: the capability an engine declares with ahead_refusal -> None ----------------------
+
+    def ahead_refusal(self, staleness: int) -> str | None:
+        """Why this engine cannot draw the rollouts of the next ``staleness`` iterations while the trainer updates
+        the policy (``asynchronous.max_staleness`` > 0), in one line. An engine that can returns None and implements
+        :meth:`keep_versions` and :meth:`serve_version` (and :meth:`where`); nothing else changes for it."""
         return (f"asynchronous.max_staleness={staleness}: the engine {type(self).__name__} draws in the trainer's "
-                "own process, from its model (one active adapter for the whole model) and on its cores, so generation "
-                "cannot overlap the update; use the engine rlhf_lightning.rollout.vllm_server.VLLMServer, or "
-                "asynchronous.max_staleness: 0")
+                "own process, from its model (one active adapter for the whole model) and on its cores, so it cannot "
+                "draw while the policy trains; use an engine that draws ahead "
+                "(rlhf_lightning.rollout.vllm_server.VLLMServer), or asynchronous.max_staleness: 0")
+
+    def keep_versions(self, staleness: int) -> None:
+        """Before the fit, on an engine that draws ahead: versions of the policy up to ``staleness`` iterations old
+        will be drawn from while the trainer updates it (what the engine keeps is sized by it)."""
+
+    def serve_version(self, model: SharedBase, role: str, version: int, tensors: dict[str, Tensor] | None = None,
+                      current: bool = True) -> PolicyVersion:
+        """An immutable handle on ``role``'s ``version``, kept until the handle is released: the current adapter
+        (``current``; ``tensors`` its weights when gathered already), or the weights ``tensors`` of an older version
+        a resumed run redraws from. Main thread only (FSDP2: every rank, a collective)."""
+        raise NotImplementedError(f"the engine {type(self).__name__} does not draw ahead (see its ahead_refusal)")
+
+    def where(self) -> str:
+        """What draws, as the messages about a wait for it name it."""
+        return f"the engine {type(self).__name__}"
 
     def draw(self, model: SharedBase, role: str | None, input_ids: Tensor, attention_mask: Tensor, group: int,
              settings: SamplingSettings, pad_token_id: int, seeds: Sequence[int] | None = None,
@@ -104,6 +128,17 @@ class Engine:
 
     def close(self) -> None:
         """At the end of a fit: release what the engine holds beyond the model (nothing here)."""
+
+
+class PolicyVersion(Engine):
+    """A handle on one version of a sampled adapter that an engine drawing ahead holds for it
+    (:meth:`Engine.serve_version`): an engine itself, which draws from that version whatever the trainer's weights
+    are now, from any thread (the rollout producer's), and never changes; :meth:`release` when its draws are done."""
+
+    version: int  # the optimizer steps taken before the adapter it holds
+
+    def release(self) -> None:
+        """The draws from this version are done: the engine may drop it (any thread)."""
 
 
 @contextmanager

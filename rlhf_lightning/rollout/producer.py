@@ -1,6 +1,6 @@
 """The rollout producer: the rollouts of later iterations drawn on a thread of their own while the trainer updates.
 
-A job is one iteration's rollout, drawn by an adapter version already loaded on the engine's server; jobs run one
+A job is one iteration's rollout, drawn by an adapter version the engine holds for it (a handle); jobs run one
 after the other in the order submitted (each is many requests at once, which the server batches). The trainer
 takes a job's rollout when its iteration comes. Never stuck, nothing lost: a wait has a timeout and ends in one line
 naming what it waited for; a job that failed stops the fit with its cause at the next check (every iteration), not
@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rlhf_lightning.rollout.engines import PolicyVersion
 from rlhf_lightning.rollout.rollouts import Rollout
 
 
@@ -27,14 +28,18 @@ class Job:
 
     iteration: int  # the training iteration (0-based) that trains on it
     drawn_by: int  # the iteration whose starting policy drew it
-    version: int  # that policy's adapter version (the optimizer steps taken before it)
-    name: str  # the served model the requests name
+    source: PolicyVersion  # that policy's adapter version, held by the engine until the job ends
     rows: tuple[int, ...]  # the prompts' rows in the dataset (-1: not numbered)
     seeds: tuple[int, ...]  # one per response
 
     def describe(self) -> str:
         return f"iteration {self.iteration + 1}'s rollout (drawn by the policy of iteration {self.drawn_by + 1}, " \
                f"adapter version {self.version})"
+
+    @property
+    def version(self) -> int:
+        """The adapter version that draws it (the optimizer steps taken before it)."""
+        return self.source.version
 
 
 class RolloutProducer:
@@ -99,6 +104,10 @@ class RolloutProducer:
                             f"{type(error).__name__}: {error}") from error
 
     def close(self) -> None:
-        """Drop the jobs not yet started; a job being drawn ends on its own (every request has a timeout)."""
+        """Drop the jobs not yet started (each one's version released, as a job that ends); a job being drawn ends
+        on its own (every request has a timeout)."""
+        for job, future in self.jobs.values():
+            if future.cancel():
+                self.done(job)
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.jobs.clear()

@@ -31,6 +31,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from rlhf_lightning.models.shared_base import SharedBase
-from rlhf_lightning.rollout.engines import Engine, EngineSetup
+from rlhf_lightning.rollout.engines import Engine, EngineSetup, PolicyVersion
 from rlhf_lightning.rollout.settings import SamplingSettings
 from rlhf_lightning.rollout.vllm_process import ServerError, ServerProcess, request_json
 from rlhf_lightning.rollout.vllm_support import (
@@ -107,11 +108,17 @@ class VLLMServer(Engine):
                    if self.urls is None else None)
         return refusal or run_refusal(setup.name_or_path, setup.device_type, False, setup.adapters)
 
-    def overlap_refusal(self, staleness: int) -> str | None:
-        """It overlaps: the server draws on its own devices. A server the fit starts holds ``staleness + 2``
-        adapter versions at least (those still drawn from, the current one and the one replacing it)."""
-        self.staleness = staleness
+    def ahead_refusal(self, staleness: int) -> str | None:
+        """None: the server draws on its own devices, from adapter versions it holds by name."""
         return None
+
+    def keep_versions(self, staleness: int) -> None:
+        """A server the fit starts holds ``staleness + 2`` adapter versions at least (those still drawn from, the
+        current one and the one replacing it); a sync then records the version without loading it (:meth:`sync`)."""
+        self.staleness = staleness
+
+    def where(self) -> str:
+        return f"the vLLM server at {self.url}"
 
     def prepare(self, setup: EngineSetup) -> None:
         """Keep the run folder; a server given by URL is checked now, before the model is built: it answers and
@@ -257,12 +264,17 @@ class VLLMServer(Engine):
         return self.adapter_name(role, version)
 
     def serve_version(self, model: SharedBase, role: str, version: int, tensors: dict[str, Tensor] | None = None,
-                      current: bool = True) -> str:
-        """The served name of ``role``'s ``version``, loaded and pinned (kept loaded until :meth:`unpin`), for
-        requests a producer thread sends while the trainer updates the adapter: the current adapter (``current``;
-        ``version`` must be its last sync's; ``tensors`` its weights when gathered already), or the weights
-        ``tensors`` of an older version an asynchronous run redraws from after a resume. Connects at first use.
-        Main thread only (FSDP2: every rank, a collective)."""
+                      current: bool = True) -> ServedVersion:
+        """``role``'s ``version``, loaded and pinned (kept loaded until the handle is released), for requests a
+        producer thread sends while the trainer updates the adapter: the current adapter (``current``; ``version``
+        must be its last sync's; ``tensors`` its weights when gathered already), or the weights ``tensors`` of an
+        older version an asynchronous run redraws from after a resume. Connects at first use. Main thread only
+        (FSDP2: every rank, a collective)."""
+        return ServedVersion(self, role, version, self.load_version(model, role, version, tensors, current))
+
+    def load_version(self, model: SharedBase, role: str, version: int, tensors: dict[str, Tensor] | None,
+                     current: bool) -> str:
+        """The served name of ``role``'s ``version``, loaded and pinned (:meth:`serve_version`)."""
         if self.url is None:
             self.connect(model)
         self.pin(role, version)
@@ -323,17 +335,23 @@ def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-class ServedVersion(Engine):
-    """Draws from a served model of a :class:`VLLMServer` by name (an adapter version it holds) without reading the
-    trainer's model: the engine of the rollout producer's thread, whose job sets :attr:`name` before drawing."""
+@dataclass(frozen=True)
+class ServedVersion(PolicyVersion):
+    """An adapter version a :class:`VLLMServer` holds loaded under ``name``, pinned until :meth:`release`: draws
+    from it by name, without reading the trainer's model (the engine of the rollout producer's thread)."""
 
-    def __init__(self, server: VLLMServer) -> None:
-        self.server = server
-        self.name: str | None = None
+    server: VLLMServer
+    role: str
+    version: int
+    name: str
 
     def draw(self, model: SharedBase, role: str | None, input_ids: Tensor, attention_mask: Tensor, group: int,
              settings: SamplingSettings, pad_token_id: int, seeds: Sequence[int] | None = None,
              synced: bool = False) -> tuple[Tensor, Tensor]:
-        if self.name is None:
-            raise RuntimeError("ServedVersion.draw: no served model named (a producer job sets it)")
         return self.server.request(self.name, input_ids, attention_mask, group, settings, pad_token_id, seeds)
+
+    def release(self) -> None:
+        self.server.unpin(self.role, self.version)
+
+    def where(self) -> str:
+        return self.server.where()

@@ -1,9 +1,10 @@
 """Every old name the package still answers, in one module that goes in :data:`REMOVED_IN`.
 
-Four tables, each read where the name is met: :data:`MOVED_MODULES` (a module path before it moved: imports, a
+Five tables, each read where the name is met: :data:`MOVED_MODULES` (a module path before it moved: imports, a
 config's ``class_path``, a checkpoint's class), :data:`MOVED_ARGUMENTS` and :data:`MOVED_INTO_GROUPS` (a module
 argument before it became a field of a group: the constructors and the command line's one-line errors), and
-:data:`RENAMED_HOOKS` (a member the on-policy loop read before it was renamed: a subclass that defines one).
+:data:`RENAMED_HOOKS` and :data:`RENAMED_ENGINE_METHODS` (a member the on-policy loop or an engine had before it was
+renamed: a subclass that defines one).
 ``tests/utils/test_compatibility.py`` fails once the package's version reaches :data:`REMOVED_IN`: this module and
 the lines that import it are then deleted, and an old name gets the error any unknown name gets.
 
@@ -122,6 +123,12 @@ RENAMED_HOOKS = {
     **{name: _PLAN for name in ("needs_logprobs", "needs_reference", "logprobs_before_update", "reuses_first_pass")},
 }
 
+# Members an engine (rlhf_lightning.rollout.engines.Engine) defined under another name: refused as RENAMED_HOOKS.
+RENAMED_ENGINE_METHODS = {
+    "overlap_refusal": "an engine that draws ahead returns None from ahead_refusal(staleness), sizes what it keeps in "
+                       "keep_versions(staleness) and hands out a PolicyVersion from serve_version",
+}
+
 
 def moved_module(module: str) -> str | None:
     """Where ``module`` (or a module inside a package that moved) is now, or None if it did not move."""
@@ -148,10 +155,12 @@ def moved_arguments(owner: str, given: Iterable[str], groups: Iterable[str] | No
         raise TypeError(f"{owner}({name}=...): {name} moved into the {group} argument: {place}")
 
 
-def renamed_hooks(cls: type) -> None:
-    """Refuse a class that defines a member under an old name of :data:`RENAMED_HOOKS`, naming what took its place."""
-    for name in RENAMED_HOOKS.keys() & vars(cls).keys():
-        raise TypeError(f"{cls.__qualname__}.{name}: the loop no longer reads {name!r}; {RENAMED_HOOKS[name]}")
+def renamed_hooks(cls: type, renamed: dict[str, str] | None = None) -> None:
+    """Refuse a class that defines a member under an old name of ``renamed`` (:data:`RENAMED_HOOKS` by default),
+    naming what took its place."""
+    renamed = RENAMED_HOOKS if renamed is None else renamed
+    for name in renamed.keys() & vars(cls).keys():
+        raise TypeError(f"{cls.__qualname__}.{name}: the loop no longer reads {name!r}; {renamed[name]}")
 
 
 class _OldName(importlib.abc.Loader):

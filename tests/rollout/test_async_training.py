@@ -7,6 +7,7 @@ one line, and the exact resume after kill -9."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -18,7 +19,7 @@ import torch
 from rlhf_lightning.core.policy import POLICY
 from rlhf_lightning.data.loader import ResumableLoader
 from rlhf_lightning.rollout.ahead import Asynchronous, loader_ahead
-from rlhf_lightning.rollout.engines import Auto, EagerDecoder
+from rlhf_lightning.rollout.engines import Auto, EagerDecoder, PolicyVersion
 from rlhf_lightning.rollout.producer import Job, ProducerError, RolloutProducer
 from rlhf_lightning.rollout.seeds import Seeds, derive_seed
 from rlhf_lightning.rollout.vllm_server import VLLMServer
@@ -35,12 +36,14 @@ def test_only_an_engine_with_its_own_devices_draws_ahead_the_others_refuse_in_on
     from tests.helpers.cli import grpo, one_line
 
     for engine in (Auto(), EagerDecoder()):
-        refusal = engine.overlap_refusal(2)
+        refusal = engine.ahead_refusal(2)
         assert refusal.startswith(f"asynchronous.max_staleness=2: the engine {type(engine).__name__} draws in the "
                                   "trainer's own process") and "VLLMServer" in refusal
         assert refusal.endswith("or asynchronous.max_staleness: 0")
     server = VLLMServer(urls=["http://127.0.0.1:9"])
-    assert server.overlap_refusal(2) is None and server.staleness == 2
+    assert server.ahead_refusal(2) is None and server.staleness == 0  # asking configures nothing
+    server.keep_versions(2)
+    assert server.staleness == 2 and server.where() == "the vLLM server at None"
     line = one_line(capsys, *grpo(tiny_llama_dir, reward_dir, "--model.init_args.asynchronous.max_staleness=1"))
     assert line.startswith("error: asynchronous.max_staleness=1: the engine Auto draws in the trainer's own process")
 
@@ -63,8 +66,20 @@ def test_a_loader_that_cannot_hand_out_batches_ahead_names_the_setting():
         loader_ahead([[1, 2]])
 
 
+@dataclasses.dataclass(frozen=True)
+class Named(PolicyVersion):
+    """A handle that names a served model and counts its releases (the producer's tests draw without an engine)."""
+
+    name: str
+    version: int = 0
+    releases: list = dataclasses.field(default_factory=list, compare=False)
+
+    def release(self) -> None:
+        self.releases.append(self.version)
+
+
 def job(iteration: int) -> Job:
-    return Job(iteration, max(0, iteration - 1), 0, "policy-v0", (iteration,), (1, 1))
+    return Job(iteration, max(0, iteration - 1), Named("policy-v0"), (iteration,), (1, 1))
 
 
 def test_the_producer_hands_out_jobs_by_iteration_and_a_failed_one_stops_the_fit_with_its_cause():
@@ -114,6 +129,23 @@ def test_a_wait_for_the_producer_times_out_in_one_line_naming_what_it_waited_for
     producer.close()
 
 
+def test_closing_the_producer_releases_the_versions_of_jobs_never_started():
+    release, ended = threading.Event(), []
+    producer = RolloutProducer(lambda job, prompts: release.wait(30), lambda job: ended.append(job.iteration), 10.0,
+                               lambda: "the server at X")
+    producer.submit(job(0), {})
+    producer.submit(job(1), {})
+    deadline = time.monotonic() + 10
+    while not producer.jobs[0][1].running() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    producer.close()  # the fit ends: job 1 never starts, job 0 is being drawn
+    assert ended == [1]
+    release.set()
+    while ended != [1, 0] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ended == [1, 0]  # the one being drawn releases its version when it ends
+
+
 def test_seeds_drawn_ahead_are_the_synchronous_loops_request_seeds():
     seeds = Seeds(7)
     torch.manual_seed(derive_seed(7, "train", 5, 1))  # the synchronous loop's start of iteration 5 on rank 1
@@ -159,26 +191,32 @@ def test_versions_drawn_from_stay_loaded_until_released(served, server_url, tmp_
     model = copy.deepcopy(served[0])
     engine = VLLMServer(urls=[server_url], request_timeout=120)
     engine.prepare(EngineSetup("cpu", run_folder=str(tmp_path)))
-    engine.overlap_refusal(1)  # drawing ahead: a sync records the version, the producer loads what it draws from
+    engine.keep_versions(1)  # drawing ahead: a sync records the version, the producer loads what it draws from
     engine.connect(model)
     engine.sync(model, POLICY, 0)
     assert served_names(engine).isdisjoint({engine.adapter_name(POLICY, 0)})  # not pushed by the sync
-    name = engine.serve_version(model, POLICY, 0)  # loaded and pinned: a producer's job draws from it
+    first = engine.serve_version(model, POLICY, 0)  # loaded and pinned: a producer's job draws from it
+    name = first.name
     lora_b = next(p for n, p in model.model.named_parameters() if "lora_B" in n)
     with torch.no_grad():
         lora_b.add_(0.1)
     engine.sync(model, POLICY, 1)
-    newer = engine.serve_version(model, POLICY, 1)
+    second = engine.serve_version(model, POLICY, 1)
+    newer = second.name
     assert {name, newer} <= served_names(engine)  # the pinned version stays while the new one is loaded
-    engine.unpin(POLICY, 0)
-    engine.unpin(POLICY, 1)
+    first.release()
+    second.release()
     with torch.no_grad():
         lora_b.add_(0.1)
     engine.sync(model, POLICY, 2)
-    latest = engine.serve_version(model, POLICY, 2)  # the released versions go when the next one is loaded
+    third = engine.serve_version(model, POLICY, 2)  # the released versions go when the next one is loaded
+    latest = third.name
     names = served_names(engine)
     assert latest in names and name not in names and newer not in names
-    engine.unpin(POLICY, 2)
+    assert dataclasses.replace(third) == third and (third.role, third.version) == (POLICY, 2)  # immutable
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        third.name = name  # a handle never changes what it draws from
+    third.release()
     engine.call("POST", "/v1/unload_lora_adapter", {"lora_name": latest})
 
 
@@ -188,14 +226,14 @@ def test_a_stuck_server_and_a_draw_from_a_version_it_does_not_hold_are_one_line(
     batch = tokenizer(["good movie"], return_tensors="pt", add_special_tokens=False)
 
     def draw(job: Job, prompts: dict):
-        return engine.request(job.name, batch["input_ids"], batch["attention_mask"], 2, sampler.settings,
+        return engine.request(job.source.name, batch["input_ids"], batch["attention_mask"], 2, sampler.settings,
                               tokenizer.pad_token_id, [1, 1])
 
     producer = RolloutProducer(draw, lambda job: None, 3.0, lambda: f"the vLLM server at {engine.url}")
     server = engine.process.process
     os.kill(server.pid, signal.SIGSTOP)  # a straggler: the server takes the request and never answers meanwhile
     try:
-        producer.submit(Job(0, 0, 0, engine.base_name, (0,), (1, 1)), {})
+        producer.submit(Job(0, 0, Named(engine.base_name), (0,), (1, 1)), {})
         with pytest.raises(ProducerError, match=r"^waited 3 s for iteration 1's rollout .* from the vLLM server at "
                                                 r"http://127\.0\.0\.1:\d+, and it is still being drawn"):
             producer.take(0)
@@ -203,7 +241,7 @@ def test_a_stuck_server_and_a_draw_from_a_version_it_does_not_hold_are_one_line(
         os.kill(server.pid, signal.SIGCONT)
     producer.close()
     producer = RolloutProducer(draw, lambda job: None, 60.0, lambda: f"the vLLM server at {engine.url}")
-    producer.submit(Job(1, 0, 7, "policy-v7-nowhere", (0,), (1, 1)), {})
+    producer.submit(Job(1, 0, Named("policy-v7-nowhere", 7), (0,), (1, 1)), {})
     with pytest.raises(ProducerError, match=r"^the rollout producer failed drawing iteration 2's rollout .*: "
                                             r"ServerError: .*404"):
         producer.take(1)
