@@ -150,7 +150,7 @@ def moved_arguments(owner: str, given: Iterable[str], groups: Iterable[str] | No
         if name in MOVED_ARGUMENTS:  # a field of a typed group: a dict of some fields is enough
             field = place.split(".")[1]
             raise TypeError(f"{owner}({name}=...): {name} is now {group}.{field}; pass {group}={{'{field}': ...}} (its "
-                            f"other fields keep the module's defaults) or a {GROUP_CLASSES[group]}, or write "
+                            f"other fields keep the module's defaults) or {GROUP_CLASSES[group]}(...), or write "
                             f"{group}: {{{field}: ...}} in a config")
         raise TypeError(f"{owner}({name}=...): {name} moved into the {group} argument: {place}")
 

@@ -128,21 +128,21 @@ def test_bad_module_arguments_fail_before_the_model_loads(cls, bad, message):
 # The arguments that became fields of a typed group: one old flat name of each group, given to a constructor.
 OLD_FLAT_NAMES = [
     (GRPO, dict(kl_coef=0.1), "GRPO(kl_coef=...): kl_coef is now kl.coef; pass kl={'coef': ...} (its other fields "
-     "keep the module's defaults) or a KLPenalty, or write kl: {coef: ...} in a config"),
+     "keep the module's defaults) or KLPenalty(...), or write kl: {coef: ...} in a config"),
     (PPO, dict(temperature=0.7), "PPO(temperature=...): temperature is now sampling.temperature; pass "
-     "sampling={'temperature': ...} (its other fields keep the module's defaults) or a Sampling, or write "
+     "sampling={'temperature': ...} (its other fields keep the module's defaults) or Sampling(...), or write "
      "sampling: {temperature: ...} in a config"),
     (SFT, dict(lr=1e-3), "SFT(lr=...): lr is now optimizer.lr; pass optimizer={'lr': ...} (its other fields keep the "
-     "module's defaults) or a OptimizerSettings, or write optimizer: {lr: ...} in a config"),
+     "module's defaults) or OptimizerSettings(...), or write optimizer: {lr: ...} in a config"),
     (GRPO, dict(max_turns=3), "GRPO(max_turns=...): max_turns is now episodes.max_turns; pass episodes={'max_turns': "
-     "...} (its other fields keep the module's defaults) or a Episodes, or write episodes: {max_turns: ...} in a "
+     "...} (its other fields keep the module's defaults) or Episodes(...), or write episodes: {max_turns: ...} in a "
      "config"),
     (PPO, dict(max_staleness=1), "PPO(max_staleness=...): max_staleness is now asynchronous.max_staleness; pass "
-     "asynchronous={'max_staleness': ...} (its other fields keep the module's defaults) or a Asynchronous, or write "
-     "asynchronous: {max_staleness: ...} in a config"),
+     "asynchronous={'max_staleness': ...} (its other fields keep the module's defaults) or Asynchronous(...), or "
+     "write asynchronous: {max_staleness: ...} in a config"),
     (RLOO, dict(loss_aggregation="constant"), "RLOO(loss_aggregation=...): loss_aggregation is now loss.aggregation; "
-     "pass loss={'aggregation': ...} (its other fields keep the module's defaults) or a LossSettings, or write loss: "
-     "{aggregation: ...} in a config"),
+     "pass loss={'aggregation': ...} (its other fields keep the module's defaults) or LossSettings(...), or write "
+     "loss: {aggregation: ...} in a config"),
 ]
 
 

@@ -142,7 +142,7 @@ def test_the_old_names_of_episodes_asynchronous_and_loss_are_refused_naming_thei
     with pytest.raises(TypeError) as error:
         moved_arguments("GRPO", [old], ["base", "episodes", "asynchronous", "loss"])
     assert str(error.value) == (f"GRPO({old}=...): {old} is now {new}; pass {group}={{'{field}': ...}} (its other "
-                                f"fields keep the module's defaults) or a {GROUP_CLASSES[group]}, or write "
+                                f"fields keep the module's defaults) or {GROUP_CLASSES[group]}(...), or write "
                                 f"{group}: {{{field}: ...}} in a config")
     moved_arguments("NoGroups", [old], ["base", "beta"])  # a class without the group: its own error, not this one
 
