@@ -283,6 +283,8 @@ def class_problem(lines: list[str], path: list[str]) -> str | None:
         unknown = UNKNOWN_OPTION.search(problem) or UNKNOWN_NESTED.search(problem)
         if unknown:
             name = unknown.group(1)
+            if name.split(".")[1:2] in (["class_path"], ["init_args"]):  # environment.class_path: environment
+                name = name.split(".")[0]
             accepted = accepted_arguments(class_name)
             # vllm.kv_cache_gib: vllm
             group, place = MOVED_INTO_GROUPS.get(name, MOVED_INTO_GROUPS.get(name.split(".")[0], (None, None)))
