@@ -85,14 +85,12 @@ class ExperienceCollector(PolicyModule):
     ) -> None:
         super().__init__(*args, **kwargs)
         self.asynchronous: Asynchronous = self.keep_group("asynchronous", asynchronous, Asynchronous())
-        staleness = self.asynchronous.max_staleness
-        if staleness and (refusal := self.engine.ahead_refusal(staleness)):
-            raise ValueError(refusal)
-        if staleness:
+        if staleness := self.asynchronous.max_staleness:
+            if refusal := self.engine.ahead_refusal(staleness):
+                raise ValueError(refusal)
             self.engine.keep_versions(staleness)
         checks.at_least("samples_per_prompt", samples_per_prompt)
-        self.episodes: Episodes = checks.group_settings("episodes", episodes, Episodes())
-        self.hparams["episodes"] = self.episodes.hyperparameters()  # the environment is code, named by the config
+        self.episodes: Episodes = self.keep_group("episodes", episodes, Episodes())
         step_sources = [type(source).__name__ for source in (reward if isinstance(reward, list | tuple) else [reward])
                         if source.scores_steps]
         if self.environment is not None and step_sources:

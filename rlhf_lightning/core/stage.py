@@ -196,9 +196,11 @@ class StageModule(L.LightningModule):
     def keep_group(self, name: str, value: Any, default: Any) -> Any:
         """A group argument (``sampling``, ``kl``, ``optimizer``) resolved over the module's ``default``
         (:func:`~rlhf_lightning.utils.checks.group_settings`), returned to be kept typed on the module and saved
-        plain in the hyper-parameters (a dict, as a config gives it), which checkpoints and loggers read."""
+        plain in the hyper-parameters (a dict, as a config gives it), which checkpoints and loggers read: its
+        ``hyperparameters()`` where a group holds code (the episodes' environment), else all its fields."""
         settings = checks.group_settings(name, value, default)
-        self.hparams[name] = dataclasses.asdict(settings)
+        plain = getattr(settings, "hyperparameters", None)
+        self.hparams[name] = plain() if plain is not None else dataclasses.asdict(settings)
         return settings
 
     def configure_adamw(self, parameter_groups: list[dict], settings: OptimizerSettings,

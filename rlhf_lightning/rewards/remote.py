@@ -30,12 +30,12 @@ class RemoteReward(RewardSource):
     """The reward source a reward server serves (``python -m rlhf_lightning serve-reward``, docs/reward-server.md):
     many runs share one loaded reward model, on another GPU or machine.
 
-    At setup it reads the server's ``/info``: a server that does not answer stops the run there, before any
-    rollout; the server's tokenizer must be this run's (the same vocabulary and EOS id), since responses travel
-    as this run's token ids, in this batch's layout (its padding), and are scored as sampled; the source's
-    statistics serve ``reward_shaping.normalize``. Each batch is posted in chunks of ``batch_size`` rows. Scores
-    equal the served source's in this process: bit for bit when the server scores the chunk alone on the same kind of device,
-    to float rounding (about 1e-6) when it joins it with another run's rows of the same width.
+    At setup it reads the server's ``/info``: a server that does not answer stops the run there, before any rollout;
+    the server's tokenizer must be this run's (the same vocabulary and EOS id), since responses travel as this run's
+    token ids, in this batch's layout (its padding), and are scored as sampled; the source's statistics serve
+    ``reward_shaping.normalize``. Each batch is posted in chunks of ``batch_size`` rows. Scores equal the served
+    source's in this process: bit for bit when the server scores the chunk alone on the same kind of device, to float
+    rounding (about 1e-6) when it joins it with another run's rows of the same width.
 
     Args:
         url: the server's address, e.g. ``http://127.0.0.1:8000``.

@@ -36,7 +36,6 @@ import torch
 from torch import Tensor
 
 from rlhf_lightning.models.shared_base import SharedBase
-from rlhf_lightning.rollout.engines import PolicyVersion
 from rlhf_lightning.rollout.producer import Job, RolloutProducer
 from rlhf_lightning.rollout.rollouts import Rollout, Rollouts
 from rlhf_lightning.rollout.sampler import Sampler
@@ -89,10 +88,9 @@ class DrawAhead:
     def __init__(self, rollouts: Rollouts, model: SharedBase, group: int, rank: int, staleness: int,
                  timeout: float) -> None:
         self.group, self.rank, self.staleness = group, rank, staleness
-        self.sampler = rollouts.sampler
-        self.engine = self.sampler.engine(model)  # the trainer's engine, which hands out the versions
-        self.tokenizer = copy.deepcopy(rollouts.tokenizer)
-        self.episodes = (rollouts.environment, rollouts.max_turns, rollouts.max_tokens)
+        self.engine = rollouts.sampler.engine(model)  # the trainer's engine, which hands out the versions
+        self.rollouts = Rollouts(rollouts.sampler, copy.deepcopy(rollouts.tokenizer), rollouts.environment,
+                                 rollouts.max_turns, rollouts.max_tokens)  # each job draws with it on its version
         self.producer = RolloutProducer(self._draw, lambda job: job.source.release(), timeout, self.engine.where)
         self.model = model
         self.snapshots: dict[int, tuple[int, dict[str, Tensor]]] = {}  # iteration -> its starting adapter
@@ -150,19 +148,17 @@ class DrawAhead:
         for old in [kept for kept in self.snapshots if kept < n - self.staleness]:
             del self.snapshots[old]
         cpu = {key: value.cpu() if isinstance(value, Tensor) else value for key, value in prompts.items()}
-        seeds = self.sampler.seeds.ahead(iteration, self.rank, cpu.get("index"), len(cpu["prompt"]), self.group)
+        seeds = self.rollouts.sampler.seeds.ahead(iteration, self.rank, cpu.get("index"), len(cpu["prompt"]), self.group)
         rows = tuple(cpu["index"].tolist()) if "index" in cpu else ()
         self.producer.submit(Job(iteration, drawn_by, source, rows, tuple(seeds)), cpu)
 
     def _draw(self, job: Job, prompts: dict[str, Any]) -> Rollout:
         """On the producer's thread: ``job``'s rollout, drawn from the version it holds."""
-        return self.rollouts_from(job.source).run(self.model, POLICY, prompts, self.group, f"train {job.iteration}",
-                                                  first_turn_seeds=list(job.seeds))
-
-    def rollouts_from(self, source: PolicyVersion) -> Rollouts:
-        """The fit's turn loop drawing from ``source`` (the sampler's settings and seeds, the producer's tokenizer)."""
-        sampler = Sampler(self.sampler.settings, self.sampler.seeds, self.sampler.pad_token_id, engine=source)
-        return Rollouts(sampler, self.tokenizer, *self.episodes)
+        sampler = self.rollouts.sampler
+        drawn = self.rollouts.with_sampler(Sampler(sampler.settings, sampler.seeds, sampler.pad_token_id,
+                                                   engine=job.source))
+        return drawn.run(self.model, POLICY, prompts, self.group, f"train {job.iteration}",
+                         first_turn_seeds=list(job.seeds))
 
     # ---- checkpoints --------------------------------------------------------------------------------------
 

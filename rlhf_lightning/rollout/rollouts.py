@@ -13,6 +13,7 @@ loss, KL or entropy on them).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -98,6 +99,13 @@ class Rollouts:
             finally:
                 probe.close()
             self.delta = TemplateDelta(tokenizer, completion_end_id(tokenizer, conversational=True))
+
+    def with_sampler(self, sampler: Sampler) -> Rollouts:
+        """This turn loop drawing with ``sampler``: what the environment's probe read (the tool-call format, the
+        schemas, the template's turn delimiters) is shared, not read again."""
+        other = copy.copy(self)
+        other.sampler = sampler
+        return other
 
     def close(self) -> None:
         """The fit has ended: the environment releases what its episodes shared (a server the fit started)."""

@@ -5,12 +5,12 @@ Each response's reward is its score minus ``kl.coef`` times its sequence KL to t
 is that reward minus the mean reward of the other responses to the same prompt (``advantages: LeaveOneOut``); its
 ``whiten_advantages`` is TRL's ``normalize_advantages``, (A - mean) / (std + 1e-4) over the batch's responses.
 
-The loss. TRL 1.16's RLOOTrainer clips one ratio per response, the exponential of its summed log-ratio, and
-averages over responses: ``policy_loss.ratio_level: sequence_sum`` with ``loss.aggregation: sequence_mean`` here, number for
-number. The default is the family's instead, a ratio per token and the token mean over the step (as GRPO, PPO
-and REINFORCE++ here): the two are identical on the first optimizer step of a rollout, and on the later ones (the
-shipped config makes four: two epochs of two minibatches) a per-token clip bounds each token's update, where a
-product of 30 token ratios leaves the clip range after small moves of each and silences whole responses.
+The loss. TRL 1.16's RLOOTrainer clips one ratio per response, the exponential of its summed log-ratio, and averages
+over responses: ``policy_loss.ratio_level: sequence_sum`` with ``loss.aggregation: sequence_mean`` here, number for
+number. The default is the family's instead, a ratio per token and the token mean over the step (as GRPO, PPO and
+REINFORCE++ here): the two are identical on the first optimizer step of a rollout, and on the later ones (the shipped
+config makes four: two epochs of two minibatches) a per-token clip bounds each token's update, where a product of 30
+token ratios leaves the clip range after small moves of each and silences whole responses.
 """
 
 from __future__ import annotations

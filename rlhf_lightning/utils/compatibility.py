@@ -64,8 +64,8 @@ MOVED_MODULES: dict[str, str] = {
 }
 
 # Module arguments that became fields of a typed group (``sampling``, ``kl``, ``optimizer``, ``correction``,
-# ``reward_shaping``, ``update``, ``episodes``, ``asynchronous``, ``loss``, PPO's ``critic``): the old flat names are refused in one line naming the new key,
-# in a config file, on the command line and by the constructors.
+# ``reward_shaping``, ``update``, ``episodes``, ``asynchronous``, ``loss``, PPO's ``critic``): the old flat names are
+# refused in one line naming the new key, in a config file, on the command line and by the constructors.
 MOVED_ARGUMENTS = {
     **{name: f"sampling.{name}" for name in ("max_new_tokens", "temperature", "top_k", "top_p", "kv_cache",
                                             "stop_token")},

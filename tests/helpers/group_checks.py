@@ -10,10 +10,10 @@ import pytest
 
 def assert_check_names_the_field(settings: Any, message: str, group: str, other_name: str = "settings") -> None:
     """``settings.check()`` raises ``message`` (which names ``group.field``), ``settings.check(other_name)`` the
-    same with ``other_name.field``."""
+    same with ``other_name.field`` for every field it names."""
     with pytest.raises(ValueError) as error:
         settings.check()
     assert str(error.value) == message
     with pytest.raises(ValueError) as error:
         settings.check(other_name)
-    assert str(error.value) == message.replace(f"{group}.", f"{other_name}.", 1)
+    assert str(error.value) == message.replace(f"{group}.", f"{other_name}.")

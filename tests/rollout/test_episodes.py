@@ -14,7 +14,12 @@ from rlhf_lightning.algorithms import token_rewards
 from rlhf_lightning.algorithms.advantages import _gae_loop, gae
 from rlhf_lightning.algorithms.group import returns_to_go
 from rlhf_lightning.core.policy import POLICY
+from rlhf_lightning.rollout.engines import EagerDecoder
 from rlhf_lightning.rollout.episodes import opening_ids
+from rlhf_lightning.rollout.rollouts import Rollouts
+from rlhf_lightning.rollout.sampler import Sampler
+from rlhf_lightning.rollout.seeds import Seeds
+from rlhf_lightning.rollout.settings import SamplingSettings
 from rlhf_lightning.tasks.calculator import build_tokenizer, correct_answer
 from tests.helpers.cli import REPO, cli_subprocess
 from tests.helpers.episodes import Feedback, calculator_batch, episodic
@@ -236,3 +241,24 @@ def test_an_answer_that_is_no_number_stops_the_fit_at_setup_naming_file_row_and_
         "error: sums.jsonl line 3: column 'answer': expected a whole number such as 154616 or 154,616, got "
         "'about 154 thousand' (read by reward function rlhf_lightning.tasks.calculator.correct_answer)"]
     assert "Traceback" not in result.stderr and "rollout" not in result.stderr
+
+
+def test_the_turn_loop_with_another_sampler_reuses_what_the_environments_probe_read():
+    """Each rollout drawn ahead runs the producer's turn loop with the sampler of its job's policy version: the
+    environment is not made and probed again for every job."""
+    made = []
+
+    class Counted(Feedback):
+        def __init__(self) -> None:
+            made.append(self)
+            super().__init__()
+
+    tokenizer = build_tokenizer()
+    sampler = Sampler(SamplingSettings(max_new_tokens=6), Seeds(0), tokenizer.pad_token_id)
+    rollouts = Rollouts(sampler, tokenizer, Counted, 3)
+    assert len(made) == 1  # the probe that read the template's turn delimiters
+    other_sampler = Sampler(SamplingSettings(max_new_tokens=6), Seeds(0), tokenizer.pad_token_id, engine=EagerDecoder())
+    other = rollouts.with_sampler(other_sampler)
+    assert len(made) == 1 and other.sampler is other_sampler and rollouts.sampler is sampler
+    assert other.delta is rollouts.delta and other.delta is not None
+    assert (other.environment, other.max_turns, other.max_tokens) == (Counted, 3, 18)

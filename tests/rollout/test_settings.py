@@ -10,6 +10,7 @@ import torch
 from rlhf_lightning.rollout.settings import Episodes, Sampling, SamplingSettings, stopped, truncate_after_stop
 from rlhf_lightning.tasks.calculator import build_tokenizer
 from tests.helpers.episodes import Feedback
+from tests.helpers.group_checks import assert_check_names_the_field
 
 STOP, PAD = 1, 0
 
@@ -73,13 +74,7 @@ def test_the_sampling_group_names_its_dotted_key_and_resolves_its_stop_token_to_
      "episodes.environment; set it, or leave them at 4 and null"),
 ])
 def test_the_episodes_group_names_its_dotted_key(bad, message):
-    episodes = Episodes(**bad)
-    with pytest.raises(ValueError) as error:
-        episodes.check()
-    assert str(error.value) == message
-    with pytest.raises(ValueError) as error:  # the name given to check prefixes every field it names
-        episodes.check("rollout")
-    assert str(error.value) == message.replace("episodes.", "rollout.")
+    assert_check_names_the_field(Episodes(**bad), message, "episodes", "rollout")
 
 
 def test_the_episodes_group_passes_its_defaults_and_bounds_with_an_environment_and_saves_only_the_bounds():
