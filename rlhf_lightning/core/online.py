@@ -2,20 +2,22 @@
 
 One ``training_step`` is one iteration on a batch of prompts, five steps read top to bottom:
 
-1. **collect** experience (:meth:`collect_experience`): ``samples_per_prompt`` responses (or episodes) per prompt
-   and every pass over them made once (:meth:`collect`): the rollout's and the reference's log-probs when the
+1. **collect** experience (:meth:`collect_experience`): the module's ``collector``
+   (:class:`~rlhf_lightning.core.collect.Collector`) draws ``samples_per_prompt`` responses (or episodes) per prompt
+   and makes every pass over them once: the rollout's and the reference's log-probs when the
    :class:`~rlhf_lightning.core.pass_plan.PassPlan` (:attr:`pass_plan`, made once at setup) says so, the reward
    sources' scores; then the algorithm's own passes (:meth:`extend_experience`: PPO's values, a teacher's
-   log-probs). When the plan reuses the first update pass, that pass is made next (:meth:`early_first_pass`, timed
-   as the update's) and gives the rollout's log-probs; then the statistics of the policy at sampling time
-   (:meth:`sampling_statistics`);
+   log-probs). When the plan reuses the first update pass, the collector has it made next (the module's
+   :meth:`first_update_pass`, timed as the update's) and it gives the rollout's log-probs; then the statistics of
+   the policy at sampling time;
 2. **shape the rewards** (:meth:`shape_rewards`): the scores, an episode's turn rewards and, as the plan says, the
    per-token KL computed once;
 3. **the algorithm** (:meth:`prepare_update`): advantages (and returns), or online DPO's ordered pairs;
-4. **update** (:meth:`update`): ``epochs`` passes over shuffled minibatches of micro-batches of the algorithm's
-   :meth:`loss` (:meth:`micro_batches`: equal ones, or packed by ``micro_batch_tokens``, each cut to the columns its
-   own rows need; the first update pass, when made early, handed to the first step as a value); gradient clipping,
-   optimizer step, optional target-KL stop;
+4. **update**: the module's ``updater`` (:class:`~rlhf_lightning.core.update.PolicyUpdate`) runs ``epochs`` passes
+   over shuffled minibatches of micro-batches (equal ones, or packed by ``micro_batch_tokens``, each cut to the
+   columns its own rows need; the first update pass, when made early, handed to the first step as a value), each
+   micro-batch's loss and backward in the module's :meth:`micro_step` (the algorithm's :meth:`loss`); gradient
+   clipping, optimizer step, optional target-KL stop;
 5. **log** every statistic (:meth:`end_iteration`).
 
 The loop knows no algorithm: :class:`~rlhf_lightning.core.policy_gradient.PolicyGradient` adds the registered
@@ -35,35 +37,60 @@ rollout statistics are those of the policy the iteration started from (iteration
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from rlhf_lightning.algorithms.shaped_rewards import ShapedRewards
-from rlhf_lightning.core.collect import ExperienceCollector, SkipIteration, Stats
-from rlhf_lightning.core.experience import Experience, FirstPass
-from rlhf_lightning.core.micro_batches import Extent, UpdateSettings, micro_batch_parts, minibatch_sizes
-from rlhf_lightning.core.pass_plan import PassSettings
+from rlhf_lightning.core.collect import Collector, SkipIteration, Stats
+from rlhf_lightning.core.experience import Experience, FirstPass, Samples
+from rlhf_lightning.core.micro_batches import UpdateSettings
+from rlhf_lightning.core.pass_plan import PassPlan, PassSettings, plan_passes
 from rlhf_lightning.core.policy import POLICY, PolicyModule
-from rlhf_lightning.core.update_statistics import UpdateStatistics, gradient_norm, shuffled_minibatches
-from rlhf_lightning.utils import compatibility
+from rlhf_lightning.core.update import PolicyUpdate, iteration_statistics, iteration_tokens
+from rlhf_lightning.environments.environment import Environment
+from rlhf_lightning.models.shared_base import SharedBase
+from rlhf_lightning.rewards.combine import RewardSet, RewardShaping
+from rlhf_lightning.rewards.sources import RewardSource
+from rlhf_lightning.rollout.ahead import Asynchronous
+from rlhf_lightning.rollout.rollouts import Rollout, Rollouts
+from rlhf_lightning.rollout.settings import Episodes
+from rlhf_lightning.utils import checks, compatibility
 from rlhf_lightning.utils.flops import TokenCounts
 from rlhf_lightning.utils.optim import OptimizerSettings
-from rlhf_lightning.utils.timing import Stopwatch, phase
+from rlhf_lightning.utils.timing import Stopwatch
 
 log = logging.getLogger(__name__)
 
 
-class OnlineRL(ExperienceCollector):
+class OnlineRL(PolicyModule):
     """The on-policy loop: collect, shape the rewards, the algorithm's hook, update, log.
 
     A new algorithm on it defines :meth:`prepare_update` and :meth:`loss` (see
     :class:`~rlhf_lightning.stages.online_dpo.OnlineDPO`); one with a policy-gradient loss subclasses
-    :class:`~rlhf_lightning.core.policy_gradient.PolicyGradient` instead and defines its advantages.
+    :class:`~rlhf_lightning.core.policy_gradient.PolicyGradient` instead and defines its advantages. Step 1 is the
+    :class:`~rlhf_lightning.core.collect.Collector` the module holds as ``collector``.
 
     Args:
+        reward: how responses are scored: ``AdapterReward`` (the reward stage's adapter on this base),
+            ``ModelReward`` (a separate model), ``FunctionReward`` (a Python function with TRL's signature),
+            or a list of them, summed with ``reward_shaping.weights``.
+        reward_shaping: how the sources' scores become the trained score: ``weights`` of the sources,
+            ``normalize`` (each by its saved mean and std), ``missing_eos_penalty``, ``clip`` (see
+            :class:`~rlhf_lightning.rewards.combine.RewardShaping`).
+        samples_per_prompt: responses sampled per prompt (the group size of group baselines).
+        episodes: multi-turn episodes instead of one response per prompt: ``environment`` (made anew for every
+            episode; null = single-turn), ``max_turns``, ``max_tokens`` (see
+            :class:`~rlhf_lightning.rollout.settings.Episodes`).
+        share_prompt: encode a group's prompt once in every pass after sampling (log-probs, reference, values,
+            reward adapter, the update's forward) and reuse its keys/values for its responses: the same numbers up to
+            rounding; rows with equal prompt tokens are found in each batch, so nothing changes where none share.
+        asynchronous: drawing the rollouts of the next ``max_staleness`` iterations while the policy trains, on an
+            engine that draws ahead (``VLLMServer``), and the ``rollout_timeout`` (see
+            :class:`~rlhf_lightning.rollout.ahead.Asynchronous` and ``docs/async.md``); ``max_staleness: 0`` = the
+            synchronous loop.
         update: how the policy trains on each rollout (``epochs``, ``num_minibatches``, ``gradient_accumulation``,
             ``micro_batch_tokens``, ``target_kl``, ``max_grad_norm``: see
             :class:`~rlhf_lightning.core.micro_batches.UpdateSettings`); each algorithm has its own defaults
@@ -79,10 +106,22 @@ class OnlineRL(ExperienceCollector):
     # Consecutive rows that minibatches and micro-batches never split (a pair of online DPO).
     rows_kept_together = 1
     default_update = UpdateSettings()  # one pass, one minibatch, gradients clipped at 1.0
+    # A reward source that scores steps (ProcessReward): each step's score at its step's last token (PPO, whose
+    # critic can credit tokens), or the reduction of its steps' scores as the response's (the critic-free family).
+    dense_step_rewards = False
+    # per-sample validation values; the episode ones are logged only by runs with an environment
+    validation_metrics = ("score", "kl", "length", "eos_frac", "gold", "turns", "tool_calls", "tool_errors",
+                          "invalid_tool_calls", "reward_disagreement")
 
     def __init__(
         self,
         *args: Any,
+        reward: RewardSource | list[RewardSource],
+        reward_shaping: RewardShaping = RewardShaping(),  # noqa: B008 (frozen; the CLI shows it as the default)
+        samples_per_prompt: int = 1,
+        episodes: Episodes = Episodes(),  # noqa: B008 (frozen; the CLI shows it as the default)
+        share_prompt: bool = True,
+        asynchronous: Asynchronous = Asynchronous(),  # noqa: B008 (frozen; the CLI shows it as the default)
         update: UpdateSettings = default_update,
         optimizer: OptimizerSettings = PolicyModule.default_optimizer,
         **kwargs: Any,
@@ -94,7 +133,17 @@ class OnlineRL(ExperienceCollector):
                 "temperature), so sampling from a truncated one would make every ratio and KL wrong; set "
                 "sampling.top_k: 0, sampling.top_p: 1.0"
             )
+        self.asynchronous: Asynchronous = self.keep_group("asynchronous", asynchronous, Asynchronous())
+        self.asynchronous.prepare(self.engine)  # an engine that cannot draw ahead is refused here
+        checks.at_least("samples_per_prompt", samples_per_prompt)
+        self.episodes: Episodes = self.keep_group("episodes", episodes, Episodes())
+        sources = list(reward) if isinstance(reward, list | tuple) else [reward]
+        self.episodes.check_sources(sources)
+        self.rewards = RewardSet(sources, self.keep_group("reward_shaping", reward_shaping, RewardShaping()))
+        self.share_prompt = share_prompt
+        self.collector = Collector(self.rewards, samples_per_prompt, self.asynchronous, self.dense_step_rewards)
         self.update_settings: UpdateSettings = self.keep_group("update", update, self.default_update)
+        self.updater = PolicyUpdate(self.update_settings, self.rows_kept_together)
         self.optimizer_settings = self.keep_group("optimizer", optimizer, self.default_optimizer)
         self.automatic_optimization = False
         self._iteration_tokens = TokenCounts()  # what the last iteration processed (tokens_processed)
@@ -103,22 +152,49 @@ class OnlineRL(ExperienceCollector):
         super().__init_subclass__(**kwargs)
         compatibility.renamed_hooks(cls)  # an old name the loop no longer reads: refused in one line
 
+    def build_model(self, empty: bool) -> SharedBase:
+        model = super().build_model(empty)
+        model.share_prompt = self.share_prompt
+        self.rewards.setup(model, self.tokenizer)
+        return model
+
+    @property
+    def environment(self) -> Callable[[], Environment] | None:
+        """The episodes' environment (``episodes.environment``); None = single-turn responses."""
+        return self.episodes.environment
+
+    def make_rollouts(self) -> Rollouts:
+        episodes = self.episodes
+        return Rollouts(self.sampler, self.tokenizer, episodes.environment, episodes.max_turns, episodes.max_tokens)
+
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        # The rollout's split into minibatches is known once the data module is: checked before the first
-        # rollout, not after it (minutes on a real model).
+        self.collector.plan = plan_passes(self.pass_settings())  # the hyper-parameters are final
+        self.rollouts  # noqa: B018 (an environment or chat template that cannot run episodes fails here)
         datamodule = self.datamodule
-        batch_size = getattr(datamodule, "batch_size", None)
-        if stage == "fit" and isinstance(batch_size, int):
-            self.minibatch_sizes(batch_size * self.hparams.samples_per_prompt,
-                                 f"data.init_args.batch_size={batch_size} prompts x samples_per_prompt="
-                                 f"{self.hparams.samples_per_prompt}")
+        self.collector.check_sources(datamodule)
+        if stage == "fit":  # the rollout's split into minibatches: checked before the first rollout, not after it
+            self.updater.check_batch_size(datamodule, self.hparams.samples_per_prompt)
         no_text = getattr(datamodule, "ptx", None) is None  # pretraining text and a loss on it come together
         if stage == "fit" and datamodule is not None and no_text != (self.ptx_coef == 0):
             raise ValueError(f"loss.ptx_coef={self.ptx_coef} needs pretraining text: set data.init_args.ptx_dataset"
                              if no_text
                              else f"data.init_args.ptx_dataset is set, but {type(self).__name__} has no pretraining "
                              "loss on it (loss.ptx_coef 0): its batches would never be trained on; drop it")
+
+    @property
+    def pass_plan(self) -> PassPlan:
+        """Which passes every iteration runs, from :meth:`pass_settings`: made once, at setup (outside a fit, on
+        first use), and kept by the collector."""
+        if self.collector.plan is None:
+            self.collector.plan = plan_passes(self.pass_settings())
+        return self.collector.plan
+
+    @property
+    def last_samples(self) -> Samples | None:
+        """The latest training rollout as text (prompts, responses, scores, KL, gold): what
+        :class:`~rlhf_lightning.callbacks.CompletionsTable` logs."""
+        return self.collector.last_samples
 
     @property
     def ptx_coef(self) -> float:
@@ -148,25 +224,44 @@ class OnlineRL(ExperienceCollector):
         except SkipIteration as skipped:
             self.skip_iteration(str(skipped))
         else:
-            experience, first_pass = self.early_first_pass(experience)  # the update's, when the plan reuses it
+            experience, first_pass = self.collector.early_first_pass(self, experience)  # when the plan reuses it
             with watch.lap("rollout"), torch.no_grad():
-                stats |= self.sampling_statistics(experience)  # the policy at sampling time: entropy, KL
+                stats |= self.collector.sampling_statistics(experience)  # the policy at sampling time: entropy, KL
                 rewards, shaped = self.shape_rewards(experience)  # 2. rewards, the per-token KL computed once
                 experience, prepared = self.prepare_update(experience, rewards)  # 3. the algorithm
-            trained = self.update(experience, batch.get("ptx"), first_pass)  # 4. update
+            trained = self.updater.run(self, experience, batch.get("ptx"), first_pass)  # 4. update
             self.end_iteration(experience, {**stats, **shaped, **prepared, **trained}, watch)  # 5. log
         # The row's trainer/global_step: the optimizer steps once the iteration is done (skipped or not), in
         # agreement with <prefix>/iteration, which counts it done (Lightning's logging step would count iterations).
         self.log("trainer/global_step", float(self.global_step))
+
+    def collect_experience(self, prompts: dict[str, Any]) -> tuple[Experience, Stats]:
+        """Step 1, without gradients and in the sharded base's gathered scope (gathered once for every pass): the
+        collector's rollout, passes and scores, then the algorithm's own passes (:meth:`extend_experience`)."""
+        self.check_built()
+        with torch.no_grad(), self.sampler.gathered_base(self.model):
+            experience, stats = self.collector.collect(self, prompts)
+            return self.extend_experience(experience), stats
+
+    def extend_experience(self, experience: Experience) -> Experience:
+        """The algorithm's own passes over the rollout (PPO's values, a teacher's log-probs), in the rollout's
+        gathered scope and without gradients; returns the experience extended (a subclass of
+        :class:`Experience`). None here."""
+        return experience
+
+    def first_update_pass(self, experience: Experience) -> FirstPass:
+        """The policy's forward pass of the first optimizer step on the whole rollout, with gradients, for a loss
+        that takes it (``PassSettings.reusable_first_pass``; the collector makes it early when the plan says so)."""
+        raise NotImplementedError(f"{type(self).__name__} has no first update pass to reuse")
 
     def collect_and_prepare(self, prompts: dict[str, Any]) -> tuple[Experience, Stats]:
         """Steps 1 to 3 of :meth:`training_step` on a batch of prompts, for analysis and tests: the experience the
         update would train on, and the statistics logged of it. A first update pass the plan reuses is made (its
         log-probs are the rollout's) and let go: an update after this call makes its own."""
         experience, stats = self.collect_experience(prompts)
-        experience, _ = self.early_first_pass(experience)
+        experience, _ = self.collector.early_first_pass(self, experience)
         with torch.no_grad():
-            stats |= self.sampling_statistics(experience)
+            stats |= self.collector.sampling_statistics(experience)
             rewards, shaped = self.shape_rewards(experience)
             experience, prepared = self.prepare_update(experience, rewards)
         return experience, {**stats, **shaped, **prepared}
@@ -195,70 +290,24 @@ class OnlineRL(ExperienceCollector):
         self.log_dict({f"{self.metric_prefix}/skipped_steps": float(self.skipped_steps),
                        f"{self.metric_prefix}/iteration": float(self.iteration + 1)}, sync_dist=True)
 
+    def evaluate_extra(self, rollout: Rollout, prompts: dict[str, Any], texts: list[str]) -> dict[str, Tensor]:
+        """The held-out rollout's ``score`` and the values of its reward sources and episodes
+        (:meth:`Collector.held_out_values <rlhf_lightning.core.collect.Collector.held_out_values>`)."""
+        return self.collector.held_out_values(self, rollout, prompts, texts)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        self.collector.save(self, checkpoint)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        self.collector.load(self, checkpoint)
+
+    def teardown(self, stage: str) -> None:
+        self.collector.close()
+        super().teardown(stage)
+
     # ---- 4. update ----------------------------------------------------------------------------------------
-
-    def update(self, experience: Experience, ptx: dict[str, Tensor] | None, first_pass: FirstPass | None = None
-               ) -> Stats:
-        """``epochs`` passes of minibatch updates; ``first_pass``: the first optimizer step's forward pass made before
-        the rewards (:meth:`early_first_pass`), handed to that step. Returns the statistics of
-        :class:`~rlhf_lightning.core.update_statistics.UpdateStatistics`."""
-        settings = self.update_settings
-        optimizer = self.optimizers()
-        minibatch_size, _ = self.minibatch_sizes(experience.response_mask.shape[0])
-        extents = list(zip(*(columns.tolist() for columns in experience.row_extents()), strict=True))
-        statistics = UpdateStatistics(self.STEP_LOSSES, self.device)
-        attempted, epochs_run, early_stopped, sync_seconds = 0, 0, False, 0.0
-        while epochs_run < settings.epochs and not early_stopped:
-            epochs_run += 1
-            for minibatch in shuffled_minibatches(experience.response_mask.shape[0], minibatch_size,
-                                                  self.rows_kept_together, self.device):
-                attempted += 1
-                where = f"iteration {self.iteration + 1}, optimizer step {attempted} of {self.steps_per_rollout}"
-                micros = self.micro_batches(experience, minibatch.tolist(), extents)
-                if first_pass is not None:  # one micro-batch of every row (the plan reuses no other), used once
-                    (micro,) = micros
-                    micros, first_pass = [first_pass.rows_of(micro, minibatch.tolist())], None
-                shares = [micro.response_mask.shape[0] / minibatch.shape[0] for micro in micros]
-                normalisers = self.step_normalisers(micros)
-                minibatch_kl = torch.zeros((), device=self.device)
-                step_terms: list[Stats] = []
-                for index, micro in enumerate(micros):
-                    terms = self.micro_step(micro, normalisers, ptx if index == 0 else None)
-                    self.guard_losses({name: value for name, value in terms.items() if name.startswith("loss/")},
-                                      f"{where}, micro-batch {index + 1} of {len(micros)}")
-                    step_terms.append({name: value.detach() for name, value in terms.items()})
-                    minibatch_kl += terms["policy/approx_kl"].detach() * shares[index]
-                if not self.guard_step(where):
-                    continue  # nothing of a skipped step enters the statistics
-                statistics.add_step(step_terms, shares, gradient_norm(self.parameters(), self.device))
-                if settings.max_grad_norm is not None:
-                    self.clip_gradients(optimizer, gradient_clip_val=settings.max_grad_norm,
-                                        gradient_clip_algorithm="norm")
-                with phase("update/optimizer step"):
-                    optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                sync_seconds += self.sampler.sync_roles(self.model, self.sampled_roles, self.trainer.global_step)
-                # Every rank must take the same decision, or DDP would wait for a backward that never comes.
-                if settings.target_kl is not None and float(self.ranks.mean(minibatch_kl)) > settings.target_kl:
-                    early_stopped = True
-                    break
-        return {**statistics.means(), "skipped_steps": torch.tensor(float(self.skipped_steps)),
-                "time/engine_sync": torch.tensor(sync_seconds),
-                "policy/epochs": torch.tensor(float(epochs_run)),
-                "policy/early_stopped": torch.tensor(float(early_stopped))}
-
-    def micro_batches(self, experience: Experience, rows: list[int], extents: list[Extent]) -> list[Experience]:
-        """A minibatch's micro-batches (its ``rows`` of ``experience``, whose rows need the columns ``extents``), each
-        cut to the columns its own rows need: ``gradient_accumulation`` equal parts, or packed by
-        ``micro_batch_tokens``, as many on every rank (each backward pass is a collective under DDP and FSDP2)."""
-        settings = self.update_settings
-        needed = [extents[row] for row in rows]
-        micros = []
-        for part in micro_batch_parts(needed, settings.gradient_accumulation, settings.micro_batch_tokens,
-                                      self.rows_kept_together, self.ranks.most):
-            micro = experience.select(torch.tensor([rows[p] for p in part], device=self.device))
-            micros.append(micro.cut(max(needed[p][0] for p in part), max(needed[p][1] for p in part)))
-        return micros
 
     def step_normalisers(self, micros: Sequence[Experience]) -> dict[str, Tensor]:
         """Denominators of the optimizer step's losses, summed over its micro-batches and averaged over ranks
@@ -286,13 +335,6 @@ class OnlineRL(ExperienceCollector):
         total, terms = self.loss(experience, self.step_normalisers([experience]), ptx)
         return {**terms, "loss/total": total}
 
-    def minibatch_sizes(self, batch_size: int, origin: str | None = None) -> tuple[int, int]:
-        """``(minibatch size, micro-batch size)`` of a rollout of ``batch_size`` responses (``origin``: where that
-        number comes from, for the message)."""
-        settings = self.update_settings
-        return minibatch_sizes(batch_size, settings.num_minibatches, settings.gradient_accumulation,
-                               self.rows_kept_together, origin)
-
     # ---- 5. log -------------------------------------------------------------------------------------------
 
     def end_iteration(self, experience: Experience, stats: Stats, watch: Stopwatch) -> None:
@@ -301,16 +343,7 @@ class OnlineRL(ExperienceCollector):
         scheduler = self.lr_schedulers()
         if scheduler is not None:
             scheduler.step()
-        seconds, rollout_seconds = watch.elapsed(), watch.seconds["rollout"]
-        stats.update({
-            "time/rollout": torch.tensor(rollout_seconds),
-            "time/update": torch.tensor(seconds - rollout_seconds),
-            "time/iteration": torch.tensor(seconds),
-            "throughput/tokens_per_second": experience.response_mask.sum().float() / seconds,
-            "iteration": torch.tensor(float(self.iteration + 1)),
-        })
-        for group in self.optimizers().param_groups:
-            stats[f"lr/{group['name']}"] = torch.tensor(group["lr"])
+        stats.update(iteration_statistics(experience, watch, self.iteration, self.optimizers().param_groups))
         self._iteration_tokens = iteration_tokens(experience, int(stats["policy/epochs"]))
         prefix = self.metric_prefix
         self.log_dict({f"{prefix}/{name}": value.float() for name, value in stats.items()}, sync_dist=True,
@@ -333,12 +366,3 @@ class OnlineRL(ExperienceCollector):
         # The schedule's total is the Trainer's estimate: training batches = iterations when max_steps is unset.
         return self.configure_adamw(self.parameter_groups(), self.optimizer_settings)
 
-
-def iteration_tokens(experience: Experience, epochs: int) -> TokenCounts:
-    """What an iteration processed: each row's prompt tokens and the tokens the policy drew (an episode's policy
-    turns), and, for the update, the prompt and response-side tokens (an episode's tool and environment tokens
-    included) once per epoch run."""
-    prompts = experience.attention_mask[:, :experience.prompt_length].sum(-1)
-    context = int(experience.attention_mask[:, experience.prompt_length:].sum())
-    return TokenCounts(epochs * int(prompts.sum()), epochs * context, tuple(prompts.tolist()),
-                       tuple(experience.response_mask.sum(-1).tolist()), experience.group_size)

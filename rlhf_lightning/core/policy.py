@@ -195,12 +195,21 @@ class PolicyModule(StageModule):
         self.engine.prepare(setup)
 
     def check_lengths(self, datamodule: Any) -> None:
-        """Prompts and the responses sampled after them must fit the model's positions (pairs too, for DPO)."""
-        longest_prompt = getattr(datamodule, "longest_prompt", datamodule.longest)()
+        """Prompts and the responses sampled after them must fit the model's positions (pairs too, for DPO); with an
+        environment, every position a turn can reach: the longest prompt's opening (the chat template's markers and
+        the tools' schemas included) and the episode, whose last turn can start one token before the budget and
+        decode ``sampling.max_new_tokens``."""
         if hasattr(datamodule, "longest_prompt"):  # preference pairs: the pairs themselves, then their prompts
             super().check_lengths(datamodule)
         if not self.samples_responses:
             return
+        if self.rollouts.environment is not None:
+            examples = [*(datamodule.train_set or []), *datamodule.val_set]
+            longest = max(examples, key=datamodule.length)
+            reach = self.rollouts.reach(longest.raw if longest.raw is not None else longest.text)
+            return self.check_positions(*reach, "lower episodes.max_tokens (null = episodes.max_turns x "
+                                        "sampling.max_new_tokens), sampling.max_new_tokens or data.init_args.max_length")
+        longest_prompt = getattr(datamodule, "longest_prompt", datamodule.longest)()
         max_new_tokens = self.sampling.max_new_tokens
         self.check_positions(longest_prompt + max_new_tokens,
                              f"the longest prompt ({longest_prompt} tokens) and sampling.max_new_tokens="
@@ -280,6 +289,9 @@ class PolicyModule(StageModule):
         return parameters
 
     # ---- held-out prompts ----------------------------------------------------------------------------------
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        self.held_out.evaluate(batch, batch_idx)
 
     def evaluate_extra(self, rollout: Rollout, prompts: dict[str, Any], texts: list[str]) -> dict[str, Tensor]:
         """More per-sample validation values of a held-out rollout (``validation_metrics`` must name them), added by

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from rlhf_lightning.models.shared_base import SharedBase
+from rlhf_lightning.rollout.engines import Engine
 from rlhf_lightning.rollout.producer import Job, RolloutProducer
 from rlhf_lightning.rollout.rollouts import Rollout, Rollouts
 from rlhf_lightning.rollout.sampler import Sampler
@@ -65,6 +66,14 @@ class Asynchronous:
         checks.at_least(f"{name}.max_staleness", self.max_staleness, minimum=0)
         checks.positive(f"{name}.rollout_timeout", self.rollout_timeout)
         return self
+
+    def prepare(self, engine: Engine) -> None:
+        """With ``max_staleness`` > 0: refuse, in one line, an engine that cannot draw ahead
+        (:meth:`Engine.ahead_refusal`); let one that can keep the versions it serves (:meth:`Engine.keep_versions`)."""
+        if self.max_staleness:
+            if refusal := engine.ahead_refusal(self.max_staleness):
+                raise ValueError(refusal)
+            engine.keep_versions(self.max_staleness)
 
 
 STATE_KEY = "rollouts_ahead"  # a checkpoint's entry: the adapters the untrained rollouts were drawn by

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -114,6 +114,12 @@ class Episodes:
             raise ValueError(f"{name}.max_turns={self.max_turns}, {name}.max_tokens={self.max_tokens}: they bound "
                              f"episodes, and there is no {name}.environment; set it, or leave them at 4 and null")
         return self
+
+    def check_sources(self, sources: Sequence[Any], name: str = "episodes") -> None:
+        """Refuse a reward source that scores the steps of single-turn responses (``scores_steps``) in episodes."""
+        if self.environment is not None and (steps := [type(s).__name__ for s in sources if s.scores_steps]):
+            raise ValueError(f"reward: {steps[0]} scores the steps of single-turn responses, and "
+                             f"{name}.environment is set; drop one of them")
 
     def hyperparameters(self) -> dict[str, int | None]:
         """What checkpoints and loggers keep: the bounds (the environment is code, named by the config)."""

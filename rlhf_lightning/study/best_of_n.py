@@ -115,7 +115,7 @@ def sample_reference(module: Any, batches: Iterable[dict[str, Any]], samples_per
             sequences, attention_mask, response_mask = module.generate(ids, mask, role=REFERENCE,
                                                                        group=samples_per_prompt)
             texts = module.decode(sequences[:, ids.shape[1]:], response_mask)
-            scores = module.rewards.score(module.reward_inputs(sequences, attention_mask, response_mask, texts, prompts))
+            scores = module.rewards.score(module.collector.reward_inputs(module, sequences, attention_mask, response_mask, texts, prompts))
             scores = scores if per_source else module.rewards.combine(scores)
             proxy.append(scores.reshape(-1, samples_per_prompt, *scores.shape[1:]).cpu().numpy())
             golds = np.asarray(module.gold_reward(prompts, texts), dtype=float)

@@ -116,11 +116,18 @@ MOVED_INTO_GROUPS = {
 # Members the on-policy loop read under another name: a subclass that defines one is refused (the loop no longer
 # calls it, so an override would silently stop counting); each value says what took its place.
 _PLAN = "return PassSettings from pass_settings() (rlhf_lightning.core.pass_plan) and read pass_plan"
+_COLLECTOR = ("step 1 is the module's collector (rlhf_lightning.core.collect.Collector, held as collector): override "
+              "extend_experience for an algorithm's own passes, or set a Collector subclass of your own as collector")
+_UPDATER = ("step 4 is the module's updater (rlhf_lightning.core.update.PolicyUpdate, held as updater): override "
+            "micro_step, loss or step_normalisers, or set a PolicyUpdate subclass of your own as updater")
 RENAMED_HOOKS = {
     "rollout": "training_step calls collect_experience (step 1), shape_rewards (2) and prepare_update (3); "
                "collect_and_prepare runs the three for analysis",
     "measure_kl": f"{_PLAN}: dataclasses.replace(super().pass_settings(), measure_kl=True)",
     **{name: _PLAN for name in ("needs_logprobs", "needs_reference", "logprobs_before_update", "reuses_first_pass")},
+    **{name: _COLLECTOR for name in ("collect", "training_rollout", "draw_ahead", "early_first_pass",
+                                     "sampling_statistics", "reward_inputs", "guard_scores")},
+    **{name: _UPDATER for name in ("update", "micro_batches", "minibatch_sizes")},
 }
 
 # Members an engine (rlhf_lightning.rollout.engines.Engine) defined under another name: refused as RENAMED_HOOKS.

@@ -20,7 +20,7 @@ def prepared(module, prompts, cost: float):
     """Steps 1 to 3 on ``prompts`` (drawn with seed 0), with ``cost`` charged per response token in step 2."""
     torch.manual_seed(0)
     experience, _ = module.collect_experience(prompts)
-    experience, _ = module.early_first_pass(experience)
+    experience, _ = module.collector.early_first_pass(module, experience)
     with torch.no_grad():
         rewards, _ = module.shape_rewards(experience)
         if cost:

@@ -381,7 +381,7 @@ def test_every_drawn_trial_parses_and_reaches_the_module(path, repo_cwd, tiny_mo
         for name, value in params.items():
             assert instantiated_value(cli, name) == value, f"{path.name}: {name}={value!r} did not reach the module"
         if isinstance(cli.model, OnlineRL):  # the rollout batch must split into the drawn minibatches
-            cli.model.minibatch_sizes(cli.datamodule.batch_size * cli.model.hparams.samples_per_prompt)
+            cli.model.updater.minibatch_sizes(cli.datamodule.batch_size * cli.model.hparams.samples_per_prompt)
 
         # A trial never writes into the main run's outputs: no checkpoints, no export, its own W&B folder...
         assert not any(isinstance(callback, Checkpoint) for callback in cli.trainer.callbacks)

@@ -24,6 +24,8 @@ from tests.helpers.online import first_batch, student
 @pytest.mark.parametrize("name, new", [
     ("rollout", "collect_experience"), ("measure_kl", "pass_settings"), ("needs_logprobs", "pass_plan"),
     ("needs_reference", "pass_plan"), ("reuses_first_pass", "pass_plan"), ("logprobs_before_update", "pass_plan"),
+    ("collect", "collector"), ("reward_inputs", "collector"), ("early_first_pass", "collector"),
+    ("update", "updater"), ("micro_batches", "updater"), ("minibatch_sizes", "updater"),
 ])
 @pytest.mark.parametrize("base", [OnlineRL, PolicyGradient, PPO, GRPO, OnlineDPO])
 def test_a_subclass_defining_an_old_name_is_refused_when_defined(base, name, new):
@@ -33,7 +35,8 @@ def test_a_subclass_defining_an_old_name_is_refused_when_defined(base, name, new
 
 
 def test_the_old_names_are_gone():
-    for cls, names in ((OnlineRL, ("rollout", "measure_kl", "needs_logprobs", "needs_reference")),
+    for cls, names in ((OnlineRL, ("rollout", "measure_kl", "needs_logprobs", "needs_reference", "collect", "update",
+                                   "reward_inputs", "guard_scores", "draw_ahead", "micro_batches")),
                        (PolicyGradient, ("reuses_first_pass", "logprobs_before_update")), (Sampler, ("gathered",))):
         assert not [name for name in names if hasattr(cls, name)], cls
     assert isinstance(PassAtK().samples, int)  # `samples` now means one thing: a count of responses

@@ -21,7 +21,7 @@ from torch import Tensor
 from rlhf_lightning import GRPO, PPO, RLOO, OnlineDPO, REINFORCEPlusPlus
 from rlhf_lightning.core.experience import FirstPass
 from rlhf_lightning.core.pass_plan import PassPlan, PassSettings, plan_passes
-from rlhf_lightning.core.update_statistics import UpdateStatistics
+from rlhf_lightning.core.update import UpdateStatistics
 from rlhf_lightning.utils.timing import Stopwatch
 from tests.helpers.micro_batches import make_stopping
 from tests.helpers.modules import unbuilt
@@ -125,7 +125,7 @@ def test_the_plan_is_made_at_setup_from_the_final_settings():
 def test_the_first_update_pass_is_handed_along_not_kept(stopping_model_dir):
     grpo = make_stopping(GRPO, stopping_model_dir, update={"epochs": 2}, kl={"coef": 0.1})
     assert grpo.pass_plan.reuse_first_pass
-    experience, first_pass = grpo.early_first_pass(grpo.collect_experience(prompt_batch(grpo))[0])
+    experience, first_pass = grpo.collector.early_first_pass(grpo, grpo.collect_experience(prompt_batch(grpo))[0])
     assert isinstance(first_pass, FirstPass) and first_pass.logprobs.grad_fn is not None
     torch.testing.assert_close(experience.logprobs, first_pass.logprobs.detach())
     assert experience.first_pass is None  # only the first step's micro-batch carries it

@@ -127,9 +127,9 @@ def test_ppo_trains_on_each_step_at_its_last_token_beside_a_weighted_checker(tin
     experience, _ = module.collect_and_prepare(batch)
     mask = experience.response_mask
     completions = module.decode(experience.responses, mask)
-    inputs = module.reward_inputs(experience.input_ids, experience.attention_mask, mask, completions,
-                                  [p for p in batch["prompt"] for _ in range(2)],
-                                  {"answer": [a for a in batch["columns"]["answer"] for _ in range(2)]})
+    inputs = module.collector.reward_inputs(module, experience.input_ids, experience.attention_mask, mask,
+                                            completions, [p for p in batch["prompt"] for _ in range(2)],
+                                            {"answer": [a for a in batch["columns"]["answer"] for _ in range(2)]})
     step_scores, ends = module.rewards.sources[0].step_scores(inputs)
     assert ends.any(-1).all() and (ends.sum(-1) > 1).any()  # every response has a step, some several
     torch.testing.assert_close(experience.step_rewards, 0.5 * step_scores)
@@ -149,9 +149,10 @@ def test_grpo_trains_on_the_named_reduction_of_the_steps(tiny_arithmetic_dir, pr
     batch = _prompts(module)
     experience, _ = module.collect_and_prepare(batch)
     assert experience.step_rewards is None
-    inputs = module.reward_inputs(experience.input_ids, experience.attention_mask, experience.response_mask,
-                                  module.decode(experience.responses, experience.response_mask),
-                                  [p for p in batch["prompt"] for _ in range(2)])
+    inputs = module.collector.reward_inputs(module, experience.input_ids, experience.attention_mask,
+                                            experience.response_mask,
+                                            module.decode(experience.responses, experience.response_mask),
+                                            [p for p in batch["prompt"] for _ in range(2)])
     step_scores, ends = module.rewards.sources[0].step_scores(inputs)
     by_hand = {"min": min, "prod": math.prod, "mean": lambda v: sum(v) / len(v), "last": lambda v: v[-1]}[reduction]
     expected = [by_hand(row[where].tolist()) for row, where in zip(step_scores, ends, strict=True)]

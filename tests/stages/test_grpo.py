@@ -123,8 +123,8 @@ def test_reward_functions_with_trl_signature_columns_weights_and_none(tiny_model
     topics = [t for t in batch["columns"]["topic"] for _ in range(2)]
     lengths = experience.response_mask.sum(-1).float()
     with torch.no_grad():
-        source = module.rewards.score(module.reward_inputs(
-            experience.input_ids, experience.attention_mask, experience.response_mask,
+        source = module.rewards.score(module.collector.reward_inputs(
+            module, experience.input_ids, experience.attention_mask, experience.response_mask,
             module.decode(experience.responses, experience.response_mask),
             prompts=[p for p in batch["raw_prompt"] for _ in range(2)], columns={"topic": topics}))
     expected_bonus = torch.tensor([math.nan if t == "skip" else 0.1 * float(n) for t, n in zip(topics, lengths, strict=True)])

@@ -40,7 +40,7 @@ def test_each_prompts_two_samples_are_ranked_into_a_pair_chosen_first(tiny_model
     module = make_online_dpo(tiny_model_dir, reward_dir)
     batch = prompt_batch(module, n=8)
     with module.sampler.gathered_base(module.model):
-        raw, _ = module.collect(batch)
+        raw, _ = module.collector.collect(module, batch)
     rewards, _ = module.shape_rewards(raw)
     experience, stats = module.prepare_update(raw, rewards)
     assert experience.response_mask.shape[0] == 16
@@ -98,7 +98,7 @@ def test_an_iteration_keeps_pairs_whole_and_trains_only_the_policy_adapter(tiny_
     changed = {name for name, p in module.named_parameters() if not torch.equal(p.detach(), before[name])}
     assert changed == policy
     with pytest.raises(ValueError, match="of whole groups of 2 rows"):
-        module.minibatch_sizes(12)  # 2 minibatches of 2 micro-batches of 3 rows would split a pair
+        module.updater.minibatch_sizes(12)  # 2 minibatches of 2 micro-batches of 3 rows would split a pair
 
 
 def cli_arguments(tiny_model_dir, reward_dir, *extra: str) -> list[str]:

@@ -169,7 +169,7 @@ def test_function_reward_scores_texts_and_config_errors_are_clear(tiny_model_dir
     with pytest.raises(FileNotFoundError, match="run the reward stage first"):
         unbuilt.configure_model()  # the reward adapter is read when the model is built
     with pytest.raises(ValueError, match="must split into update.num_minibatches=3"):
-        make_ppo(tiny_model_dir, reward_dir, update={"num_minibatches": 3}).minibatch_sizes(8)
+        make_ppo(tiny_model_dir, reward_dir, update={"num_minibatches": 3}).updater.minibatch_sizes(8)
 
 
 def test_critic_can_start_from_the_reward_model(tiny_model_dir, reward_dir):
