@@ -78,7 +78,7 @@ class Engine:
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
-        compatibility.renamed_hooks(cls, compatibility.RENAMED_ENGINE_METHODS)
+        compatibility.renamed_hooks(cls, compatibility.RENAMED_ENGINE_METHODS, reader="the fit")
 
     # ---- drawing ahead: the capability an engine declares with ahead_refusal -> None ----------------------
 

@@ -162,12 +162,13 @@ def moved_arguments(owner: str, given: Iterable[str], groups: Iterable[str] | No
         raise TypeError(f"{owner}({name}=...): {name} moved into the {group} argument: {place}")
 
 
-def renamed_hooks(cls: type, renamed: dict[str, str] | None = None) -> None:
+def renamed_hooks(cls: type, renamed: dict[str, str] | None = None, reader: str = "the loop") -> None:
     """Refuse a class that defines a member under an old name of ``renamed`` (:data:`RENAMED_HOOKS` by default),
-    naming what took its place."""
+    naming what took its place; ``reader``: what no longer calls it (the on-policy loop, or the fit's use of an
+    engine)."""
     renamed = RENAMED_HOOKS if renamed is None else renamed
     for name in renamed.keys() & vars(cls).keys():
-        raise TypeError(f"{cls.__qualname__}.{name}: the loop no longer reads {name!r}; {renamed[name]}")
+        raise TypeError(f"{cls.__qualname__}.{name}: {reader} no longer reads {name!r}; {renamed[name]}")
 
 
 class _OldName(importlib.abc.Loader):

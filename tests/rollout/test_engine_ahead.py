@@ -129,5 +129,6 @@ def test_an_engine_without_the_capability_is_refused_in_one_line(tiny_model_dir,
 
 
 def test_an_engine_keeping_the_old_method_name_is_refused_when_defined():
-    with pytest.raises(TypeError, match=r"\.overlap_refusal: .*ahead_refusal\(staleness\)"):
+    with pytest.raises(TypeError, match=r"^OldEngine\.overlap_refusal: the fit no longer reads 'overlap_refusal'; "
+                                        r".*ahead_refusal\(staleness\)"):
         type("OldEngine", (Engine,), {"overlap_refusal": lambda self, staleness: None})
