@@ -8,6 +8,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers.environment import with_repo_on_path
 
 STACK = ("torch", "lightning", "transformers", "peft")
@@ -31,6 +33,7 @@ def probe(tmp_path, *arguments: str) -> tuple[int, list[str], str]:
     return code, imported, done.stderr
 
 
+@pytest.mark.slow  # a subprocess importing the training stack
 def test_importing_the_package_imports_no_training_stack_until_a_name_is_used(tmp_path):
     code = (f"import sys, rlhf_lightning; before = [m for m in {STACK!r} if m in sys.modules]; rlhf_lightning.SFT; "
             "print(before, 'lightning' in sys.modules, 'SFT' in dir(rlhf_lightning))")
@@ -69,12 +72,14 @@ def test_plot_needs_no_stack(tmp_path):
                                                "disabled?)\n")
 
 
+@pytest.mark.slow  # a subprocess importing the training stack
 def test_a_command_that_needs_the_stack_still_gets_it(tmp_path):
     code, imported, stderr = probe(tmp_path, "fit", "--trainer.max_stepz=1")
     assert code == 2 and "lightning" in imported
     assert "error: unrecognized arguments: --trainer.max_stepz=1 (did you mean --trainer.max_steps" in stderr
 
 
+@pytest.mark.slow  # subprocesses importing the training stack
 def test_help_and_print_config_are_kept_and_answered_again_without_the_stack(tmp_path):
     """The first ``fit --help`` builds the parser (the stack); the same question again is answered from the kept
     copy, word for word; a changed config file is a new question."""

@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 BAD_YAML = "model:\n  class_path: rlhf_lightning.SFT\n   init_args: {optimizer: {lr: 1}}\n"
 
 
-@pytest.mark.parametrize("case", ["constructor", "yaml"])
+@pytest.mark.parametrize("case", [pytest.param("constructor", marks=pytest.mark.slow), "yaml"])  # slow: the stack
 def test_cli_errors_are_one_line_and_exit_non_zero(tmp_path, case):
     if case == "constructor":  # DPO checks beta before loading any model
         result = cli_subprocess(tmp_path, "fit", "--config", str(REPO / "configs" / "dpo.yaml"),

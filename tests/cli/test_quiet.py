@@ -45,6 +45,7 @@ def test_a_fit_in_a_log_file_prints_no_library_noise_and_our_warnings_in_one_lin
     assert "[sft] fit ended: 4 batches, 4 optimizer steps" in result.stdout
 
 
+@pytest.mark.slow  # a fit in a subprocess
 def test_a_run_that_fails_before_logging_leaves_no_wandb_run(tmp_path):
     result = command_line(tmp_path, "fit", "--config", str(REPO / "configs" / "grpo.yaml"),
                           f"--model.init_args.base.name_or_path={tmp_path / 'no_model'}",

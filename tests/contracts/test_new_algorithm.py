@@ -81,6 +81,7 @@ def test_the_pages_command_trains_gpg_from_grpos_config(my_gpg, tiny_model_dir, 
     assert (tmp_path / "outputs/gpg/adapters/policy/adapter_config.json").exists()
 
 
+@pytest.mark.slow  # --model.help in a subprocess
 def test_gpg_takes_no_loss_argument_and_documents_its_own(my_gpg, tmp_path):
     """The loss is fixed by the class: the command line neither offers nor accepts one."""
     help_text = subprocess.run([sys.executable, "-m", "rlhf_lightning", "fit", "--model.help", "my_gpg.GPG"],

@@ -54,6 +54,7 @@ def test_sampler_is_reproducible_from_the_seed():
                                                                                  seed=7))
 
 
+@pytest.mark.slow  # compiled decoding
 def test_the_draw_as_an_operator_is_the_function_eager_and_compiled_with_shapes_it_declares():
     """The decode step compiles the draw as one opaque operator (Inductor's split scan over a large vocabulary
     fails on CUDA): it must give the plain function's tokens, log-probs and flags, compiled or not."""

@@ -80,6 +80,7 @@ def test_auto_picks_our_fastest_decoder_and_each_engine_refuses_what_it_cannot_s
 
 # ---- the compiled step (torch.compile's inductor on CPU: the same graphs a GPU captures, without CUDA graphs) ----
 
+@pytest.mark.slow  # compiled decoding
 @pytest.mark.parametrize("family", family_params())
 def test_compiled_decoding_draws_the_eager_tokens_and_compiles_once_for_a_shape(family):
     base = policy_base(family)

@@ -113,6 +113,7 @@ def test_docs_are_served_when_asked_for_and_behind_the_token(guarded):
     assert httpx.get(f"{guarded.url}/docs", headers=authorised()).status_code == 200
 
 
+@pytest.mark.slow  # a server of its own in a subprocess
 def test_the_default_server_serves_no_docs(tiny_model_dir, reward_dir, tmp_path):
     with reward_server(tmp_path, tiny_model_dir, reward_dir) as started:
         for page in ("/docs", "/redoc", "/openapi.json"):

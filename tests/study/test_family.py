@@ -123,6 +123,7 @@ def test_seed_fits_recover_gao_parameters_and_gao_fits_pool_every_strength():
     assert pooled["alpha"] == pytest.approx(1.2) and pooled["points"] == int((d >= 1.0).sum())
 
 
+@pytest.mark.slow  # an end-to-end run per method
 def test_every_method_runs_through_the_real_cli_with_its_strength_and_overrides(tiny_model_dir, reward_dir,
                                                                                tmp_path):
     for method in METHODS.values():
