@@ -123,7 +123,7 @@ class Collector:
         them made once (those the module's ``pass_plan`` names), and what they show. Run without gradients inside the
         sharded base's gathered scope (``sampler.gathered_base``)."""
         group = self.samples_per_prompt
-        rollout, overlap_stats = self.training_rollout(module, prompts)
+        rollout, ahead_stats = self.training_rollout(module, prompts)
         ids, attention, mask = rollout.input_ids, rollout.attention_mask, rollout.response_mask
         logprobs = entropy = ref_logprobs = None
         plan = module.pass_plan  # made at setup (outside a fit, now)
@@ -155,7 +155,7 @@ class Collector:
         experience = Experience(ids, attention, mask, scores, rollout.is_stopped, rollout.sampler_logprobs, logprobs,
                                 ref_logprobs, rollout.turn_rewards, group_size=group, step_rewards=step_rewards,
                                 entropy=entropy)
-        stats = sample_statistics(rollout, self.rewards, source_scores, raw_scores) | overlap_stats
+        stats = sample_statistics(rollout, self.rewards, source_scores, raw_scores) | ahead_stats
         gold = None
         if module.gold_reward is not None:
             gold = gold_scores(module.gold_reward, prompts["prompt"], completions, prompts.get("columns"), repeat=group)
