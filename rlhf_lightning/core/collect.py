@@ -47,23 +47,19 @@ class Collector:
     :class:`~rlhf_lightning.core.pass_plan.PassPlan` (made at setup), the fixed-lag schedule of
     ``asynchronous.max_staleness`` > 0 and the latest rollout as text. The module it serves is handed to each call,
     for what the module owns: its model, sampler and rollouts, its forward passes (``response_logprobs``,
-    ``first_update_pass``), its tokenizer, iteration, ranks and ``optimizer.nonfinite`` policy.
+    ``first_update_pass``), its tokenizer, iteration, ranks, ``optimizer.nonfinite`` policy and
+    ``dense_step_rewards`` (whether a step-scoring source's steps are credited at their tokens: PPO).
 
     Args:
         rewards: the reward sources and their shaping (the module's ``rewards``).
         samples_per_prompt: responses sampled per prompt (the group size of group baselines).
         asynchronous: drawing ahead: ``max_staleness`` (0 = the synchronous loop) and ``rollout_timeout``.
-        dense_step_rewards: whether a source that scores steps gives each step's score at its step's last token
-            (``Experience.step_rewards``: PPO, whose critic can credit tokens) or the reduction of its steps' scores
-            as the response's score (the critic-free algorithms, as the PRM papers do).
     """
 
-    def __init__(self, rewards: RewardSet, samples_per_prompt: int, asynchronous: Asynchronous,
-                 dense_step_rewards: bool = False) -> None:
+    def __init__(self, rewards: RewardSet, samples_per_prompt: int, asynchronous: Asynchronous) -> None:
         self.rewards = rewards
         self.samples_per_prompt = samples_per_prompt
         self.asynchronous = asynchronous
-        self.dense_step_rewards = dense_step_rewards
         self.plan: PassPlan | None = None  # set at the module's setup (pass_plan)
         self.last_samples: Samples | None = None  # the latest rollout as text (see callbacks.CompletionsTable)
         self._draw_ahead: DrawAhead | None = None
@@ -145,7 +141,7 @@ class Collector:
             raise ValueError(f"iteration {module.iteration + 1}: {error}") from error
         self.guard_scores(module, score_problems(source_scores, self.rewards.sources)[0])
         raw_scores = self.rewards.combine(source_scores)
-        if not self.dense_step_rewards:
+        if not module.dense_step_rewards:
             step_rewards = None  # the step-scoring sources' reductions are in the scores instead
         scores = self.rewards.response_scores(source_scores, rollout.is_stopped, without_steps=step_rewards is not None)
         bad = ~torch.isfinite(scores)

@@ -141,7 +141,7 @@ class OnlineRL(PolicyModule):
         self.episodes.check_sources(sources)
         self.rewards = RewardSet(sources, self.keep_group("reward_shaping", reward_shaping, RewardShaping()))
         self.share_prompt = share_prompt
-        self.collector = Collector(self.rewards, samples_per_prompt, self.asynchronous, self.dense_step_rewards)
+        self.collector = Collector(self.rewards, samples_per_prompt, self.asynchronous)
         self.update_settings: UpdateSettings = self.keep_group("update", update, self.default_update)
         self.updater = PolicyUpdate(self.update_settings, self.rows_kept_together)
         self.optimizer_settings = self.keep_group("optimizer", optimizer, self.default_optimizer)

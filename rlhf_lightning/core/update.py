@@ -57,17 +57,17 @@ class PolicyUpdate:
             self.minibatch_sizes(batch_size * samples_per_prompt, f"data.init_args.batch_size={batch_size} prompts "
                                  f"x samples_per_prompt={samples_per_prompt}")
 
-    def micro_batches(self, experience: Experience, rows: list[int], extents: list[Extent], most: Callable[[int], int] | None = None
-                      ) -> list[Experience]:
+    def micro_batches(self, experience: Experience, rows: list[int], extents: list[Extent],
+                      most: Callable[[int], int]) -> list[Experience]:
         """A minibatch's micro-batches (its ``rows`` of ``experience``, whose rows need the columns ``extents``), each
         cut to the columns its own rows need: ``gradient_accumulation`` equal parts, or packed by
         ``micro_batch_tokens``; ``most(count)``: the most micro-batches any rank has (each backward pass is a
-        collective under DDP and FSDP2, so every rank runs as many); None = one process."""
+        collective under DDP and FSDP2, so every rank runs as many: the module's ``ranks.most``)."""
         settings = self.settings
         needed = [extents[row] for row in rows]
         micros = []
         for part in micro_batch_parts(needed, settings.gradient_accumulation, settings.micro_batch_tokens,
-                                      self.rows_kept_together, most or (lambda count: count)):
+                                      self.rows_kept_together, most):
             micro = experience.select(torch.tensor([rows[p] for p in part], device=experience.input_ids.device))
             micros.append(micro.cut(max(needed[p][0] for p in part), max(needed[p][1] for p in part)))
         return micros

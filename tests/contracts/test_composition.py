@@ -81,6 +81,6 @@ def test_what_were_mixins_are_components_the_module_holds(module, tiny_model_dir
         assert not hasattr(built, gone), gone  # the mixins' members, now the components'
     if module is r.PPO:  # steps 1 and 4 of the online loop: parts the module holds, handed the module at each call
         assert isinstance(built.collector, Collector) and built.collector.rewards is built.rewards
-        assert built.collector.dense_step_rewards is True and built.collector.samples_per_prompt == 1
+        assert built.dense_step_rewards is True and built.collector.samples_per_prompt == 1  # read by the collector
         assert isinstance(built.updater, PolicyUpdate) and built.updater.settings is built.update_settings
         assert built.updater.settings.epochs == 4  # PPO's default update
