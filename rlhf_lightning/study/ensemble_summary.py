@@ -26,10 +26,12 @@ def spread(values: Sequence[float], digits: int = 2, sign: str = "+") -> str:
     return f"{statistics.mean(values):{sign}.{digits}f} ± {statistics.stdev(values):.{digits}f}"
 
 
-def best_of_n_table(bon: Sequence[dict], noise: float) -> tuple[list[str], dict[str, np.ndarray]]:
-    """Markdown rows of best-of-n at ``noise``: each rule's gold gain over the SFT policy (n = 1) at some n, its peak
-    and what is lost from the peak at the largest n, mean ± SD over seeds; and each rule's gains ``[seeds, ns]``."""
-    runs = [b for b in bon if b["noise"] == noise]
+def best_of_n_table(bon: Sequence[dict], noise: float, member_data: str = "shared"
+                    ) -> tuple[list[str], dict[str, np.ndarray]]:
+    """Markdown rows of best-of-n at ``noise`` with members trained on ``member_data``: each rule's gold gain over the
+    SFT policy (n = 1) at some n, its peak and what is lost from the peak at the largest n, mean ± SD over seeds; and
+    each rule's gains ``[seeds, ns]``."""
+    runs = [b for b in bon if b["noise"] == noise and b.get("member_data", "shared") == member_data]
     ns = [p["n"] for p in runs[0]["curves"]["single"]]
     shown = [n for n in ns if n in (4, 16, ns[-1])]
     lines = [f"| rule | {' | '.join(f'gold gain, n = {n}' for n in shown)} | peak (n) | largest n less peak |",
@@ -70,9 +72,9 @@ def ppo_table(trajectories: dict[str, list[dict[str, list[float]]]]) -> list[str
     return lines
 
 
-def plot(path: Path, gains: dict[float, dict[str, np.ndarray]], kls: Sequence[float],
+def plot(path: Path, gains: dict[str, dict[str, np.ndarray]], kls: Sequence[float],
          trajectories: dict[str, list[dict[str, list[float]]]]) -> Path:
-    """Best-of-n (a panel per label noise: gold gain against sqrt(KL)) and PPO (gold gain against iterations),
+    """Best-of-n (a panel per ensemble, titled by its label noise and data: gold gain against sqrt(KL)) and PPO (gold gain against iterations),
     mean and ± SD band over seeds."""
     from matplotlib.figure import Figure
 
@@ -80,12 +82,12 @@ def plot(path: Path, gains: dict[float, dict[str, np.ndarray]], kls: Sequence[fl
     figure = Figure(figsize=(5.2 * panels, 4.2), dpi=100, layout="constrained")
     axes = figure.subplots(1, panels, squeeze=False)[0]
     d = np.sqrt(np.asarray(kls))
-    for axis, (noise, by_rule) in zip(axes, gains.items(), strict=False):
+    for axis, (title, by_rule) in zip(axes, gains.items(), strict=False):
         for index, (rule, gain) in enumerate(by_rule.items()):
             mean, sd = gain.mean(0), gain.std(0, ddof=1) if len(gain) > 1 else np.zeros(gain.shape[1])
             axis.plot(d, mean, "-o", ms=3, color=COLOURS[index], label=LABELS[rule])
             axis.fill_between(d, mean - sd, mean + sd, color=COLOURS[index], alpha=0.15)
-        axis.set(title=f"best-of-n, {noise:.0%} of labels flipped", xlabel="sqrt(KL) (nats^1/2)",
+        axis.set(title=f"best-of-n, {title}", xlabel="sqrt(KL) (nats^1/2)",
                  ylabel="gold gain over the SFT policy")
         axis.legend(fontsize=8)
     if trajectories:
@@ -111,9 +113,10 @@ def summarise(args: argparse.Namespace, runs: Pipeline, samples: Sequence[Sample
     out = Path(args.out)
     lines, gains = [], {}
     for noise in args.label_noise:
-        table, gains[noise] = best_of_n_table(bon, noise)
-        lines += [f"Best-of-n, {noise:.0%} of labels flipped, {args.members} members, UWO lambda {args.uwo_coef:g}:",
-                  "", *table, ""]
+        for member_data in args.member_data:
+            title = f"{noise:.0%} of labels flipped" + ("" if member_data == "shared" else f", {member_data} data")
+            table, gains[title] = best_of_n_table(bon, noise, member_data)
+            lines += [f"Best-of-n, {title}, {args.members} members, UWO lambda {args.uwo_coef:g}:", "", *table, ""]
     trajectories = {stage: ppo_trajectories(runs, stage, samples) for stage in ppo}
     if trajectories:
         lines += [f"PPO, {args.ppo_noise:.0%} of labels flipped (held-out gold every {args.eval_every} iterations):",

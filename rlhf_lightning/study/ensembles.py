@@ -3,8 +3,9 @@
 ``python -m rlhf_lightning.study.ensembles`` runs, for every seed of the pipeline (SFT model, preference data, held-out
 prompts and reward models all drawn from the seed) and every label noise (none, and 25 % of the labels flipped):
 
-1. the SFT stage, then the reward stage with ``members: K`` and ``member_data: shared`` (members differ by their
-   initialisation, as Coste et al.'s differ by their seed) and ``label_noise`` p;
+1. the SFT stage, then the reward stage with ``members: K``, ``label_noise`` p and each ``member_data`` of
+   ``--member-data`` (``shared``: the members differ by their initialisation alone, as Coste et al.'s differ by their
+   seed; ``bootstrap`` and ``partition`` also give each member other pairs);
 2. best-of-n of the SFT policy: N samples per held-out prompt scored by every member, then the expected gold reward of
    the pick of one member (averaged over the members), of their mean, of the worst case (WCO) and of UWO, for every
    n up to N, against the best-of-n KL ``log n - (n - 1)/n``, from the same samples;
@@ -31,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rlhf_lightning.algorithms.ensemble import combine_members
+from rlhf_lightning.algorithms.ensemble import MEMBER_DATA, combine_members
 from rlhf_lightning.study.best_of_n import best_of_n_curve, powers_of_two, sample_reference
 from rlhf_lightning.study.pipeline_runs import Pipeline, Sample, Stage
 from rlhf_lightning.study.runs import build_cli, held_out_batches
@@ -50,6 +51,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--members", type=int, default=4, help="reward models of each ensemble")
     parser.add_argument("--label-noise", type=float, nargs="+", default=[0.0, 0.25],
                         help="fractions of flipped preference labels, one ensemble each")
+    parser.add_argument("--member-data", nargs="+", choices=MEMBER_DATA, default=["shared"],
+                        help="what each member trains on, one ensemble each (the PPO runs use the first)")
     parser.add_argument("--uwo-coef", type=float, default=0.5, help="UWO's lambda, on standardised scores")
     parser.add_argument("--best-of-n", type=int, default=64, help="samples per prompt of the SFT policy (largest n)")
     parser.add_argument("--best-of-n-prompts", type=int, default=128, help="held-out prompts of best-of-n")
@@ -82,6 +85,11 @@ def reward_source(rule: str, reward: str, uwo_coef: float, members: int) -> str:
     return "--model.init_args.reward=" + json.dumps({"class_path": "rlhf_lightning.EnsembleReward", "init_args": init})
 
 
+def ensemble_name(noise: float, member_data: str) -> str:
+    """The name of the reward stage of one ensemble (``shared`` members keep the study's first names)."""
+    return f"noise{noise:g}" if member_data == "shared" else f"{member_data}-noise{noise:g}"
+
+
 def tagged(tag: str, overrides: Sequence[str]) -> str:
     """A stage's folder tag, with a hash of the study's further ``--override`` arguments when there are any (so that
     other overrides never reuse a run)."""
@@ -97,29 +105,35 @@ def pipeline(args: argparse.Namespace) -> Pipeline:
     configs = Path(args.configs)
     stages = {"sft": Stage("sft", str(configs / "sft.yaml"), overrides=tuple(extra.get("sft", ())))}
     for noise in args.label_noise:
-        stages[f"reward-{noise:g}"] = Stage(
-            "reward", str(configs / "reward.yaml"), ("sft",),
-            (f"--model.init_args.members={args.members}", "--model.init_args.member_data=shared",
-             f"--data.init_args.label_noise={noise}", *extra.get("reward", ())),
-            tag=tagged(f"ensemble{args.members}-noise{noise:g}", extra.get("reward", ())), kind="reward")
+        for member_data in args.member_data:
+            name = ensemble_name(noise, member_data)
+            stages[f"reward-{name}"] = Stage(
+                "reward", str(configs / "reward.yaml"), ("sft",),
+                (f"--model.init_args.members={args.members}", f"--model.init_args.member_data={member_data}",
+                 f"--data.init_args.label_noise={noise}", *extra.get("reward", ())),
+                tag=tagged(f"ensemble{args.members}-{name}", extra.get("reward", ())), kind="reward")
+    ppo_ensemble = ensemble_name(args.ppo_noise, args.member_data[0])
     for run in args.ppo_runs:
         rule, kl = run.split(":")
         stages[f"ppo-{run}"] = Stage(
-            "ppo", str(configs / "ppo.yaml"), ("sft", f"reward-{args.ppo_noise:g}"),
+            "ppo", str(configs / "ppo.yaml"), ("sft", f"reward-{ppo_ensemble}"),
             (reward_source(rule, "{reward}", args.uwo_coef, args.members), f"--model.init_args.kl.coef={kl}",
              f"--trainer.max_epochs={args.ppo_epochs}", f"--trainer.val_check_interval={args.eval_every}",
              *extra.get("ppo", ())),
-            tag=tagged(f"{rule}-kl{kl}-noise{args.ppo_noise:g}-ensemble{args.members}",
+            tag=tagged(f"{rule}-kl{kl}-{ppo_ensemble}-ensemble{args.members}",
                        [*extra.get("reward", ()), *extra.get("ppo", ())]), kind="ppo")
     return Pipeline(Path(args.out), stages)
 
 
-def best_of_n(args: argparse.Namespace, runs: Pipeline, sample: Sample, noise: float) -> dict:
-    """Best-of-n of the SFT policy of ``sample`` against the ensemble trained at ``noise``: every member's score and
-    the gold reward of ``--best-of-n`` samples per held-out prompt (kept in an ``.npz``), then each rule's curve."""
-    path = Path(args.out) / "best_of_n" / f"{sample.name}-noise{noise:g}-ensemble{args.members}.npz"
+def best_of_n(args: argparse.Namespace, runs: Pipeline, sample: Sample, noise: float,
+              member_data: str = "shared") -> dict:
+    """Best-of-n of the SFT policy of ``sample`` against the ensemble trained at ``noise`` on ``member_data``: every
+    member's score and the gold reward of ``--best-of-n`` samples per held-out prompt (kept in an ``.npz``), then each
+    rule's curve."""
+    name = ensemble_name(noise, member_data)
+    path = Path(args.out) / "best_of_n" / f"{sample.name}-{name}-ensemble{args.members}.npz"
     if not path.exists():
-        ensemble = runs.output(f"reward-{noise:g}", sample)
+        ensemble = runs.output(f"reward-{name}", sample)
         members = [{"class_path": "rlhf_lightning.EnsembleReward",
                     "init_args": {"path": [str(ensemble / f"reward_{k}")], "combine": "mean"}}
                    for k in range(args.members)]
@@ -136,7 +150,7 @@ def best_of_n(args: argparse.Namespace, runs: Pipeline, sample: Sample, noise: f
         path.parent.mkdir(parents=True, exist_ok=True)
         np.savez(path, scores=scores, gold=gold)
     saved = np.load(path)
-    return {"seed": sample.seed, "threads": sample.threads, "noise": noise,
+    return {"seed": sample.seed, "threads": sample.threads, "noise": noise, "member_data": member_data,
             "curves": best_of_n_curves(saved["scores"], saved["gold"], args.best_of_n, args.uwo_coef)}
 
 
@@ -160,13 +174,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
     runs = pipeline(args)
     samples = [Sample(seed, args.threads) for seed in args.seeds]
-    rewards = [f"reward-{noise:g}" for noise in args.label_noise]
+    ensembles = [(noise, member_data) for noise in args.label_noise for member_data in args.member_data]
+    rewards = [f"reward-{ensemble_name(*ensemble)}" for ensemble in ensembles]
     ppo = [stage for stage in runs.stages if stage.startswith("ppo-")]
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         list(pool.map(lambda sample: runs.run("sft", sample), samples))
         list(pool.map(lambda item: runs.run(*item), [(stage, s) for s in samples for stage in rewards]))
         # best-of-n first (minutes), the PPO runs after (most of the study's time)
-        bon = [best_of_n(args, runs, sample, noise) for sample in samples for noise in args.label_noise]
+        bon = [best_of_n(args, runs, sample, *ensemble) for sample in samples for ensemble in ensembles]
         ppo_seconds = list(pool.map(lambda item: runs.run(*item), [(stage, s) for s in samples for stage in ppo]))
     log.info("PPO runs took %.0f s in all", sum(ppo_seconds))
     return summarise(args, runs, samples, bon, ppo)

@@ -118,12 +118,19 @@ def test_the_studies_run_the_pipeline_as_a_user_does_and_share_its_stages(tmp_pa
     assert done["threads"] == 1 and "--seed_everything=1" in done["command"]
     stamp = (sft / "done.json").stat().st_mtime
     # the ensemble study on the same folder: the SFT stage is the spread study's, reused
-    result = ensembles.main([*arguments, "--members", "2", "--label-noise", "0.25", "--best-of-n", "4",
+    result = ensembles.main([*arguments, "--members", "2", "--label-noise", "0.25", "--member-data", "shared",
+                             "bootstrap", "--best-of-n", "4",
                              "--best-of-n-prompts", "8", "--ppo-runs", "min:0.01", "--ppo-epochs", "1",
                              "--eval-every", "2", *[f"--override=ppo={a}" for a in TINY_PPO]])
     assert (sft / "done.json").stat().st_mtime == stamp
     ensemble = next(out.glob("reward-ensemble2-noise0.25-*/seed1-threads1"))  # its tag names the overrides' hash
     assert json.loads((ensemble / "adapters" / "reward" / "ensemble.json").read_text())["member_data"] == "shared"
+    bootstrap = next(out.glob("reward-ensemble2-bootstrap-noise0.25-*/seed1-threads1"))
+    assert json.loads((bootstrap / "adapters" / "reward" / "ensemble.json").read_text())["member_data"] == "bootstrap"
+    assert [(b["member_data"], b["noise"]) for b in result["best_of_n"]] == [("shared", 0.25), ("bootstrap", 0.25)]
+    assert "Best-of-n, 25% of labels flipped, bootstrap data, 2 members" in result["table"]
+    # the PPO runs score with the first ensemble of --member-data
+    assert str(ensemble) in (next(out.glob("ppo-min-kl0.01-noise0.25-*/seed1-threads1")) / "done.json").read_text()
     curves = result["best_of_n"][0]["curves"]
     assert set(curves) == {"single", "mean", "min", "uwo"} and [p["n"] for p in curves["min"]] == [1, 2, 4]
     (trajectory,) = result["ppo"]["ppo-min:0.01"]
