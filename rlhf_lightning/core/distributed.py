@@ -34,22 +34,26 @@ def sharding_mesh(trainer: L.Trainer | None) -> Any | None:
             "sharded over ranks) or ddp (the base whole on each rank)")
     if not isinstance(strategy, ModelParallelStrategy):
         return None
-    world = trainer.world_size
     mesh = strategy.device_mesh
-    if mesh["tensor_parallel"].size() > 1:
+    refuse_unsupported_settings(mesh["tensor_parallel"].size(), trainer.world_size,
+                                getattr(strategy, "_save_distributed_checkpoint", False))
+    return mesh["data_parallel"]
+
+
+def refuse_unsupported_settings(tensor_parallel: int, world: int, distributed_checkpoint: bool) -> None:
+    """Raise ``ValueError`` for a ``ModelParallelStrategy`` set up for tensor parallelism or folder checkpoints."""
+    if tensor_parallel > 1:
         raise ValueError(
-            f"trainer.strategy ModelParallelStrategy with tensor_parallel_size={mesh['tensor_parallel'].size()}: "
+            f"trainer.strategy ModelParallelStrategy with tensor_parallel_size={tensor_parallel}: "
             "our modules shard the base with FSDP2 over data-parallel ranks and apply no tensor parallelism; "
             f"set trainer.strategy.init_args.data_parallel_size={world} (devices x num_nodes) and "
             "tensor_parallel_size=1")
-    # Lightning's attribute: the option is stored, not exposed.
-    if getattr(strategy, "_save_distributed_checkpoint", False):
+    if distributed_checkpoint:
         raise ValueError(
             "trainer.strategy ModelParallelStrategy with save_distributed_checkpoint=true writes a folder per "
             "checkpoint, which the atomic checkpoints and the resume fallback do not cover; set "
             "trainer.strategy.init_args.save_distributed_checkpoint=false (the checkpoint holds only the "
             "adapters, heads and optimizer state, gathered on rank 0)")
-    return mesh["data_parallel"]
 
 
 def fill_sharding_defaults(trainer: L.Trainer, given: str) -> None:
@@ -71,8 +75,10 @@ def fill_sharding_defaults(trainer: L.Trainer, given: str) -> None:
 
 def check_parallel_sizes(trainer: L.Trainer) -> None:
     """Refuse a ``ModelParallelStrategy`` whose ``data_parallel_size`` x ``tensor_parallel_size`` is not the number
-    of processes, before any process starts (Lightning finds it once every rank has started, and each prints its
-    traceback). ``auto`` counts as Lightning resolves it: ``num_nodes`` and ``devices``."""
+    of processes, or that is set up for tensor parallelism or folder checkpoints, before any process starts
+    (Lightning finds the sizes once every rank has started, and each prints its traceback; the rest
+    :func:`sharding_mesh` would refuse on every rank once the model is built). ``auto`` counts as Lightning resolves
+    it: ``num_nodes`` and ``devices``."""
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     strategy = trainer.strategy
@@ -85,6 +91,8 @@ def check_parallel_sizes(trainer: L.Trainer) -> None:
              "tensor_parallel_size": (strategy._tensor_parallel_size, devices)}
     resolved = {name: auto if given == "auto" else int(given) for name, (given, auto) in sizes.items()}
     if resolved["data_parallel_size"] * resolved["tensor_parallel_size"] == world:
+        refuse_unsupported_settings(resolved["tensor_parallel_size"], world,
+                                    getattr(strategy, "_save_distributed_checkpoint", False))
         return
     shown = {name: f"auto ({resolved[name]})" if given == "auto" else str(given) for name, (given, _) in sizes.items()}
     raise ValueError(

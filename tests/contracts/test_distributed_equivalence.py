@@ -277,8 +277,8 @@ def test_a_checkpoint_moves_between_one_process_and_two_ranks(tiny_model_dir, re
 def test_model_parallel_settings_run_or_are_refused_in_one_line(tiny_model_dir, reward_dir, tmp_path, devices,
                                                                 settings, error):
     """FSDP2 named by its class alone runs on two ranks; over a world of one (a single GPU's case) it runs in fp32
-    and in bf16-true (the plugin's conversion is applied before sharding); folder checkpoints, sizes that do not multiply to the world size (refused before the
-    second process starts) and tensor parallelism are refused before any weight is read."""
+    and in bf16-true (the plugin's conversion is applied before sharding); folder checkpoints, sizes that do not
+    multiply to the world size and tensor parallelism are refused before the second process starts."""
     command = [sys.executable, "-m", "rlhf_lightning", "fit", "--config", str(REPO / "configs" / "grpo.yaml"), *COMMON,
                *stages(tiny_model_dir, reward_dir)["grpo"][1], "--data.init_args.batch_size=2",
                "--trainer.limit_val_batches=0", f"--trainer.devices={devices}", f"--trainer.strategy={MODEL_PARALLEL}",
