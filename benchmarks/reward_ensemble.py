@@ -40,12 +40,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--iterations", type=int, default=8, help="PPO iterations timed per K (after one warm-up)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--dry-run", action="store_true",
-                        help="tiny: K = 1, 2; 2 steps and 2 iterations of batches of 8, 4 new tokens")
+                        help="tiny: K = 1, 2; 1 step and 1 iteration (of one epoch) after the warm-up, batches of 8, "
+                             "4 new tokens")
     parser.add_argument("--workdir", default=None, help="where the model and adapters are written (default: a temp)")
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.dry_run:
-        args.members, args.reward_steps, args.iterations = [1, 2], 2, 2
+        args.members, args.reward_steps, args.iterations = [1, 2], 1, 1
     return args
 
 
@@ -139,7 +140,8 @@ def child(args: argparse.Namespace) -> dict:
     ppo_timer = Timing()
     cli = build_cli([*fit_arguments("ppo.yaml", workdir, f"ppo{members}", args.dry_run),
                      f"--model.init_args.reward={json.dumps(reward)}", f"--trainer.limit_train_batches={args.iterations + 1}",
-                     "--trainer.max_epochs=1", *(["--model.init_args.sampling.max_new_tokens=4"] if args.dry_run else [])])
+                     "--trainer.max_epochs=1", *(["--model.init_args.sampling.max_new_tokens=4",
+                                                  "--model.init_args.update.epochs=1"] if args.dry_run else [])])
     cli.trainer.callbacks.append(ppo_timer)
     with record_phases(ppo_timer.record):
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
