@@ -15,6 +15,7 @@ import torch
 from rlhf_lightning import EnsembleReward
 from rlhf_lightning.study import ensembles, spread
 from rlhf_lightning.study.best_of_n import best_of_n_curve
+from rlhf_lightning.study.ensemble_summary import best_of_n_table
 from rlhf_lightning.study.pipeline_runs import Pipeline, Sample, Stage
 from rlhf_lightning.study.runs import build_cli
 
@@ -93,6 +94,39 @@ def test_each_ppo_run_of_the_ensemble_study_is_scored_as_its_rule_says(rule, tin
     assert source.path == ([f"{ensemble_dir}/reward_0"] if rule == "single" else str(ensemble_dir))
 
 
+def test_each_member_data_of_the_ensemble_study_trains_its_own_ensemble_and_ppo_scores_with_the_first(tmp_path):
+    args = ensembles.parse_args(["--out", str(tmp_path), "--label-noise", "0.25", "--member-data", "bootstrap",
+                                 "shared", "partition", "--ppo-runs", "uwo:0.01"])
+    runs, sample = ensembles.pipeline(args), Sample(1, 1)
+    assert [stage for stage in runs.stages if stage.startswith("reward")] == [
+        "reward-bootstrap-noise0.25", "reward-noise0.25", "reward-partition-noise0.25"]
+    for member_data in ("bootstrap", "shared", "partition"):
+        stage = f"reward-{ensembles.ensemble_name(0.25, member_data)}"
+        command = runs.command(stage, sample)
+        assert f"--model.init_args.member_data={member_data}" in command and "--model.init_args.members=4" in command
+        assert "--data.init_args.label_noise=0.25" in command
+    # shared keeps the study's first folder names; the others name their data
+    assert runs.folder("reward-noise0.25", sample).parent.name == "reward-ensemble4-noise0.25"
+    assert runs.folder("reward-bootstrap-noise0.25", sample).parent.name == "reward-ensemble4-bootstrap-noise0.25"
+    ppo = " ".join(runs.command("ppo-uwo:0.01", sample))
+    assert str(runs.output("reward-bootstrap-noise0.25", sample)) in ppo
+    assert str(runs.output("reward-noise0.25", sample)) not in ppo
+    with pytest.raises(SystemExit):
+        ensembles.parse_args(["--member-data", "halves"])
+
+
+def test_the_best_of_n_table_of_one_ensemble_reads_only_its_own_runs():
+    scores = np.random.default_rng(0).normal(size=(4, 8, 2))
+    gold = scores.mean(-1)
+    curves = ensembles.best_of_n_curves(scores, gold, 8, uwo_coef=0.5)
+    bon = [{"noise": 0.25, "member_data": "shared", "curves": curves},
+           {"noise": 0.25, "member_data": "bootstrap", "curves": ensembles.best_of_n_curves(-scores, gold, 8, 0.5)}]
+    shared, gains = best_of_n_table(bon, 0.25, "shared")
+    assert gains["mean"].shape == (1, 4) and gains["mean"][0, -1] > 0  # the shared runs alone: picks follow the gold
+    _, flipped = best_of_n_table(bon, 0.25, "bootstrap")
+    assert flipped["mean"][0, -1] < 0 and shared != best_of_n_table(bon, 0.25, "bootstrap")[0]
+
+
 TINY = ["--model.init_args.base.architecture={model_type: gpt2, n_layer: 1, n_embd: 32, n_head: 2, n_positions: 64}",
         "--data.init_args.synthetic_rows=256", "--trainer.max_steps=8", "--trainer.val_check_interval=4"]
 TINY_REWARD = ["--model.init_args.lora={r: 4, alpha: 8}", "--data.init_args.synthetic_rows=160",
@@ -118,19 +152,12 @@ def test_the_studies_run_the_pipeline_as_a_user_does_and_share_its_stages(tmp_pa
     assert done["threads"] == 1 and "--seed_everything=1" in done["command"]
     stamp = (sft / "done.json").stat().st_mtime
     # the ensemble study on the same folder: the SFT stage is the spread study's, reused
-    result = ensembles.main([*arguments, "--members", "2", "--label-noise", "0.25", "--member-data", "shared",
-                             "bootstrap", "--best-of-n", "4",
+    result = ensembles.main([*arguments, "--members", "2", "--label-noise", "0.25", "--best-of-n", "4",
                              "--best-of-n-prompts", "8", "--ppo-runs", "min:0.01", "--ppo-epochs", "1",
                              "--eval-every", "2", *[f"--override=ppo={a}" for a in TINY_PPO]])
     assert (sft / "done.json").stat().st_mtime == stamp
     ensemble = next(out.glob("reward-ensemble2-noise0.25-*/seed1-threads1"))  # its tag names the overrides' hash
     assert json.loads((ensemble / "adapters" / "reward" / "ensemble.json").read_text())["member_data"] == "shared"
-    bootstrap = next(out.glob("reward-ensemble2-bootstrap-noise0.25-*/seed1-threads1"))
-    assert json.loads((bootstrap / "adapters" / "reward" / "ensemble.json").read_text())["member_data"] == "bootstrap"
-    assert [(b["member_data"], b["noise"]) for b in result["best_of_n"]] == [("shared", 0.25), ("bootstrap", 0.25)]
-    assert "Best-of-n, 25% of labels flipped, bootstrap data, 2 members" in result["table"]
-    # the PPO runs score with the first ensemble of --member-data
-    assert str(ensemble) in (next(out.glob("ppo-min-kl0.01-noise0.25-*/seed1-threads1")) / "done.json").read_text()
     curves = result["best_of_n"][0]["curves"]
     assert set(curves) == {"single", "mean", "min", "uwo"} and [p["n"] for p in curves["min"]] == [1, 2, 4]
     (trajectory,) = result["ppo"]["ppo-min:0.01"]
