@@ -57,9 +57,10 @@ class RewardModel(SupervisedStage):
         center_coef: weight of the reward-centering term ``mean((r_chosen + r_rejected)^2)``; 0 = off.
         members: reward models trained together on the one base (an ensemble); 1 = a single reward model.
         member_data: what each member of an ensemble trains on: ``shared`` every pair (members differ by their
-            initialisation alone); ``bootstrap`` each pair weighted by the member's own Poisson(1) count, an online
-            bootstrap resample; ``partition`` each pair trains one member (disjoint data). Drawn from the run's seed
-            and the pair's row, so a resumed fit draws the same.
+            initialisation alone, as Coste et al.'s differ by their seed; best-of-n picked better with them than
+            with either other on the embedded task: docs/studies.md); ``bootstrap`` each pair weighted by the
+            member's own Poisson(1) count, an online bootstrap resample; ``partition`` each pair trains one member
+            (disjoint data). Drawn from the run's seed and the pair's row, so a resumed fit draws the same.
         optimizer: AdamW and its schedule (``lr``, ``weight_decay``, ``warmup`` in optimizer steps, ``schedule``,
             ``adam_eps``, ``nonfinite``: see :class:`~rlhf_lightning.utils.optim.OptimizerSettings`).
         export_dir: folder for the trained reward model, under the run folder (``trainer.default_root_dir``)
@@ -75,7 +76,7 @@ class RewardModel(SupervisedStage):
         lora: LoraSpec | None = LoraSpec(),  # noqa: B008 (never mutated; the CLI shows it as the default)
         center_coef: float = 0.0,
         members: int = 1,
-        member_data: MemberData = "bootstrap",
+        member_data: MemberData = "shared",
         optimizer: OptimizerSettings = default_optimizer,
         export_dir: str | None = None,
     ) -> None:

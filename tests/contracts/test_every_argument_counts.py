@@ -205,7 +205,7 @@ OFFLINE_CASES: dict[str, Case] = {
     "desirable_weight": case(2.0, "fit"),
     "undesirable_weight": case(2.0, "fit"),
     "center_coef": case(0.5, "fit"),
-    "members": case(2, "fit"),  # two reward adapters and heads trained, each on its own bootstrap of the pairs
+    "members": case(2, "fit"),  # two reward adapters and heads trained, each from its own initialisation
     "member_data": case("partition", "fit", members=2),  # each pair trains one member, not a Poisson count of each
     "separator": case("add", "fit"),  # the PRM's steps end at another token: other labels, another loss
 }

@@ -101,7 +101,7 @@ def test_the_export_is_what_ensemble_reward_reads(tiny_model_dir, data, tmp_path
     assert logged["rm/val/disagreement"] > 0 and {f"rm/val/member_{k}/{name}" for k in range(3)
                                                    for name in ("accuracy", "gold_accuracy")} <= logged.keys()
     out = tmp_path / "export" / "reward"
-    assert json.loads((out / "ensemble.json").read_text()) == {"members": MEMBERS, "member_data": "bootstrap"}
+    assert json.loads((out / "ensemble.json").read_text()) == {"members": MEMBERS, "member_data": "shared"}
     stats = [json.loads((out / member / "reward_stats.json").read_text()) for member in MEMBERS]
     assert len({s["mean"] for s in stats}) == 3 and all(s["count"] == 2 * len(data.val_set) for s in stats)
 
@@ -135,7 +135,8 @@ def test_an_ensemble_stage_killed_with_sigkill_resumes_exactly(tiny_model_dir, r
     resumed with --ckpt_path last: every later metric, gradient and the trained weights equal the uninterrupted
     run's."""
     arguments, _ = stage("reward", tiny_model_dir, reward_dir)
-    arguments = [*arguments, *COMMON, "--model.init_args.members=3", "--trainer.limit_train_batches=5",
+    arguments = [*arguments, *COMMON, "--model.init_args.members=3", "--model.init_args.member_data=bootstrap",
+                 "--trainer.limit_train_batches=5",
                  "--trainer.limit_val_batches=0"]
     every = {"class_path": "rlhf_lightning.callbacks.Checkpoint",
              "init_args": {"every_n_train_steps": 1, "save_last": True, "enable_version_counter": False}}
