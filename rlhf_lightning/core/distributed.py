@@ -35,20 +35,21 @@ def sharding_mesh(trainer: L.Trainer | None) -> Any | None:
     if not isinstance(strategy, ModelParallelStrategy):
         return None
     mesh = strategy.device_mesh
-    refuse_unsupported_settings(mesh["tensor_parallel"].size(), trainer.world_size,
-                                getattr(strategy, "_save_distributed_checkpoint", False))
+    refuse_unsupported_settings(strategy, mesh["tensor_parallel"].size(), trainer.world_size)
     return mesh["data_parallel"]
 
 
-def refuse_unsupported_settings(tensor_parallel: int, world: int, distributed_checkpoint: bool) -> None:
-    """Raise ``ValueError`` for a ``ModelParallelStrategy`` set up for tensor parallelism or folder checkpoints."""
+def refuse_unsupported_settings(strategy: Any, tensor_parallel: int, world: int) -> None:
+    """Raise ``ValueError`` for a ``ModelParallelStrategy`` set up for tensor parallelism (``tensor_parallel`` ranks
+    of ``world``) or folder checkpoints."""
     if tensor_parallel > 1:
         raise ValueError(
             f"trainer.strategy ModelParallelStrategy with tensor_parallel_size={tensor_parallel}: "
             "our modules shard the base with FSDP2 over data-parallel ranks and apply no tensor parallelism; "
             f"set trainer.strategy.init_args.data_parallel_size={world} (devices x num_nodes) and "
             "tensor_parallel_size=1")
-    if distributed_checkpoint:
+    # Lightning's attribute: the option is stored, not exposed.
+    if getattr(strategy, "_save_distributed_checkpoint", False):
         raise ValueError(
             "trainer.strategy ModelParallelStrategy with save_distributed_checkpoint=true writes a folder per "
             "checkpoint, which the atomic checkpoints and the resume fallback do not cover; set "
@@ -91,8 +92,7 @@ def check_parallel_sizes(trainer: L.Trainer) -> None:
              "tensor_parallel_size": (strategy._tensor_parallel_size, devices)}
     resolved = {name: auto if given == "auto" else int(given) for name, (given, auto) in sizes.items()}
     if resolved["data_parallel_size"] * resolved["tensor_parallel_size"] == world:
-        refuse_unsupported_settings(resolved["tensor_parallel_size"], world,
-                                    getattr(strategy, "_save_distributed_checkpoint", False))
+        refuse_unsupported_settings(strategy, resolved["tensor_parallel_size"], world)
         return
     shown = {name: f"auto ({resolved[name]})" if given == "auto" else str(given) for name, (given, _) in sizes.items()}
     raise ValueError(

@@ -26,12 +26,12 @@ def spread(values: Sequence[float], digits: int = 2, sign: str = "+") -> str:
     return f"{statistics.mean(values):{sign}.{digits}f} ± {statistics.stdev(values):.{digits}f}"
 
 
-def best_of_n_table(bon: Sequence[dict], noise: float, member_data: str = "shared"
-                    ) -> tuple[list[str], dict[str, np.ndarray]]:
+def best_of_n_table(bon: Sequence[dict], noise: float,
+                    member_data: str) -> tuple[list[str], dict[str, np.ndarray]]:
     """Markdown rows of best-of-n at ``noise`` with members trained on ``member_data``: each rule's gold gain over the
     SFT policy (n = 1) at some n, its peak and what is lost from the peak at the largest n, mean ± SD over seeds; and
     each rule's gains ``[seeds, ns]``."""
-    runs = [b for b in bon if b["noise"] == noise and b.get("member_data", "shared") == member_data]
+    runs = [b for b in bon if (b["noise"], b["member_data"]) == (noise, member_data)]
     ns = [p["n"] for p in runs[0]["curves"]["single"]]
     shown = [n for n in ns if n in (4, 16, ns[-1])]
     lines = [f"| rule | {' | '.join(f'gold gain, n = {n}' for n in shown)} | peak (n) | largest n less peak |",
@@ -74,8 +74,8 @@ def ppo_table(trajectories: dict[str, list[dict[str, list[float]]]]) -> list[str
 
 def plot(path: Path, gains: dict[str, dict[str, np.ndarray]], kls: Sequence[float],
          trajectories: dict[str, list[dict[str, list[float]]]]) -> Path:
-    """Best-of-n (a panel per ensemble, titled by its label noise and data: gold gain against sqrt(KL)) and PPO (gold gain against iterations),
-    mean and ± SD band over seeds."""
+    """Best-of-n (a panel per ensemble, titled by its label noise and data: gold gain against sqrt(KL)) and PPO
+    (gold gain against iterations), mean and ± SD band over seeds."""
     from matplotlib.figure import Figure
 
     panels = len(gains) + (1 if trajectories else 0)

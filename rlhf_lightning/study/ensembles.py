@@ -125,8 +125,7 @@ def pipeline(args: argparse.Namespace) -> Pipeline:
     return Pipeline(Path(args.out), stages)
 
 
-def best_of_n(args: argparse.Namespace, runs: Pipeline, sample: Sample, noise: float,
-              member_data: str = "shared") -> dict:
+def best_of_n(args: argparse.Namespace, runs: Pipeline, sample: Sample, noise: float, member_data: str) -> dict:
     """Best-of-n of the SFT policy of ``sample`` against the ensemble trained at ``noise`` on ``member_data``: every
     member's score and the gold reward of ``--best-of-n`` samples per held-out prompt (kept in an ``.npz``), then each
     rule's curve."""
