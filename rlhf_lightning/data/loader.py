@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -26,10 +27,11 @@ class ResumableLoader:
     An epoch is as long as Lightning takes it (``limit``, the trainer's ``limit_train_batches``): when its last
     batch is handed out the state already points at the next epoch, so an epoch cut short by the limit is followed
     by a whole new one, while a run stopped mid-epoch by ``max_steps`` (or preemption) resumes where it stopped
-    (see :meth:`set_epoch`).
+    (see :meth:`set_epoch`). :meth:`ahead` hands out a coming batch early, and ``iter()`` hands out that same
+    object when its turn comes: each batch is read and collated once (:class:`EpochReading`).
 
     Kept rather than torchdata's ``StatefulDataLoader`` with torch's ``DistributedSampler``, which would shard the
-    same way (one permutation per epoch, ``rank::world``, the tail dropped) and resume too: this is about 100 lines
+    same way (one permutation per epoch, ``rank::world``, the tail dropped) and resume too: this is about 200 lines
     and no further dependency, and Lightning passes it its epoch and state without re-instantiating it to inject
     a sampler (it leaves iterables that are not ``DataLoader``s alone), so which rows each rank trains on, hence
     the one-process / N-rank equivalence, stays in this file.
@@ -70,6 +72,7 @@ class ResumableLoader:
         self.epoch = 0
         self.batches_done = 0
         self.lightning_ahead = 0
+        self._readings: dict[int, EpochReading] = {}  # epoch -> its batches being read (see ahead)
         if len(self) == 0:
             raise ValueError(
                 f"{len(dataset)} examples make no batch of {batch_size} per rank; lower the batch size"
@@ -100,38 +103,46 @@ class ResumableLoader:
         return per_rank // self.batch_size if self.drop_last else -(-per_rank // self.batch_size)
 
     def __iter__(self) -> Iterator[Any]:
-        batches = self._epoch_batches()
-        if self.batches_done >= len(batches):  # resumed from a checkpoint taken at the end of an epoch
+        if self.batches_done >= len(self._epoch_batches()):  # resumed from a checkpoint taken at an epoch's end
             self.epoch, self.batches_done = self.epoch + 1, 0
-            batches = self._epoch_batches()
-        loader = DataLoader(
-            self.dataset,
-            batch_sampler=batches[self.batches_done :],
-            collate_fn=self.collate_fn,
-            num_workers=self.num_workers,
-        )
-        for batch in loader:
+        reading = self._reading(self.epoch, self.batches_done)
+        for batch in reading:
             # Counted before the yield: a checkpoint taken while this batch trains must not replay it, and one
             # taken while the epoch's last batch trains resumes at the next epoch.
             self.batches_done += 1
-            if self.batches_done == len(batches):
+            if self.batches_done == reading.end:
                 self.epoch, self.batches_done = self.epoch + 1, 0
             yield batch
 
+    def _reading(self, epoch: int, start: int) -> EpochReading:
+        """The reading of ``epoch``'s batches from batch ``start`` on: the one :meth:`ahead` began, if it is there,
+        so that a batch read ahead is the very batch handed out (read and collated once); readings of earlier
+        epochs are let go."""
+        self._readings = {kept: reading for kept, reading in self._readings.items() if kept >= epoch}
+        reading = self._readings.get(epoch)
+        if reading is None or reading.position != start:
+            reading = self._readings[epoch] = EpochReading(self._batches_of(epoch), start, self._collated)
+        return reading
+
+    def _collated(self, batches: list[list[int]]) -> Iterator[Any]:
+        return iter(DataLoader(self.dataset, batch_sampler=batches, collate_fn=self.collate_fn,
+                               num_workers=self.num_workers))
+
     def ahead(self, count: int) -> Any:
-        """The batch ``count`` places after the last one handed out (1: the next), collated, without moving: into the
-        next epoch when this one ends first (an asynchronous run draws rollouts of iterations ahead of the one that
-        trains). An epoch's batches are a function of ``(seed, epoch)``, so this is the batch ``iter()`` will hand
-        out then."""
+        """The batch ``count`` places after the last one handed out (1: the next), without moving: into the next
+        epoch when this one ends first (an asynchronous run draws rollouts of iterations ahead of the one that
+        trains). The batch is read once: ``iter()`` hands out this same object when its turn comes."""
         if count < 1:
             raise ValueError(f"ahead({count}): count the batches after the last one handed out, from 1")
         epoch, index = self.epoch, self.batches_done + count - 1
-        batches = self._batches_of(epoch)
-        while index >= len(batches):
-            index -= len(batches)
+        while index >= (length := len(self._batches_of(epoch))):
+            index -= length
             epoch += 1
-            batches = self._batches_of(epoch)
-        return self.collate_fn([self.dataset[row] for row in batches[index]])
+        start = self.batches_done if epoch == self.epoch else 0
+        reading = self._readings.get(epoch)
+        if reading is None or reading.position > index:  # not begun, or (resumed) begun past it
+            reading = self._readings[epoch] = EpochReading(self._batches_of(epoch), start, self._collated)
+        return reading.peek(index)
 
     def _batches_of(self, epoch: int) -> list[list[int]]:
         current, self.epoch = self.epoch, epoch
@@ -163,4 +174,39 @@ class ResumableLoader:
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue from ``state`` on the next ``iter()``."""
         self.epoch, self.batches_done = state["epoch"], state["batches_done"]
+        self._readings = {}
         self.lightning_ahead = state.get("lightning_ahead", 0)  # absent from checkpoints of earlier versions
+
+
+class EpochReading:
+    """One epoch's batches read in order from batch ``start``, each collated once, with the batches read ahead of
+    the last one handed out kept until they are handed out.
+
+    Args:
+        batches: the epoch's batches (rows of the dataset).
+        start: the first batch to read.
+        collated: the collated batches of a list of batches, in order (a ``DataLoader`` over them).
+    """
+
+    def __init__(self, batches: list[list[int]], start: int,
+                 collated: Callable[[list[list[int]]], Iterator[Any]]) -> None:
+        self.end = len(batches)
+        self.position = start  # the batch the next ``next()`` hands out
+        self._source = collated(batches[start:])
+        self._read: deque[Any] = deque()  # read ahead: batches position, position + 1, ...
+
+    def peek(self, index: int) -> Any:
+        """Batch ``index`` of the epoch (at or after :attr:`position`), read now if it was not yet."""
+        while len(self._read) <= index - self.position:
+            self._read.append(next(self._source))
+        return self._read[index - self.position]
+
+    def __iter__(self) -> EpochReading:
+        return self
+
+    def __next__(self) -> Any:
+        if self.position >= self.end:
+            raise StopIteration
+        batch = self._read.popleft() if self._read else next(self._source)
+        self.position += 1
+        return batch

@@ -7,7 +7,8 @@ names no engine.
 The schedule (``S`` = ``asynchronous.max_staleness``): iteration ``m`` trains on a rollout drawn by the policy that
 iteration ``d(m) = max(0, m - S)`` started from. When iteration ``n`` starts, the rollout of iteration ``n + S`` is
 submitted to the :class:`~rlhf_lightning.rollout.producer.RolloutProducer`, drawn by the current adapter, on the
-prompts the training loader will hand out then (:meth:`~rlhf_lightning.data.loader.ResumableLoader.ahead`); iteration
+prompts the training loader will hand out then (:meth:`~rlhf_lightning.data.loader.ResumableLoader.ahead`, which reads
+each batch once: the trainer is handed the very batch the producer drew from); iteration
 ``n`` takes its own rollout, submitted ``S`` iterations earlier (the first ``S`` iterations of a run are drawn by the
 starting policy, all at once). This is the admission bound of AReaL and SkyRL (at policy version ``v``, at most
 ``(S + v + 1) B`` prompts admitted) at the granularity of a batch; nothing is dropped.

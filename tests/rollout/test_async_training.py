@@ -157,17 +157,40 @@ def test_seeds_drawn_ahead_are_the_synchronous_loops_request_seeds():
     assert per_prompt.ahead(5, 1, torch.tensor([4, 9]), 2, 2) == Seeds.turn(rows, 1)  # the first turn's, as drawn
 
 
-def test_the_loader_hands_out_ahead_the_batches_it_will_hand_out_across_epochs():
-    loader = ResumableLoader(list(range(10)), 3, lambda rows: rows, seed=3, limit=2)
+def test_the_loader_hands_out_ahead_the_batches_it_will_hand_out_across_epochs_each_read_once():
+    collated = []
+
+    def collate(rows):
+        collated.append(list(rows))
+        return list(rows)
+
+    loader = ResumableLoader(list(range(10)), 3, collate, seed=3, limit=2)
     handed = iter(loader)
     first = next(handed)
     ahead = [loader.ahead(count) for count in (1, 2, 3)]  # the epoch's last batch, then the next epoch's two
+    assert loader.ahead(2) is ahead[1]  # asked again: the same batch, not read again
     later = [next(handed)]
     loader.set_epoch(1)
     later += list(iter(loader))
     assert ahead == later and first not in ahead[:1]
+    assert all(drawn is trained for drawn, trained in zip(ahead, later, strict=True))  # the very batches trained on
+    assert len(collated) == 1 + 3  # the loader read: every batch once
     with pytest.raises(ValueError, match="from 1"):
         loader.ahead(0)
+
+
+def test_a_resumed_loader_reads_ahead_from_where_it_stopped():
+    loader = ResumableLoader(list(range(10)), 3, lambda rows: list(rows), seed=3)
+    handed = iter(loader)
+    next(handed)
+    state = loader.state_dict()
+    expected = [loader.ahead(1), loader.ahead(2)]
+    resumed = ResumableLoader(list(range(10)), 3, lambda rows: list(rows), seed=3)
+    resumed.load_state_dict(state)
+    drawn = [resumed.ahead(1), resumed.ahead(2)]
+    assert drawn == expected  # the same rows as the loader it resumes
+    rest = list(iter(resumed))  # the epoch's two batches left (3 of 10 rows each, the last row dropped)
+    assert len(rest) == 2 and all(a is b for a, b in zip(drawn, rest, strict=True))
 
 
 # ---- on the session's vLLM server ---------------------------------------------------------------------------
