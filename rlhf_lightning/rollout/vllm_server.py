@@ -226,9 +226,14 @@ class VLLMServer(Engine):
         self.push_seconds = time.perf_counter() - start
 
     def retire(self, role: str) -> None:
-        """Unload ``role``'s versions that are neither the current one nor drawn from by a request in flight."""
+        """Unload ``role``'s versions that are neither the current one nor drawn from by a request in flight. Drawing
+        ahead, the ``staleness + 1`` newest stay too: ranks sharing a server load a version under one name, and
+        another rank's producer may still draw from one this rank no longer pins (an iteration's rollout is taken by
+        every rank before its optimizer step, so only versions older than these are done with on every rank)."""
+        resident = sorted(self.resident.get(role, ()))
+        recent = set(resident[-(self.staleness + 1):]) if self.staleness else set()
         with self._pins_lock:
-            retired = {old for old in self.resident.get(role, ()) if old != self.loaded.get(role)
+            retired = {old for old in resident if old != self.loaded.get(role) and old not in recent
                        and not self._pins[(role, old)]}
         for old in sorted(retired):
             try:

@@ -114,6 +114,25 @@ def test_each_sync_loads_a_new_version_by_name_and_retires_the_one_before(served
 
 
 @with_vllm
+def test_drawing_ahead_keeps_loaded_the_versions_another_rank_may_still_draw_from(served):
+    """Ranks sharing a server load a version under one name, and another rank's producer may still draw from one
+    this rank has released: at staleness S the S + 1 newest versions stay loaded, whatever this rank's pins say (a
+    DDP run drawing ahead on one server failed with a 404 for a version rank 0 had unloaded)."""
+    model, sampler, _, engine = served
+    engine.keep_versions(1)
+    try:
+        for version in (10, 11, 12):
+            sampler.sync(model, POLICY, version)
+            engine.serve_version(model, POLICY, version).release()  # this rank is done with it at once
+        names = served_names(engine)
+        assert {engine.adapter_name(POLICY, 11), engine.adapter_name(POLICY, 12)} <= names
+        assert engine.adapter_name(POLICY, 10) not in names  # older than any rank's rollout in flight
+    finally:
+        engine.keep_versions(0)
+        sampler.sync(model, POLICY, 13)  # loaded at once again, the versions before it retired
+
+
+@with_vllm
 def test_a_stale_or_missing_adapter_stops_the_draw_in_one_line(served, monkeypatch):
     model, sampler, _, engine = served
     version = engine.loaded[POLICY]
