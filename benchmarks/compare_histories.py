@@ -5,9 +5,9 @@ Run the same command on two checkouts (or before and after a change), then::
     python benchmarks/compare_histories.py outputs/ppo-before outputs/ppo-after
 
 It prints one line per run pair: rows in each, the keys they share and those only one has, the rows and keys that
-differ and the largest difference. Wall-clock keys (``time/``, ``throughput/``, ``_runtime``, ``_timestamp``) are
-left out: they differ between any two runs. Exit status 0 when every value is equal (to ``--tolerance``, 0 by
-default: identical), 1 otherwise.
+differ and the largest difference. Wall-clock keys (``time/``, ``throughput/``, ``perf/``: rates and shares of the
+wall time, ``_runtime``, ``_timestamp``) are left out: they differ between any two runs. Exit status 0 when every
+value is equal (to ``--tolerance``, 0 by default: identical), 1 otherwise.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from rlhf_lightning.runs.wandb_offline import read_history
 
-CLOCK_GROUPS = {"time", "throughput"}  # ppo/time/rollout, ppo/throughput/tokens_per_second, ...
+CLOCK_GROUPS = {"time", "throughput", "perf"}  # ppo/time/rollout, ppo/perf/mfu, ppo/perf/share/update/backward, ...
 CLOCK_KEYS = ("_runtime", "_timestamp", "_wandb")
 
 
