@@ -311,20 +311,11 @@ def accepted_arguments(class_path: str | type) -> list[str]:
     """Every argument ``class_path``'s constructor takes, as the command line reads it: its parents' included where
     it passes ``**kwargs`` up, less those it fixes itself in that call (online DPO's ``samples_per_prompt``).
     ``class_path``: the class's import path, or the class itself."""
-    from jsonargparse import ArgumentParser
-
+    from rlhf_lightning.core.stage import constructor_arguments
     from rlhf_lightning.runs.resume import import_class
 
     cls = import_class(class_path) if isinstance(class_path, str) else class_path
-    if cls is None:
-        return []
-    parser = ArgumentParser(exit_on_error=False)
-    try:
-        parser.add_class_arguments(cls, "init", fail_untyped=False)
-    except Exception:  # noqa: BLE001 - a class the parser cannot read: no names to suggest
-        return []
-    names = [action.dest.removeprefix("init.") for action in parser._actions if action.dest.startswith("init.")]
-    return list(dict.fromkeys(name.split(".")[0] for name in names))
+    return [] if cls is None else constructor_arguments(cls)
 
 
 def module_names(module: str) -> list[str]:

@@ -24,7 +24,8 @@ import yaml
 from rlhf_lightning.callbacks.progress_lines import duration, held_out, metric_text
 from rlhf_lightning.callbacks.run_report import RunReport
 from rlhf_lightning.callbacks.run_shape import batches_done
-from rlhf_lightning.core.policy import PolicyModule
+from rlhf_lightning.core.offline import OfflinePreference
+from rlhf_lightning.core.online import OnlineRL
 from rlhf_lightning.runs.resume import class_path
 from rlhf_lightning.stages.sft import SFT
 
@@ -66,10 +67,13 @@ def hyperparameters_block(settings: Mapping[str, Any]) -> str:
     return yaml.safe_dump(plain(settings), sort_keys=True, default_flow_style=None, width=110).rstrip()
 
 
+POLICY_STAGES = (OnlineRL, OfflinePreference)  # the stages that optimise a policy (the module's policy part)
+
+
 def change_label(module: Any) -> str:
     """What the card compares the last validation with: the starting policy for the policy stages, the base
     model for SFT, the untrained head for a reward model (which has no policy)."""
-    if isinstance(module, PolicyModule):
+    if isinstance(module, POLICY_STAGES):
         return "Change from the starting policy"
     if isinstance(module, SFT):
         return "Change from the base model (its validation before the first step)"
@@ -143,7 +147,7 @@ def model_card(trainer: L.Trainer, module: Any, argv: Sequence[str], change: str
     lines.append(made_on())
     result = held_out(trainer.callback_metrics)
     accuracy = {name: value for name, value in result.items() if name.endswith("accuracy")}
-    if accuracy and not isinstance(module, PolicyModule | SFT):  # what a reward model is judged by
+    if accuracy and not isinstance(module, (*POLICY_STAGES, SFT)):  # what a reward model is judged by
         lines.append(f"- **Held-out accuracy**: {metric_text(accuracy)} (share of held-out pairs it orders as "
                      "labelled" + ("; gold_accuracy: as the noise-free gold reward orders them)"
                                    if any("gold" in name for name in accuracy) else ")"))

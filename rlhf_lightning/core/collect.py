@@ -80,8 +80,8 @@ class Collector:
         synchronous."""
         settings = self.asynchronous
         if self._draw_ahead is None and settings.max_staleness and module.model is not None:
-            self._draw_ahead = DrawAhead(module.rollouts, module.model, self.samples_per_prompt, module.global_rank,
-                                         settings.max_staleness, settings.rollout_timeout)
+            self._draw_ahead = DrawAhead(module.policy.rollouts, module.model, self.samples_per_prompt,
+                                         module.global_rank, settings.max_staleness, settings.rollout_timeout)
         return self._draw_ahead
 
     def training_rollout(self, module: OnlineModule, prompts: dict[str, Any]) -> tuple[Rollout, Stats]:
@@ -92,7 +92,7 @@ class Collector:
             return draw_ahead.rollout(prompts, module.iteration, module.trainer.global_step,
                                       loader_ahead(module.trainer.train_dataloader), module.device)
         with phase("rollout/generate"):
-            return module.rollouts.run(module.model, POLICY, prompts, self.samples_per_prompt,
+            return module.policy.rollouts.run(module.model, POLICY, prompts, self.samples_per_prompt,
                                        f"train {module.iteration}"), {}
 
     def save(self, module: OnlineModule, checkpoint: dict[str, Any]) -> None:
@@ -125,11 +125,11 @@ class Collector:
         plan = module.pass_plan  # made at setup (outside a fit, now)
         with phase("rollout/logprobs"):
             if plan.rollout_logprobs:
-                logprobs, entropy = module.response_logprobs(POLICY, ids, attention, mask, with_entropy=True)
+                logprobs, entropy = module.policy.response_logprobs(POLICY, ids, attention, mask, with_entropy=True)
             if plan.reference_logprobs:
-                ref_logprobs, _ = module.response_logprobs(REFERENCE, ids, attention, mask)
+                ref_logprobs, _ = module.policy.response_logprobs(REFERENCE, ids, attention, mask)
         texts = [text for text in prompts["prompt"] for _ in range(group)]
-        completions = module.decode(rollout.responses, rollout.read_mask)
+        completions = module.policy.decode(rollout.responses, rollout.read_mask)
         try:
             with phase("rollout/reward"):
                 source_scores, step_rewards = self.rewards.score_steps(self.reward_inputs(
@@ -153,8 +153,9 @@ class Collector:
                                 entropy=entropy)
         stats = sample_statistics(rollout, self.rewards, source_scores, raw_scores) | ahead_stats
         gold = None
-        if module.gold_reward is not None:
-            gold = gold_scores(module.gold_reward, prompts["prompt"], completions, prompts.get("columns"), repeat=group)
+        if module.policy.gold_reward is not None:
+            gold = gold_scores(module.policy.gold_reward, prompts["prompt"], completions, prompts.get("columns"),
+                               repeat=group)
             stats["objective/gold"] = torch.tensor(gold).mean()
         if rollout.episodes is not None:
             stats.update(episode_statistics(rollout.episodes))
@@ -194,7 +195,7 @@ class Collector:
         ``[B, S]``, NaN where a source does not apply; ``prompts`` as the dataset holds them, text or messages,
         ``columns`` its other columns)."""
         return reward_inputs(input_ids, attention_mask, response_mask, completions, prompts, columns,
-                             module.tokenizer, module.sampler.settings.stop_token_ids)
+                             module.tokenizer, module.policy.sampler.settings.stop_token_ids)
 
     def guard_scores(self, module: OnlineModule, problems: list[str]) -> None:
         """Stop on non-finite scores (``problems``, one line each, possibly from another rank): raise

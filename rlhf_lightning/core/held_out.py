@@ -1,5 +1,6 @@
-"""The evaluation of sampled responses on held-out prompts (:class:`HeldOutSamples`, the ``held_out`` component of
-:class:`~rlhf_lightning.core.policy.PolicyModule`): one response per prompt (and more for pass@k), its KL to the
+"""The evaluation of sampled responses on held-out prompts (:class:`HeldOutSamples`, the ``held_out`` part of the
+policy-optimising modules, :class:`~rlhf_lightning.core.online.OnlineRL` and
+:class:`~rlhf_lightning.core.offline.OfflinePreference`): one response per prompt (and more for pass@k), its KL to the
 reference, length, stop rate and gold reward, and the gold reward per task where the prompts name their task."""
 
 from __future__ import annotations
@@ -45,13 +46,14 @@ def gold_scores(gold_reward: Callable[..., Sequence[float]], prompts: Sequence[A
 
 
 class HeldOutSamples:
-    """The evaluation of sampled responses on held-out prompts, held by a :class:`PolicyModule` as ``held_out``:
+    """The evaluation of sampled responses on held-out prompts, held by a policy-optimising module as ``held_out``:
     one response per prompt (and ``pass_at_k.samples`` more with pass@k), its KL to the reference, length, stop
-    rate and gold reward, and what the module's :meth:`~PolicyModule.evaluate_extra` adds (an online module's reward
-    scores), averaged over the validation and logged when it ends.
+    rate and gold reward, and what the module's ``evaluate_extra`` adds (an online module's reward scores), averaged
+    over the validation and logged when it ends.
 
-    It samples with the module's sampler, rollouts and model, and logs through it; its metrics are its own
-    (``metrics``, ``gold_spread``), which the module registers so that they move to its device.
+    It samples with the module's ``policy`` (its sampler, turn loop and log-probabilities) and logs through the
+    module; its metrics are its own (``metrics``, ``gold_spread``), which the module registers so that they move to
+    its device.
 
     Args:
         module: the policy module evaluated.
@@ -74,7 +76,7 @@ class HeldOutSamples:
         module's ``evaluate_extra`` added to the validation metrics."""
         values, _, _ = self.sample_and_measure(prompts, batch_idx)
         self.record_groups(values.get("gold"), (prompts.get("columns") or {}).get(GROUP_COLUMN))
-        if self.module.pass_at_k.enabled:
+        if self.module.policy.pass_at_k.enabled:
             values.update(self.sample_pass_at_k(prompts, batch_idx))
         self.record(values)
         return values
@@ -83,14 +85,14 @@ class HeldOutSamples:
     def sample_pass_at_k(self, prompts: dict[str, Any], batch_idx: int) -> dict[str, Tensor]:
         """pass@k (and maj@k, when the gold reward reads answers) per held-out prompt of ``prompts``, from
         ``pass_at_k.samples`` responses each, drawn from a stream of their own (``purpose`` ``pass_at_k``)."""
-        module = self.module
-        n = module.pass_at_k.samples
-        with module.sampler.seeds.evaluation(batch_idx, module.global_rank, module.device, "pass_at_k"), \
-                module.sampler.gathered_base(module.model):
-            rollout = module.rollouts.run(module.model, POLICY, prompts, n, "pass_at_k")
-            texts = module.decode(rollout.responses, rollout.read_mask)
-        gold = gold_scores(module.gold_reward, prompts["prompt"], texts, prompts.get("columns"), repeat=n)
-        return pass_at_k_values(module.pass_at_k, gold, texts, answer_reader(module.gold_reward))
+        module, policy = self.module, self.module.policy
+        n = policy.pass_at_k.samples
+        with policy.sampler.seeds.evaluation(batch_idx, module.global_rank, module.device, "pass_at_k"), \
+                policy.sampler.gathered_base(module.model):
+            rollout = policy.rollouts.run(module.model, POLICY, prompts, n, "pass_at_k")
+            texts = policy.decode(rollout.responses, rollout.read_mask)
+        gold = gold_scores(policy.gold_reward, prompts["prompt"], texts, prompts.get("columns"), repeat=n)
+        return pass_at_k_values(policy.pass_at_k, gold, texts, answer_reader(policy.gold_reward))
 
     @torch.no_grad()
     def sample_and_measure(self, prompts: dict[str, Any], batch_idx: int,
@@ -98,12 +100,12 @@ class HeldOutSamples:
         """The per-sample validation values of one response per prompt (evaluation batch ``batch_idx``'s stream;
         with ``seed_scope: prompt`` each prompt's own), the rollout itself and its texts (what reward sources read).
         ``extra``: with the module's ``evaluate_extra`` values (the reward sources' scores of the online modules)."""
-        module = self.module
-        module.check_built()
-        with module.sampler.seeds.evaluation(batch_idx, module.global_rank, module.device), \
-                module.sampler.gathered_base(module.model):
-            rollout = module.rollouts.run(module.model, POLICY, prompts, 1, "validation")
-            texts = module.decode(rollout.responses, rollout.read_mask)
+        module, policy = self.module, self.module.policy
+        policy.check_built()
+        with policy.sampler.seeds.evaluation(batch_idx, module.global_rank, module.device), \
+                policy.sampler.gathered_base(module.model):
+            rollout = policy.rollouts.run(module.model, POLICY, prompts, 1, "validation")
+            texts = policy.decode(rollout.responses, rollout.read_mask)
             values = self.sample_values(rollout, prompts["prompt"], texts, prompts.get("columns"))
             if extra:
                 values.update(module.evaluate_extra(rollout, prompts, texts))
@@ -115,17 +117,17 @@ class HeldOutSamples:
         """Per-sample validation values of a rollout: ``kl`` (nats, to the reference, over the policy's tokens),
         ``length``, ``eos_frac`` and ``gold`` (with a gold reward, of ``texts``: what reward sources read; the
         prompts' other ``columns`` are its keywords when it takes them, :func:`gold_scores`)."""
-        module = self.module
+        policy = self.module.policy
         ids, mask, response_mask = rollout.input_ids, rollout.attention_mask, rollout.response_mask
-        logprobs, _ = module.response_logprobs(POLICY, ids, mask, response_mask)
-        ref_logprobs, _ = module.response_logprobs(REFERENCE, ids, mask, response_mask)
+        logprobs, _ = policy.response_logprobs(POLICY, ids, mask, response_mask)
+        ref_logprobs, _ = policy.response_logprobs(REFERENCE, ids, mask, response_mask)
         values = {
             "kl": sequence_kl(logprobs, ref_logprobs, response_mask),
             "length": response_mask.sum(-1).float(),
             "eos_frac": rollout.is_stopped.float(),
         }
-        if module.gold_reward is not None:
-            values["gold"] = torch.tensor(gold_scores(module.gold_reward, prompts, texts, columns))
+        if policy.gold_reward is not None:
+            values["gold"] = torch.tensor(gold_scores(policy.gold_reward, prompts, texts, columns))
         return values
 
     def record(self, values: dict[str, Tensor]) -> None:

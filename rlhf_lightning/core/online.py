@@ -36,8 +36,9 @@ rollout statistics are those of the policy the iteration started from (iteration
 
 from __future__ import annotations
 
+import inspect
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -48,14 +49,14 @@ from rlhf_lightning.core.collect import Collector, SkipIteration, Stats
 from rlhf_lightning.core.experience import Experience, FirstPass, Samples
 from rlhf_lightning.core.micro_batches import UpdateSettings
 from rlhf_lightning.core.pass_plan import PassPlan, PassSettings, plan_passes
-from rlhf_lightning.core.policy import POLICY, PolicyModule
+from rlhf_lightning.core.policy import POLICY, Policy, hold_policy
+from rlhf_lightning.core.stage import StageModule
 from rlhf_lightning.core.update import PolicyUpdate, iteration_statistics, iteration_tokens
-from rlhf_lightning.environments.environment import Environment
 from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.rewards.combine import RewardSet, RewardShaping
 from rlhf_lightning.rewards.sources import RewardSource
 from rlhf_lightning.rollout.ahead import Asynchronous
-from rlhf_lightning.rollout.rollouts import Rollout, Rollouts
+from rlhf_lightning.rollout.rollouts import Rollout
 from rlhf_lightning.rollout.settings import Episodes
 from rlhf_lightning.utils import checks, compatibility
 from rlhf_lightning.utils.flops import TokenCounts
@@ -65,13 +66,15 @@ from rlhf_lightning.utils.timing import Stopwatch
 log = logging.getLogger(__name__)
 
 
-class OnlineRL(PolicyModule):
+class OnlineRL(StageModule):
     """The on-policy loop: collect, shape the rewards, the algorithm's hook, update, log.
 
     A new algorithm on it defines :meth:`prepare_update` and :meth:`loss` (see
     :class:`~rlhf_lightning.stages.online_dpo.OnlineDPO`); one with a policy-gradient loss subclasses
-    :class:`~rlhf_lightning.core.policy_gradient.PolicyGradient` instead and defines its advantages. Step 1 is the
-    :class:`~rlhf_lightning.core.collect.Collector` the module holds as ``collector``.
+    :class:`~rlhf_lightning.core.policy_gradient.PolicyGradient` instead and defines its advantages. Its parts: the
+    ``policy`` (:class:`~rlhf_lightning.core.policy.Policy`, which takes and documents ``base``, ``sampling``,
+    ``engine`` and the other arguments not listed here), step 1's ``collector``
+    (:class:`~rlhf_lightning.core.collect.Collector`), step 4's ``updater`` and the evaluation ``held_out``.
 
     Args:
         reward: how responses are scored: ``AdapterReward`` (the reward stage's adapter on this base),
@@ -106,6 +109,8 @@ class OnlineRL(PolicyModule):
     # Consecutive rows that minibatches and micro-batches never split (a pair of online DPO).
     rows_kept_together = 1
     default_update = UpdateSettings()  # one pass, one minibatch, gradients clipped at 1.0
+    exported_roles: tuple[str, ...] = (POLICY,)  # adapters written by ``export`` when the fit ends
+    sampled_roles: tuple[str, ...] = (POLICY,)  # adapters the engine samples from: synced after each optimizer step
     # A reward source that scores steps (ProcessReward): each step's score at its step's last token (PPO, whose
     # critic can credit tokens), or the reduction of its steps' scores as the response's (the critic-free family).
     dense_step_rewards = False
@@ -123,20 +128,18 @@ class OnlineRL(PolicyModule):
         share_prompt: bool = True,
         asynchronous: Asynchronous = Asynchronous(),  # noqa: B008 (frozen; the CLI shows it as the default)
         update: UpdateSettings = default_update,
-        optimizer: OptimizerSettings = PolicyModule.default_optimizer,
+        optimizer: OptimizerSettings = StageModule.default_optimizer,
         **kwargs: Any,
     ) -> None:
-        super().__init__(*args, **kwargs)
-        if self.sampling.top_k or self.sampling.top_p < 1.0:
-            raise ValueError(
-                "sampling.top_k/top_p: the losses and the KL use log-probs of the full distribution (at the "
-                "temperature), so sampling from a truncated one would make every ratio and KL wrong; set "
-                "sampling.top_k: 0, sampling.top_p: 1.0"
-            )
+        policy = Policy(*args, **kwargs)
+        super().__init__(policy.base)
+        hold_policy(self, policy, inspect.currentframe())  # self.policy, self.sampling, self.held_out
+        policy.refuse_truncated_sampling()  # the loop trains on its own samples
         self.asynchronous: Asynchronous = self.keep_group("asynchronous", asynchronous, Asynchronous())
-        self.asynchronous.prepare(self.engine)  # an engine that cannot draw ahead is refused here
+        self.asynchronous.prepare(policy.engine)  # an engine that cannot draw ahead is refused here
         checks.at_least("samples_per_prompt", samples_per_prompt)
         self.episodes: Episodes = self.keep_group("episodes", episodes, Episodes())
+        policy.use_episodes(self.episodes)
         sources = list(reward) if isinstance(reward, list | tuple) else [reward]
         self.episodes.check_sources(sources)
         self.rewards = RewardSet(sources, self.keep_group("reward_shaping", reward_shaping, RewardShaping()))
@@ -153,34 +156,25 @@ class OnlineRL(PolicyModule):
         compatibility.renamed_hooks(cls)  # an old name the loop no longer reads: refused in one line
 
     def build_model(self, empty: bool) -> SharedBase:
-        model = super().build_model(empty)
+        model = self.policy.build(self.load_base(empty=empty))
         model.share_prompt = self.share_prompt
         self.rewards.setup(model, self.tokenizer)
         return model
 
     @property
-    def environment(self) -> Callable[[], Environment] | None:
-        """The episodes' environment (``episodes.environment``); None = single-turn responses."""
-        return self.episodes.environment
-
-    def make_rollouts(self) -> Rollouts:
-        episodes = self.episodes
-        return Rollouts(self.sampler, self.tokenizer, episodes.environment, episodes.max_turns, episodes.max_tokens)
+    def iteration(self) -> int:
+        """Training batches completed before the current one (across epochs); 0 outside a fit."""
+        return 0 if self._trainer is None else self.trainer.fit_loop.epoch_loop.total_batch_idx
 
     def setup(self, stage: str) -> None:
+        self.policy.prepare(self._trainer)  # the engine's refusal, before the model is built
         super().setup(stage)
         self.collector.plan = plan_passes(self.pass_settings())  # the hyper-parameters are final
-        self.rollouts  # noqa: B018 (an environment or chat template that cannot run episodes fails here)
+        self.policy.rollouts  # noqa: B018 (an environment or chat template that cannot run episodes fails here)
         datamodule = self.datamodule
         self.collector.check_sources(datamodule)
-        if stage == "fit":  # the rollout's split into minibatches: checked before the first rollout, not after it
-            self.updater.check_batch_size(datamodule, self.hparams.samples_per_prompt)
-        no_text = getattr(datamodule, "ptx", None) is None  # pretraining text and a loss on it come together
-        if stage == "fit" and datamodule is not None and no_text != (self.ptx_coef == 0):
-            raise ValueError(f"loss.ptx_coef={self.ptx_coef} needs pretraining text: set data.init_args.ptx_dataset"
-                             if no_text
-                             else f"data.init_args.ptx_dataset is set, but {type(self).__name__} has no pretraining "
-                             "loss on it (loss.ptx_coef 0): its batches would never be trained on; drop it")
+        if stage == "fit":  # before the first rollout, not after it
+            self.updater.check_data(datamodule, self.hparams.samples_per_prompt, self.ptx_coef, type(self).__name__)
 
     @property
     def pass_plan(self) -> PassPlan:
@@ -202,27 +196,23 @@ class OnlineRL(PolicyModule):
         (:class:`~rlhf_lightning.core.policy_gradient.PolicyGradient` has ``loss.ptx_coef``)."""
         return 0.0
 
-    @property
-    def steps_per_rollout(self) -> int:
-        """Optimizer steps made on one rollout (before any target-KL stop)."""
-        return self.update_settings.steps_per_rollout
-
     def pass_settings(self) -> PassSettings:
         """What decides which passes an iteration runs (:func:`~rlhf_lightning.core.pass_plan.plan_passes`): the
         update's shape here; an algorithm adds its KL (``kl.added_to``, whether it is charged or measured)."""
-        return PassSettings(self.steps_per_rollout, whole_first_step=self.update_settings.whole_first_step)
+        update = self.update_settings
+        return PassSettings(update.steps_per_rollout, whole_first_step=update.whole_first_step)
 
     # ---- the iteration ------------------------------------------------------------------------------------
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         watch = Stopwatch()  # time/rollout: its laps; time/update: the rest (the first update pass included)
         self._iteration_tokens = TokenCounts()  # an iteration skipped processed nothing worth a rate
-        self.sampler.seeds.start_iteration(self.iteration, self.global_rank)
+        self.policy.sampler.seeds.start_iteration(self.iteration, self.global_rank)
         try:
             with watch.lap("rollout"):
                 experience, stats = self.collect_experience(batch["prompts"])  # 1. sampling, every pass once
         except SkipIteration as skipped:
-            self.skip_iteration(str(skipped))
+            self.updater.skip(self, str(skipped))
         else:
             experience, first_pass = self.collector.early_first_pass(self, experience)  # when the plan reuses it
             with watch.lap("rollout"), torch.no_grad():
@@ -238,8 +228,8 @@ class OnlineRL(PolicyModule):
     def collect_experience(self, prompts: dict[str, Any]) -> tuple[Experience, Stats]:
         """Step 1, without gradients and in the sharded base's gathered scope (gathered once for every pass): the
         collector's rollout, passes and scores, then the algorithm's own passes (:meth:`extend_experience`)."""
-        self.check_built()
-        with torch.no_grad(), self.sampler.gathered_base(self.model):
+        self.policy.check_built()
+        with torch.no_grad(), self.policy.sampler.gathered_base(self.model):
             experience, stats = self.collector.collect(self, prompts)
             return self.extend_experience(experience), stats
 
@@ -278,22 +268,26 @@ class OnlineRL(PolicyModule):
         and statistics."""
         raise NotImplementedError
 
-    def skip_iteration(self, message: str) -> None:
-        """Bookkeeping of an iteration not trained on (``optimizer.nonfinite: skip``): its optimizer steps counted as skipped,
-        the learning-rate schedule advanced as after any iteration, the count logged."""
-        log.warning("%s; the iteration's %d optimizer steps are skipped (optimizer.nonfinite: skip)", message,
-                    self.steps_per_rollout)
-        self.skip_step(self.steps_per_rollout)
-        scheduler = self.lr_schedulers()
-        if scheduler is not None:
-            scheduler.step()
-        self.log_dict({f"{self.metric_prefix}/skipped_steps": float(self.skipped_steps),
-                       f"{self.metric_prefix}/iteration": float(self.iteration + 1)}, sync_dist=True)
+    # ---- held-out prompts ---------------------------------------------------------------------------------
+
+    def check_lengths(self, datamodule: Any) -> None:
+        self.policy.check_reach(datamodule)
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        self.held_out.evaluate(batch, batch_idx)
 
     def evaluate_extra(self, rollout: Rollout, prompts: dict[str, Any], texts: list[str]) -> dict[str, Tensor]:
-        """The held-out rollout's ``score`` and the values of its reward sources and episodes
+        """More per-sample values of a held-out rollout (name them in ``validation_metrics``), added by ``held_out``:
+        its ``score`` and the values of its reward sources and episodes
         (:meth:`Collector.held_out_values <rlhf_lightning.core.collect.Collector.held_out_values>`)."""
         return self.collector.held_out_values(self, rollout, prompts, texts)
+
+    def on_validation_epoch_start(self) -> None:
+        self.held_out.start()
+
+    def on_validation_epoch_end(self) -> None:
+        self.held_out.log()
+        super().on_validation_epoch_end()
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
@@ -305,6 +299,7 @@ class OnlineRL(PolicyModule):
 
     def teardown(self, stage: str) -> None:
         self.collector.close()
+        self.policy.close()
         super().teardown(stage)
 
     # ---- 4. update ----------------------------------------------------------------------------------------
@@ -360,7 +355,7 @@ class OnlineRL(PolicyModule):
 
     def parameter_groups(self) -> list[dict[str, Any]]:
         """Optimizer parameter groups, each with a ``name`` (its learning rate is logged as ``lr/<name>``)."""
-        return [{"name": POLICY, "params": self.adapter_parameters(POLICY), "lr": self.optimizer_settings.lr}]
+        return [{"name": POLICY, "params": self.model.adapter_parameters(POLICY), "lr": self.optimizer_settings.lr}]
 
     def configure_optimizers(self):
         # The schedule's total is the Trainer's estimate: training batches = iterations when max_steps is unset.

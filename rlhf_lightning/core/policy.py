@@ -1,18 +1,19 @@
-"""A policy adapter on one frozen base whose adapters-disabled view is the reference model.
+"""The policy of a stage, a component: a LoRA adapter on the one frozen base whose adapters-disabled view is the
+reference model.
 
-What every policy-optimising stage shares (the online RL family and DPO): the base and the ``policy`` adapter,
-log-probabilities of any role from a response mask (left-padded rollouts and right-padded preference pairs
-alike), its sampler (:mod:`rlhf_lightning.rollout`), and the evaluation of sampled responses on held-out prompts
-(KL to the reference, length, stop rate, and the task's gold reward when it has one).
+What every policy-optimising stage holds (the online RL family, DPO and KTO) as its ``policy``: the ``policy``
+adapter's settings, log-probabilities of any role from a response mask (left-padded rollouts and right-padded
+preference pairs alike), its sampler and turn loop (:mod:`rlhf_lightning.rollout`), and what the evaluation of
+sampled responses on held-out prompts reads (the gold reward, pass@k). The module that holds it builds the model,
+loads the tokenizer and wires the Lightning hooks.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 from collections.abc import Callable, Sequence
-from pathlib import Path
+from types import FrameType
 from typing import Any, Literal
 
 import torch
@@ -22,15 +23,15 @@ from torch import Tensor
 from rlhf_lightning.core.distributed import sharding_mesh
 from rlhf_lightning.core.held_out import POLICY, HeldOutSamples
 from rlhf_lightning.core.held_out_pass_at_k import PassAtK, answer_reader
-from rlhf_lightning.core.stage import StageModule
+from rlhf_lightning.models.loading import check_positions
 from rlhf_lightning.models.logprobs import predicting_hidden_states, token_logprobs
-from rlhf_lightning.models.shared_base import SharedBase, adapter_of
+from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
 from rlhf_lightning.rollout.engines import Auto, Engine, EngineSetup
-from rlhf_lightning.rollout.rollouts import Rollout, Rollouts
+from rlhf_lightning.rollout.rollouts import Rollouts
 from rlhf_lightning.rollout.sampler import Sampler
 from rlhf_lightning.rollout.seeds import Seeds
-from rlhf_lightning.rollout.settings import Sampling
+from rlhf_lightning.rollout.settings import Episodes, Sampling
 from rlhf_lightning.utils import checks
 
 log = logging.getLogger(__name__)
@@ -54,8 +55,11 @@ def pad_to_sequence(response_mask: Tensor, length: int) -> Tensor:
     return torch.cat([prompt, response_mask], 1)
 
 
-class PolicyModule(StageModule):
-    """The base model with a trainable ``policy`` LoRA adapter; the reference is the base, adapters disabled.
+class Policy:
+    """The trained policy of a stage: the ``policy`` LoRA adapter on the base, whose adapters-disabled view is the
+    reference, how its responses are drawn, and the log-probabilities of any role at its sampling temperature.
+
+    The module that holds it (:meth:`attach`) builds the model and loads the tokenizer, which this reads.
 
     Args:
         base: the SFT model: frozen base of every role, and the reference policy.
@@ -96,11 +100,7 @@ class PolicyModule(StageModule):
             (``trainer.default_root_dir``) unless absolute; null = do not export.
     """
 
-    metric_prefix = "policy"  # namespace of the logged metrics (``ppo``, ``grpo``, ``dpo``...)
     default_sampling = Sampling()  # the ``sampling`` a dict of some of its fields is taken over
-    exported_roles: tuple[str, ...] = (POLICY,)  # adapters written by :meth:`export`
-    sampled_roles: tuple[str, ...] = (POLICY,)  # adapters the engine samples from: synced after each optimizer step
-    validation_metrics: tuple[str, ...] = ("kl", "length", "eos_frac", "gold")  # per-sample, averaged
 
     def __init__(
         self,
@@ -123,34 +123,53 @@ class PolicyModule(StageModule):
                             f"subclass of your own), got {engine!r}")
         checks.one_of("seed_scope", seed_scope, ("rank", "prompt"))
         checks.one_of("sharded_rollout", sharded_rollout, ("gathered", "per_layer"))
-        super().__init__(base)
-        self.save_hyperparameters(ignore=["reward", "gold_reward", "episodes", "engine"])
-        # Under LightningCLI the saved hyper-parameters are the config's, which lack what a subclass passes to its
-        # parent itself (e.g. PPO(gamma=0.99) fixed in a subclass): add every __init__ level's own arguments.
-        for level in collect_init_args(inspect.currentframe(), []):
-            self.hparams.update({name: value for name, value in level.items()
-                                 if name not in self.hparams
-                                 and name not in ("reward", "gold_reward", "episodes", "engine")})
-        self.sampling = self.keep_group("sampling", sampling, self.default_sampling)
-        self.policy_lora = without_dropout(policy_lora.check("policy_lora"), POLICY)
-        self.gold_reward = gold_reward
+        self.base = base
+        self.lora = without_dropout(policy_lora.check("policy_lora"), POLICY)
+        self.sampling: Sampling = checks.group_settings("sampling", sampling, self.default_sampling)
         self.engine = engine
+        self.logprob_chunk, self.seed, self.seed_scope = logprob_chunk, seed, seed_scope
+        self.sharded_rollout = sharded_rollout
+        self.gold_reward = gold_reward
         self.pass_at_k = pass_at_k.check()
         if pass_at_k.enabled and gold_reward is None:
             raise ValueError(f"pass_at_k.samples={pass_at_k.samples} needs gold_reward: pass@k and maj@k count the "
                              "responses a verifier judges correct (e.g. rlhf_lightning.tasks.arithmetic.exact_match)")
-        names = [*self.validation_metrics]
-        if pass_at_k.enabled:
-            names += pass_at_k.metric_names(with_majority=answer_reader(gold_reward) is not None)
-        self.held_out = HeldOutSamples(self, names, gold=gold_reward is not None)
-        # Registered here so that the evaluation's metrics move to the module's device with it.
-        self.val_metrics, self.val_gold_spread = self.held_out.metrics, self.held_out.gold_spread
+        self.export_dir = export_dir
+        self.episodes: Episodes | None = None  # multi-turn episodes of an online module (see use_episodes)
+        self.stage: Any = None  # the module holding it (attach): its model and tokenizer
         self._sampler: Sampler | None = None
         self._rollouts: Rollouts | None = None
 
-    def build_model(self, empty: bool) -> SharedBase:
-        model = self.load_base(empty=empty)
-        model.add_adapter(POLICY, self.policy_lora)
+    def refuse_truncated_sampling(self) -> None:
+        """Refuse top-k or top-p sampling for a module that trains on its own samples: its losses and KL use
+        log-probs of the full distribution (at the temperature), so every ratio and KL would be wrong."""
+        if self.sampling.top_k or self.sampling.top_p < 1.0:
+            raise ValueError("sampling.top_k/top_p: the losses and the KL use log-probs of the full distribution (at "
+                             "the temperature), so sampling from a truncated one would make every ratio and KL wrong; "
+                             "set sampling.top_k: 0, sampling.top_p: 1.0")
+
+    def attach(self, stage: Any) -> Policy:
+        """Read the model and tokenizer of ``stage``, the module that holds this policy; returns itself."""
+        self.stage = stage
+        return self
+
+    def use_episodes(self, episodes: Episodes) -> None:
+        """Run :attr:`rollouts` as ``episodes`` say (an online module's; the environment null = single turns)."""
+        self.episodes = episodes
+
+    @property
+    def model(self) -> SharedBase | None:
+        """The holding module's model (None until its ``configure_model``)."""
+        return self.stage.model
+
+    @property
+    def tokenizer(self):
+        """The holding module's tokenizer."""
+        return self.stage.tokenizer
+
+    def build(self, model: SharedBase) -> SharedBase:
+        """``model`` with the policy adapter added."""
+        model.add_adapter(POLICY, self.lora)
         return model
 
     @property
@@ -158,73 +177,52 @@ class PolicyModule(StageModule):
         """What draws the policy's responses: the sampling settings (stop tokens from the tokenizer), the seeds, the
         engine and the sharded base's gathering."""
         if self._sampler is None:
-            hp = self.hparams
-            self._sampler = Sampler(self.sampling.settings(self.tokenizer), Seeds(hp.seed, hp.seed_scope),
-                                    self.tokenizer.pad_token_id, hp.sharded_rollout, self.engine)
+            self._sampler = Sampler(self.sampling.settings(self.tokenizer), Seeds(self.seed, self.seed_scope),
+                                    self.tokenizer.pad_token_id, self.sharded_rollout, self.engine)
         return self._sampler
 
     @property
     def rollouts(self) -> Rollouts:
-        """The turn loop of this module's rollouts (single-turn here; episodes with an online algorithm's
-        ``environment``)."""
+        """The turn loop of the policy's rollouts: single-turn, or the episodes of :meth:`use_episodes`."""
         if self._rollouts is None:
-            self._rollouts = self.make_rollouts()
+            episodes = self.episodes
+            self._rollouts = Rollouts(self.sampler, self.tokenizer) if episodes is None else Rollouts(
+                self.sampler, self.tokenizer, episodes.environment, episodes.max_turns, episodes.max_tokens)
         return self._rollouts
 
-    def make_rollouts(self) -> Rollouts:
-        """The :class:`~rlhf_lightning.rollout.rollouts.Rollouts` of :attr:`rollouts`."""
-        return Rollouts(self.sampler, self.tokenizer)
-
-    def setup(self, stage: str) -> None:
-        self.sampler  # noqa: B018 (a stop_token the tokenizer lacks fails here, before the model is built)
-        if self.samples_responses:
-            self.refuse_engine()
-        super().setup(stage)
-
-    def refuse_engine(self) -> None:
+    def prepare(self, trainer: Any) -> None:
         """Before the model is built: what the engine cannot serve (:meth:`Engine.refusal`), in one line; then the
-        engine keeps what it needs of the setup (:meth:`Engine.prepare`)."""
-        trainer = self._trainer
+        engine keeps what it needs of the setup (:meth:`Engine.prepare`). A stop token the tokenizer lacks fails
+        here too."""
+        self.sampler  # noqa: B018 (its settings read the stop token)
         setup = EngineSetup(device_type=trainer.strategy.root_device.type if trainer is not None else "cpu",
                             sharded=sharding_mesh(trainer) is not None, kv_cache=self.sampling.kv_cache,
-                            name_or_path=self.base_spec.name_or_path, adapters={POLICY: self.policy_lora},
+                            name_or_path=self.base.name_or_path, adapters={POLICY: self.lora},
                             run_folder=None if trainer is None else str(trainer.default_root_dir))
         refusal = self.engine.refusal(setup)
         if refusal is not None:
             raise ValueError(refusal)
         self.engine.prepare(setup)
 
-    def check_lengths(self, datamodule: Any) -> None:
-        """Prompts and the responses sampled after them must fit the model's positions (pairs too, for DPO); with an
-        environment, every position a turn can reach: the longest prompt's opening (the chat template's markers and
-        the tools' schemas included) and the episode, whose last turn can start one token before the budget and
-        decode ``sampling.max_new_tokens``."""
-        if hasattr(datamodule, "longest_prompt"):  # preference pairs: the pairs themselves, then their prompts
-            super().check_lengths(datamodule)
-        if not self.samples_responses:
-            return
+    def check_reach(self, datamodule: Any) -> None:
+        """Prompts and the responses sampled after them must fit the model's positions; with an environment, every
+        position a turn can reach: the longest prompt's opening (the chat template's markers and the tools' schemas
+        included) and the episode, whose last turn can start one token before the budget and decode
+        ``sampling.max_new_tokens``."""
+        def check(tokens: int, what: str, fix: str) -> None:
+            check_positions(self.base, self.tokenizer, tokens, what, fix)
+
         if self.rollouts.environment is not None:
             examples = [*(datamodule.train_set or []), *datamodule.val_set]
             longest = max(examples, key=datamodule.length)
             reach = self.rollouts.reach(longest.raw if longest.raw is not None else longest.text)
-            return self.check_positions(*reach, "lower episodes.max_tokens (null = episodes.max_turns x "
-                                        "sampling.max_new_tokens), sampling.max_new_tokens or data.init_args.max_length")
+            return check(*reach, "lower episodes.max_tokens (null = episodes.max_turns x sampling.max_new_tokens), "
+                         "sampling.max_new_tokens or data.init_args.max_length")
         longest_prompt = getattr(datamodule, "longest_prompt", datamodule.longest)()
         max_new_tokens = self.sampling.max_new_tokens
-        self.check_positions(longest_prompt + max_new_tokens,
-                             f"the longest prompt ({longest_prompt} tokens) and sampling.max_new_tokens="
-                             f"{max_new_tokens}", "lower sampling.max_new_tokens or data.init_args.max_length (longer "
-                             "prompts are then skipped)")
-
-    @property
-    def samples_responses(self) -> bool:
-        """Whether the module samples responses from the policy (DPO only in validation, and maybe not at all)."""
-        return True
-
-    @property
-    def iteration(self) -> int:
-        """Training batches completed before the current one (across epochs); 0 outside a fit."""
-        return 0 if self._trainer is None else self.trainer.fit_loop.epoch_loop.total_batch_idx
+        check(longest_prompt + max_new_tokens,
+              f"the longest prompt ({longest_prompt} tokens) and sampling.max_new_tokens={max_new_tokens}",
+              "lower sampling.max_new_tokens or data.init_args.max_length (longer prompts are then skipped)")
 
     # ---- forward passes of any role ----------------------------------------------------------------------
 
@@ -234,7 +232,7 @@ class PolicyModule(StageModule):
         sampling temperature, on the positions ``response_mask`` ``[B, T]`` marks, ``logprob_chunk`` positions at a
         time (see :func:`~rlhf_lightning.models.logprobs.token_logprobs`)."""
         return token_logprobs(self.model, role, input_ids, attention_mask, response_mask, self.sampling.temperature,
-                              self.hparams.logprob_chunk, with_entropy=with_entropy, entropy_grad=entropy_grad)
+                              self.logprob_chunk, with_entropy=with_entropy, entropy_grad=entropy_grad)
 
     def response_logprobs(self, role: str | None, input_ids: Tensor, attention_mask: Tensor,
                           response_mask: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
@@ -271,7 +269,7 @@ class PolicyModule(StageModule):
     def check_built(self) -> None:
         """Refuse to sample before ``configure_model`` has built the model."""
         if self.model is None:
-            raise RuntimeError(f"{type(self).__name__}'s model is not built: call configure_model() first (a "
+            raise RuntimeError(f"{type(self.stage).__name__}'s model is not built: call configure_model() first (a "
                                "Trainer does when a fit, validation or test starts)")
 
     def decode(self, ids: Tensor, mask: Tensor) -> list[str]:
@@ -279,49 +277,55 @@ class PolicyModule(StageModule):
         return [self.tokenizer.decode(row[keep], skip_special_tokens=True)
                 for row, keep in zip(ids, mask.bool(), strict=True)]
 
-    # ---- optimizer, export ------------------------------------------------------------------------------
-
-    def adapter_parameters(self, adapter: str) -> list[torch.nn.Parameter]:
-        """The parameters of LoRA adapter ``adapter``, and of its head if it has one."""
-        parameters = [p for name, p in self.model.model.named_parameters() if adapter_of(name) == adapter]
-        if adapter in self.model.heads:
-            parameters += list(self.model.heads[adapter].parameters())
-        return parameters
-
-    # ---- held-out prompts ----------------------------------------------------------------------------------
-
-    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        self.held_out.evaluate(batch, batch_idx)
-
-    def evaluate_extra(self, rollout: Rollout, prompts: dict[str, Any], texts: list[str]) -> dict[str, Tensor]:
-        """More per-sample validation values of a held-out rollout (``validation_metrics`` must name them), added by
-        :class:`~rlhf_lightning.core.held_out.HeldOutSamples`; none here."""
-        return {}
-
-    def on_validation_epoch_start(self) -> None:
-        self.held_out.start()
-        super().on_validation_epoch_start()
-
-    def on_validation_epoch_end(self) -> None:
-        self.held_out.log()
-        super().on_validation_epoch_end()
-
-    def on_fit_end(self) -> None:
-        if self.export_folder is not None:
-            self.export(self.export_folder)
-
-    def teardown(self, stage: str) -> None:
+    def close(self) -> None:
+        """Let go of the engine (vLLM's: its memory, and the process group it started) and of the turn loop's
+        environment (a server the fit started: OpenEnv's)."""
         if self._sampler is not None:
-            self._sampler.close()  # vLLM's engine: its memory, and the process group it started
+            self._sampler.close()
         if self._rollouts is not None:
-            self._rollouts.close()  # the environment's: a server the fit started (OpenEnv's)
-        super().teardown(stage)
+            self._rollouts.close()
 
-    def export(self, directory: str | Path) -> dict[str, Path]:
-        """Write the trained adapters (and their heads) in peft format under ``directory``. In a distributed fit
-        every rank takes part (sharded adapters are gathered) and rank 0 writes.
+    # ---- what the holding module saves and logs ------------------------------------------------------------
 
-        ``python -m rlhf_lightning merge --adapter DIR/policy --out MERGED`` makes a standalone model of the
-        policy.
-        """
-        return {role: self.model.save_adapter(role, directory, write=self.is_writer) for role in self.exported_roles}
+    @property
+    def arguments(self) -> dict[str, Any]:
+        """The policy's arguments as given (settings resolved), for the module's hyper-parameters."""
+        return {"base": self.base, "policy_lora": self.lora, "sampling": self.sampling, "engine": self.engine,
+                "logprob_chunk": self.logprob_chunk, "seed": self.seed, "seed_scope": self.seed_scope,
+                "sharded_rollout": self.sharded_rollout, "gold_reward": self.gold_reward,
+                "pass_at_k": self.pass_at_k, "export_dir": self.export_dir}
+
+    def validation_names(self, metrics: Sequence[str]) -> list[str]:
+        """The per-sample values held-out evaluation averages: the module's ``metrics`` and pass@k's."""
+        names = [*metrics]
+        if self.pass_at_k.enabled:
+            names += self.pass_at_k.metric_names(with_majority=answer_reader(self.gold_reward) is not None)
+        return names
+
+
+NOT_SAVED = ("reward", "gold_reward", "episodes", "engine")  # objects and code: not in the hyper-parameters
+
+
+def hold_policy(module: Any, policy: Policy, frame: FrameType | None) -> None:
+    """Wire ``policy`` into ``module``, a policy-optimising stage, in its ``__init__`` after the stage base's
+    (``frame``: that ``__init__``'s frame): the module's hyper-parameters (:func:`save_arguments`; ``sampling``
+    saved plain), the policy as ``module.policy``, its sampling settings as ``module.sampling``, and the evaluation
+    of its samples on held-out prompts as ``module.held_out`` (of the module's ``validation_metrics`` and pass@k's;
+    its metrics registered on the module, so that they move to its device)."""
+    save_arguments(module, frame, policy)
+    module.policy = policy.attach(module)
+    module.sampling = module.keep_group("sampling", policy.sampling, policy.default_sampling)
+    module.held_out = HeldOutSamples(module, policy.validation_names(module.validation_metrics),
+                                     gold=policy.gold_reward is not None)
+    module.val_metrics, module.val_gold_spread = module.held_out.metrics, module.held_out.gold_spread
+
+
+def save_arguments(module: Any, frame: FrameType | None, policy: Policy) -> None:
+    """Save ``module``'s hyper-parameters (called in its ``__init__``, ``frame`` its frame): under LightningCLI the
+    config's, else its constructors' arguments; then what they lack: each ``__init__`` level's own arguments from
+    ``frame`` up (what a subclass passes to its parent itself, e.g. PPO(gamma=0.99) fixed in a subclass) and the
+    policy's."""
+    module.save_hyperparameters(ignore=list(NOT_SAVED), frame=frame)
+    for level in [*collect_init_args(frame, []), policy.arguments]:
+        module.hparams.update({name: value for name, value in level.items()
+                               if name not in module.hparams and name not in NOT_SAVED})

@@ -39,6 +39,7 @@ from rlhf_lightning.core.online import OnlineRL
 from rlhf_lightning.core.pass_plan import PassSettings
 from rlhf_lightning.core.policy import POLICY
 from rlhf_lightning.data.collate import IGNORE_INDEX
+from rlhf_lightning.models.loading import check_positions
 from rlhf_lightning.utils import checks
 from rlhf_lightning.utils.timing import Stopwatch, phase
 
@@ -102,8 +103,8 @@ class PolicyGradient(OnlineRL):
         datamodule = self.datamodule
         ptx = getattr(datamodule, "ptx", None)
         if ptx is not None and ptx.train_set is not None:
-            self.check_positions(ptx.longest(), "the longest pretraining (ptx) example",
-                                 "lower data.init_args.ptx_max_length (longer examples are then skipped)")
+            check_positions(self.base_spec, self.tokenizer, ptx.longest(), "the longest pretraining (ptx) example",
+                            "lower data.init_args.ptx_max_length (longer examples are then skipped)")
 
     @property
     def ptx_coef(self) -> float:
@@ -123,7 +124,7 @@ class PolicyGradient(OnlineRL):
         """The policy's forward pass of the first optimizer step on the whole rollout, with gradients (with the
         entropy, whose statistic it gives; its gradient under an entropy bonus)."""
         with phase("update/policy forward"):
-            logprobs, entropy = self.response_logprobs(POLICY, experience.input_ids, experience.attention_mask,
+            logprobs, entropy = self.policy.response_logprobs(POLICY, experience.input_ids, experience.attention_mask,
                                                        experience.response_mask, with_entropy=True,
                                                        entropy_grad=bool(self.loss_settings.ent_coef))
         return FirstPass(logprobs, entropy)
@@ -201,7 +202,7 @@ class PolicyGradient(OnlineRL):
             logprobs, entropy = micro.first_pass.logprobs, micro.first_pass.entropy
         else:
             with phase("update/policy forward"):
-                logprobs, entropy = self.response_logprobs(
+                logprobs, entropy = self.policy.response_logprobs(
                     POLICY, micro.input_ids, micro.attention_mask, mask,
                     with_entropy=bool(settings.ent_coef) or own_pass, entropy_grad=bool(settings.ent_coef))
         # One optimizer step per rollout: the policy has not moved since sampling, so its own pass, detached,

@@ -5,7 +5,6 @@ and checkpoints."""
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -17,7 +16,7 @@ from torch import Tensor
 
 from rlhf_lightning.core.distributed import Ranks, sharding_mesh
 from rlhf_lightning.core.optimizer_ids import numbered_by_module_position
-from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer, position_limit
+from rlhf_lightning.models.loading import check_positions, load_causal_lm, load_tokenizer
 from rlhf_lightning.models.sharding import build_sharded, local_tensor
 from rlhf_lightning.models.shared_base import SharedBase
 from rlhf_lightning.models.spec import BaseModelSpec
@@ -40,10 +39,19 @@ from rlhf_lightning.utils.timing import phase
 log = logging.getLogger(__name__)
 
 
-def constructor_arguments(cls: type) -> set[str]:
-    """The keyword arguments of ``cls``'s constructors along its chain of classes (each passes the rest on)."""
-    return {name for klass in cls.__mro__ if "__init__" in vars(klass)
-            for name in inspect.signature(vars(klass)["__init__"]).parameters}
+def constructor_arguments(cls: type) -> list[str]:
+    """Every argument ``cls``'s constructor takes, as the command line reads it: its parents' where it passes
+    ``**kwargs`` up, and its parts' where it passes them on (the online modules' ``Policy``), less those it fixes
+    itself in that call (online DPO's ``samples_per_prompt``)."""
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(exit_on_error=False)
+    try:
+        parser.add_class_arguments(cls, "init", fail_untyped=False)
+    except Exception:  # noqa: BLE001 - a class the parser cannot read: no names to tell
+        return []
+    names = [action.dest.removeprefix("init.") for action in parser._actions if action.dest.startswith("init.")]
+    return list(dict.fromkeys(name.split(".")[0] for name in names))
 
 
 class StageModule(L.LightningModule):
@@ -68,6 +76,7 @@ class StageModule(L.LightningModule):
     """
 
     metric_prefix = "stage"  # namespace of the logged metrics
+    exported_roles: tuple[str, ...] = ()  # adapters written by the default :meth:`export`
     default_optimizer = OptimizerSettings()  # the ``optimizer`` a dict of some of its fields is taken over
 
     def __new__(cls, *args: Any, **kwargs: Any) -> StageModule:
@@ -125,6 +134,15 @@ class StageModule(L.LightningModule):
         unless absolute; None without an export."""
         return export_path(self._trainer, self.hparams.get("export_dir"))
 
+    def on_fit_end(self) -> None:
+        if self.export_folder is not None:
+            self.export(self.export_folder)
+
+    def export(self, directory: str | Path) -> dict[str, Path] | Path:
+        """Write the trained adapters ``exported_roles`` (and their heads) in peft format under ``directory``; in a
+        distributed fit every rank takes part (sharded adapters are gathered) and rank 0 writes."""
+        return {role: self.model.save_adapter(role, directory, write=self.is_writer) for role in self.exported_roles}
+
     def on_train_start(self) -> None:
         # A fresh fit must not write over another run's exports or checkpoints (the command line checks this
         # before the model is built; this covers a Trainer used from Python: only now, once every strategy has
@@ -158,21 +176,8 @@ class StageModule(L.LightningModule):
 
     def check_lengths(self, datamodule: Any) -> None:
         """Before the model is built: the data's longest sequences must fit the model's positions."""
-        self.check_positions(datamodule.longest(), "the longest example of the data",
-                             "lower data.init_args.max_length (longer examples are then skipped)")
-
-    def check_positions(self, tokens: int, what: str, fix: str) -> None:
-        """Refuse sequences of ``tokens`` positions beyond the model's limit before any training, with one line
-        (``what`` they are, ``fix``: the settings that shorten them); warn instead for rotary positions, which
-        run past the trained length."""
-        limit, field, learned = position_limit(self.base_spec, self.tokenizer)
-        if limit is None or tokens <= limit:
-            return
-        message = (f"{what} reach{'es' if what.endswith('prompt') else ''} {tokens} positions, beyond the "
-                   f"{limit} of model {self.base_spec.name_or_path or 'base'} ({field})")
-        if learned:
-            raise ValueError(f"{message}, whose learned position embeddings stop there; {fix}")
-        log.warning("%s: its rotary positions run past the length it was trained on", message)
+        check_positions(self.base_spec, self.tokenizer, datamodule.longest(), "the longest example of the data",
+                        "lower data.init_args.max_length (longer examples are then skipped)")
 
     def load_base(self, train_base: bool = False, empty: bool = False) -> SharedBase:
         """The base model of ``base``, wrapped as a :class:`SharedBase` (``empty``: on the meta device)."""
@@ -356,11 +361,3 @@ class SupervisedStage(StageModule):
     def configure_optimizers(self):
         settings = self.optimizer_settings
         return self.configure_adamw([{"params": self.model, "lr": settings.lr}], settings)
-
-    def on_fit_end(self) -> None:
-        if self.export_folder is not None:
-            self.export(self.export_folder)
-
-    def export(self, directory: str | Path) -> Path:
-        """Write the trained model to ``directory``; returns the folder written."""
-        raise NotImplementedError

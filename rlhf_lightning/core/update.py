@@ -11,6 +11,7 @@ iteration logs of its time and tokens (:func:`iteration_statistics`, :func:`iter
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -23,6 +24,8 @@ from rlhf_lightning.core.micro_batches import Extent, UpdateSettings, micro_batc
 from rlhf_lightning.models.sharding import full_tensor
 from rlhf_lightning.utils.flops import TokenCounts
 from rlhf_lightning.utils.timing import Stopwatch, phase
+
+log = logging.getLogger(__name__)
 
 OnlineModule = Any  # the online module served (rlhf_lightning.core.online.OnlineRL, which imports this module)
 
@@ -56,6 +59,29 @@ class PolicyUpdate:
         if isinstance(batch_size, int):
             self.minibatch_sizes(batch_size * samples_per_prompt, f"data.init_args.batch_size={batch_size} prompts "
                                  f"x samples_per_prompt={samples_per_prompt}")
+
+    def check_data(self, datamodule: Any, samples_per_prompt: int, ptx_coef: float, module_name: str) -> None:
+        """Before the first rollout of a fit: :meth:`check_batch_size`, and pretraining text given with a loss on it
+        (``ptx_coef``, of the module named ``module_name``), never one without the other."""
+        self.check_batch_size(datamodule, samples_per_prompt)
+        no_text = getattr(datamodule, "ptx", None) is None
+        if datamodule is not None and no_text != (ptx_coef == 0):
+            raise ValueError(f"loss.ptx_coef={ptx_coef} needs pretraining text: set data.init_args.ptx_dataset"
+                             if no_text
+                             else f"data.init_args.ptx_dataset is set, but {module_name} has no pretraining loss on "
+                             "it (loss.ptx_coef 0): its batches would never be trained on; drop it")
+
+    def skip(self, module: OnlineModule, message: str) -> None:
+        """Bookkeeping of an iteration not trained on (``optimizer.nonfinite: skip``): its optimizer steps counted as
+        skipped, the learning-rate schedule advanced as after any iteration, the count logged."""
+        steps = self.settings.steps_per_rollout
+        log.warning("%s; the iteration's %d optimizer steps are skipped (optimizer.nonfinite: skip)", message, steps)
+        module.skip_step(steps)
+        scheduler = module.lr_schedulers()
+        if scheduler is not None:
+            scheduler.step()
+        module.log_dict({f"{module.metric_prefix}/skipped_steps": float(module.skipped_steps),
+                         f"{module.metric_prefix}/iteration": float(module.iteration + 1)}, sync_dist=True)
 
     def micro_batches(self, experience: Experience, rows: list[int], extents: list[Extent],
                       most: Callable[[int], int]) -> list[Experience]:
@@ -113,7 +139,7 @@ class PolicyUpdate:
                 with phase("update/optimizer step"):
                     optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                sync_seconds += module.sampler.sync_roles(module.model, module.sampled_roles,
+                sync_seconds += module.policy.sampler.sync_roles(module.model, module.sampled_roles,
                                                           module.trainer.global_step)
                 # Every rank must take the same decision, or DDP would wait for a backward that never comes.
                 if settings.target_kl is not None and float(module.ranks.mean(minibatch_kl)) > settings.target_kl:

@@ -295,6 +295,21 @@ def position_limit(spec: BaseModelSpec, tokenizer: PreTrainedTokenizerBase) -> t
     return None, "", False
 
 
+def check_positions(spec: BaseModelSpec, tokenizer: PreTrainedTokenizerBase, tokens: int, what: str,
+                    fix: str) -> None:
+    """Refuse sequences of ``tokens`` positions beyond the limit of ``spec``'s model before any training, with one
+    line (``what`` they are, ``fix``: the settings that shorten them); warn instead for rotary positions, which run
+    past the trained length."""
+    limit, field, learned = position_limit(spec, tokenizer)
+    if limit is None or tokens <= limit:
+        return
+    message = (f"{what} reach{'es' if what.endswith('prompt') else ''} {tokens} positions, beyond the "
+               f"{limit} of model {spec.name_or_path or 'base'} ({field})")
+    if learned:
+        raise ValueError(f"{message}, whose learned position embeddings stop there; {fix}")
+    log.warning("%s: its rotary positions run past the length it was trained on", message)
+
+
 def configured_vocab_size(spec: BaseModelSpec) -> int | None:
     """The vocabulary size in the config of ``spec``'s pretrained model (its text model's, for multimodal ones),
     or None when the config does not say."""

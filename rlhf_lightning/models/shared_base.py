@@ -160,6 +160,13 @@ class SharedBase(AdapterFiles, nn.Module):
         if copied == 0:
             raise ValueError(f"adapter {target!r} has no parameters to copy into")
 
+    def adapter_parameters(self, adapter: str) -> list[nn.Parameter]:
+        """The parameters of LoRA adapter ``adapter``, and of its head if it has one."""
+        parameters = [p for name, p in self.model.named_parameters() if adapter_of(name) == adapter]
+        if adapter in self.heads:
+            parameters += list(self.heads[adapter].parameters())
+        return parameters
+
     def base_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """The base model's own parameters (not adapters, not heads)."""
         for name, parameter in self.model.named_parameters():

@@ -110,7 +110,7 @@ class OnPolicyDistillation(PolicyGradient):
         """``[B, R]`` the teacher's log-probs of the response tokens (the last ``R`` columns), at the sampling
         temperature (the student's are taken at it too)."""
         if self.teacher_is_adapter:
-            logprobs, _ = self.response_logprobs(TEACHER, input_ids, attention_mask, response_mask)
+            logprobs, _ = self.policy.response_logprobs(TEACHER, input_ids, attention_mask, response_mask)
             return torch.where(response_mask, logprobs, 0.0)
         teacher = self._teacher[0]
         if teacher.device != input_ids.device:

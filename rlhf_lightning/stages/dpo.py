@@ -22,7 +22,7 @@ from torch import Tensor
 from rlhf_lightning.algorithms.dpo import check_beta, dpo_loss, pair_values
 from rlhf_lightning.algorithms.preference_losses import PreferenceLoss, Sigmoid
 from rlhf_lightning.core.offline import OfflinePreference
-from rlhf_lightning.core.policy import POLICY, PolicyModule
+from rlhf_lightning.core.policy import POLICY
 from rlhf_lightning.data.collate import EncodedPair
 from rlhf_lightning.models.shared_base import REFERENCE
 from rlhf_lightning.utils import checks
@@ -55,7 +55,7 @@ class DPO(OfflinePreference):
     """
 
     metric_prefix = "dpo"
-    validation_metrics = (*PolicyModule.validation_metrics, *PAIR_METRICS)
+    validation_metrics = (*OfflinePreference.validation_metrics, *PAIR_METRICS)
 
     def __init__(
         self,
@@ -155,7 +155,7 @@ class DPO(OfflinePreference):
         mine = list(range(self.global_rank, len(pairs), world))
         share = -(-len(pairs) // world)
         padded = mine + mine[-1:] * (share - len(mine)) if mine else [0] * share
-        with self.sampler.gathered_base(self.model):  # a sharded base gathered once for every batch of the table
+        with self.policy.sampler.gathered_base(self.model):  # a sharded base gathered once for every batch of the table
             for start in range(0, share, batch_size):
                 rows = padded[start : start + batch_size]
                 batch = collate([pairs[i] for i in rows])

@@ -22,7 +22,7 @@ from rlhf_lightning.algorithms.kto import (
     recommended_weights,
 )
 from rlhf_lightning.core.offline import OfflinePreference
-from rlhf_lightning.core.policy import POLICY, PolicyModule
+from rlhf_lightning.core.policy import POLICY
 from rlhf_lightning.utils import checks
 from rlhf_lightning.utils.timing import phase
 
@@ -56,7 +56,7 @@ class KTO(OfflinePreference):
     """
 
     metric_prefix = "kto"
-    validation_metrics = (*PolicyModule.validation_metrics, *EXAMPLE_METRICS)
+    validation_metrics = (*OfflinePreference.validation_metrics, *EXAMPLE_METRICS)
 
     def __init__(
         self,

@@ -105,7 +105,7 @@ class OnlineDPO(OnlineRL):
         normaliser = normalisers["policy"]
         mask = micro.response_mask
         with phase("update/policy forward"):
-            logprobs, _ = self.response_logprobs(POLICY, micro.input_ids, micro.attention_mask, mask)
+            logprobs, _ = self.policy.response_logprobs(POLICY, micro.input_ids, micro.attention_mask, mask)
         summed = torch.where(mask, logprobs, 0.0).sum(-1)
         reference = torch.where(mask, micro.ref_logprobs, 0.0).sum(-1)
         lengths = mask.sum(-1)

@@ -141,7 +141,7 @@ class PPO(PolicyGradient):
 
     def response_values(self, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor) -> Tensor:
         """Critic values ``[B, R]`` of the states before each response token."""
-        return self.model.heads[CRITIC](self.response_hidden_states(CRITIC, input_ids, attention_mask,
+        return self.model.heads[CRITIC](self.policy.response_hidden_states(CRITIC, input_ids, attention_mask,
                                                                     response_mask))
 
     @torch.no_grad()
@@ -195,7 +195,7 @@ class PPO(PolicyGradient):
 
     def parameter_groups(self) -> list[dict[str, Any]]:
         return [*super().parameter_groups(),
-                {"name": CRITIC, "params": self.adapter_parameters(CRITIC), "lr": self.critic.lr}]
+                {"name": CRITIC, "params": self.model.adapter_parameters(CRITIC), "lr": self.critic.lr}]
 
     # ---- advantages ---------------------------------------------------------------------------------------
 

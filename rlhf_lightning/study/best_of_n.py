@@ -99,7 +99,8 @@ def sample_reference(module: Any, batches: Iterable[dict[str, Any]], samples_per
     Returns:
         ``(proxy, gold)``, each ``[prompts, samples_per_prompt]``.
     """
-    if module.gold_reward is None:
+    policy = module.policy
+    if policy.gold_reward is None:
         raise ValueError("best-of-n needs the task's gold reward (model.init_args.gold_reward)")
     module.configure_model()  # outside a Trainer: build it here (nothing happens once built)
     torch.manual_seed(seed)
@@ -112,13 +113,13 @@ def sample_reference(module: Any, batches: Iterable[dict[str, Any]], samples_per
             rows = slice(start, start + prompts_at_once)
             ids, mask = batch["input_ids"][rows].to(module.device), batch["attention_mask"][rows].to(module.device)
             prompts = [p for p in batch["prompt"][rows] for _ in range(samples_per_prompt)]
-            sequences, attention_mask, response_mask = module.generate(ids, mask, role=REFERENCE,
+            sequences, attention_mask, response_mask = policy.generate(ids, mask, role=REFERENCE,
                                                                        group=samples_per_prompt)
-            texts = module.decode(sequences[:, ids.shape[1]:], response_mask)
+            texts = policy.decode(sequences[:, ids.shape[1]:], response_mask)
             scores = module.rewards.score(module.collector.reward_inputs(module, sequences, attention_mask, response_mask, texts, prompts))
             scores = scores if per_source else module.rewards.combine(scores)
             proxy.append(scores.reshape(-1, samples_per_prompt, *scores.shape[1:]).cpu().numpy())
-            golds = np.asarray(module.gold_reward(prompts, texts), dtype=float)
+            golds = np.asarray(policy.gold_reward(prompts, texts), dtype=float)
             gold.append(golds.reshape(-1, samples_per_prompt))
     module.model.train(was_training)
     return np.concatenate(proxy), np.concatenate(gold)

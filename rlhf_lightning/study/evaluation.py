@@ -130,7 +130,7 @@ class HeldOutEvaluation(L.Callback):
             raw = batch.get("raw_prompt") or batch["prompt"]
             scores = self.rewards.combine(self.rewards.score(reward_inputs(
                 rollout.input_ids, rollout.attention_mask, rollout.read_mask, texts, raw, batch.get("columns"),
-                pl_module.tokenizer, pl_module.sampler.settings.stop_token_ids)))
+                pl_module.tokenizer, pl_module.policy.sampler.settings.stop_token_ids)))
             sums["kl"] += float(values["kl"].sum())
             sums["gold"] += float(values["gold"].sum())
             sums["proxy"] += float(scores.float().sum())

@@ -120,6 +120,21 @@ _COLLECTOR = ("step 1 is the module's collector (rlhf_lightning.core.collect.Col
               "extend_experience for an algorithm's own passes, or set a Collector subclass of your own as collector")
 _UPDATER = ("step 4 is the module's updater (rlhf_lightning.core.update.PolicyUpdate, held as updater): override "
             "micro_step, loss or step_normalisers, or set a PolicyUpdate subclass of your own as updater")
+_POLICY = ("the policy, its sampler, turn loop and forward passes of any role, is the module's part "
+           "(rlhf_lightning.core.policy.Policy, held as policy): call module.policy.{name}, or wrap it on the "
+           "module's policy after construction")
+# Members of the policy stages' former base class (PolicyModule), which the module no longer has: a subclass that
+# defines one is refused (nothing calls it now), naming where it went.
+MOVED_TO_POLICY = {
+    **{name: _POLICY.format(name=name) for name in ("token_logprobs", "response_logprobs", "response_hidden_states",
+                                                   "generate", "decode", "check_built", "sampler", "rollouts")},
+    "make_rollouts": _POLICY.format(name="rollouts") + "; its episodes are the module's episodes",
+    "refuse_engine": _POLICY.format(name="prepare(trainer)") + ", at setup",
+    "adapter_parameters": "the parameters of an adapter are the model's: module.model.adapter_parameters(name)",
+    "check_positions": "rlhf_lightning.models.loading.check_positions(spec, tokenizer, tokens, what, fix)",
+    "environment": "the episodes' environment is module.episodes.environment",
+    "skip_iteration": "an iteration not trained on is the updater's: module.updater.skip(module, message)",
+}
 RENAMED_HOOKS = {
     "rollout": "training_step calls collect_experience (step 1), shape_rewards (2) and prepare_update (3); "
                "collect_and_prepare runs the three for analysis",
@@ -128,6 +143,7 @@ RENAMED_HOOKS = {
     **{name: _COLLECTOR for name in ("collect", "training_rollout", "draw_ahead", "early_first_pass",
                                      "sampling_statistics", "reward_inputs", "guard_scores")},
     **{name: _UPDATER for name in ("update", "micro_batches", "minibatch_sizes")},
+    **MOVED_TO_POLICY,
 }
 
 # Members an engine (rlhf_lightning.rollout.engines.Engine) defined under another name: refused as RENAMED_HOOKS.

@@ -113,7 +113,7 @@ def test_the_sampler_log_probs_are_kept_and_the_loss_is_weighted(tiny_model_dir,
     experience, _ = module.collect_and_prepare(first_batch(module))
     mask = experience.response_mask
     # The sampler's own log-probs equal the trainer's pass in fp32 on CPU (same model, same temperature).
-    trainer, _ = module.response_logprobs("policy", experience.input_ids, experience.attention_mask, mask)
+    trainer, _ = module.policy.response_logprobs("policy", experience.input_ids, experience.attention_mask, mask)
     torch.testing.assert_close(experience.sampler_logprobs[mask], trainer[mask], atol=1e-5, rtol=1e-5)
     assert experience.sampler_logprobs[~mask].eq(0).all()
     # A sampler that disagreed: the policy loss is the uncorrected per-token loss times the truncated weight.
@@ -144,7 +144,7 @@ def test_clip_against_the_sampler_puts_the_samplers_log_probs_in_the_ratio(tiny_
     mask = experience.response_mask
     stale = experience.sampler_logprobs + torch.where(mask, torch.linspace(-0.6, 0.6, mask.shape[1]), 0.0)
     terms = module.losses(dataclasses.replace(experience, sampler_logprobs=stale))
-    trainer, _ = module.response_logprobs("policy", experience.input_ids, experience.attention_mask, mask)
+    trainer, _ = module.policy.response_logprobs("policy", experience.input_ids, experience.attention_mask, mask)
     per_token, _ = Clip().surrogate(trainer.detach(), stale, experience.advantages, mask)
     torch.testing.assert_close(terms["loss/policy"], per_token[mask].sum() / mask.sum())
     assert terms["policy/clipfrac"] > 0  # ratios away from 1: the clip acts on them
@@ -178,7 +178,7 @@ def test_the_loss_receives_the_trainers_the_samplers_and_the_references_log_prob
     stale = experience.sampler_logprobs + torch.where(mask, torch.linspace(-1, 1, mask.shape[1]), 0.0)
     terms = module.losses(dataclasses.replace(experience, sampler_logprobs=stale))
     (inputs,) = loss.seen
-    trainer, _ = module.response_logprobs("policy", experience.input_ids, experience.attention_mask, mask)
+    trainer, _ = module.policy.response_logprobs("policy", experience.input_ids, experience.attention_mask, mask)
     torch.testing.assert_close(inputs.logprobs, trainer)
     assert inputs.logprobs.requires_grad and not inputs.proximal.requires_grad
     torch.testing.assert_close(inputs.proximal, trainer.detach())  # one step per rollout: its own pass

@@ -31,6 +31,7 @@ from rlhf_lightning import (
 )
 from rlhf_lightning.algorithms.advantage_estimators import GAE, GroupRelative, WhitenedReturns
 from rlhf_lightning.algorithms.policy_losses import CISPO, Clip
+from rlhf_lightning.core.policy import Policy
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
 from tests.helpers.episodes import Feedback
 from tests.helpers.models import LORA, tiny_spec
@@ -216,7 +217,7 @@ def test_a_dict_of_some_fields_keeps_the_modules_other_defaults():
     assert reward_model.optimizer_settings == dataclasses.replace(RewardModel.default_optimizer, lr=1e-3)
     assert reward_model.optimizer_settings.schedule == "linear"
     sampled = unbuilt(PPO, sampling={"max_new_tokens": 6})
-    assert sampled.sampling == dataclasses.replace(PPO.default_sampling, max_new_tokens=6)
+    assert sampled.sampling == dataclasses.replace(Policy.default_sampling, max_new_tokens=6)
 
 
 def test_an_unknown_field_of_a_group_is_one_line_naming_it_and_the_fields():
@@ -241,11 +242,11 @@ def test_an_unknown_field_of_a_group_is_one_line_naming_it_and_the_fields():
 def test_episodes_asynchronous_and_loss_are_kept_typed_and_saved_plain():
     """A dict of some fields, or the dataclass itself: kept typed on the module (``episodes``, ``asynchronous``,
     ``loss_settings``: ``loss`` is the module's loss method), saved plain in the hyper-parameters; the episodes'
-    environment is code, named by the config, so only their bounds are saved, and ``environment`` reads it."""
+    environment is code, named by the config, so only their bounds are saved, and the policy's turn loop reads them."""
     grpo = unbuilt(GRPO, episodes={"environment": Feedback, "max_turns": 3}, loss={"aggregation": "constant"},
                    asynchronous={"rollout_timeout": 60.0})
     assert grpo.episodes == Episodes(environment=Feedback, max_turns=3)
-    assert grpo.environment is Feedback and grpo.episodes.max_tokens is None
+    assert grpo.episodes.environment is Feedback and grpo.episodes.max_tokens is None
     assert grpo.hparams["episodes"] == {"max_turns": 3, "max_tokens": None}  # the bounds, not the environment
     assert "environment" not in grpo.hparams
     assert grpo.loss_settings == LossSettings(aggregation="constant") and callable(grpo.loss)
@@ -253,15 +254,14 @@ def test_episodes_asynchronous_and_loss_are_kept_typed_and_saved_plain():
                                     "ptx_coef": 0.0}
     assert grpo.asynchronous == Asynchronous(rollout_timeout=60.0)
     assert grpo.hparams["asynchronous"] == {"max_staleness": 0, "rollout_timeout": 60.0}
-    with pytest.raises(AttributeError):
-        grpo.environment = None  # read-only: episodes.environment is the one place it is set
+    assert grpo.policy.episodes is grpo.episodes  # the one place the environment is set: the policy's turns read it
 
     given = Episodes(environment=Feedback, max_turns=2, max_tokens=30)
     ppo = unbuilt(PPO, episodes=given, loss=LossSettings(ent_coef=0.01), asynchronous=Asynchronous())
     assert ppo.episodes is given and ppo.hparams["episodes"] == {"max_turns": 2, "max_tokens": 30}
     assert ppo.loss_settings.ent_coef == 0.01 and ppo.hparams["loss"]["ent_coef"] == 0.01
     single = unbuilt(OnlineDPO)  # single-turn: the defaults, saved too; no loss group
-    assert single.episodes == Episodes() and single.environment is None
+    assert single.episodes == Episodes() and single.episodes.environment is None
     assert single.hparams["episodes"] == {"max_turns": 4, "max_tokens": None} and "loss" not in single.hparams
     assert single.hparams["asynchronous"] == {"max_staleness": 0, "rollout_timeout": 1800.0}
 

@@ -37,6 +37,9 @@ from rlhf_lightning.cli import RLHFCLI
 from rlhf_lightning.cli.errors import accepted_arguments, user_error
 from rlhf_lightning.core.held_out_pass_at_k import PassAtK
 from rlhf_lightning.core.micro_batches import UpdateSettings
+from rlhf_lightning.core.offline import OfflinePreference
+from rlhf_lightning.core.online import OnlineRL
+from rlhf_lightning.core.policy import Policy
 from rlhf_lightning.models.spec import BaseModelSpec, LoraSpec
 from rlhf_lightning.rewards.combine import RewardShaping
 from rlhf_lightning.rollout.ahead import Asynchronous
@@ -82,7 +85,9 @@ def cases() -> list[tuple[type, str, str, str]]:
     found = []
     for cls, config in [*CONFIGS.items(), *DATA.items()]:
         hints = {}
-        for klass in reversed(cls.__mro__):
+        # the policy's arguments, which a policy-optimising module passes on to its part, then the chain's own
+        parts = [Policy] if issubclass(cls, OnlineRL | OfflinePreference) else []
+        for klass in [*parts, *reversed(cls.__mro__)]:
             init = klass.__dict__.get("__init__")
             if init is not None:
                 hints.update(typing.get_type_hints(init))

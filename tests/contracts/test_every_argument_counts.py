@@ -381,7 +381,7 @@ TIMING = re.compile(r"/(time|throughput)/")  # seconds differ from run to run: n
 
 
 def engine(module, setting: dict[str, Any]) -> str:
-    return type(module.sampler.engine(module.model)).__name__
+    return type(module.policy.sampler.engine(module.model)).__name__
 
 
 def saved_for_backward(module, setting: dict[str, Any]) -> int:

@@ -17,12 +17,12 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 from rlhf_lightning.cli import main
-from rlhf_lightning.core.policy import PolicyModule
 from rlhf_lightning.data.collate import pad
 from rlhf_lightning.data.tokenize import encode_completion, encode_prompt, turn_end_token_id
 from rlhf_lightning.models.shared_base import position_ids_from_mask
 from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.rollout.settings import stop_token_ids
+from rlhf_lightning.stages.dpo import DPO
 from tests.helpers.families import FAMILIES, Family, build_model_dir, build_tokenizer, prompts
 from tests.helpers.models import LORA, built
 
@@ -36,8 +36,8 @@ def family_dir(request, tmp_path_factory) -> tuple[Family, Path]:
     return family, build_model_dir(family, tmp_path_factory.mktemp(family.name), logit_scale=20.0)
 
 
-def _perturbed_policy(directory: Path, **kwargs) -> PolicyModule:
-    module = built(PolicyModule(BaseModelSpec(name_or_path=str(directory)), LORA, sampling={"max_new_tokens": 12},
+def _perturbed_policy(directory: Path, **kwargs) -> DPO:
+    module = built(DPO(BaseModelSpec(name_or_path=str(directory)), LORA, sampling={"max_new_tokens": 12},
                                 **kwargs))
     torch.manual_seed(1)
     with torch.no_grad():
@@ -47,7 +47,7 @@ def _perturbed_policy(directory: Path, **kwargs) -> PolicyModule:
     return module
 
 
-def _forward_logprobs(module: PolicyModule, role, ids, mask, width):
+def _forward_logprobs(module: DPO, role, ids, mask, width):
     """Log-probs and entropies of the last ``width`` tokens from transformers' own forward pass."""
     with torch.no_grad(), module.model.role(role):
         logits = module.model.hf_model(input_ids=ids, attention_mask=mask,
@@ -64,13 +64,13 @@ def test_logprobs_of_every_role_equal_the_models_own_forward(family_dir, record_
     tokenizer = module.tokenizer
     ids, mask = pad([encode_prompt(tokenizer, p, "test") for p in prompts(family, 4)], tokenizer.pad_token_id, "left")
     torch.manual_seed(0)
-    sequences, sequence_mask, response_mask = module.generate(ids, mask)
+    sequences, sequence_mask, response_mask = module.policy.generate(ids, mask)
     worst = 0.0
     for role in ("policy", None):
         expected, expected_entropy = _forward_logprobs(module, role, sequences, sequence_mask, response_mask.shape[1])
         for chunk in (None, 5):
             module.hparams.logprob_chunk = chunk
-            logprobs, entropy = module.response_logprobs(role, sequences, sequence_mask, response_mask,
+            logprobs, entropy = module.policy.response_logprobs(role, sequences, sequence_mask, response_mask,
                                                          with_entropy=True)
             worst = max(worst, float(((logprobs - expected).abs() * response_mask).max()))
             assert ((entropy - expected_entropy).abs() * response_mask).max() < 1e-4
@@ -109,7 +109,7 @@ def test_logit_post_processing_of_other_families_is_recognised(tmp_path, model_t
     mask = torch.ones_like(ids)
     response_mask = torch.zeros_like(ids, dtype=torch.bool)
     response_mask[:, 6:] = True
-    logprobs, _ = module.token_logprobs("policy", ids, mask, response_mask)
+    logprobs, _ = module.policy.token_logprobs("policy", ids, mask, response_mask)
     expected_logprobs, _ = _forward_logprobs(module, "policy", ids, mask, ids.shape[1] - 6)
     torch.testing.assert_close(logprobs[:, 6:], expected_logprobs, atol=1e-5, rtol=0)
 
@@ -144,7 +144,7 @@ def test_an_unrecognised_post_processing_is_detected_and_log_probs_use_the_full_
     module.model.logit_transform = None  # the fallback path on a model whose head we know, to compare with
     response_mask = torch.zeros_like(ids, dtype=torch.bool)
     response_mask[:, 6:] = True
-    logprobs, entropy = module.token_logprobs("policy", ids, mask, response_mask, with_entropy=True)
+    logprobs, entropy = module.policy.token_logprobs("policy", ids, mask, response_mask, with_entropy=True)
     expected_logprobs, expected_entropy = _forward_logprobs(module, "policy", ids, mask, ids.shape[1] - 6)
     torch.testing.assert_close(logprobs[:, 6:], expected_logprobs, atol=1e-5, rtol=0)
     torch.testing.assert_close(entropy[:, 6:], expected_entropy, atol=1e-5, rtol=0)
@@ -234,7 +234,7 @@ def test_sft_reward_ppo_and_merge_through_the_cli(family_dir, tmp_path):
                  "init_args": {"dataset": data["prompts"], "batch_size": 4, "max_length": 64, "val_fraction": 0.0}}})
     main(["merge", "--adapter", str(tmp_path / "ppo/policy"), "--out", str(tmp_path / "merged")])
 
-    module = built(PolicyModule(BaseModelSpec(name_or_path=str(tmp_path / "sft")), LORA))
+    module = built(DPO(BaseModelSpec(name_or_path=str(tmp_path / "sft")), LORA))
     module.model.load_adapter(tmp_path / "ppo/policy", "trained")
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     ids = torch.tensor([encode_prompt(module.tokenizer, prompts(family, 1)[0], "test")])

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 import re
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -19,13 +19,15 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def readme_example(monkeypatch):
+def readme_example(monkeypatch, tmp_path):
+    """The example as a user has it: a file of their own on the path (the command line reads a class's source to
+    follow its ``**kwargs`` to the arguments of the parts they reach, the policy's among them)."""
     text = (REPO / "README.md").read_text()
     code = re.search(r"```python\n(.*?class LengthPenalizedPPO.*?)```", text, re.S).group(1)
-    module = types.ModuleType("readme_example")
-    exec(compile(code, "README.md", "exec"), module.__dict__)
-    monkeypatch.setitem(sys.modules, "readme_example", module)
-    return module
+    (tmp_path / "readme_example.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "readme_example", raising=False)
+    return importlib.import_module("readme_example")
 
 
 def test_length_penalty_example_charges_every_response_token(readme_example, tiny_model_dir, reward_dir):

@@ -113,7 +113,7 @@ def test_rloo_with_trl_settings_computes_trl_loss_on_a_rollout(tiny_model_dir, r
     experience, _ = module.collect_and_prepare(prompt_batch(module))
     perturb(module, "policy")  # the update's policy is not the sampler's: ratios away from 1
     terms = module.losses(experience)
-    logprobs, _ = module.response_logprobs("policy", experience.input_ids, experience.attention_mask,
+    logprobs, _ = module.policy.response_logprobs("policy", experience.input_ids, experience.attention_mask,
                                            experience.response_mask)
     mask = experience.response_mask
     coef_1 = torch.exp((logprobs * mask).sum(1) - (experience.logprobs * mask).sum(1))

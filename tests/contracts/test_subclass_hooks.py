@@ -11,12 +11,11 @@ from pathlib import Path
 import rlhf_lightning as r
 from rlhf_lightning.core.collect import Collector
 from rlhf_lightning.core.online import OnlineRL
-from rlhf_lightning.core.policy import PolicyModule
 from rlhf_lightning.core.policy_gradient import PolicyGradient
 from rlhf_lightning.core.update import PolicyUpdate
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "ppo.md"
-CLASSES = {"OnlineRL": OnlineRL, "PolicyGradient": PolicyGradient, "PolicyModule": PolicyModule, "PPO": r.PPO}
+CLASSES = {"OnlineRL": OnlineRL, "PolicyGradient": PolicyGradient, "PPO": r.PPO}
 METHOD = re.compile(r"`(\w+)\((self(?:, \w+)*)\)`")
 
 

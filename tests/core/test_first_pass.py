@@ -27,10 +27,16 @@ def counting(cls: type, reuse: bool) -> type:
     class Counted(cls):
         passes: list[bool] = []
 
-        def response_logprobs(self, role, *args, **kwargs):
-            if role == POLICY:
-                type(self).passes.append(torch.is_grad_enabled())
-            return super().response_logprobs(role, *args, **kwargs)
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            logprobs = self.policy.response_logprobs  # the forward passes of every role go through the policy
+
+            def counted(role, *args, **kwargs):
+                if role == POLICY:
+                    type(self).passes.append(torch.is_grad_enabled())
+                return logprobs(role, *args, **kwargs)
+
+            self.policy.response_logprobs = counted
 
     Counted.__name__ = cls.__name__
     if not reuse:  # as if the first step were split: the plan takes the rollout's own pass

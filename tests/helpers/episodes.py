@@ -48,7 +48,7 @@ def episodic(algorithm, directory, **kwargs):
     if algorithm is PPO:
         settings.update(critic={"lora": LORA})
     module = built(algorithm(**settings))
-    module.rollouts  # noqa: B018 (the environment and the template's tool-call format, read once)
+    module.policy.rollouts  # noqa: B018 (the environment and the template's tool-call format, read once)
     return module
 
 

@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 
-from rlhf_lightning.core.policy import PolicyModule
 from rlhf_lightning.models.spec import BaseModelSpec
 from rlhf_lightning.ops.sampling import (
     InverseCDFSampler,
@@ -16,6 +15,7 @@ from rlhf_lightning.ops.sampling import (
     inverse_cdf_draw_op,
     sampling_processors,
 )
+from rlhf_lightning.stages.dpo import DPO
 from tests.helpers.models import LORA, built
 from tests.helpers.online import first_batch, make_ppo
 
@@ -88,10 +88,10 @@ def test_generation_is_the_same_with_a_static_or_dynamic_cache_and_honours_top_k
     for kv_cache in ("static", "dynamic"):
         # The sampling module (the online algorithms refuse top-k: their log-probs are of the full distribution)
         torch.manual_seed(0)
-        module = built(PolicyModule(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), policy_lora=LORA,
+        module = built(DPO(base=BaseModelSpec(name_or_path=str(tiny_model_dir)), policy_lora=LORA,
                                     sampling={"kv_cache": kv_cache, "top_k": 3, "max_new_tokens": 8}))
         torch.manual_seed(11)
-        results.append(module.generate(prompt_ids, prompt_mask))
+        results.append(module.policy.generate(prompt_ids, prompt_mask))
     (ids, mask, response_mask), (other_ids, other_mask, other_response_mask) = results
     assert torch.equal(ids, other_ids) and torch.equal(mask, other_mask)
     assert torch.equal(response_mask, other_response_mask) and response_mask.sum() > 8

@@ -126,7 +126,7 @@ def test_ppo_trains_on_each_step_at_its_last_token_beside_a_weighted_checker(tin
     batch = _prompts(module)
     experience, _ = module.collect_and_prepare(batch)
     mask = experience.response_mask
-    completions = module.decode(experience.responses, mask)
+    completions = module.policy.decode(experience.responses, mask)
     inputs = module.collector.reward_inputs(module, experience.input_ids, experience.attention_mask, mask,
                                             completions, [p for p in batch["prompt"] for _ in range(2)],
                                             {"answer": [a for a in batch["columns"]["answer"] for _ in range(2)]})
@@ -151,7 +151,7 @@ def test_grpo_trains_on_the_named_reduction_of_the_steps(tiny_arithmetic_dir, pr
     assert experience.step_rewards is None
     inputs = module.collector.reward_inputs(module, experience.input_ids, experience.attention_mask,
                                             experience.response_mask,
-                                            module.decode(experience.responses, experience.response_mask),
+                                            module.policy.decode(experience.responses, experience.response_mask),
                                             [p for p in batch["prompt"] for _ in range(2)])
     step_scores, ends = module.rewards.sources[0].step_scores(inputs)
     by_hand = {"min": min, "prod": math.prod, "mean": lambda v: sum(v) / len(v), "last": lambda v: v[-1]}[reduction]

@@ -28,8 +28,8 @@ from tests.helpers.online import fit_iterations, prompts
 
 def sample_episodes(module, prompts, per_prompt):
     """``per_prompt`` episodes per prompt, as a training rollout samples them."""
-    with module.sampler.gathered_base(module.model):
-        return module.rollouts.run(module.model, POLICY, prompts, per_prompt, "test")
+    with module.policy.sampler.gathered_base(module.model):
+        return module.policy.rollouts.run(module.model, POLICY, prompts, per_prompt, "test")
 
 
 def turns_of(episode):
@@ -48,12 +48,12 @@ def test_episodes_interleave_policy_and_environment_tokens(calculator_model_dir)
     module = episodic(GRPO, calculator_model_dir)
     torch.manual_seed(1)
     batch = sample_episodes(module, calculator_batch(module), 2)
-    delta = module.rollouts.delta([{"role": "user", "content": "try again"}])
+    delta = module.policy.rollouts.delta([{"role": "user", "content": "try again"}])
     answered = 0
     for row, episode in enumerate(batch.episodes):
         # every policy turn but the last is followed by exactly the environment's delta, then the next turn
         for _, end in turns_of(episode)[:-1]:
-            assert episode.tokens[end - 1] in module.sampler.settings.stop_token_ids
+            assert episode.tokens[end - 1] in module.policy.sampler.settings.stop_token_ids
             assert episode.tokens[end:end + len(delta)] == delta and episode.policy[end + len(delta)]
             answered += 1
         assert episode.turns <= 3 and len(episode.tokens) <= 40
@@ -72,13 +72,13 @@ def test_one_pass_log_probs_equal_what_each_turn_was_sampled_under(calculator_mo
     torch.manual_seed(2)
     batch = sample_episodes(module, calculator_batch(module), 2)
     with torch.no_grad():
-        one_pass, _ = module.response_logprobs(POLICY, batch.input_ids, batch.attention_mask, batch.response_mask)
+        one_pass, _ = module.policy.response_logprobs(POLICY, batch.input_ids, batch.attention_mask, batch.response_mask)
         checked = 0
         for row, episode in enumerate(batch.episodes):
             for start, end in turns_of(episode):
                 # The context this turn was sampled after, alone and unpadded: opening + everything before it.
                 context = torch.tensor([episode.opening + episode.tokens[:end]])
-                per_turn, _ = module.token_logprobs(POLICY, context, torch.ones_like(context),
+                per_turn, _ = module.policy.token_logprobs(POLICY, context, torch.ones_like(context),
                                                     torch.arange(context.shape[1])[None] >= len(episode.opening) + start)
                 torch.testing.assert_close(one_pass[row, start:end], per_turn[0, -(end - start):], atol=1e-5, rtol=1e-5)
                 checked += end - start
@@ -100,7 +100,7 @@ def test_the_transcript_is_the_sampled_tokens_never_a_retokenization(calculator_
     openings = [opening_ids(tokenizer, [{"role": "user", "content": p}], None) for p in rows["prompt"]]
     width = max(map(len, openings))
     ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(o)) + o for o in openings])
-    first_turn = module.sampler.draw(module.model, POLICY, ids, (ids != tokenizer.pad_token_id).long(),
+    first_turn = module.policy.sampler.draw(module.model, POLICY, ids, (ids != tokenizer.pad_token_id).long(),
                                      max_new_tokens=6)
     for row, episode in enumerate(batch.episodes):
         start, end = turns_of(episode)[0]
@@ -180,19 +180,20 @@ def test_a_grpo_run_on_episodes_resumes_exactly(calculator_model_dir, tmp_path):
 
 def test_the_hyper_parameters_keep_the_episode_bounds_but_not_the_environment(calculator_model_dir):
     """The environment is code (a factory, named by the config's ``class_path``): ``hparams["episodes"]`` holds the
-    bounds, from Python and from a config, and ``module.environment`` reads ``episodes.environment``."""
+    bounds, from Python and from a config, and the policy's turn loop runs ``episodes.environment``."""
     from rlhf_lightning.cli import RLHFCLI
     from rlhf_lightning.environments import ToolEnvironment
 
     module = episodic(GRPO, calculator_model_dir, episodes={"max_turns": 2})
     assert module.hparams["episodes"] == {"max_turns": 2, "max_tokens": 40}
-    assert "environment" not in module.hparams and module.environment is module.episodes.environment is Feedback
+    assert "environment" not in module.hparams and module.episodes.environment is Feedback
+    assert module.policy.rollouts.environment is Feedback
     cli = RLHFCLI(args=["--config", str(REPO / "configs" / "calculator_grpo.yaml"), "--trainer.logger=false",
                         f"--model.init_args.base.name_or_path={calculator_model_dir}",
                         "--model.init_args.episodes.max_turns=2"], run=False)
     assert cli.model.hparams["episodes"] == {"max_turns": 2, "max_tokens": 96}  # the config's budget kept
     assert "environment" not in cli.model.hparams
-    assert isinstance(cli.model.environment(), ToolEnvironment)  # the config's environment, made anew per episode
+    assert isinstance(cli.model.episodes.environment(), ToolEnvironment)  # the config's environment, made anew per episode
 
 
 def test_episodes_whose_turns_could_pass_the_model_positions_are_refused_before_training(calculator_model_dir):

@@ -249,12 +249,12 @@ def test_multi_turn_episodes_are_drawn_turn_by_turn_by_vllm(calculator_llama_dir
         assert (experience.attention_mask[:, -mask.shape[1]:].bool() & ~mask).any()  # the environment's tokens
         # every policy token's sampler log-prob is the trainer's, across turns
         with torch.no_grad():
-            trainer, _ = module.response_logprobs(POLICY, experience.input_ids, experience.attention_mask, mask)
+            trainer, _ = module.policy.response_logprobs(POLICY, experience.input_ids, experience.attention_mask, mask)
         assert (trainer - experience.sampler_logprobs)[mask].abs().max() < 1e-4
         module.losses(experience)["loss/total"].backward()
-        assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in module.adapter_parameters(POLICY))
+        assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in module.model.adapter_parameters(POLICY))
     finally:
-        module.sampler.close()
+        module.policy.sampler.close()
 
 
 # ---- fits through the command line --------------------------------------------------------------------------

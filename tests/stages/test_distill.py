@@ -45,7 +45,7 @@ def test_the_advantage_of_a_token_is_the_teachers_log_prob_minus_the_students(ti
         with torch.no_grad():
             logits = teacher(ids[None]).logits[0, :-1]
         teacher_lp = torch.log_softmax(logits, -1).gather(-1, ids[1:, None])[:, 0][-int(mask[row].sum()):]
-        student_lp, _ = module.response_logprobs("policy", experience.input_ids[row:row + 1],
+        student_lp, _ = module.policy.response_logprobs("policy", experience.input_ids[row:row + 1],
                                                  experience.attention_mask[row:row + 1], mask[row:row + 1])
         expected = teacher_lp - student_lp[0][mask[row]]
         torch.testing.assert_close(experience.advantages[row][mask[row]], expected, atol=1e-5, rtol=1e-5)

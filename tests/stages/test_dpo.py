@@ -69,7 +69,7 @@ def test_fresh_policy_has_zero_implicit_reward_and_sigmoid_loss_log_2(tiny_model
     assert (values["logps/chosen"] < 0).all() and (values["logps/rejected"] < 0).all()
     module.eval()
     prompts = {"input_ids": batch["prompt_input_ids"], "attention_mask": batch["prompt_attention_mask"],
-               "prompt": module.decode(batch["prompt_input_ids"], batch["prompt_attention_mask"])}
+               "prompt": module.policy.decode(batch["prompt_input_ids"], batch["prompt_attention_mask"])}
     samples = module.held_out.evaluate(prompts, 0)
     assert samples["kl"].abs().max().item() < 1e-6 and samples["gold"].shape == (8,)
 

@@ -22,8 +22,8 @@ REPO = Path(__file__).resolve().parents[2]
 def test_grpo_single_step_skips_the_old_logprob_pass_and_beta_zero_the_reference(tiny_model_dir, reward_dir):
     module = make_online(GRPO, tiny_model_dir, reward_dir, update={"epochs": 1, "num_minibatches": 1}, kl={"coef": 0.0})
     calls = []
-    original = module.response_logprobs
-    module.response_logprobs = lambda role, *a, **k: calls.append(role) or original(role, *a, **k)
+    original = module.policy.response_logprobs
+    module.policy.response_logprobs = lambda role, *a, **k: calls.append(role) or original(role, *a, **k)
     experience, _ = module.collect_and_prepare(prompt_batch(module))
     assert experience.logprobs is None and experience.ref_logprobs is None and calls == []
     terms = module.losses(experience)  # old log-probs = this pass's own, detached: ratio exactly 1
@@ -42,7 +42,7 @@ def test_kl_in_the_loss_is_k3_times_the_ratio(tiny_model_dir, reward_dir):
     with torch.no_grad():
         perturb(module, "policy")  # the policy moves after sampling: ratios differ from 1
     terms = module.losses(experience)
-    logprobs, _ = module.response_logprobs("policy", experience.input_ids, experience.attention_mask,
+    logprobs, _ = module.policy.response_logprobs("policy", experience.input_ids, experience.attention_mask,
                                            experience.response_mask)
     mask = experience.response_mask
     log_ratio_ref = experience.ref_logprobs - logprobs
@@ -125,7 +125,7 @@ def test_reward_functions_with_trl_signature_columns_weights_and_none(tiny_model
     with torch.no_grad():
         source = module.rewards.score(module.collector.reward_inputs(
             module, experience.input_ids, experience.attention_mask, experience.response_mask,
-            module.decode(experience.responses, experience.response_mask),
+            module.policy.decode(experience.responses, experience.response_mask),
             prompts=[p for p in batch["raw_prompt"] for _ in range(2)], columns={"topic": topics}))
     expected_bonus = torch.tensor([math.nan if t == "skip" else 0.1 * float(n) for t, n in zip(topics, lengths, strict=True)])
     torch.testing.assert_close(source[:, 1], expected_bonus, equal_nan=True)

@@ -31,7 +31,7 @@ make_online_dpo = functools.partial(make, OnlineDPO, defaults=dict(sampling={"ma
 
 def sequence_logps(module: OnlineDPO, role, experience) -> torch.Tensor:
     with torch.no_grad():
-        logprobs, _ = module.response_logprobs(role, experience.input_ids, experience.attention_mask,
+        logprobs, _ = module.policy.response_logprobs(role, experience.input_ids, experience.attention_mask,
                                                experience.response_mask)
     return torch.where(experience.response_mask, logprobs, 0.0).sum(-1)
 
@@ -39,7 +39,7 @@ def sequence_logps(module: OnlineDPO, role, experience) -> torch.Tensor:
 def test_each_prompts_two_samples_are_ranked_into_a_pair_chosen_first(tiny_model_dir, reward_dir):
     module = make_online_dpo(tiny_model_dir, reward_dir)
     batch = prompt_batch(module, n=8)
-    with module.sampler.gathered_base(module.model):
+    with module.policy.sampler.gathered_base(module.model):
         raw, _ = module.collector.collect(module, batch)
     rewards, _ = module.shape_rewards(raw)
     experience, stats = module.prepare_update(raw, rewards)
