@@ -94,7 +94,7 @@ class HeldOutEvaluation(L.Callback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Callbacks' on_fit_start runs before the module's: DPO's reference precomputation counts as training.
-        if getattr(pl_module, "gold_reward", None) is None:
+        if getattr(getattr(pl_module, "policy", None), "gold_reward", None) is None:
             raise ValueError("the study needs the task's gold reward (model.init_args.gold_reward)")
         self.rewards = getattr(pl_module, "rewards", None)
         if self.rewards is None:
