@@ -10,7 +10,16 @@ import lightning as L
 import pytest
 import torch
 
-from rlhf_lightning import GRPO, PPO, RLOO, AdapterReward, EnsembleReward, OnlineDPO, REINFORCEPlusPlus
+from rlhf_lightning import (
+    GRPO,
+    PPO,
+    RLOO,
+    AdapterReward,
+    EnsembleReward,
+    OnlineDPO,
+    OnPolicyDistillation,
+    REINFORCEPlusPlus,
+)
 from rlhf_lightning.algorithms.ensemble import combine_members, member_variance, pair_weights
 from rlhf_lightning.models.loading import load_causal_lm, load_tokenizer
 from rlhf_lightning.models.shared_base import SharedBase, adapter_of
@@ -173,10 +182,13 @@ class Last(L.Callback):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cls", [PPO, GRPO, RLOO, REINFORCEPlusPlus, OnlineDPO])
+@pytest.mark.parametrize("cls", [PPO, GRPO, RLOO, REINFORCEPlusPlus, OnlineDPO, OnPolicyDistillation])
 def test_every_online_algorithm_trains_on_an_ensemble_and_logs_its_disagreement(cls, tiny_model_dir, ensemble_dir):
+    # on-policy distillation trains toward its teacher and measures the ensemble's scores
+    teacher = {"teacher": str(tiny_model_dir)} if cls is OnPolicyDistillation else {}
     module = make(cls, tiny_model_dir, EnsembleReward(str(ensemble_dir), combine="uwo"),
-                  defaults={**ONLINE_SETTINGS, "samples_per_prompt": 2, "update": {"epochs": 2, "num_minibatches": 1}})
+                  defaults={**ONLINE_SETTINGS, "samples_per_prompt": 2, "update": {"epochs": 2, "num_minibatches": 1}},
+                  **teacher)
     policy = {n: p.clone() for n, p in module.named_parameters() if adapter_of(n) == "policy"}
     members = {n: p.clone() for n, p in module.named_parameters() if (adapter_of(n) or "").startswith("reward")}
     data = prompts(module, n=12, batch_size=4, val_fraction=0.34, val_batch_size=4)
