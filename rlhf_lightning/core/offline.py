@@ -71,9 +71,10 @@ class OfflinePreference(StageModule):
         return self.policy.build(self.load_base(empty=empty))
 
     def setup(self, stage: str) -> None:
-        self.policy.sampler  # noqa: B018 (a stop_token the tokenizer lacks fails here, before the model is built)
         if self.samples_responses:
-            self.policy.prepare(self._trainer)  # the engine's refusal, before the model is built
+            self.policy.prepare(self._trainer)  # the engine's refusal and the stop token, before the model is built
+        else:
+            self.policy.sampler  # noqa: B018 (a stop_token the tokenizer lacks fails here, before the model is built)
         super().setup(stage)
 
     def check_lengths(self, datamodule: Any) -> None:

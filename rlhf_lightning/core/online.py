@@ -37,7 +37,6 @@ rollout statistics are those of the policy the iteration started from (iteration
 from __future__ import annotations
 
 import inspect
-import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -62,8 +61,6 @@ from rlhf_lightning.utils import checks, compatibility
 from rlhf_lightning.utils.flops import TokenCounts
 from rlhf_lightning.utils.optim import OptimizerSettings
 from rlhf_lightning.utils.timing import Stopwatch
-
-log = logging.getLogger(__name__)
 
 
 class OnlineRL(StageModule):

@@ -289,7 +289,8 @@ class Policy:
 
     @property
     def arguments(self) -> dict[str, Any]:
-        """The policy's arguments as given (settings resolved), for the module's hyper-parameters."""
+        """The policy's arguments, for the module's hyper-parameters: as resolved (``sampling`` over its defaults,
+        ``policy_lora`` with its dropout at 0)."""
         return {"base": self.base, "policy_lora": self.lora, "sampling": self.sampling, "engine": self.engine,
                 "logprob_chunk": self.logprob_chunk, "seed": self.seed, "seed_scope": self.seed_scope,
                 "sharded_rollout": self.sharded_rollout, "gold_reward": self.gold_reward,

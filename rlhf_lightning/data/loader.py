@@ -138,11 +138,7 @@ class ResumableLoader:
         while index >= (length := len(self._batches_of(epoch))):
             index -= length
             epoch += 1
-        start = self.batches_done if epoch == self.epoch else 0
-        reading = self._readings.get(epoch)
-        if reading is None or reading.position > index:  # not begun, or (resumed) begun past it
-            reading = self._readings[epoch] = EpochReading(self._batches_of(epoch), start, self._collated)
-        return reading.peek(index)
+        return self._reading(epoch, self.batches_done if epoch == self.epoch else 0).peek(index)
 
     def _batches_of(self, epoch: int) -> list[list[int]]:
         current, self.epoch = self.epoch, epoch
